@@ -1,0 +1,141 @@
+"""EngineConfig: every knob a mechanism can turn, in one frozen, validated dataclass."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+class DrafterKind(str, Enum):
+    NONE = "none"  # plain autoregressive decoding
+    NGRAM = "ngram"  # suffix lookup over prompt + output (training-free)
+    DRAFT_MODEL = "draft_model"  # a smaller model sharing the tokenizer
+    BLOCK = "block"  # parallel block drafter (DFlash-style)
+
+
+class VerifyMode(str, Enum):
+    CHAIN = "chain"
+    TREE = "tree"
+    TWO_LEVEL = "two_level"
+
+
+class WeightFormat(str, Enum):
+    NATIVE = "native"  # the model's compute dtype (bf16 on GPU)
+    W12 = "w12"  # lossless 12-bit: 8 bits sign+mantissa, 4-bit exponent code
+
+
+class KernelBackend(str, Enum):
+    TORCH = "torch"  # stock torch ops (cuBLAS / CPU BLAS); the reference
+    TRITON = "triton"  # SpecPilot's fused Triton kernels
+
+
+class DType(str, Enum):
+    BF16 = "bfloat16"
+    FP16 = "float16"
+    FP32 = "float32"
+
+    @property
+    def torch(self):
+        import torch
+
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.value]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    drafter: DrafterKind = DrafterKind.NGRAM
+    draft_len: int = 5  # k: draft tokens proposed per step (chain); vLLM's documented ngram example uses 5
+    ngram_max: int = 4  # longest suffix tried for a lookup match (vLLM prompt_lookup_max)
+    ngram_min: int = 1  # shortest suffix accepted as a match (vLLM prompt_lookup_min)
+    verify: VerifyMode = VerifyMode.CHAIN
+    tree_budget: int = 16  # max draft nodes verified per step (tree / two-level)
+    tree_width: int = 4  # max children per node when growing a tree
+    level_one_keep: int = 8  # two-level: nodes kept after the cheap first level
+    block_size: int = 16  # block drafter: tokens drafted per forward
+    dtype: DType = DType.BF16
+    weight_format: WeightFormat = WeightFormat.NATIVE
+    kernel_backend: KernelBackend = KernelBackend.TORCH
+    # Exactness: every decode/verify forward runs at one fixed token count (token_tile) so every kernel sees
+    # the same shapes and reduces each row in the same order; AR and speculative decoding then agree bit for
+    # bit. Off = fastest shapes per step (AR at 1 token), exactness not claimed.
+    batch_invariant: bool = True
+    token_tile: int = 16
+    cuda_graphs: bool = True
+    compile: bool = False  # torch.compile the step function (GPU)
+    max_seq_len: int = 4096  # static KV cache length (prompt + new tokens + one tile of slack)
+    kernel_table: tuple[tuple[str, str], ...] = ()  # (kernel@shape, launch params JSON) from tune_kernels
+
+    def __post_init__(self) -> None:
+        for name, enum in (("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
+                           ("weight_format", WeightFormat), ("kernel_backend", KernelBackend)):
+            value = getattr(self, name)
+            if not isinstance(value, enum):
+                try:
+                    object.__setattr__(self, name, enum(value))
+                except ValueError:
+                    raise ConfigError(f"{name}={value!r}: expected one of {[e.value for e in enum]}") from None
+        _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
+        _check(1 <= self.ngram_min <= self.ngram_max <= 16,
+               f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")
+        _check(1 <= self.tree_budget <= 256, f"tree_budget={self.tree_budget}: must be in 1..256")
+        _check(1 <= self.tree_width <= 16, f"tree_width={self.tree_width}: must be in 1..16")
+        _check(1 <= self.level_one_keep <= self.tree_budget,
+               f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")
+        _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
+        _check(self.token_tile in (1, 2, 4, 8, 16, 32, 64), f"token_tile={self.token_tile}: must be a power of 2 <= 64")
+        _check(self.max_seq_len >= 64, f"max_seq_len={self.max_seq_len}: must be >= 64")
+        if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
+            raise ConfigError(f"verify={self.verify.value} needs a drafter")
+        object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not DrafterKind.NONE
+
+    def replace(self, **delta: Any) -> "EngineConfig":
+        unknown = set(delta) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown EngineConfig field(s): {sorted(unknown)}")
+        return dataclasses.replace(self, **delta)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, Enum) else ([list(p) for p in v] if f.name == "kernel_table" else v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown EngineConfig field(s): {sorted(unknown)}")
+        return cls(**d)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def knob_schema() -> list[dict[str, Any]]:
+    """EngineConfig's fields with types, defaults and allowed values: what explorers may turn."""
+    rows = []
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        row: dict[str, Any] = {"name": f.name, "type": str(f.type), "default": default.value if isinstance(default, Enum) else default}
+        if isinstance(default, Enum):
+            row["choices"] = [e.value for e in type(default)]
+        rows.append(row)
+    return rows
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
