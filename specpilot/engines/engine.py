@@ -1,0 +1,101 @@
+"""The engine loop: draft -> verify -> commit, single request, greedy."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specpilot.engines.drafters.base import DraftTree, Drafter
+from specpilot.engines.runner import ModelRunner, tree_anc
+from specpilot.engines.traces import StepTrace
+
+
+@dataclass
+class Acceptance:
+    path: list[int]  # block indices of the accepted nodes, root (0) first
+    tokens: list[int]  # accepted draft tokens followed by the bonus token
+
+
+def greedy_accept(block_tokens: list[int], parents: list[int], argmax: list[int]) -> Acceptance:
+    """Longest root path whose every token equals the target's argmax at its parent, plus one bonus token.
+
+    block_tokens[0] is the root (last committed token); parents index into the block (parents[0] = -1).
+    Children are tried in block order, so among equal-depth candidates the earliest node wins.
+    """
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(parents)):
+        children.setdefault(parents[i], []).append(i)
+    path, node = [0], 0
+    while True:
+        want = argmax[node]
+        nxt = next((c for c in children.get(node, ()) if block_tokens[c] == want), None)
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    return Acceptance(path, [block_tokens[i] for i in path[1:]] + [argmax[node]])
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stop_reason: str  # "eos" or "max_tokens"
+    prefill_s: float
+    decode_s: float
+    steps: list[StepTrace] = field(default_factory=list)
+
+    @property
+    def accepted_per_step(self) -> float:
+        return sum(s.committed for s in self.steps) / max(1, len(self.steps))
+
+
+class SpecEngine:
+    """AR decoding when drafter is None; otherwise speculative decoding with greedy verification."""
+
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64):
+        self.target, self.drafter, self.eos = target, drafter, frozenset(eos)
+        self.max_depth = min(max_depth, target.block_width - 1)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, request_id: str = "") -> GenerationResult:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(prompt) + max_new_tokens + 1 > self.target.cfg.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
+                             f"({self.target.cfg.max_seq_len})")
+        if self.drafter is not None:
+            self.drafter.reset()
+        t0 = time.perf_counter()
+        first = self.target.prefill(prompt).argmax[0]
+        t1 = time.perf_counter()
+        seq, out, steps = list(prompt), [first], []
+        seq.append(first)
+        stop = "eos" if first in self.eos else ("max_tokens" if max_new_tokens == 1 else "")
+        while not stop:
+            base = len(seq) - 1  # slot of the pending token, whose KV is not computed yet
+            remaining = max_new_tokens - len(out)
+            ts = time.perf_counter()
+            # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
+            tree = self.drafter.propose(seq, min(self.max_depth, remaining - 1)) if self.drafter else DraftTree()
+            tv = time.perf_counter()
+            block = [seq[-1]] + tree.tokens
+            parents = [-1] + [p + 1 for p in tree.parents]
+            depths = [0] + tree.depths()
+            result = self.target.verify(base, block, depths, tree_anc(parents))
+            acc = greedy_accept(block, parents, result.argmax)
+            self.target.compact(base, acc.path)
+            new = acc.tokens[:remaining]
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new, stop = new[:i + 1], "eos"
+                    break
+            seq.extend(new)
+            out.extend(new)
+            if not stop and len(out) >= max_new_tokens:
+                stop = "max_tokens"
+            te = time.perf_counter()
+            steps.append(StepTrace(
+                request_id=request_id, step=len(steps), position=base + 1, drafted=len(tree),
+                depth=max(depths), accepted=len(acc.path) - 1, committed=len(new), verify_tokens=len(block),
+                draft_s=tv - ts, verify_s=te - tv, topk_tokens=tree.topk_tokens, topk_probs=tree.topk_probs))
+        for s in steps:  # the target's actual continuation from each step, for exact replay
+            s.target_tokens = out[s.position - len(prompt):][:self.max_depth + 1]
+        return GenerationResult(out, stop, t1 - t0, time.perf_counter() - t1, steps)

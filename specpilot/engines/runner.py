@@ -1,0 +1,168 @@
+"""ModelRunner: owns the static KV cache, persistent step buffers, CUDA graphs and greedy sampling.
+
+The hot path is one small tensor-in tensor-out function (`_step`): ids, positions, slots, base, anc ->
+argmax and top-2 logits. On CUDA it is captured once per token count as a CUDA graph over persistent
+buffers. In batch-invariant mode every decode/verify forward runs at exactly `token_tile` tokens, so every
+kernel sees one shape and reduces each row in one order: AR and speculative steps agree bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specpilot.engines.config import EngineConfig
+from specpilot.engines.llama import LlamaModel, visibility_mask
+
+
+@dataclass
+class StepOutput:
+    argmax: list[int]  # target's greedy token after each input token
+    margin: torch.Tensor | None  # top1 - top2 logit per token (device), for token forcing's tie log
+    topk_tokens: list[list[int]] | None = None  # per token, the model's top-k next tokens (drafters)
+    topk_probs: list[list[float]] | None = None
+
+
+def chain_anc(n: int) -> np.ndarray:
+    return np.tril(np.ones((n, n), dtype=bool))
+
+
+def tree_anc(parents: list[int]) -> np.ndarray:
+    """parents[0] = -1 (root); parents[i] < i. anc[i, j] = j is an ancestor-or-self of i."""
+    n = len(parents)
+    anc = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        anc[i, i] = True
+        p = parents[i]
+        if p >= 0:
+            anc[i] |= anc[p]
+    return anc
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cfg: EngineConfig, device: torch.device | str, block_width: int = 64,
+                 topk: int = 0):
+        self.model = model
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.topk = topk
+        sh = model.shape
+        self.tile = cfg.token_tile if cfg.batch_invariant else 0
+        self.block_width = max(block_width, self.tile)
+        self.num_slots = cfg.max_seq_len + self.block_width  # slack: a block may write past the last position
+        dtype = next(model.parameters()).dtype
+        self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
+        self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        self._graphs: dict[int, tuple] = {}
+        step = self._step
+        if cfg.compile and self.device.type == "cuda":
+            step = torch.compile(step, dynamic=False)
+        self._step_fn = step
+
+    # ---- hot path -------------------------------------------------------------------------------
+    def _step(self, ids, positions, slots, base, anc):
+        mask = visibility_mask(base, anc, self.num_slots)
+        hidden = self.model(ids, positions, slots, mask, self.kv[0], self.kv[1])
+        logits = self.model.logits(hidden).float()
+        top = torch.topk(logits, max(2, self.topk), dim=-1)
+        probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+        return logits.argmax(-1), top.values, top.indices, probs
+
+    # ---- public API -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, ids: list[int]) -> StepOutput:
+        """Writes slots 0..n-1; returns the greedy token after the last prompt token."""
+        n = len(ids)
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n + 1 > self.cfg.max_seq_len:
+            raise ValueError(f"prompt of {n} tokens does not fit max_seq_len={self.cfg.max_seq_len}")
+        dev = self.device
+        t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.arange(n, device=dev)
+        anc = torch.from_numpy(chain_anc(n)).to(dev)
+        out = self._step(t, pos, pos, torch.tensor(0, device=dev), anc)
+        return self._output(out, rows=[n - 1])
+
+    @torch.no_grad()
+    def verify(self, base: int, tokens: list[int], depths: list[int], anc: np.ndarray) -> StepOutput:
+        """One forward over a block: token j at slot base+j, position base+depths[j], seeing slots < base and
+        its ancestors (anc). Returns the greedy token after each block token."""
+        n = len(tokens)
+        if n > self.block_width:
+            raise ValueError(f"block of {n} tokens exceeds block_width={self.block_width}")
+        if base + self.block_width > self.num_slots:
+            raise ValueError(f"sequence position {base} + block exceeds the KV cache ({self.num_slots} slots)")
+        width = self.tile or _bucket(n)
+        padded = -(-n // width) * width
+        ids = np.zeros(padded, dtype=np.int64)
+        ids[:n] = tokens
+        block = np.arange(padded)
+        pos = base + block.copy()
+        pos[:n] = base + np.asarray(depths)
+        anc_full = np.eye(padded, self.block_width, dtype=bool)  # pad rows see the context and themselves
+        anc_full[:n, :n] = anc
+        outs = [self._run(width, ids[s:s + width], pos[s:s + width], base + block[s:s + width], base,
+                          anc_full[s:s + width]) for s in range(0, padded, width)]
+        out = tuple(torch.cat([o[i] for o in outs]) for i in range(4))
+        return self._output(out, rows=list(range(n)))
+
+    @torch.no_grad()
+    def compact(self, base: int, path: list[int]) -> None:
+        """Moves the accepted path's KV (block indices `path`, depth order) to slots base+0..base+len-1."""
+        if all(node == d for d, node in enumerate(path)):
+            return  # a chain: KV already sits at its final slots
+        src = torch.tensor([base + p for p in path], device=self.device)
+        dst = torch.arange(base, base + len(path), device=self.device)
+        self.kv[:, :, :, dst] = self.kv[:, :, :, src]
+
+    # ---- internals ----------------------------------------------------------------------------------
+    def _run(self, width, ids, pos, slots, base, anc):
+        host = [torch.from_numpy(np.ascontiguousarray(a)) for a in (ids, pos, slots)]
+        base_t = torch.tensor(base, dtype=torch.long)
+        anc_t = torch.from_numpy(np.ascontiguousarray(anc))
+        if not self.use_graphs:
+            d = self.device
+            return self._step_fn(*(h.to(d) for h in host), base_t.to(d), anc_t.to(d))
+        graph, static_in, static_out = self._graphs.get(width) or self._capture(width)
+        for dst, src in zip(static_in, (*host, base_t, anc_t)):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return static_out
+
+    def _capture(self, width: int):
+        d = self.device
+        static_in = (torch.zeros(width, dtype=torch.long, device=d), torch.zeros(width, dtype=torch.long, device=d),
+                     torch.arange(width, device=d), torch.tensor(1, device=d),
+                     torch.eye(width, self.block_width, dtype=torch.bool, device=d))
+        # Warm up on a side stream (compilation, cuBLAS handles) writing only scratch slots, then capture.
+        saved = self.kv[:, :, :, :width].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._step_fn(*static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = self._step_fn(*static_in)
+        self.kv[:, :, :, :width] = saved
+        self._graphs[width] = (graph, static_in, static_out)
+        return self._graphs[width]
+
+    def _output(self, out, rows: list[int]) -> StepOutput:
+        argmax, top_v, top_i, top_p = out
+        idx = torch.tensor(rows, device=argmax.device)
+        am = argmax[idx].tolist()  # the step's one host sync
+        margin = top_v[idx, 0] - top_v[idx, 1]
+        if not self.topk:
+            return StepOutput(am, margin)
+        return StepOutput(am, margin, top_i[idx, :self.topk].tolist(), top_p[idx, :self.topk].tolist())
+
+
+def _bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
