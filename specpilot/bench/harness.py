@@ -1,0 +1,153 @@
+"""Benchmark harness: AR and speculative decoding on the same prompts, interleaved, in one run.
+
+Per request: tokens, TPOT, tokens committed per step (mean and histogram), speedup = AR decode time /
+speculative decode time for the same request (prefill is the same code in both and is excluded), and
+whether every token equals AR's. Geometric means per benchmark and overall.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from specpilot.bench.session import DeploymentSession, TokenizedPrompt
+from specpilot.engines.config import EngineConfig
+from specpilot.engines.engine import GenerationResult
+from specpilot.engines.traces import RequestTrace, StepTrace
+
+AR_LABEL = "ar"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One engine configuration measured by the harness."""
+
+    label: str
+    config: EngineConfig
+    drafter_label: str | None = None
+
+
+@dataclass
+class RequestResult:
+    benchmark: str
+    prompt_id: str
+    variant: str
+    prompt_tokens: int
+    new_tokens: int
+    decode_s: float
+    prefill_s: float
+    steps: int
+    stop_reason: str
+    tokens_per_step: float
+    step_hist: dict[int, int]
+    matches_ar: bool
+    first_divergence: int | None
+    speedup: float | None  # AR decode time / this decode time (None for AR itself)
+
+    @property
+    def tpot_ms(self) -> float:
+        return 1e3 * self.decode_s / max(1, self.new_tokens - 1)
+
+
+@dataclass
+class BenchReport:
+    deployment: str
+    device: str
+    max_new_tokens: int
+    variants: list[str]
+    requests: list[RequestResult] = field(default_factory=list)
+    outputs: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # variant -> prompt key -> tokens
+
+    def geomean(self, variant: str, benchmark: str | None = None) -> float | None:
+        xs = [r.speedup for r in self.requests if r.variant == variant and r.speedup
+              and (benchmark is None or r.benchmark == benchmark)]
+        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+    def all_match(self, variant: str | None = None) -> bool:
+        return all(r.matches_ar for r in self.requests if variant is None or r.variant == variant)
+
+    def benchmarks(self) -> list[str]:
+        return sorted({r.benchmark for r in self.requests})
+
+    def to_dict(self) -> dict:
+        summary = {v: {"geomean_speedup": self.geomean(v), "all_match_ar": self.all_match(v),
+                       "per_benchmark": {b: self.geomean(v, b) for b in self.benchmarks()},
+                       "tokens_per_step": _mean([r.tokens_per_step for r in self.requests if r.variant == v]),
+                       "tpot_ms": _mean([r.tpot_ms for r in self.requests if r.variant == v])}
+                   for v in self.variants}
+        return {"deployment": self.deployment, "device": self.device, "max_new_tokens": self.max_new_tokens,
+                "summary": summary, "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.requests]}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], variants: list[Variant],
+              max_new_tokens: int, progress: bool = True, warmup: bool = True,
+              on_result=None) -> tuple[BenchReport, dict[str, list[StepTrace]], list[RequestTrace]]:
+    """Runs every variant on every prompt, prompt by prompt (interleaved), AR first."""
+    if not variants or variants[0].label != AR_LABEL:
+        raise ValueError("the first variant must be the AR baseline labelled 'ar'")
+    report = BenchReport(session.deployment.name, session.device, max_new_tokens, [v.label for v in variants])
+    engines = {v.label: session.engine(v.config, v.drafter_label) for v in variants}
+    if warmup and prompts:  # graph capture, compilation and allocator warm-up stay out of the numbers
+        for e in engines.values():
+            e.generate(list(prompts[0].ids), min(8, max_new_tokens))
+    steps: dict[str, list[StepTrace]] = defaultdict(list)
+    req_traces: list[RequestTrace] = []
+    bar = tqdm(total=len(prompts) * len(variants), desc=f"bench {session.deployment.name}", disable=not progress)
+    for tp in prompts:
+        ar: GenerationResult | None = None
+        for v in variants:
+            res = engines[v.label].generate(list(tp.ids), max_new_tokens, request_id=f"{tp.key}:{v.label}")
+            if v.label == AR_LABEL:
+                ar = res
+            hist = Counter(s.committed for s in res.steps)
+            div = first_divergence(ar.tokens, res.tokens)
+            rr = RequestResult(
+                benchmark=tp.prompt.benchmark.value, prompt_id=tp.prompt.id, variant=v.label,
+                prompt_tokens=len(tp.ids), new_tokens=len(res.tokens), decode_s=res.decode_s, prefill_s=res.prefill_s,
+                steps=len(res.steps), stop_reason=res.stop_reason, tokens_per_step=res.accepted_per_step,
+                step_hist=dict(sorted(hist.items())), matches_ar=div is None, first_divergence=div,
+                speedup=None if v.label == AR_LABEL else ar.decode_s / max(res.decode_s, 1e-9))
+            report.requests.append(rr)
+            report.outputs.setdefault(v.label, {})[tp.key] = res.tokens
+            steps[v.label].extend(res.steps)
+            req_traces.append(RequestTrace(res.steps[0].request_id if res.steps else f"{tp.key}:{v.label}",
+                                           rr.benchmark, "ar" if v.label == AR_LABEL else "spec", rr.prompt_tokens,
+                                           rr.new_tokens, rr.prefill_s, rr.decode_s, rr.steps, rr.stop_reason))
+            if on_result:
+                on_result(rr)
+            bar.update()
+    bar.close()
+    return report, dict(steps), req_traces
+
+
+def format_report(report: BenchReport) -> str:
+    lines = [f"deployment {report.deployment} on {report.device}, {report.max_new_tokens} new tokens max, "
+             f"speedup = AR decode time / variant decode time (geometric mean over requests)", ""]
+    benches = report.benchmarks()
+    lines.append("| variant | " + " | ".join(benches) + " | overall | tokens/step | TPOT ms | all tokens = AR |")
+    lines.append("|---" * (len(benches) + 5) + "|")
+    for v in report.variants:
+        per = [report.geomean(v, b) for b in benches]
+        tps = _mean([r.tokens_per_step for r in report.requests if r.variant == v])
+        tpot = _mean([r.tpot_ms for r in report.requests if r.variant == v])
+        cells = ["-" if x is None else f"{x:.2f}x" for x in per]
+        overall = report.geomean(v)
+        lines.append(f"| {v} | " + " | ".join(cells) + f" | {'-' if overall is None else f'{overall:.2f}x'} | "
+                     f"{tps:.2f} | {tpot:.2f} | {'yes' if report.all_match(v) else 'NO'} |")
+    bad = [r for r in report.requests if not r.matches_ar]
+    for r in bad:
+        lines.append(f"MISMATCH {r.variant} {r.benchmark}/{r.prompt_id}: first divergence at token {r.first_divergence}")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""A deployment made runnable: models loaded once, engines built per EngineConfig, prompts tokenized."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpilot.deployments import Deployment, DeviceKind, ModelRefKind, resolve_model
+from specpilot.engines.build import build_engine
+from specpilot.engines.config import DrafterKind, EngineConfig
+from specpilot.engines.engine import SpecEngine
+from specpilot.engines.llama import LlamaModel
+from specpilot.engines.loader import check_same_tokenizer, eos_ids, load_model, load_tokenizer, random_model
+from specpilot.testbed.synthetic import ShapeName
+from specpilot.workload import Prompt, apply_chat_template
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    prompt: Prompt
+    ids: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return self.prompt.key
+
+
+class DeploymentSession:
+    def __init__(self, deployment: Deployment, cache: str | None = None, device: str | None = None):
+        self.deployment = deployment
+        if device is None:
+            device = "cuda" if deployment.device.kind is DeviceKind.CUDA else "cpu"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"deployment {deployment.name} needs a CUDA device and none is available here")
+        self.device = device
+        self.cache = cache
+        dtype = deployment.engine.dtype.torch
+        ref = deployment.target
+        if ref.kind is ModelRefKind.RANDOM:
+            # Random weights: kernels and cost only; a fixed synthetic tokenizer is not needed (ids are ints).
+            self.target_dir = None
+            self.target = random_model(ShapeName(ref.value).shape, dtype, device, seed=ref.seed or 0)
+            self.tokenizer = None
+            self.eos: frozenset[int] = frozenset()
+        else:
+            self.target_dir = resolve_model(ref, cache)
+            self.target = load_model(self.target_dir, dtype, device)
+            self.tokenizer = load_tokenizer(self.target_dir)
+            self.eos = eos_ids(self.target_dir, self.tokenizer)
+        self._draft_models: dict[str, LlamaModel] = {}
+        self._engines: dict[tuple[str, str], SpecEngine] = {}
+
+    def draft_model(self, label: str) -> LlamaModel | None:
+        spec = next((d for d in self.deployment.drafters if d.label == label), None)
+        if spec is None or spec.kind is not DrafterKind.DRAFT_MODEL:
+            return None
+        if label not in self._draft_models:
+            path = resolve_model(spec.model, self.cache)
+            if self.tokenizer is not None:
+                check_same_tokenizer(self.tokenizer, load_tokenizer(path), label)
+            self._draft_models[label] = load_model(path, self.deployment.engine.dtype.torch, self.device)
+        return self._draft_models[label]
+
+    def engine(self, cfg: EngineConfig, drafter_label: str | None = None) -> SpecEngine:
+        key = (cfg.digest(), drafter_label or "")
+        if key not in self._engines:
+            dm = self.draft_model(drafter_label) if drafter_label else None
+            if cfg.drafter is DrafterKind.DRAFT_MODEL and dm is None:
+                dm = next((self.draft_model(d.label) for d in self.deployment.drafters
+                           if d.kind is DrafterKind.DRAFT_MODEL), None)
+            self._engines[key] = build_engine(cfg, self.target, self.eos, self.device, draft_model=dm)
+        return self._engines[key]
+
+    def tokenize(self, prompts: list[Prompt] | tuple[Prompt, ...]) -> list[TokenizedPrompt]:
+        if self.tokenizer is None:  # random-weight targets: deterministic synthetic prompt ids
+            g = torch.Generator().manual_seed(0)
+            return [TokenizedPrompt(p, tuple(torch.randint(3, self.target.shape.vocab, (64,), generator=g).tolist()))
+                    for p in prompts]
+        return [TokenizedPrompt(p, tuple(apply_chat_template(self.tokenizer, p.text))) for p in prompts]
