@@ -8,6 +8,7 @@ from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.engine import SpecEngine
 from specpilot.engines.llama import LlamaModel
+from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.runner import ModelRunner
 
 
@@ -21,8 +22,8 @@ def block_width(cfg: EngineConfig) -> int:
 
 
 def build_engine(cfg: EngineConfig, target: LlamaModel, eos: frozenset[int], device: str | torch.device,
-                 draft_model: LlamaModel | None = None) -> SpecEngine:
-    runner = ModelRunner(target, cfg, device, block_width=block_width(cfg))
+                 draft_model: LlamaModel | None = None, policy: EnginePolicy = STOCK) -> SpecEngine:
+    runner = ModelRunner(policy.transform_weights(target), cfg, device, block_width=block_width(cfg))
     if cfg.drafter is DrafterKind.NONE:
         drafter = None
     elif cfg.drafter is DrafterKind.NGRAM:
@@ -37,4 +38,4 @@ def build_engine(cfg: EngineConfig, target: LlamaModel, eos: frozenset[int], dev
         drafter = DraftModelDrafter(ModelRunner(draft_model, draft_cfg, device, block_width=16, topk=4), cfg.draft_len)
     else:
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
-    return SpecEngine(runner, drafter, eos)
+    return SpecEngine(runner, drafter, eos, policy=policy)

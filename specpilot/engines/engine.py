@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from specpilot.engines.drafters.base import DraftTree, Drafter
+from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.runner import ModelRunner, tree_anc
 from specpilot.engines.traces import StepTrace
 
@@ -51,8 +52,9 @@ class GenerationResult:
 class SpecEngine:
     """AR decoding when drafter is None; otherwise speculative decoding with greedy verification."""
 
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64):
-        self.target, self.drafter, self.eos = target, drafter, frozenset(eos)
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64,
+                 policy: EnginePolicy = STOCK):
+        self.target, self.drafter, self.eos, self.policy = target, drafter, frozenset(eos), policy
         self.max_depth = min(max_depth, target.block_width - 1)
 
     def generate(self, prompt: list[int], max_new_tokens: int, request_id: str = "") -> GenerationResult:
@@ -61,6 +63,9 @@ class SpecEngine:
         if len(prompt) + max_new_tokens + 1 > self.target.cfg.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
                              f"({self.target.cfg.max_seq_len})")
+        cached = self.policy.cached_response(list(prompt), max_new_tokens)
+        if cached is not None:
+            return GenerationResult(list(cached), "cached", 0.0, 0.0)
         if self.drafter is not None:
             self.drafter.reset()
         t0 = time.perf_counter()
@@ -74,19 +79,17 @@ class SpecEngine:
             remaining = max_new_tokens - len(out)
             ts = time.perf_counter()
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
-            tree = self.drafter.propose(seq, min(self.max_depth, remaining - 1)) if self.drafter else DraftTree()
+            depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
+            tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()
             tv = time.perf_counter()
             block = [seq[-1]] + tree.tokens
             parents = [-1] + [p + 1 for p in tree.parents]
             depths = [0] + tree.depths()
             result = self.target.verify(base, block, depths, tree_anc(parents))
-            acc = greedy_accept(block, parents, result.argmax)
+            acc = self.policy.accept(block, parents, result.argmax)
             self.target.compact(base, acc.path)
-            new = acc.tokens[:remaining]
-            for i, tok in enumerate(new):
-                if tok in self.eos:
-                    new, stop = new[:i + 1], "eos"
-                    break
+            new, stopped = self.policy.commit(acc.tokens, self.eos, remaining)
+            stop = "eos" if stopped else ""
             seq.extend(new)
             out.extend(new)
             if not stop and len(out) >= max_new_tokens:

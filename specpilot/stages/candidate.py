@@ -1,0 +1,69 @@
+"""A candidate engine build: an EngineConfig plus, optionally, policy code at the engine's extension points."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from specpilot.engines.config import EngineConfig
+from specpilot.engines.policy import STOCK, EnginePolicy
+
+
+class CandidateSource(str, Enum):
+    STOCK = "stock"  # the drafter's published defaults
+    SEARCH = "search"  # the search proposer (optimizer over the mechanism catalog)
+    MEMORY = "memory"  # mechanisms proven on a similar scope
+    AGENT = "agent"  # an LLM proposer
+    LOSSY_SUITE = "lossy_suite"  # deliberately lossy: must be rejected by token forcing
+    INTEGRATED = "integrated"  # several validated candidates combined
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    config: EngineConfig
+    policy: str | None = None  # "package.module:Class" or "/path/file.py:Class" of an EnginePolicy subclass
+    mechanisms: tuple[str, ...] = ()  # catalog mechanism names this candidate embodies
+    source: CandidateSource = CandidateSource.SEARCH
+    drafter_label: str | None = None  # which deployment drafter (model) the config's drafter kind refers to
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a candidate needs a name")
+        object.__setattr__(self, "source", CandidateSource(self.source))
+        object.__setattr__(self, "mechanisms", tuple(self.mechanisms))
+        if self.policy is not None and ":" not in self.policy:
+            raise ValueError(f"candidate {self.name}: policy {self.policy!r} must look like 'module:Class' or 'file.py:Class'")
+
+    def load_policy(self) -> EnginePolicy:
+        if self.policy is None:
+            return STOCK
+        target, cls_name = self.policy.rsplit(":", 1)
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise FileNotFoundError(f"candidate {self.name}: policy file {path} does not exist")
+            spec = importlib.util.spec_from_file_location(f"specpilot_policy_{abs(hash(str(path)))}", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        cls = getattr(module, cls_name, None)
+        if cls is None or not (isinstance(cls, type) and issubclass(cls, EnginePolicy)):
+            raise ValueError(f"candidate {self.name}: {self.policy} is not an EnginePolicy subclass")
+        return cls()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "config": self.config.to_dict(), "policy": self.policy,
+                "mechanisms": list(self.mechanisms), "source": self.source.value, "drafter_label": self.drafter_label}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Candidate":
+        return cls(name=d["name"], config=EngineConfig.from_dict(d["config"]), policy=d.get("policy"),
+                   mechanisms=tuple(d.get("mechanisms", ())), source=d.get("source", "search"),
+                   drafter_label=d.get("drafter_label"))
