@@ -10,6 +10,7 @@ from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.engine import SpecEngine
 from specpilot.engines.llama import LlamaModel
+from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.loader import check_same_tokenizer, eos_ids, load_model, load_tokenizer, random_model
 from specpilot.testbed.synthetic import ShapeName
 from specpilot.workload import Prompt, apply_chat_template
@@ -48,7 +49,8 @@ class DeploymentSession:
             self.tokenizer = load_tokenizer(self.target_dir)
             self.eos = eos_ids(self.target_dir, self.tokenizer)
         self._draft_models: dict[str, LlamaModel] = {}
-        self._engines: dict[tuple[str, str], SpecEngine] = {}
+        self._engines: dict[tuple[str, str, int], SpecEngine] = {}
+        self._policies: list[EnginePolicy] = []  # keeps policy objects alive so their ids stay unique
 
     def draft_model(self, label: str) -> LlamaModel | None:
         spec = next((d for d in self.deployment.drafters if d.label == label), None)
@@ -61,14 +63,16 @@ class DeploymentSession:
             self._draft_models[label] = load_model(path, self.deployment.engine.dtype.torch, self.device)
         return self._draft_models[label]
 
-    def engine(self, cfg: EngineConfig, drafter_label: str | None = None) -> SpecEngine:
-        key = (cfg.digest(), drafter_label or "")
+    def engine(self, cfg: EngineConfig, drafter_label: str | None = None, policy: EnginePolicy = STOCK) -> SpecEngine:
+        """Engines are cached per (config, drafter, policy instance); models are shared between them."""
+        key = (cfg.digest(), drafter_label or "", id(policy))
         if key not in self._engines:
             dm = self.draft_model(drafter_label) if drafter_label else None
             if cfg.drafter is DrafterKind.DRAFT_MODEL and dm is None:
                 dm = next((self.draft_model(d.label) for d in self.deployment.drafters
                            if d.kind is DrafterKind.DRAFT_MODEL), None)
-            self._engines[key] = build_engine(cfg, self.target, self.eos, self.device, draft_model=dm)
+            self._policies.append(policy)
+            self._engines[key] = build_engine(cfg, self.target, self.eos, self.device, draft_model=dm, policy=policy)
         return self._engines[key]
 
     def tokenize(self, prompts: list[Prompt] | tuple[Prompt, ...]) -> list[TokenizedPrompt]:
