@@ -36,7 +36,8 @@ class EnginePolicy:
         return new, False
 
     def transform_weights(self, model: LlamaModel) -> LlamaModel:
-        """Rewrite the target's weights (formats, layouts) before the runner is built."""
+        """Rewrite the target's weights (formats, layouts) before the runner is built. Return a new model:
+        engines of one session share the loaded target, so never modify `model` in place."""
         return model
 
     def cached_response(self, prompt: list[int], max_new_tokens: int) -> list[int] | None:
