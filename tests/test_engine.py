@@ -1,0 +1,183 @@
+"""The engine is lossless: speculative output == the engine's own AR output, token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import SHAPES, prompt, tiny_model
+
+from specpilot.engines.build import build_engine
+from specpilot.engines.config import DrafterKind, EngineConfig
+from specpilot.engines.drafters.base import DraftTree
+from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.engine import SpecEngine, greedy_accept
+from specpilot.engines.runner import ModelRunner
+
+NO_EOS: frozenset[int] = frozenset()
+
+
+def cfg(**kw) -> EngineConfig:
+    return EngineConfig(**{"dtype": "float32", "max_seq_len": 320, "token_tile": 8, **kw})
+
+
+def ar_tokens(model, p, n, eos=NO_EOS, **kw):
+    return build_engine(cfg(drafter=DrafterKind.NONE, **kw), model, eos, "cpu").generate(p, n).tokens
+
+
+class OracleDrafter:
+    """Proposes a known continuation (optionally corrupted), as a chain or as a tree with decoy siblings."""
+
+    def __init__(self, prompt_len: int, reference: list[int], corrupt_from: int | None = None, decoys: bool = False,
+                 vocab: int = 100, k: int = 5):
+        self.prompt_len, self.ref, self.corrupt_from, self.decoys, self.vocab = prompt_len, reference, corrupt_from, decoys, vocab
+        self.k = k
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context: list[int], max_depth: int) -> DraftTree:
+        done = len(context) - self.prompt_len
+        want = self.ref[done:done + min(self.k, max_depth)]
+        toks = [(t + 1) % self.vocab if self.corrupt_from is not None and d >= self.corrupt_from else t
+                for d, t in enumerate(want)]
+        if not self.decoys:
+            return DraftTree.chain(toks)
+        tokens, parents, prev = [], [], -1
+        for t in toks:  # a wrong sibling first, then the right token, each depth hanging off the right one
+            tokens += [(t + 3) % self.vocab, t]
+            parents += [prev, prev]
+            prev = len(tokens) - 1
+        return DraftTree(tokens, parents, [1.0] * len(tokens))
+
+
+def oracle_engine(model, drafter, eos=NO_EOS, draft_len=5, tile=8):
+    c = cfg(drafter=DrafterKind.NGRAM, draft_len=draft_len, token_tile=tile)
+    runner = ModelRunner(model, c, "cpu", block_width=32)
+    return SpecEngine(runner, drafter, eos)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ngram_and_draft_model_equal_ar(shape, seed):
+    model = tiny_model(shape, seed)
+    p = prompt(model.shape.vocab, 24, seed)
+    ref = ar_tokens(model, p, 64)
+    assert len(set(ref)) > 5, "degenerate test model: output must vary"
+    for kind, k in ((DrafterKind.NGRAM, 3), (DrafterKind.NGRAM, 7), (DrafterKind.DRAFT_MODEL, 4)):
+        engine = build_engine(cfg(drafter=kind, draft_len=k), model, NO_EOS, "cpu", draft_model=tiny_model(shape, seed + 9))
+        assert engine.generate(p, 64).tokens == ref, (kind, k)
+
+
+def test_draft_model_equal_to_target_accepts_almost_everything():
+    model = tiny_model("gqa", 3)
+    p = prompt(model.shape.vocab, 16, 3)
+    ref = ar_tokens(model, p, 60)
+    r = build_engine(cfg(drafter=DrafterKind.DRAFT_MODEL, draft_len=4), model, NO_EOS, "cpu", draft_model=model).generate(p, 60)
+    assert r.tokens == ref
+    assert r.accepted_per_step > 3.0  # same weights, different shapes: only near-ties may differ
+
+
+def test_bf16_spec_equals_ar_with_batch_invariant_shapes():
+    model = tiny_model("gqa", 4, dtype=torch.bfloat16)
+    p = prompt(model.shape.vocab, 20, 4)
+    ref = ar_tokens(model, p, 64, dtype="bfloat16")
+    for k in (2, 5):
+        e = build_engine(cfg(drafter=DrafterKind.NGRAM, draft_len=k, dtype="bfloat16"), model, NO_EOS, "cpu")
+        assert e.generate(p, 64).tokens == ref
+
+
+def test_everything_accepted():
+    model = tiny_model("gqa", 5)
+    p = prompt(model.shape.vocab, 12, 5)
+    ref = ar_tokens(model, p, 41)
+    r = oracle_engine(model, OracleDrafter(len(p), ref), draft_len=5).generate(p, 41)
+    assert r.tokens == ref
+    assert [s.committed for s in r.steps] == [6] * 6 + [4]  # 1 (prefill) + 6 x (5 drafts + bonus) + 4 = 41
+    assert all(s.accepted == s.drafted for s in r.steps)
+
+
+def test_nothing_accepted():
+    model = tiny_model("gqa", 6)
+    p = prompt(model.shape.vocab, 12, 6)
+    ref = ar_tokens(model, p, 30)
+    r = oracle_engine(model, OracleDrafter(len(p), ref, corrupt_from=0, vocab=model.shape.vocab)).generate(p, 30)
+    assert r.tokens == ref
+    assert all(s.accepted == 0 and s.committed == 1 for s in r.steps)
+
+
+def test_partial_acceptance_rejects_from_first_mismatch():
+    model = tiny_model("gqa", 7)
+    p = prompt(model.shape.vocab, 12, 7)
+    ref = ar_tokens(model, p, 40)
+    r = oracle_engine(model, OracleDrafter(len(p), ref, corrupt_from=2, vocab=model.shape.vocab)).generate(p, 40)
+    assert r.tokens == ref
+    assert all(s.accepted == min(2, s.drafted) for s in r.steps)
+
+
+def test_eos_inside_an_accepted_block():
+    model = tiny_model("mqa", 1)
+    p = prompt(model.shape.vocab, 12, 1)
+    free = ar_tokens(model, p, 60)
+    j = next(i for i in range(8, 60) if free[i] not in free[:i])  # first occurrence of a fresh token
+    eos = frozenset({free[j]})
+    ref = ar_tokens(model, p, 60, eos=eos)
+    assert ref == free[:j + 1]
+    r = oracle_engine(model, OracleDrafter(len(p), free, k=7), eos=eos, draft_len=7).generate(p, 60)
+    assert r.tokens == ref and r.stop_reason == "eos"
+    assert any(s.accepted > 0 and free[j] in ref[-s.committed:] for s in r.steps[-1:])  # stopped inside a block
+
+
+def test_max_tokens_reached_mid_block():
+    model = tiny_model("gqa", 8)
+    p = prompt(model.shape.vocab, 12, 8)
+    ref = ar_tokens(model, p, 60)
+    for n in (1, 2, 9, 10, 11, 13):
+        r = oracle_engine(model, OracleDrafter(len(p), ref), draft_len=5).generate(p, n)
+        assert r.tokens == ref[:n] and r.stop_reason == "max_tokens", n
+
+
+def test_tree_with_decoy_siblings_commits_the_right_path():
+    model = tiny_model("mha_tied", 0)
+    p = prompt(model.shape.vocab, 12, 0)
+    ref = ar_tokens(model, p, 50)
+    drafter = OracleDrafter(len(p), ref, decoys=True, vocab=model.shape.vocab)
+    r = oracle_engine(model, drafter, draft_len=5).generate(p, 50)
+    assert r.tokens == ref  # decoys occupy the first slots: KV of the accepted path must be moved into place
+    assert max(s.committed for s in r.steps) > 3
+
+
+def test_greedy_accept_edge_cases():
+    # block: root + nodes; parents index into the block
+    assert greedy_accept([9, 1, 2], [-1, 0, 1], [5, 0, 0]).tokens == [5]  # nothing accepted: bonus only
+    assert greedy_accept([9, 1, 2], [-1, 0, 1], [1, 2, 7]).tokens == [1, 2, 7]  # all + bonus
+    acc = greedy_accept([9, 4, 1, 2, 3], [-1, 0, 0, 2, 2], [1, 0, 3, 0, 8])  # branch: 1 -> {2, 3}; target says 3
+    assert acc.path == [0, 2, 4] and acc.tokens == [1, 3, 8]
+    acc = greedy_accept([9, 1, 1], [-1, 0, 0], [1, 5, 6])  # duplicate siblings: earliest wins
+    assert acc.path == [0, 1] and acc.tokens == [1, 5]
+
+
+def test_ngram_drafter_proposes_most_recent_longest_match():
+    d = NgramDrafter(draft_len=3, ngram_max=3, ngram_min=1)
+    ctx = [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3]
+    assert d.propose(ctx, 8).tokens == [5, 6, 7]  # "2 3" last seen before "5 6 7"
+    assert d.propose(ctx + [5, 6], 8).tokens == [7, 2, 3]  # "3 5 6" -> "7 2 3"
+    assert d.propose([1, 2, 3], 8).tokens == []  # no earlier occurrence
+    assert d.propose(ctx, 2).tokens == [5, 6]  # depth limit
+
+
+def test_fast_shapes_mode_runs_and_is_reported_separately():
+    """batch_invariant=False runs each step at its own width (fastest AR); exactness is only claimed with it on."""
+    model = tiny_model("gqa", 2)
+    p = prompt(model.shape.vocab, 16, 2)
+    r = build_engine(cfg(drafter=DrafterKind.NONE, batch_invariant=False), model, NO_EOS, "cpu").generate(p, 20)
+    assert len(r.tokens) == 20
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = tiny_model("gqa", 0)
+    e = build_engine(cfg(drafter=DrafterKind.NONE), model, NO_EOS, "cpu")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        e.generate([5, 6], 0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        e.generate([5] * 300, 64)
+    with pytest.raises(ValueError, match="draft_len"):
+        EngineConfig(draft_len=0)
