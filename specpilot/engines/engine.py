@@ -69,7 +69,11 @@ class SpecEngine:
         if self.drafter is not None:
             self.drafter.reset()
         t0 = time.perf_counter()
-        first = self.target.prefill(prompt).argmax[0]
+        pre = self.target.prefill(prompt)
+        first = pre.argmax[0]
+        observe = getattr(self.drafter, "observe", None)  # drafters that read target features (block drafter)
+        if observe is not None:
+            observe(0, pre.features)
         t1 = time.perf_counter()
         seq, out, steps = list(prompt), [first], []
         seq.append(first)
@@ -88,6 +92,8 @@ class SpecEngine:
             result = self.target.verify(base, block, depths, tree_anc(parents))
             acc = self.policy.accept(block, parents, result.argmax)
             self.target.compact(base, acc.path)
+            if observe is not None:  # features of the root and the accepted nodes, now at slots base..
+                observe(base, result.features[acc.path])
             new, stopped = self.policy.commit(acc.tokens, self.eos, remaining)
             stop = "eos" if stopped else ""
             seq.extend(new)

@@ -22,6 +22,7 @@ class StepOutput:
     margin: torch.Tensor | None  # top1 - top2 logit per token (device), for token forcing's tie log
     topk_tokens: list[list[int]] | None = None  # per token, the model's top-k next tokens (drafters)
     topk_probs: list[list[float]] | None = None
+    features: torch.Tensor | None = None  # [rows, len(capture) * hidden] target features (block drafters)
 
 
 def chain_anc(n: int) -> np.ndarray:
@@ -42,11 +43,12 @@ def tree_anc(parents: list[int]) -> np.ndarray:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, device: torch.device | str, block_width: int = 64,
-                 topk: int = 0):
+                 topk: int = 0, capture: tuple[int, ...] = ()):
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
         self.topk = topk
+        self.capture = tuple(capture)  # target layers whose outputs a block drafter reads
         sh = model.shape
         self.tile = cfg.token_tile if cfg.batch_invariant else 0
         self.block_width = max(block_width, self.tile)
@@ -63,11 +65,16 @@ class ModelRunner:
     # ---- hot path -------------------------------------------------------------------------------
     def _step(self, ids, positions, slots, base, anc):
         mask = visibility_mask(base, anc, self.num_slots)
-        hidden = self.model(ids, positions, slots, mask, self.kv[0], self.kv[1])
+        if self.capture:
+            hidden, captured = self.model(ids, positions, slots, mask, self.kv[0], self.kv[1], capture=self.capture)
+            features = torch.cat(captured, dim=-1)
+        else:
+            hidden = self.model(ids, positions, slots, mask, self.kv[0], self.kv[1])
+            features = hidden[:, :0]
         logits = self.model.logits(hidden).float()
         top = torch.topk(logits, max(2, self.topk), dim=-1)
         probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
-        return logits.argmax(-1), top.values, top.indices, probs
+        return logits.argmax(-1), top.values, top.indices, probs, features
 
     # ---- public API -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -83,7 +90,10 @@ class ModelRunner:
         pos = torch.arange(n, device=dev)
         anc = torch.from_numpy(chain_anc(n)).to(dev)
         out = self._step(t, pos, pos, torch.tensor(0, device=dev), anc)
-        return self._output(out, rows=[n - 1])
+        res = self._output(out, rows=[n - 1])
+        if self.capture:
+            res.features = out[4]  # every prompt token's features: a block drafter's context
+        return res
 
     @torch.no_grad()
     def verify(self, base: int, tokens: list[int], depths: list[int], anc: np.ndarray) -> StepOutput:
@@ -105,7 +115,7 @@ class ModelRunner:
         anc_full[:n, :n] = anc
         outs = [self._run(width, ids[s:s + width], pos[s:s + width], base + block[s:s + width], base,
                           anc_full[s:s + width]) for s in range(0, padded, width)]
-        out = tuple(torch.cat([o[i] for o in outs]) for i in range(4))
+        out = tuple(torch.cat([o[i] for o in outs]) for i in range(5))
         return self._output(out, rows=list(range(n)))
 
     @torch.no_grad()
@@ -152,13 +162,14 @@ class ModelRunner:
         return self._graphs[width]
 
     def _output(self, out, rows: list[int]) -> StepOutput:
-        argmax, top_v, top_i, top_p = out
+        argmax, top_v, top_i, top_p, feats = out
         idx = torch.tensor(rows, device=argmax.device)
         am = argmax[idx].tolist()  # the step's one host sync
         margin = top_v[idx, 0] - top_v[idx, 1]
+        features = feats[idx] if self.capture else None
         if not self.topk:
-            return StepOutput(am, margin)
-        return StepOutput(am, margin, top_i[idx, :self.topk].tolist(), top_p[idx, :self.topk].tolist())
+            return StepOutput(am, margin, features=features)
+        return StepOutput(am, margin, top_i[idx, :self.topk].tolist(), top_p[idx, :self.topk].tolist(), features)
 
 
 def _bucket(n: int) -> int:
