@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specpilot.engines.config import EngineConfig
+from specpilot.engines.config import EngineConfig, KernelBackend
+from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_for
 from specpilot.engines.llama import LlamaModel, visibility_mask
 
 
@@ -50,7 +51,12 @@ class ModelRunner:
         self.topk = topk
         self.capture = tuple(capture)  # target layers whose outputs a block drafter reads
         sh = model.shape
-        self.tile = cfg.token_tile if cfg.batch_invariant else 0
+        self.fused = None
+        if cfg.kernel_backend is KernelBackend.TRITON:
+            check_fusable(model)
+            self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device)
+        # Stock kernels are batch-invariant only at one fixed shape; the fused kernels are at any width.
+        self.tile = cfg.token_tile if cfg.batch_invariant and self.fused is None else 0
         self.block_width = max(block_width, self.tile)
         self.num_slots = cfg.max_seq_len + self.block_width  # slack: a block may write past the last position
         dtype = next(model.parameters()).dtype
@@ -64,14 +70,15 @@ class ModelRunner:
 
     # ---- hot path -------------------------------------------------------------------------------
     def _step(self, ids, positions, slots, base, anc):
-        mask = visibility_mask(base, anc, self.num_slots)
-        if self.capture:
-            hidden, captured = self.model(ids, positions, slots, mask, self.kv[0], self.kv[1], capture=self.capture)
-            features = torch.cat(captured, dim=-1)
+        if self.fused is not None:
+            logits, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
+                                             anc[:, :ids.shape[0]].contiguous(), self.kv[0], self.kv[1], self.capture)
         else:
-            hidden = self.model(ids, positions, slots, mask, self.kv[0], self.kv[1])
-            features = hidden[:, :0]
-        logits = self.model.logits(hidden).float()
+            mask = visibility_mask(base, anc, self.num_slots)
+            args = (ids, positions, slots, mask, self.kv[0], self.kv[1])
+            hidden, captured = self.model(*args, capture=self.capture) if self.capture else (self.model(*args), [])
+            logits = self.model.logits(hidden).float()
+        features = torch.cat(captured, dim=-1) if self.capture else logits[:, :0]
         top = torch.topk(logits, max(2, self.topk), dim=-1)
         probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
         return logits.argmax(-1), top.values, top.indices, probs, features
