@@ -1,0 +1,65 @@
+"""`specpilot bench` end to end on a small deployment: AR and drafters, same prompts, all tokens equal."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpilot.bench.cli import main as bench_main
+from specpilot.cli import build_parser
+
+
+@pytest.fixture(scope="module")
+def tiny_deployment(tmp_path_factory):
+    from specpilot.testbed import fetch_smollm2, make_random_model
+    root = tmp_path_factory.mktemp("bench")
+    tok = fetch_smollm2()  # real tokenizer + chat template (cached after the first fetch)
+    target = make_random_model("tiny", root / "target", seed=1, dtype="float32", tokenizer_dir=tok)
+    draft = make_random_model("tiny", root / "draft", seed=2, dtype="float32", tokenizer_dir=tok)
+    yaml = root / "tiny.yaml"
+    yaml.write_text(f"""
+name: tiny-cpu
+target: {{path: {target}}}
+drafters:
+  - kind: ngram
+    engine: {{draft_len: 3}}
+  - kind: draft_model
+    model: {{path: {draft}}}
+device: {{kind: cpu}}
+workload: {{benchmarks: [gsm8k, mbpp], prompts_per_benchmark: 1, max_new_tokens: 24, seed: 0}}
+engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 2048, token_tile: 8}}
+""")
+    return yaml
+
+
+def test_bench_runs_ar_and_every_drafter_with_equal_tokens(tiny_deployment, tmp_path, capsys):
+    rc = bench_main(["bench", "--deployment", str(tiny_deployment), "--json", "--out", str(tmp_path)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert set(out["summary"]) == {"ar", "ngram", f"draft_model:{tiny_deployment.parent / 'draft'}"}
+    assert all(v["all_match_ar"] for v in out["summary"].values())
+    reqs = out["requests"]
+    assert len(reqs) == 2 * 3  # 2 prompts (gsm8k, mbpp) x (AR + 2 drafters), interleaved per prompt
+    assert [r["variant"] for r in reqs[:3]][0] == "ar"
+    assert all(r["speedup"] > 0 for r in reqs if r["variant"] != "ar")
+    assert json.loads((tmp_path / "bench.json").read_text())["deployment"] == "tiny-cpu"
+
+
+def test_bench_table_and_mode_ar(tiny_deployment, capsys):
+    assert bench_main(["bench", "--deployment", str(tiny_deployment), "--mode", "ar", "--benchmarks", "gsm8k"]) == 0
+    text = capsys.readouterr().out
+    assert "| ar |" in text and "ngram" not in text
+
+
+def test_cli_reports_bad_deployment_clearly(capsys):
+    from specpilot.cli import main
+    assert main(["bench", "--deployment", "no-such-deployment"]) == 2
+    assert "unknown deployment 'no-such-deployment'" in capsys.readouterr().err
+
+
+def test_every_subcommand_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert {"bench", "testbed", "memory", "audit"} <= set(sub.choices)
+    for name, p in sub.choices.items():
+        assert p.format_help().strip(), name
