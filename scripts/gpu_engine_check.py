@@ -55,18 +55,17 @@ def main():
         text = row[field][0] if field == "turns" else row[field]
         prompts.append(list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]))
     rows = []
+    base = EngineConfig(drafter=DrafterKind.NONE, max_seq_len=4096)
     modes = {
-        "eager_tile16": EngineConfig(drafter=DrafterKind.NONE, cuda_graphs=False, max_seq_len=4096),
-        "graph_tile16": EngineConfig(drafter=DrafterKind.NONE, max_seq_len=4096),
-        "graph_compile_tile16": EngineConfig(drafter=DrafterKind.NONE, compile=True, max_seq_len=4096),
-        "graph_compile_t1": EngineConfig(drafter=DrafterKind.NONE, compile=True, batch_invariant=False, max_seq_len=4096),
-        "graph_tile8": EngineConfig(drafter=DrafterKind.NONE, token_tile=8, max_seq_len=4096),
-        "graph_compile_tile8": EngineConfig(drafter=DrafterKind.NONE, token_tile=8, compile=True, max_seq_len=4096),
+        "torch_graph_tile16": base,
+        "torch_graph_t1_fast": base.replace(batch_invariant=False),
+        "triton_eager": base.replace(kernel_backend="triton", cuda_graphs=False),
+        "triton_graph": base.replace(kernel_backend="triton"),
     }
     outs = {}
     for name, cfg in modes.items():
         eng = build_engine(cfg, model, frozenset(), "cuda")
-        n = 64 if name.startswith("eager") else a.tokens
+        n = 64 if "eager" in name else a.tokens
         timed_generate(eng, prompts[0], 16)
         r = timed_generate(eng, prompts[0], n)
         outs[name] = r.tokens
@@ -81,13 +80,13 @@ def main():
             print("transformers baseline failed:", repr(e)[:500])
     # Exactness: AR vs n-gram speculative, bf16, same tile.
     checks = []
-    for tile in (16, 8):
-        for compile_ in (False, True):
-            ar = build_engine(EngineConfig(drafter=DrafterKind.NONE, token_tile=tile, compile=compile_), model, eos, "cuda")
-            sp = build_engine(EngineConfig(drafter=DrafterKind.NGRAM, token_tile=tile, compile=compile_), model, eos, "cuda")
+    for backend in ("triton", "torch"):
+        for k in (5, 10):
+            ar = build_engine(base.replace(kernel_backend=backend), model, eos, "cuda")
+            sp = build_engine(base.replace(kernel_backend=backend, drafter=DrafterKind.NGRAM, draft_len=k), model, eos, "cuda")
             for i, p in enumerate(prompts):
                 ra = timed_generate(ar, p, a.tokens); rs = timed_generate(sp, p, a.tokens)
-                checks.append({"tile": tile, "compile": compile_, "prompt": i, "equal": ra.tokens == rs.tokens,
+                checks.append({"tile": backend, "compile": k, "prompt": i, "equal": ra.tokens == rs.tokens,
                                "n": len(ra.tokens), "ar_tok_s": len(ra.tokens) / ra.decode_s,
                                "spec_tok_s": len(rs.tokens) / rs.decode_s, "acc": rs.accepted_per_step})
                 print(checks[-1], flush=True)
@@ -95,7 +94,7 @@ def main():
     print("\n| mode | tok/s | ms/tok |\n|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['tok_s']:.0f} | {r['ms_per_tok']:.3f} |")
-    print("| tile | compile | prompt | equal | AR tok/s | spec tok/s | tokens/step |")
+    print("| backend | draft_len | prompt | equal | AR tok/s | spec tok/s | tokens/step |")
     for c in checks:
         print(f"| {c['tile']} | {c['compile']} | {c['prompt']} | {c['equal']} | {c['ar_tok_s']:.0f} | {c['spec_tok_s']:.0f} | {c['acc']:.2f} |")
 

@@ -63,6 +63,7 @@ class SpecEngine:
         if len(prompt) + max_new_tokens + 1 > self.target.cfg.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
                              f"({self.target.cfg.max_seq_len})")
+        self.policy.begin_request(list(prompt), max_new_tokens)
         cached = self.policy.cached_response(list(prompt), max_new_tokens)
         if cached is not None:
             return GenerationResult(list(cached), "cached", 0.0, 0.0)

@@ -14,6 +14,9 @@ from specpilot.engines.traces import StepTrace
 class EnginePolicy:
     name = "stock"
 
+    def begin_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        """A request starts (per-request state: limits, counters)."""
+
     def draft_depth(self, history: list[StepTrace], default: int) -> int:
         """How deep to draft this step, given this request's steps so far."""
         return default

@@ -95,9 +95,8 @@ class TruncateOutput(EnginePolicy):
     def __init__(self) -> None:
         self._limit = 0
 
-    def cached_response(self, prompt: list[int], max_new_tokens: int) -> list[int] | None:
-        self._limit = max_new_tokens  # the one hook that sees a request start: remember its limit
-        return None
+    def begin_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        self._limit = max_new_tokens
 
     def commit(self, new: list[int], eos: frozenset[int], remaining: int) -> tuple[list[int], bool]:
         new, stopped = super().commit(new, eos, remaining)
@@ -123,9 +122,8 @@ class StopAtRepeatedToken(EnginePolicy):
     def __init__(self) -> None:
         self._seen: set[int] = set()
 
-    def cached_response(self, prompt: list[int], max_new_tokens: int) -> list[int] | None:
-        self._seen = set(prompt)  # a request starts: what counts as "seen" is this prompt
-        return None
+    def begin_request(self, prompt: list[int], max_new_tokens: int) -> None:
+        self._seen = set(prompt)  # what counts as "seen" is this request's prompt
 
     def commit(self, new: list[int], eos: frozenset[int], remaining: int) -> tuple[list[int], bool]:
         new, stopped = super().commit(new, eos, remaining)
