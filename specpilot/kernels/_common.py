@@ -1,0 +1,176 @@
+"""Shared pieces of the batch-invariant Triton kernels: argument checks, launch parameters, dtype helpers.
+
+Batch invariance (DESIGN.md, "Losslessness"): the bits of a token's output row never depend on how many
+tokens the call holds or on what the other rows contain. Every kernel here gets that the same way:
+- tokens are tiled by the fixed BLOCK_M below (padding rows masked to zero), never by a T-dependent size;
+- every reduction runs in an order fixed by constants of the kernel (BLOCK_K, a key block, a split size),
+  never by T; reductions over a tile go through `tl.dot`, whose per-element accumulation order is fixed by
+  the instruction and the K loop and so does not depend on num_warps (unlike `tl.sum`, whose tree follows
+  the thread layout); `tl.max` is exact in any order;
+- no atomics, no split whose boundaries depend on T.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Iterable, Sequence
+
+import torch
+
+BLOCK_M = 16  # token tile of every token-tiled kernel; part of the numerics, never tuned
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_POW2_WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchParams:
+    """Base of each kernel's launch parameters (a later kernel tuner searches these).
+
+    T_NEUTRAL names the fields that change no bit of any output: a tuner may pick them per (shape, T).
+    Every other field sets a reduction order: it may be tuned per model shape but must then hold for every T
+    of that shape, and changing it changes the engine's numerics (its AR output may then differ from stock).
+    """
+
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ()
+    SEARCH_SPACE: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "num_warps" and v not in _POW2_WARPS:
+                raise ValueError(f"num_warps={v} must be one of {_POW2_WARPS}")
+            if f.name == "num_stages" and v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"num_stages={v} must be a positive int (or None: a default)")
+            if f.name.startswith("block_") and v is not None and (not isinstance(v, int) or v < 16 or v & (v - 1)):
+                raise ValueError(f"{f.name}={v} must be a power of two >= 16")
+
+
+def _fix_interpreter() -> None:
+    """Three fixes to triton 3.6's interpreter (TRITON_INTERPRET=1), which runs the kernels on CPU in the tests.
+
+    1. It turns a scalar into a Python int with int(ndarray), and its scalars are 1-element arrays, which
+       numpy >= 2.4 refuses, so `for k in range(0, K, BLOCK_K)` fails (triton-lang/triton#9171, fixed upstream
+       after 3.6): install the upstream fix.
+    2. It rounds fp32 -> bf16 by truncation, where the GPU (cvt.rn) and torch round to nearest even: convert
+       through torch, so interpreted kernels round like compiled ones.
+    3. Its `tl.dot` multiplies bf16's raw uint16 bits as integers, and for floats it calls BLAS, whose result for
+       a row depends on the row's position in the tile (OpenBLAS sgemm handles rows 6..11 of 16 with another
+       micro-kernel), so the interpreter could not show batch invariance: replace float dots by exact products
+       summed in fp64 in ascending k for every element, rounded to fp32 and added to the accumulator (the GPU's
+       MMA also forms exact products and accumulates in a fixed order, in fp32).
+    All only touch the interpreter; re-running is a no-op.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - a triton without an interpreter
+        return
+    if getattr(interpreter, "_specpilot_fixed", False):
+        return
+    import numpy as np
+    import triton.language as tl
+
+    orig_patch = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    orig_convert = interpreter._convert_float
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            f = torch.from_numpy(np.array(data).view(np.float32))
+            return f.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+            return (np.array(data).view(np.uint16).astype(np.uint32) << 16).view(np.uint32)
+        return orig_convert(data, input_dtype, output_dtype, rounding_mode)
+
+    orig_dot = interpreter.InterpreterBuilder.create_dot
+    floats = (tl.bfloat16, tl.float16, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar not in floats or b.dtype.scalar not in floats or d.dtype.scalar != tl.float32:
+            return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+        def f64(h):
+            data = h.data
+            if h.dtype.scalar == tl.bfloat16:
+                data = convert_float(data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return data.astype(np.float64)
+        # exact products, summed over k in ascending order, the same way for every output element
+        prod = f64(a)[..., :, :, None] * f64(b)[..., None, :, :]
+        acc = np.add.reduce(prod, axis=-2).astype(np.float32) + d.data
+        return interpreter.TensorHandle(acc.astype(np.float32), tl.float32)
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter._convert_float = convert_float
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter._specpilot_fixed = True
+
+
+_fix_interpreter()
+
+
+def is_interpreted(kernel: Any) -> bool:
+    """True when `kernel` was built under TRITON_INTERPRET=1 (it then runs on CPU tensors)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def check_tensor(name: str, t: Any, shape: Sequence[int | None] | None = None,
+                 dtypes: Iterable[torch.dtype] | torch.dtype | None = None, device: torch.device | None = None,
+                 contiguous: bool = True) -> torch.Tensor:
+    """Raise a ValueError naming `name` unless `t` is a tensor of that shape (None: any), dtype, device, layout."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if dtypes is not None:
+        allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+        if t.dtype not in allowed:
+            raise ValueError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major), got strides {t.stride()} for shape {list(t.shape)}")
+    return t
+
+
+def check_launchable(kernel: Any, device: torch.device) -> None:
+    """Compiled kernels need CUDA tensors; the interpreter takes CPU tensors too."""
+    if device.type != "cuda" and not is_interpreted(kernel):
+        raise ValueError(f"Triton kernels need CUDA tensors, got tensors on {device}; on CPU use the *_ref "
+                         "functions, or set TRITON_INTERPRET=1 before importing specpilot.kernels")
+
+
+def check_int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {type(v).__name__}")
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}={v} must be in [{lo}, {'inf' if hi is None else hi}]")
+    return v
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 dots must be exact fp32 (FMA) rather than tf32, so they match an fp32 reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def next_pow2(n: int, lo: int = 16) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def check_out(name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """Validate a caller-provided output buffer, or allocate one."""
+    if out is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return check_tensor(name, out, shape, dtype, device)

@@ -1,0 +1,207 @@
+"""Batch-invariant attention of T new tokens (a chain or a tree) over the KV cache, split over fixed key ranges.
+
+Visibility, for chains and trees alike: every slot < base (the committed context) is visible to every query;
+block token j sits at slot base + j and is visible to query i iff anc[i, j] (ancestor-or-self, so the diagonal
+must be set). GQA: query head h reads KV head h // (heads / kv_heads). Scale 1/sqrt(D), softmax in fp32.
+Only keys 0 .. base+T-1 are read.
+
+Algorithm (flash-decoding): pass 1 runs an online softmax over each fixed absolute key range
+[s*split_keys, (s+1)*split_keys) in key blocks of block_n, one program per (token-row tile, kv head, split),
+and stores (max, sum, unnormalised output); pass 2 combines the splits of each row in ascending split order.
+Rows are (token, query head of the group) pairs tiled by the fixed BLOCK_M.
+
+Invariance: key blocks and splits are absolute slot ranges (independent of T), the row max is exact in any
+order, the row sums are `tl.dot`s (p @ V and p @ ones, fixed per-element order), and a key block (or split)
+with no visible key for a row is an exact no-op for that row (guarded by a per-row `where`: m, l and acc keep
+their bits), so a row's result does not depend on how many extra masked blocks or splits a call iterates, nor
+on the other rows. `block_n` and `split_keys` fix the reduction order: tune them per model, never per T.
+`base` may be a one-element int tensor on the device (for CUDA graphs: nothing then depends on its value on
+the host); the grid then covers every split of the cache and the splits past base+T exit at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import ACT_DTYPES, BLOCK_M, LaunchParams, check_int, check_launchable, check_out, check_tensor, \
+    dot_precision
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionParams(LaunchParams):
+    """block_n and split_keys set the reduction order (per model, not per T); the others are T-neutral."""
+
+    block_n: int = 64
+    split_keys: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages")
+    SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (128, 256, 512, 1024),
+                                                "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.split_keys % self.block_n:
+            raise ValueError(f"split_keys={self.split_keys} must be a multiple of block_n={self.block_n}")
+
+
+@triton.jit
+def _load_base(base_ptr, base_val, BASE_IS_PTR: tl.constexpr):
+    if BASE_IS_PTR:
+        b = tl.load(base_ptr).to(tl.int32)
+    else:
+        b = base_val
+    return b
+
+
+@triton.jit(do_not_specialize=["T", "base_val"])
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
+                       T, base_val, S, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    base = _load_base(base_ptr, base_val, BASE_IS_PTR)
+    end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
+    lo = split * SPLIT
+    if lo < end:
+        dtype = q_ptr.dtype.element_ty
+        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = r < T * G
+        t = r // G
+        h = kvh * G + r % G
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + (t * H + h).to(tl.int64)[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(dtype)
+        kv_base = kvh.to(tl.int64) * S * D
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for k0 in range(lo, tl.minimum(lo + SPLIT, end), BLOCK_N):
+            kk = k0 + tl.arange(0, BLOCK_N)
+            k_ok = kk < end
+            kt = tl.load(k_ptr + kv_base + kk.to(tl.int64)[None, :] * D + dd[:, None], mask=k_ok[None, :], other=0.0)
+            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            j = kk - base
+            in_blk = (j >= 0) & (j < T) & k_ok
+            a = tl.load(anc_ptr + t.to(tl.int64)[:, None] * T + j[None, :], mask=row_ok[:, None] & in_blk[None, :],
+                        other=0)
+            vis = row_ok[:, None] & (((kk < base) & k_ok)[None, :] | (a != 0))
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            live = m_new > float("-inf")  # rows with a visible key so far
+            seen = tl.max(vis.to(tl.int32), axis=1) > 0  # rows with a visible key in this block
+            m_safe = tl.where(live, m_new, 0.0)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None]).to(dtype)
+            v = tl.load(v_ptr + kv_base + kk.to(tl.int64)[:, None] * D + dd[None, :], mask=k_ok[:, None], other=0.0)
+            pv = tl.dot(p, v, input_precision=DOT_PREC)
+            psum = tl.max(tl.dot(p, ones, input_precision=DOT_PREC), axis=1)  # 16 identical columns
+            acc = tl.where(seen[:, None], acc * alpha[:, None] + pv, acc)
+            l = tl.where(seen, l * alpha + psum, l)
+            m = tl.where(seen, m_new, m)
+        w = (split * (T * H) + t * H + h).to(tl.int64)
+        tl.store(ws_m_ptr + w, m, mask=row_ok)
+        tl.store(ws_l_ptr + w, l, mask=row_ok)
+        tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "base_val"])
+def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S,
+                         H: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = t * H + h
+    ok = rows < T * H
+    dd = tl.arange(0, D)
+    base = _load_base(base_ptr, base_val, BASE_IS_PTR)
+    n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
+    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for sp in range(0, n_split):
+        mx = tl.maximum(mx, tl.load(ws_m_ptr + sp * (T * H) + rows, mask=ok, other=float("-inf")))
+    mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
+    l = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    for sp in range(0, n_split):
+        w = (sp * (T * H) + rows).to(tl.int64)
+        ms = tl.load(ws_m_ptr + w, mask=ok, other=float("-inf"))
+        use = ms > float("-inf")  # a split with no visible key for the row adds nothing, bit for bit
+        scale = tl.exp2(ms - mx_safe)
+        ls = tl.load(ws_l_ptr + w, mask=ok & use, other=0.0)
+        os = tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=(ok & use)[:, None], other=0.0)
+        acc = tl.where(use[:, None], acc + scale[:, None] * os, acc)
+        l = tl.where(use, l + scale * ls, l)
+    out = acc / tl.where(ok, l, 1.0)[:, None]  # padding rows divide by 1; a row that sees no key gives NaN
+    tl.store(o_ptr + rows.to(tl.int64)[:, None] * D + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
+                  anc: torch.Tensor) -> torch.Tensor:
+    """Plain torch: boolean mask over slots 0..base+T-1, fp32 scores and softmax; returns [T, heads * D]."""
+    T, H, D = q.shape
+    KVH = k_cache.shape[0]
+    base = int(base)
+    L = base + T
+    mask = torch.zeros(T, L, dtype=torch.bool, device=q.device)
+    mask[:, :base] = True
+    mask[:, base:] = anc.bool()
+    k = k_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)  # [H, L, D]
+    v = v_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)
+    scores = torch.einsum("thd,hld->htl", q.float(), k) / math.sqrt(D)
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("htl,hld->thd", probs, v)
+    return out.reshape(T, H * D).to(q.dtype)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
+              anc: torch.Tensor, *, out: torch.Tensor | None = None, block_n: int = 64, split_keys: int = 256,
+              num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
+
+    base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
+    """
+    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
+    check_tensor("q", q, (None, None, None), ACT_DTYPES)
+    dev, dt = q.device, q.dtype
+    T, H, D = q.shape
+    if T < 1:
+        raise ValueError("q must hold at least one token")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"head_dim={D} must be a power of two >= 16")
+    check_tensor("k_cache", k_cache, (None, None, D), dt, dev)
+    KVH, S = k_cache.shape[0], k_cache.shape[1]
+    check_tensor("v_cache", v_cache, (KVH, S, D), dt, dev)
+    if KVH < 1 or H % KVH:
+        raise ValueError(f"heads={H} must be a multiple of kv_heads={KVH}")
+    check_tensor("anc", anc, (T, T), torch.bool, dev)
+    if isinstance(base, torch.Tensor):
+        check_tensor("base", base, (1,), (torch.int32, torch.int64), dev)
+        base_is_ptr, base_val, n_split = True, 0, triton.cdiv(S, split_keys)
+    else:
+        base_val = check_int("base", base, 0, S - T)
+        base_is_ptr, n_split = False, triton.cdiv(base_val + T, split_keys)
+    check_launchable(_attn_split_kernel, dev)
+    out = check_out("out", out, (T, H * D), dt, dev)
+    G = H // KVH
+    ws_m = torch.empty(n_split * T * H, dtype=torch.float32, device=dev)
+    ws_l = torch.empty_like(ws_m)
+    ws_o = torch.empty(n_split * T * H * D, dtype=torch.float32, device=dev)
+    base_ptr = base if base_is_ptr else ws_m
+    qk_scale = LOG2E / math.sqrt(D)
+    _attn_split_kernel[(triton.cdiv(T * G, BLOCK_M), KVH, n_split)](
+        q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, T, base_val, S, qk_scale,
+        H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, num_warps=num_warps, num_stages=num_stages)
+    block_r = 16
+    _attn_combine_kernel[(triton.cdiv(T * H, block_r),)](
+        ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr, BLOCK_R=block_r,
+        SPLIT=params.split_keys, num_warps=4)
+    return out

@@ -1,0 +1,158 @@
+"""Fused (residual add +) RMSNorm + projection: y = rmsnorm(x [+ residual]) @ W.T, batch-invariant.
+
+Used for the QKV projection (input_layernorm), gate_up (post_attention_layernorm) and lm_head (final norm).
+Rounding follows transformers' LlamaRMSNorm and residual stream in the activation dtype:
+    h = round(x + residual)                        (the new residual stream, returned when residual is given)
+    n = round(weight * round(h_fp32 * rsqrt(mean(h_fp32^2) + eps)))
+    y = round(n @ W.T + bias)                      (out_dtype=torch.float32 stores the accumulator unrounded)
+
+Invariance: tokens are tiled by the fixed BLOCK_M; each row's sum of squares is accumulated elementwise over
+the fixed BLOCK_K chunks in ascending order and then reduced over the chunk by one fp32 `tl.dot` with ones
+(sequential FMAs, the same order whatever the thread layout), so the statistic does not depend on T,
+num_warps or BLOCK_N; the projection is the `linear` kernel's fixed tl.dot chain. Each column-tile program
+recomputes its rows' statistic (x is small and stays in L2); the program of column tile 0 stores h.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (ACT_DTYPES, BLOCK_M, LaunchParams, check_launchable, check_out, check_tensor,
+                      dot_precision)
+from .gemm import BLOCK_K, default_block_n, default_num_stages, linear_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSNormLinearParams(LaunchParams):
+    """None picks a default: block_n from N and T (wider tiles than `linear`, to amortise the norm each program
+    recomputes), num_stages from shared memory. Defaults from a sweep on an H200 at Llama-3-8B shapes."""
+
+    block_n: int | None = None
+    num_warps: int = 8
+    num_stages: int | None = None
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
+    SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
+                                                "num_stages": (2, 3, 4, 5)}
+
+
+@triton.jit
+def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, T, N, K, eps,
+                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    row_offs = rows.to(tl.int64)[:, None] * K
+    dtype = x_ptr.dtype.element_ty
+
+    # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        xm = row_ok[:, None] & (kk < K)[None, :]
+        h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
+        if HAS_RES:
+            tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & (pid_n == 0))
+        hf = h.to(tl.float32)
+        sq += hf * hf
+    ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
+    ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)  # 16 identical columns: max picks the value
+    rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+
+    # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < K
+        xm = row_ok[:, None] & k_ok[None, :]
+        h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+        a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
+        w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, round to x.dtype, multiply by the weight in x.dtype."""
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None):
+    """Plain torch: h = x (+ residual); y = linear(rms_norm(h)); returns y, or (y, h) when residual is given."""
+    h = x if residual is None else x + residual
+    y = linear_ref(rms_norm_ref(h, norm_w, eps), W, bias=bias, out_dtype=out_dtype)
+    return y if residual is None else (y, h)
+
+
+def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                   residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
+                   num_stages: int | None = None):
+    """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype.
+
+    Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
+    """
+    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    check_tensor("x", x, (None, None), ACT_DTYPES)
+    dev, dt = x.device, x.dtype
+    T, K = x.shape
+    if T < 1 or K < 1:
+        raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
+    check_tensor("norm_w", norm_w, (K,), dt, dev)
+    check_tensor("W", W, (None, K), dt, dev)
+    N = W.shape[0]
+    if N < 1:
+        raise ValueError("W must have at least one row")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    out_dtype = dt if out_dtype is None else out_dtype
+    if out_dtype not in ACT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, (N,), dt, dev)
+    if residual is not None:
+        check_tensor("residual", residual, (T, K), dt, dev)
+        residual_out = check_out("residual_out", residual_out, (T, K), dt, dev)
+    elif residual_out is not None:
+        raise ValueError("residual_out is only written when residual is given")
+    check_launchable(_rmsnorm_linear_kernel, dev)
+    out = check_out("out", out, (T, N), out_dtype, dev)
+    bn = default_block_n(N, T, target_programs=64) if block_n is None else block_n
+    stages = default_num_stages(bn, x.element_size(), most=4) if num_stages is None else num_stages
+    grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, bn),)
+    has_res = residual is not None
+    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x if bias is None else bias, out,
+                                 residual_out if has_res else out, T, N, K, float(eps), HAS_RES=has_res,
+                                 HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
+                                 BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=stages)
+    return out if residual is None else (out, residual_out)
