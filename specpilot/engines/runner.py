@@ -26,7 +26,9 @@ class StepOutput:
     features: torch.Tensor | None = None  # [rows, len(capture) * hidden] target features (block drafters)
 
 
-X
+# "global" capture aborts on the Triton launcher's driver queries (seen on the H200 with triton 3.6);
+# "thread_local" only forbids unsafe calls made from other threads during capture.
+CAPTURE_ERROR_MODE = "thread_local"
 
 
 def chain_anc(n: int) -> np.ndarray:
