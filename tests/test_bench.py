@@ -36,12 +36,16 @@ def test_bench_runs_ar_and_every_drafter_with_equal_tokens(tiny_deployment, tmp_
     rc = bench_main(["bench", "--deployment", str(tiny_deployment), "--json", "--out", str(tmp_path)])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert set(out["summary"]) == {"ar", "ngram", f"draft_model:{tiny_deployment.parent / 'draft'}"}
-    assert all(v["all_match_ar"] for v in out["summary"].values())
+    spec = {"ngram", f"draft_model:{tiny_deployment.parent / 'draft'}"}
+    assert set(out["summary"]) == {"ar", "ar_fast"} | spec
+    assert all(out["summary"][v]["all_match_ar"] for v in spec)
     reqs = out["requests"]
-    assert len(reqs) == 2 * 3  # 2 prompts (gsm8k, mbpp) x (AR + 2 drafters), interleaved per prompt
-    assert [r["variant"] for r in reqs[:3]][0] == "ar"
-    assert all(r["speedup"] > 0 for r in reqs if r["variant"] != "ar")
+    assert len(reqs) == 2 * 4  # 2 prompts (gsm8k, mbpp) x (AR, fastest AR, 2 drafters), interleaved per prompt
+    assert [r["variant"] for r in reqs[:4]] == ["ar", "ar_fast", *sorted(spec, key=lambda v: v != "ngram")]
+    for r in reqs:
+        if r["variant"] in spec:  # against the faster AR mode, never more than against the exact one's time
+            ar_times = [x["decode_s"] for x in reqs if x["prompt_id"] == r["prompt_id"] and x["variant"] in ("ar", "ar_fast")]
+            assert r["speedup"] == pytest.approx(min(ar_times) / r["decode_s"])
     assert json.loads((tmp_path / "bench.json").read_text())["deployment"] == "tiny-cpu"
 
 

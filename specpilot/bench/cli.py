@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from specpilot.bench.harness import AR_LABEL, Variant, format_report, run_bench
+from specpilot.bench.harness import AR_FAST_LABEL, AR_LABEL, Variant, format_report, run_bench
 from specpilot.bench.session import DeploymentSession
 from specpilot.deployments import load_deployment
 from specpilot.workload import Benchmark, WorkloadSpec
@@ -15,6 +15,8 @@ from specpilot.workload import Benchmark, WorkloadSpec
 def variants_for(session: DeploymentSession, mode: str) -> list[Variant]:
     dep = session.deployment
     out = [Variant(AR_LABEL, dep.ar_config())]
+    if dep.ar_config().batch_invariant:  # also the fastest AR shapes, so speedups are not against a slow baseline
+        out.append(Variant(AR_FAST_LABEL, dep.ar_config().replace(batch_invariant=False)))
     if mode != "ar":
         out += [Variant(label, cfg, label) for label, cfg in dep.drafter_configs().items()]
     return out
