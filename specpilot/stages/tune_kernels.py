@@ -1,0 +1,365 @@
+"""tune_kernels: search the launch parameters of the kernels furthest from their bound, per shape and token count.
+
+1. Selection: op classes above their roofline ideal (attribution.kernel.op_gaps), by excess time (what tuning can
+   win back per step: a 10x-slow 2 us kernel matters less than a 2x-slow GEMM), ratio breaking ties, mapped to
+   SpecPilot's kernels (NORM runs fused inside qkv and gate_up).
+2. Batch invariance: fields outside a kernel's T_NEUTRAL set the reduction order, so one setting of them holds
+   for every T of a shape (searched per shape, on the total over all T); T-neutral fields are then searched per
+   (shape, T), and a setting that changes any bit of the output against the shape's setting is refused.
+3. Proof: winners are re-timed against the defaults afresh, interleaved (re-profiling); what does not reproduce
+   `min_gain` is dropped. CUDA timing is real (triton.testing.do_bench); on CPU only the Triton interpreter runs
+   the kernels, whose timings mean nothing for a GPU: refused unless allow_cpu=True (tests exercise the search).
+The table goes into EngineConfig.kernel_table as (f"{kernel}@{N}x{K}@T{t}", params JSON).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from specpilot.costmodel import Attribution
+from specpilot.engines.config import EngineConfig
+from specpilot.engines.shapes import LlamaShape, OpClass
+from specpilot.kernels import (AcceptParams, AttentionParams, LaunchParams, LinearParams, RMSNormLinearParams,
+                               RopeKVParams, SwigluParams)
+from specpilot.stages.candidate import Candidate
+
+if TYPE_CHECKING:
+    from specpilot.stages.io import StageRun
+
+Run = Callable[[LaunchParams], Any]  # launches the kernel on fixed inputs with these params, returns its outputs
+
+
+class TuneError(RuntimeError):
+    """Tuning cannot run here (device), or a table breaks batch invariance."""
+
+
+@dataclass(frozen=True)
+class TuneBudget:
+    max_kernels: int = 3
+    min_gap: float = 1.05  # op classes within 5% of their roofline ideal are not worth tuning
+    max_settings: int = 16  # settings timed per (kernel, shape) search and per (kernel, shape, T) search
+    reps: int = 20  # timing repetitions (CUDA: do_bench's rep in ms; CPU: calls, median)
+    context: int = 2048  # cached keys the attention kernel reads while timed
+    min_gain: float = 1.02  # re-profiled default time / tuned time needed to keep a change
+    seed: int = 0
+
+
+def _k():
+    import specpilot.kernels as kernels  # looked up at call time: tests reload the modules under the interpreter
+    return kernels
+
+
+def _rnd(g: torch.Generator, dtype, dev, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
+
+
+# Input builders: (shape, N, K, T, context, dtype, device, generator) -> Run over fixed inputs of that call.
+def _norm_linear(residual: bool, logits: bool) -> Callable[..., Run]:
+    def make(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+        x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _rnd(g, dtype, dev, n, k, scale=k ** -0.5)
+        r, out = _rnd(g, dtype, dev, t, k) if residual else None, torch.float32 if logits else None
+        return lambda p: _k().rmsnorm_linear(x, nw, w, sh.rms_eps, r, out_dtype=out, **p.as_kwargs())
+    return make
+
+
+def _linear(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    x, w, r = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, n, k, scale=k ** -0.5), _rnd(g, dtype, dev, t, n)
+    return lambda p: _k().linear(x, w, r, **p.as_kwargs())
+
+
+def _swiglu(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    gu = _rnd(g, dtype, dev, t, k)
+    return lambda p: _k().swiglu(gu, **p.as_kwargs())
+
+
+def _rope_kv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    kc, vc = (_rnd(g, dtype, dev, sh.kv_heads, ctx + t, sh.head_dim) for _ in range(2))
+    cos, sin = _k().rope_tables(ctx + t, sh.head_dim, sh.rope_theta, dev)
+    qkv, pos = _rnd(g, dtype, dev, t, n), torch.arange(ctx, ctx + t, device=dev)
+    return lambda p: (_k().rope_kv_write(qkv, pos, pos, cos, sin, kc, vc, sh.heads, sh.kv_heads, **p.as_kwargs()),
+                      kc, vc)
+
+
+def _attention(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    kc, vc = (_rnd(g, dtype, dev, sh.kv_heads, ctx + t, sh.head_dim) for _ in range(2))
+    q, anc = _rnd(g, dtype, dev, t, sh.heads, sh.head_dim), torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
+    return lambda p: _k().attention(q, kc, vc, ctx, anc, **p.as_kwargs())
+
+
+def _accept(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    tgt, drf = (torch.randint(0, 4, (t,), generator=g).to(dev) for _ in range(2))
+    return lambda p: _k().greedy_accept(tgt, drf, torch.arange(-1, t - 1, device=dev), **p.as_kwargs())
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    params: type[LaunchParams]
+    ops: tuple[OpClass, ...]  # op classes whose time this kernel carries
+    dims: Callable[[LlamaShape], tuple[int, int]]  # (N, K): output and input features of one call
+    make: Callable[..., Run]
+
+
+_QKV = lambda s: s.q_dim + 2 * s.kv_dim  # noqa: E731
+SPECS: tuple[KernelSpec, ...] = (
+    KernelSpec("qkv", RMSNormLinearParams, (OpClass.QKV, OpClass.NORM), lambda s: (_QKV(s), s.hidden),
+               _norm_linear(False, False)),
+    KernelSpec("gate_up", RMSNormLinearParams, (OpClass.GATE_UP, OpClass.NORM),
+               lambda s: (2 * s.intermediate, s.hidden), _norm_linear(True, False)),
+    KernelSpec("lm_head", RMSNormLinearParams, (OpClass.LM_HEAD,), lambda s: (s.vocab, s.hidden),
+               _norm_linear(False, True)),
+    KernelSpec("o_proj", LinearParams, (OpClass.O_PROJ,), lambda s: (s.hidden, s.q_dim), _linear),
+    KernelSpec("down", LinearParams, (OpClass.DOWN,), lambda s: (s.hidden, s.intermediate), _linear),
+    KernelSpec("swiglu", SwigluParams, (OpClass.ACT,), lambda s: (s.intermediate, 2 * s.intermediate), _swiglu),
+    KernelSpec("rope_kv", RopeKVParams, (OpClass.ROPE_KV,), lambda s: (_QKV(s), s.head_dim), _rope_kv),
+    KernelSpec("attention", AttentionParams, (OpClass.ATTN,), lambda s: (s.q_dim, s.kv_dim), _attention),
+    KernelSpec("greedy_accept", AcceptParams, (OpClass.ACCEPT,), lambda s: (1, 1), _accept),
+)
+BY_NAME = {s.name: s for s in SPECS}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernel: str
+    op: OpClass  # the op class whose gap selected it
+    gap: float  # measured / ideal
+    excess_s: float  # measured - ideal, per step
+
+
+def select_kernels(attribution: Attribution, max_kernels: int, specs: Sequence[KernelSpec] = SPECS,
+                   min_gap: float = 1.05) -> tuple[KernelChoice, ...]:
+    gaps = sorted((g for g in attribution.kernel.op_gaps
+                   if g.gap is not None and g.gap >= min_gap and g.excess_s > 0.0), key=lambda g: (-g.excess_s, -g.gap))
+    chosen: dict[str, KernelChoice] = {}
+    for g in gaps:
+        for spec in specs:
+            if g.op in spec.ops and spec.name not in chosen and len(chosen) < max_kernels:
+                chosen[spec.name] = KernelChoice(spec.name, g.op, g.gap, g.excess_s)
+    return tuple(chosen.values())
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    kernel: str
+    n: int
+    k: int
+    tokens: int
+    params: dict[str, Any]  # every LaunchParams field
+    default_ms: float  # re-profiled
+    tuned_ms: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.kernel}@{self.n}x{self.k}@T{self.tokens}"
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    device: str
+    dtype: str
+    context: int
+    entries: tuple[TableEntry, ...]
+    selected: tuple[KernelChoice, ...] = ()
+    refused: tuple[str, ...] = ()  # settings that were invalid or changed bits they must not
+
+    def config_pairs(self) -> tuple[tuple[str, str], ...]:
+        return tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in self.entries)
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """`config` with this table (replacing entries of the same key)."""
+        merged = dict(config.kernel_table) | dict(self.config_pairs())
+        check_invariance(tuple(merged.items()))
+        return config.replace(kernel_table=tuple(sorted(merged.items())))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "context": self.context,
+                "entries": [dataclasses.asdict(e) for e in self.entries],
+                "selected": [{**dataclasses.asdict(c), "op": c.op.value} for c in self.selected],
+                "refused": list(self.refused)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KernelTable":
+        return cls(d["device"], d["dtype"], d["context"], tuple(TableEntry(**e) for e in d["entries"]),
+                   tuple(KernelChoice(c["kernel"], OpClass(c["op"]), c["gap"], c["excess_s"]) for c in d["selected"]),
+                   tuple(d["refused"]))
+
+
+def parse_key(key: str) -> tuple[str, int, int, int]:
+    try:
+        kernel, nk, t = key.split("@")
+        n, k = nk.split("x")
+        return kernel, int(n), int(k), int(t.removeprefix("T"))
+    except ValueError:
+        raise TuneError(f"kernel table key {key!r} is not kernel@NxK@Tt") from None
+
+
+def _fixed(spec: KernelSpec, params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in spec.params.T_NEUTRAL}
+
+
+def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:
+    """Every entry is a valid LaunchParams, and the fields that set numerics agree across the T of a shape."""
+    seen: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for key, text in pairs:
+        kernel, n, k, _ = parse_key(key)
+        if kernel not in BY_NAME:
+            raise TuneError(f"{key}: unknown kernel {kernel!r}")
+        params = json.loads(text)
+        BY_NAME[kernel].params(**params)  # validates the values
+        fixed = _fixed(BY_NAME[kernel], params)
+        if seen.setdefault((kernel, n, k), fixed) != fixed:
+            raise TuneError(f"{key}: {fixed} breaks batch invariance; other T of {kernel}@{n}x{k} use "
+                            f"{seen[(kernel, n, k)]}")
+
+
+def launch_params(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int, tokens: int) -> dict[str, Any] | None:
+    """What the engine launches `kernel` with at (N, K, T): the entry for T; else, if the shape has entries,
+    their numerics-setting fields with default T-neutral ones (they hold for every T); else None (defaults)."""
+    rows = {parse_key(key)[3]: json.loads(text) for key, text in pairs if parse_key(key)[:3] == (kernel, n, k)}
+    if tokens in rows:
+        return rows[tokens]
+    if not rows:
+        return None
+    return dataclasses.asdict(BY_NAME[kernel].params(**_fixed(BY_NAME[kernel], next(iter(rows.values())))))
+
+
+def write_kernel_table(table: KernelTable, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(table.to_dict(), indent=1))
+    return path
+
+
+def read_kernel_table(path: str | Path) -> KernelTable:
+    table = KernelTable.from_dict(json.loads(Path(path).read_text()))
+    check_invariance(table.config_pairs())
+    return table
+
+
+# ---- the search -------------------------------------------------------------------------------------------
+def _settings(spec: KernelSpec, fields: Sequence[str], limit: int, rng: random.Random) -> list[dict[str, Any]]:
+    """The default setting of `fields` first, then up to limit-1 others from SEARCH_SPACE (sampled if more)."""
+    default = {f: getattr(spec.params(), f) for f in fields}
+    space = [dict(zip(fields, vals)) for vals in itertools.product(*(spec.params.SEARCH_SPACE[f] for f in fields))]
+    others = [s for s in space if s != default]
+    return [default] + (others if len(others) < limit else rng.sample(others, limit - 1))
+
+
+def _timer(dev: torch.device, reps: int) -> Callable[[Callable[[], Any]], float]:
+    if dev.type == "cuda":
+        import triton.testing
+        return lambda fn: float(triton.testing.do_bench(fn, warmup=max(5, reps // 4), rep=reps, return_mode="median"))
+
+    def cpu(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+    return cpu
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit-identical outputs (one tensor or a tuple of them)."""
+    a, b = ((x,) if isinstance(x, torch.Tensor) else tuple(x) for x in (a, b))
+
+    def bits(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().contiguous().reshape(-1).view(torch.uint8)
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
+                                    for x, y in zip(a, b))
+
+
+def _check_device(dev: torch.device, allow_cpu: bool) -> None:
+    from specpilot.kernels import _common
+    interpreted = _common.is_interpreted(_k().gemm._linear_kernel)
+    if dev.type == "cuda" and (interpreted or not torch.cuda.is_available()):
+        raise TuneError("tune_kernels on CUDA needs a GPU and compiled kernels (unset TRITON_INTERPRET)")
+    if dev.type != "cuda" and not allow_cpu:
+        raise TuneError(f"tune_kernels times kernels on the real device; on {dev} only the Triton interpreter runs "
+                        "them and its timings say nothing about GPU speed (allow_cpu=True exercises the search)")
+    if dev.type != "cuda" and not interpreted:
+        raise TuneError("on CPU the kernels run only under the interpreter: set TRITON_INTERPRET=1 before import")
+
+
+def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torch.device, tokens_list: Sequence[int],
+                 budget: TuneBudget = TuneBudget(), *, allow_cpu: bool = False, dtype: torch.dtype | None = None,
+                 specs: Sequence[KernelSpec] = SPECS) -> KernelTable:
+    dev = torch.device(device)
+    _check_device(dev, allow_cpu)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    rng, timed = random.Random(budget.seed), _timer(dev, budget.reps)
+    choices = select_kernels(attribution, budget.max_kernels, specs, budget.min_gap)
+    entries: list[TableEntry] = []
+    refused: list[str] = []
+    by_name = {s.name: s for s in specs}
+    for choice in choices:
+        spec = by_name[choice.kernel]
+        n, k = spec.dims(shape)
+        runs = {t: spec.make(shape, n, k, t, budget.context, dtype, dev, torch.Generator().manual_seed(budget.seed + t))
+                for t in tokens_list}
+        default = spec.params()
+        fields = [f.name for f in dataclasses.fields(spec.params)]
+
+        def total(p: LaunchParams) -> float:
+            return sum(timed(lambda r=r: r(p)) for r in runs.values())
+
+        # 1) numerics-setting fields: one setting per shape, judged on the total over every T
+        fixed_fields = [f for f in fields if f not in spec.params.T_NEUTRAL and f in spec.params.SEARCH_SPACE]
+        scored = []
+        for s in _settings(spec, fixed_fields, budget.max_settings, rng):
+            try:
+                p = dataclasses.replace(default, **s)
+                scored.append((total(p), p))
+            except ValueError as e:
+                refused.append(f"{spec.name}@{n}x{k} {s}: {e}")
+        base = min(scored, key=lambda x: x[0])[1]
+        if base != default and total(default) / total(base) < budget.min_gain:  # re-profiled: not reproduced
+            base = default
+        # 2) T-neutral fields per T; each must keep every bit of the output
+        neutral = [f for f in fields if f in spec.params.T_NEUTRAL and f in spec.params.SEARCH_SPACE]
+        for t, run in runs.items():
+            reference, best = run(base), (timed(lambda: run(base)), base)
+            for s in _settings(spec, neutral, budget.max_settings, rng)[1:]:
+                try:
+                    p = dataclasses.replace(base, **s)
+                    if not _same(run(p), reference):
+                        refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: output differs from {dataclasses.asdict(base)}")
+                        continue
+                    best = min(best, (timed(lambda: run(p)), p), key=lambda x: x[0])
+                except ValueError as e:
+                    refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: {e}")
+            # 3) re-profile default, shape setting and winner afresh, interleaved; keep what reproduces
+            rounds = [(timed(lambda: run(default)), timed(lambda: run(base)), timed(lambda: run(best[1])))
+                      for _ in range(3)]
+            d_ms, b_ms, w_ms = (statistics.median(col) for col in zip(*rounds))
+            winner, tuned_ms = (best[1], w_ms) if best[1] != base and b_ms / w_ms >= budget.min_gain else (base, b_ms)
+            if winner != default:  # a shape-level setting is written for every T, gain or not: invariance
+                entries.append(TableEntry(spec.name, n, k, t, dataclasses.asdict(winner), d_ms, tuned_ms))
+    table = KernelTable(str(dev), str(dtype).removeprefix("torch."), budget.context, tuple(entries), choices,
+                        tuple(refused))
+    check_invariance(table.config_pairs())
+    return table
+
+
+def run(run: "StageRun") -> dict[str, Any]:
+    """Stage entry: profile's shape and build, attribute's attribution; writes kernel_table.json and the build
+    with the table applied (build.json). Params: tokens (default 1 and the build's token tile), budget, allow_cpu."""
+    build = Candidate.from_dict(run.read_json("profile", "build.json"))
+    table = tune_kernels(Attribution.from_dict(run.read_json("attribute", "attribution.json")),
+                         LlamaShape(**run.read_json("profile", "shape.json")), run.device,
+                         run.param("tokens") or sorted({1, build.config.token_tile}),
+                         TuneBudget(**run.param("budget", {})), allow_cpu=bool(run.param("allow_cpu", False)))
+    write_kernel_table(table, run.out_dir / "kernel_table.json")
+    tuned = dataclasses.replace(build, name=f"{build.name}+kernels", config=table.apply(build.config))
+    (run.out_dir / "build.json").write_text(json.dumps(tuned.to_dict(), indent=1))
+    return {"kernels": [c.kernel for c in table.selected], "entries": len(table.entries),
+            "refused": len(table.refused), "kernel_table": [list(p) for p in table.config_pairs()]}

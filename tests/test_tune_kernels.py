@@ -1,0 +1,137 @@
+"""tune_kernels on CPU under the Triton interpreter (allow_cpu: exercises the search, says nothing about speed):
+selection order from a hand-built attribution, batch-invariance enforcement, and the table's round trip
+through EngineConfig."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import sys
+from typing import ClassVar
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from specpilot.kernels import _common  # noqa: E402
+
+if not torch.cuda.is_available() and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
+    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "attn", "accept"):  # another module imported them compiled
+        importlib.reload(sys.modules[f"specpilot.kernels.{_name}"])
+    importlib.reload(sys.modules["specpilot.kernels"])
+
+from specpilot.costmodel import Ceilings, attribute, ideal_op_times  # noqa: E402
+from specpilot.engines.config import EngineConfig  # noqa: E402
+from specpilot.engines.shapes import LlamaShape, OpClass  # noqa: E402
+from specpilot.engines.traces import KernelTrace, StepTrace  # noqa: E402
+from specpilot.kernels import AttentionParams, LinearParams  # noqa: E402
+from specpilot.stages import tune_kernels as tk  # noqa: E402
+
+SHAPE = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64, rms_eps=1e-5,
+                   rope_theta=10000.0, tie_embeddings=False)
+TOKENS, CONTEXT = 4, 64
+CEILINGS = Ceilings(peak_flops=1e12, peak_bandwidth=1e11)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = tk.TuneBudget(max_kernels=2, max_settings=3, reps=1, context=300, min_gain=1.0)
+
+
+def hand_attribution(multiples: dict[OpClass, float]):
+    """One kernel trace per op class (recorded op), each `multiples[op]` x its ideal time (1.0 if absent)."""
+    ideals = ideal_op_times(SHAPE, TOKENS, CONTEXT, CEILINGS)
+    traces = [KernelTrace(f"k_{op.value}", op.value, calls=10, device_s=multiples.get(op, 1.0) * i.ideal_s * 10,
+                          steps=10, tokens=TOKENS) for op, i in ideals.items()]
+    steps = [StepTrace("r", 0, CONTEXT, 3, 3, 2, 3, 4, 1e-4, 1e-3, [[5], [6], [7]], [[0.9], [0.8], [0.7]], [5, 6, 8, 9])]
+    return attribute(steps, traces, SHAPE, CEILINGS, lambda n: 1.0 + 0.1 * n, tokens=TOKENS, context=CONTEXT)
+
+
+def test_selection_takes_the_largest_excess_time_first_and_maps_ops_to_kernels():
+    ideals = ideal_op_times(SHAPE, TOKENS, CONTEXT, CEILINGS)
+    # ACCEPT has the largest ratio but a tiny ideal; LM_HEAD's 3x of a large ideal is the most time to win back.
+    attr = hand_attribution({OpClass.ACCEPT: 40.0, OpClass.LM_HEAD: 3.0, OpClass.ATTN: 2.0, OpClass.DOWN: 1.5})
+    excess = {op: (m - 1.0) * ideals[op].ideal_s for op, m in
+              {OpClass.ACCEPT: 40.0, OpClass.LM_HEAD: 3.0, OpClass.ATTN: 2.0, OpClass.DOWN: 1.5}.items()}
+    want = [op for op in sorted(excess, key=lambda o: -excess[o])]
+    op_kernel = {OpClass.ACCEPT: "greedy_accept", OpClass.LM_HEAD: "lm_head", OpClass.ATTN: "attention",
+                 OpClass.DOWN: "down"}
+    chosen = tk.select_kernels(attr, max_kernels=4)
+    assert [c.kernel for c in chosen] == [op_kernel[op] for op in want]
+    assert [c.op for c in chosen] == want and all(c.gap > 1.0 for c in chosen)
+    assert tk.select_kernels(hand_attribution({}), max_kernels=4) == ()  # nothing above its ideal: nothing to tune
+    norm_only = tk.select_kernels(hand_attribution({OpClass.NORM: 5.0}), max_kernels=4)  # norms run fused in GEMMs
+    assert [c.kernel for c in norm_only] == ["qkv", "gate_up"]
+
+
+def test_cpu_tuning_is_refused_unless_asked_for():
+    with pytest.raises(tk.TuneError, match="allow_cpu"):
+        tk.tune_kernels(hand_attribution({OpClass.O_PROJ: 4.0}), SHAPE, "cpu", [1, 4], TINY)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the interpreter path")
+def test_tuned_table_keeps_numerics_fields_per_shape_and_round_trips(tmp_path):
+    attr = hand_attribution({OpClass.ATTN: 6.0, OpClass.O_PROJ: 3.0})
+    table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], TINY, allow_cpu=True)
+    assert [c.kernel for c in table.selected] == ["attention", "o_proj"]
+    by_kernel: dict[str, list[tk.TableEntry]] = {}
+    for e in table.entries:
+        by_kernel.setdefault(e.kernel, []).append(e)
+        assert (e.n, e.k) == tk.BY_NAME[e.kernel].dims(SHAPE) and e.default_ms > 0 and e.tuned_ms > 0
+    # block_n / split_keys set the reduction order: one setting for every T of the shape, so an entry for every
+    # T (the interpreter runs one program at a time: fewer, larger key blocks and splits win there by far)
+    attn = by_kernel["attention"]
+    assert len({(e.params["block_n"], e.params["split_keys"]) for e in attn}) == 1
+    assert (attn[0].params["block_n"], attn[0].params["split_keys"]) != (64, 256)
+    assert sorted(e.tokens for e in attn) == [1, 4]
+    cfg = table.apply(EngineConfig())
+    assert cfg.kernel_table == tuple(sorted(table.config_pairs()))
+    back = EngineConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and back.digest() == cfg.digest()
+    path = tk.write_kernel_table(table, tmp_path / "kernel_table.json")
+    assert tk.read_kernel_table(path) == table
+    for key, text in back.kernel_table:  # what the engine will launch with at each tuned (shape, T)
+        kernel, n, k, t = tk.parse_key(key)
+        assert tk.launch_params(back.kernel_table, kernel, n, k, t) == json.loads(text)
+
+
+def test_invariance_is_enforced_on_tables_and_lookups():
+    n, k = tk.BY_NAME["attention"].dims(SHAPE)
+    ok = ((f"attention@{n}x{k}@T1", json.dumps(dataclasses.asdict(AttentionParams(block_n=32, split_keys=128)))),
+          (f"attention@{n}x{k}@T4", json.dumps(dataclasses.asdict(AttentionParams(32, 128, num_warps=8)))))
+    tk.check_invariance(ok)
+    # a T without an entry still gets the shape's reduction-order fields (with default T-neutral ones)
+    assert tk.launch_params(ok, "attention", n, k, 16) == dataclasses.asdict(AttentionParams(block_n=32, split_keys=128))
+    assert tk.launch_params(ok, "attention", n + 1, k, 16) is None
+    bad = ok + ((f"attention@{n}x{k}@T8", json.dumps(dataclasses.asdict(AttentionParams(block_n=64, split_keys=128)))),)
+    with pytest.raises(tk.TuneError, match="batch invariance"):
+        tk.check_invariance(bad)
+    with pytest.raises(tk.TuneError, match="batch invariance"):
+        tk.KernelTable("cpu", "float32", 64, tuple(
+            tk.TableEntry("attention", n, k, t, json.loads(p), 1.0, 1.0) for t, (_, p) in zip((1, 4, 8), bad))
+        ).apply(EngineConfig())
+    linear = dataclasses.asdict(LinearParams(block_n=64, num_warps=2))  # all T-neutral: free per T
+    tk.check_invariance((("o_proj@32x32@T1", json.dumps(linear)),
+                         ("o_proj@32x32@T4", json.dumps(LinearParams().as_kwargs()))))
+    with pytest.raises(ValueError):
+        tk.check_invariance((("o_proj@32x32@T1", json.dumps({**linear, "num_warps": 3})),))
+
+
+@dataclasses.dataclass(frozen=True)
+class MislabelledAttention(AttentionParams):
+    """Claims split_keys changes no bit: the tuner's bit-identity check must catch it."""
+
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "split_keys")
+    SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"split_keys": (128, 256, 512)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the interpreter path")
+def test_a_t_neutral_claim_that_changes_bits_is_refused():
+    spec = dataclasses.replace(tk.BY_NAME["attention"], params=MislabelledAttention)
+    budget = dataclasses.replace(TINY, max_kernels=1, max_settings=3)
+    table = tk.tune_kernels(hand_attribution({OpClass.ATTN: 6.0}), SHAPE, DEVICE, [4], budget, allow_cpu=True,
+                            specs=(spec,))
+    # 128 and 512 split the 300 cached keys differently from the default 256: different rounding, refused
+    assert sorted(r.split("{'split_keys': ")[1][:3] for r in table.refused if "output differs" in r) == ["128", "512"]
+    assert table.entries == ()
