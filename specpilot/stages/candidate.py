@@ -43,6 +43,10 @@ class Candidate:
         if self.policy is None:
             return STOCK
         target, cls_name = self.policy.rsplit(":", 1)
+        if target.endswith(".py") and self.source is CandidateSource.AGENT:
+            # Agent-written code never runs in the orchestrator: specpilot.agents.sandbox runs it isolated.
+            raise PermissionError(f"candidate {self.name}: agent policy code runs only in the sandbox "
+                                  "(specpilot.agents.sandbox), never in this process")
         if target.endswith(".py"):
             path = Path(target)
             if not path.is_file():
