@@ -11,6 +11,8 @@ _CLI_MODULES = (
     "specpilot.testbed.cli",
     "specpilot.memory.cli",
     "specpilot.artifacts.cli",
+    "specpilot.weights.cli",
+    "specpilot.drafting.cli",
 )
 
 

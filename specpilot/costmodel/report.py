@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from specpilot.costmodel.attribution import Attribution
 from specpilot.costmodel.classify import short_kernel_name
@@ -100,6 +98,10 @@ def render_markdown(attr: Attribution) -> str:
 
 def plot(attr: Attribution, path: str | Path) -> Path:
     """Write a PNG: the three factors (as time ratios) and measured vs ideal time per op class."""
+    # Imported here: engines on a bare GPU host import the cost model's tree code but have no matplotlib.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     out = Path(path)
     fig = Figure(figsize=(12, 4.5))
     FigureCanvasAgg(fig)

@@ -3,27 +3,33 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig
+from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, VerifyMode
+from specpilot.engines.drafters.block import BlockDrafterModel
+from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.engine import SpecEngine
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.runner import ModelRunner
+from specpilot.engines.two_level import LevelOne, LevelOneConfig, TwoLevelDrafter
 
 
 def block_width(cfg: EngineConfig) -> int:
     """Widest verify block the config can produce (root + draft nodes), rounded up to the token tile."""
     nodes = {DrafterKind.NONE: 0, DrafterKind.NGRAM: cfg.draft_len, DrafterKind.DRAFT_MODEL: cfg.draft_len,
-             DrafterKind.BLOCK: cfg.tree_budget}[cfg.drafter]
+             DrafterKind.BLOCK: TreeShape.from_config(cfg).max_nodes}[cfg.drafter]
     width = max(nodes + 1, cfg.token_tile if cfg.batch_invariant else 1)
     tile = cfg.token_tile if cfg.batch_invariant else 1
     return -(-width // tile) * tile
 
 
 def build_engine(cfg: EngineConfig, target: LlamaModel, eos: frozenset[int], device: str | torch.device,
-                 draft_model: LlamaModel | None = None, policy: EnginePolicy = STOCK) -> SpecEngine:
-    runner = ModelRunner(policy.transform_weights(target), cfg, device, block_width=block_width(cfg))
+                 draft_model: LlamaModel | None = None, policy: EnginePolicy = STOCK,
+                 block_drafter: BlockDrafterModel | None = None) -> SpecEngine:
+    # A block drafter reads target features: the runner captures the layers it was trained on.
+    capture = block_drafter.config.target_layers if cfg.drafter is DrafterKind.BLOCK and block_drafter else ()
+    runner = ModelRunner(policy.transform_weights(target), cfg, device, block_width=block_width(cfg), capture=capture)
     if cfg.drafter is DrafterKind.NONE:
         drafter = None
     elif cfg.drafter is DrafterKind.NGRAM:
@@ -36,6 +42,16 @@ def build_engine(cfg: EngineConfig, target: LlamaModel, eos: frozenset[int], dev
         # The drafter runs at its fastest shapes: its outputs are only proposals, verified by the target.
         draft_cfg = cfg.replace(batch_invariant=False, compile=False)
         drafter = DraftModelDrafter(ModelRunner(draft_model, draft_cfg, device, block_width=16, topk=4), cfg.draft_len)
+    elif cfg.drafter is DrafterKind.BLOCK:
+        if block_drafter is None:
+            raise ConfigError("drafter=block needs a block drafter model (specpilot.drafting.checkpoint.load_drafter)")
+        try:
+            # The drafter reads the stock target's embedding and LM head: drafts are only proposals.
+            drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     else:
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
+    if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
+        drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
     return SpecEngine(runner, drafter, eos, policy=policy)

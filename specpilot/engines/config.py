@@ -91,6 +91,10 @@ class EngineConfig:
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
         _check(self.token_tile in (1, 2, 4, 8, 16, 32, 64), f"token_tile={self.token_tile}: must be a power of 2 <= 64")
         _check(self.max_seq_len >= 64, f"max_seq_len={self.max_seq_len}: must be >= 64")
+        if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON
+                                                        or self.dtype is not DType.BF16):
+            raise ConfigError("weight_format=w12 decodes inside the Triton matmuls: it needs kernel_backend=triton "
+                              "and dtype=bfloat16")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))

@@ -4,6 +4,10 @@ Eight launches per layer instead of ~15 stock ops: norm+QKV, rotary+KV write, at
 o_proj+residual, norm+gate_up, SwiGLU, down+residual. Every kernel tiles tokens by a fixed BLOCK_M and reduces
 in a fixed order, so a token's row is bit-identical whatever the forward's width: AR (1 token) and verify
 (k tokens) agree without padding to a common shape. Same weights as the torch path (the LlamaModel's).
+
+weight_format=W12: the projections read W12 weights (specpilot.weights), decoded inside the matmul by the
+w12_* kernels, which give the bf16 kernels' bits on the decoded weights; the W12 weights are built once, with
+the tables, and checked bit for bit against the model, so W12 changes no output, only the bytes read per step.
 """
 from __future__ import annotations
 
@@ -12,27 +16,45 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specpilot.engines.config import WeightFormat
 from specpilot.engines.llama import LlamaModel
+from specpilot.weights.model import W12Weights
 
 
 @dataclass
 class FusedTables:
     cos: torch.Tensor  # [max_pos, D/2] fp32
     sin: torch.Tensor
+    w12: W12Weights | None = None  # the projections in W12 (weight_format=W12); None: read the model's bf16
 
 
-def rope_tables_for(model: LlamaModel, max_positions: int, device) -> FusedTables:
+def rope_tables_for(model: LlamaModel, max_positions: int, device,
+                    weight_format: WeightFormat = WeightFormat.NATIVE, w12: W12Weights | None = None) -> FusedTables:
+    """Rotary tables, and for W12 the packed projections: `w12` (e.g. from a pack) or encoded from the model."""
     from specpilot.kernels import rope_tables
     sh = model.shape
     cos, sin = rope_tables(max_positions, sh.head_dim, sh.rope_theta, device)
-    return FusedTables(cos.contiguous(), sin.contiguous())
+    packed = None
+    if weight_format is WeightFormat.W12:
+        check_fusable(model, weight_format)
+        if w12 is None:
+            packed = W12Weights.from_model(model)
+        else:
+            packed = w12.to(next(model.parameters()).device)
+            packed.check_against(model)  # the engine's exactness rests on decoding to the very weights it runs
+    elif w12 is not None:
+        raise ValueError(f"W12 weights given but weight_format={weight_format.value}")
+    return FusedTables(cos.contiguous(), sin.contiguous(), packed)
 
 
-def check_fusable(model: LlamaModel) -> None:
+def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.NATIVE) -> None:
     sh = model.shape
     if sh.qk_norm or sh.attention_bias:
         raise ValueError(f"the Triton backend does not fuse {sh.model_type} (q/k norms or QKV biases); "
                          "use kernel_backend=torch")
+    dtype = next(model.parameters()).dtype
+    if weight_format is WeightFormat.W12 and dtype != torch.bfloat16:
+        raise ValueError(f"weight_format=w12 stores bf16 weights; this model runs in {dtype}")
 
 
 def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, k_caches, v_caches,
@@ -42,19 +64,28 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     (logits fp32 [T, V], captured layer outputs)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear, rope_kv_write, swiglu
     sh = model.shape
+    packed = tables.w12
+    if packed is None:  # the model's bf16 (or fp32) weights
+        proj, norm_proj = linear, rmsnorm_linear
+        ws = [(a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight)
+              for a, m in ((layer.self_attn, layer.mlp) for layer in model.layers)]
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    else:
+        from specpilot.kernels.w12_linear import w12_linear as proj, w12_rmsnorm_linear as norm_proj
+        ws = [(p.qkv, p.o, p.gate_up, p.down) for p in packed.layers]
+        head = packed.head
     stream = F.embedding(ids, model.embed_tokens.weight)
     captured = []
     for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = rmsnorm_linear(stream, layer.input_layernorm.weight, attn.qkv_proj.weight, sh.rms_eps)
+        w_qkv, w_o, w_gate_up, w_down = ws[i]
+        qkv = norm_proj(stream, layer.input_layernorm.weight, w_qkv, sh.rms_eps)
         q = rope_kv_write(qkv, positions, slots, tables.cos, tables.sin, k_caches[i], v_caches[i], sh.heads, sh.kv_heads)
         o = attention(q, k_caches[i], v_caches[i], base, anc)
-        stream = linear(o, attn.o_proj.weight, residual=stream)
-        gate_up = rmsnorm_linear(stream, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, sh.rms_eps)
+        stream = proj(o, w_o, residual=stream)
+        gate_up = norm_proj(stream, layer.post_attention_layernorm.weight, w_gate_up, sh.rms_eps)
         # Separate activation: fused into the down GEMM every column tile would recompute it (5x slower at 8B).
-        stream = linear(swiglu(gate_up), mlp.down_proj.weight, residual=stream)
+        stream = proj(swiglu(gate_up), w_down, residual=stream)
         if i in capture:
             captured.append(stream)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    logits = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32)
+    logits = norm_proj(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32)
     return logits, captured

@@ -59,7 +59,7 @@ class ModelRunner:
         self.fused = None
         if cfg.kernel_backend is KernelBackend.TRITON:
             check_fusable(model)
-            self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device)
+            self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device, cfg.weight_format)
         # Stock kernels are batch-invariant only at one fixed shape; the fused kernels are at any width.
         self.tile = cfg.token_tile if cfg.batch_invariant and self.fused is None else 0
         self.block_width = max(block_width, self.tile)
@@ -125,8 +125,11 @@ class ModelRunner:
         pos[:n] = base + np.asarray(depths)
         anc_full = np.eye(padded, self.block_width, dtype=bool)  # pad rows see the context and themselves
         anc_full[:n, :n] = anc
-        outs = [self._run(width, ids[s:s + width], pos[s:s + width], base + block[s:s + width], base,
-                          anc_full[s:s + width]) for s in range(0, padded, width)]
+        outs = []
+        for s in range(0, padded, width):
+            o = self._run(width, ids[s:s + width], pos[s:s + width], base + block[s:s + width], base, anc_full[s:s + width])
+            # A replayed graph returns its static buffers: the next chunk would overwrite this one's rows.
+            outs.append(tuple(t.clone() for t in o) if padded > width and self.use_graphs else o)
         out = tuple(torch.cat([o[i] for o in outs]) for i in range(5))
         return self._output(out, rows=list(range(n)))
 

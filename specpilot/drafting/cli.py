@@ -1,0 +1,119 @@
+"""`specpilot drafter train|eval`: train a block drafter for a target, or measure one's acceptance.
+
+`register_cli(subparsers)` adds the `drafter` command; each leaf sets `func` (parsed args -> exit status).
+`python -m specpilot.drafting.train` takes the same arguments as `drafter train` (for a bare GPU host, where
+only torch, transformers, safetensors and tqdm are installed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from specpilot.engines.config import DType, VerifyMode
+
+# Every TrainConfig field the command line can set (as --kebab-case), besides --lr and --target-layers.
+_INT_KNOBS = ("steps", "block_size", "layers", "intermediate", "batch_seqs", "anchors", "mbpp_prompts",
+              "free_prompts", "free_sampled", "gen_tokens", "gen_batch", "held_out", "eval_tokens", "ckpt_every",
+              "warmup", "seed")
+
+
+def _dtype(args: argparse.Namespace) -> DType:
+    return DType(args.dtype) if args.dtype else (DType.BF16 if args.device.startswith("cuda") else DType.FP32)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.train import TrainConfig
+
+    defaults = TrainConfig()
+    p.add_argument("--target", required=True, help="model directory, testbed name (smollm2-135m) or synthetic:<shape>")
+    p.add_argument("--out", required=True, type=Path, help="output directory (checkpoint + report.json)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=None, choices=[d.value for d in DType], help="target dtype (default: bf16 on GPU)")
+    for name in _INT_KNOBS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(defaults, name))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--target-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="comma-separated target layers the drafter reads (default: 3 spread layers)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from specpilot.drafting.sources import load_target
+    from specpilot.drafting.train import TrainConfig, train_drafter
+
+    bundle = load_target(args.target, args.device, _dtype(args))
+    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers")}
+    cfg = replace(TrainConfig(), **knobs, device=args.device, progress=not args.no_progress)
+    result = train_drafter(bundle, cfg, args.out)
+    base = {r["mode"]: r for r in result.report["untrained"]["engine"]}
+    for r in result.report["trained"]["engine"]:
+        print(f"{r['mode']:>9}: {r['committed_per_step']:.3f} tokens/step (untrained "
+              f"{base[r['mode']]['committed_per_step']:.3f}), equal to AR: {r['equal_to_ar']}")
+    print(f"wrote {result.checkpoint} ({result.report['checkpoint_bytes'] / 2**20:.2f} MiB) and report.json "
+          f"in {result.report['seconds']['total']:.0f} s")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from specpilot.drafting.checkpoint import load_drafter
+    from specpilot.drafting.evaluate import as_dicts, measure_acceptance
+    from specpilot.drafting.sources import build_prompts, load_target
+
+    dtype = _dtype(args)
+    bundle = load_target(args.target, args.device, dtype)
+    drafter = load_drafter(args.drafter, bundle.model, args.mask_token_id)
+    # The same seeded shuffle as training, so the held-out prompts are the ones training never saw.
+    ps = build_prompts(bundle.tokenizer, bundle.shape.vocab, args.mbpp_prompts, 0, args.held_out, args.seed)
+    modes = tuple(VerifyMode(m) for m in args.modes.split(","))
+    knobs = {k: getattr(args, k) for k in ("tree_budget", "tree_width", "level_one_keep") if getattr(args, k)}
+    rows = measure_acceptance(bundle.model, drafter, [list(p) for p in ps.held_out], args.new_tokens, bundle.eos,
+                              args.device, dtype, modes, **knobs)
+    text = json.dumps({"target": args.target, "drafter": str(args.drafter), "prompts": len(ps.held_out),
+                       "new_tokens": args.new_tokens, "modes": as_dicts(rows)}, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0 if all(r.equal_to_ar for r in rows) else 1
+
+
+def _guarded(fn):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except (ValueError, OSError) as e:
+            print(f"specpilot drafter {args.drafter_command}: error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from specpilot.drafting.train import TrainConfig
+
+    parser = subparsers.add_parser("drafter", help="block drafters: train one for a target, measure acceptance")
+    sub = parser.add_subparsers(dest="drafter_command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a block drafter on data the target generates itself")
+    add_train_args(p)
+    p.set_defaults(func=_guarded(run_train))
+
+    defaults = TrainConfig()
+    p = sub.add_parser("eval", help="mean accepted per step of a drafter checkpoint (ours or DFlash) with the engine")
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True, type=Path, help="checkpoint directory (ours or DFlash layout)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="for DFlash checkpoints without one in their config")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=[d.value for d in DType])
+    p.add_argument("--modes", default="chain,tree,two_level")
+    p.add_argument("--new-tokens", type=int, default=defaults.eval_tokens)
+    p.add_argument("--tree-budget", type=int, default=None)
+    p.add_argument("--tree-width", type=int, default=None)
+    p.add_argument("--level-one-keep", type=int, default=None)
+    p.add_argument("--held-out", type=int, default=defaults.held_out)
+    p.add_argument("--mbpp-prompts", type=int, default=defaults.mbpp_prompts)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.set_defaults(func=_guarded(run_eval))
+    return parser

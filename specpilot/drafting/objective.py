@@ -1,0 +1,91 @@
+"""The block drafter's training objective, batched over many anchors per sequence.
+
+An anchor is a pending token at position a (a generated token). Its block is [token a, B-1 mask slots] at
+positions a..a+B-1; it sees the target features of positions < a and, non-causally, its own block; slot j
+must predict the target's greedy token at a+j. All anchors of a sequence share one projected context, and
+their blocks are laid side by side as queries with a mask that keeps each block to its own context prefix
+and to itself: the exact visibility the drafter has at run time, for K anchors in one forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specpilot.drafting.data import DraftData
+from specpilot.engines.drafters.block import BlockDrafterModel
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor  # [N, T]
+    features: torch.Tensor  # [N, T, F]
+    anchors: torch.Tensor  # [N, K] positions of the pending tokens
+    targets: torch.Tensor  # [N, K, B-1] the target's tokens at anchor + 1..B-1
+    weight: torch.Tensor  # [N, K, B-1] float: 0 where the target lies past the sequence or the anchor is void
+
+
+def sample_batch(data: DraftData, rows: torch.Tensor, anchors: int, block_size: int, gen: torch.Generator) -> Batch:
+    """`anchors` random anchors (with replacement) in each of the sequences `rows`."""
+    dev = data.tokens.device
+    rows = rows.to(dev)
+    tokens, plen, length = data.tokens[rows], data.prompt_len[rows], data.length[rows]
+    span = (length - 1 - plen).clamp(min=0)  # anchors a in [prompt_len, length-2]
+    u = torch.rand(len(rows), anchors, generator=gen, device="cpu").to(dev)
+    a = plen[:, None] + (u * span[:, None]).long()
+    offsets = torch.arange(1, block_size, device=dev)
+    pos = a[..., None] + offsets  # [N, K, B-1]
+    inside = (pos < length[:, None, None]) & (span[:, None, None] > 0)
+    targets = torch.gather(tokens, 1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos)
+    return Batch(tokens, data.features[rows], a, targets, inside.float())
+
+
+def block_logits(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Drafter logits [N, K, B-1, vocab] for every anchor's mask slots."""
+    n, t = batch.tokens.shape
+    k = batch.anchors.shape[1]
+    b = model.config.block_size
+    dev = batch.tokens.device
+    ctx_pos = torch.arange(t, device=dev).expand(n, t)
+    ctx_kv = model.context_kv(batch.features, ctx_pos)
+    first = F.embedding(torch.gather(batch.tokens, 1, batch.anchors), embed)  # [N, K, H]
+    x = model.block_inputs(first.to(model.mask_embed.dtype)).flatten(1, 2)  # [N, K*B, H]
+    pos = (batch.anchors[..., None] + torch.arange(b, device=dev)).flatten(1)  # [N, K*B]
+    sees_ctx = (torch.arange(t, device=dev) < batch.anchors[..., None])  # [N, K, T]
+    sees_ctx = sees_ctx[:, :, None].expand(n, k, b, t).reshape(n, k * b, t)
+    same_block = torch.arange(k, device=dev).repeat_interleave(b)
+    sees_block = (same_block[:, None] == same_block[None]).expand(n, k * b, k * b)
+    hidden = model(x, pos, ctx_kv, torch.cat([sees_ctx, sees_block], dim=-1))
+    hidden = hidden.view(n, k, b, -1)[:, :, 1:]
+    return model.logits(hidden, head.to(hidden.dtype))
+
+
+def slot_weights(block_size: int, decay: float, device) -> torch.Tensor:
+    """Loss weight per mask slot: exp(-(j-1)/decay). Early slots matter most (a miss ends the accepted
+    path), as in DFlash's position-decayed loss; decay <= 0 weighs all slots equally."""
+    j = torch.arange(block_size - 1, device=device, dtype=torch.float32)
+    return torch.exp(-j / decay) if decay > 0 else torch.ones_like(j)
+
+
+@dataclass(frozen=True)
+class BlockMetrics:
+    loss: torch.Tensor  # scalar (differentiable)
+    slot_accuracy: list[float]  # top-1 accuracy per mask slot (over valid anchors)
+    accepted: float  # teacher-forced accepted length: mean over anchors of the leading run of correct slots
+
+
+def block_loss(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
+               decay: float) -> BlockMetrics:
+    logits = block_logits(model, embed, head, batch)
+    ce = F.cross_entropy(logits.float().flatten(0, 2), batch.targets.flatten(), reduction="none").view_as(batch.weight)
+    w = batch.weight * slot_weights(model.config.block_size, decay, ce.device)
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == batch.targets).float() * batch.weight
+        seen = batch.weight.sum(dim=(0, 1)).clamp(min=1)
+        acc = (hit.sum(dim=(0, 1)) / seen).tolist()
+        valid = batch.weight[..., 0] > 0
+        run = torch.cumprod(hit, dim=-1).sum(-1)[valid]
+        accepted = float(run.mean()) if run.numel() else 0.0
+    return BlockMetrics(loss, acc, accepted)

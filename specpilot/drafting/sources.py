@@ -1,0 +1,117 @@
+"""The target a drafter is trained for, and where its training prompts may come from: MBPP's train split and
+free generation. Never test prompts.
+
+MBPP task ids 601-974 are its train split (11-510 test, 511-600 validation, 1-10 few-shot prompts); the
+benchmarks use the test split only, so train prompts can never leak into a measurement. Free generation
+starts from BOS (or, for targets without a tokenizer, a random token) and samples a few tokens before the
+greedy continuation, which gives diverse text in the target's own distribution.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specpilot.engines.config import DType
+from specpilot.engines.llama import LlamaModel
+from specpilot.engines.loader import ModelLoadError, eos_ids, load_model, load_tokenizer, random_model
+from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M, LlamaShape
+from specpilot.workload import MBPP_TEST_IDS, apply_chat_template, benchmarks_dir
+
+MBPP_TRAIN_IDS = range(601, 975)
+SYNTHETIC_PREFIX = "synthetic:"
+# Random-weight targets for timing runs on hosts without real weights (their text is meaningless).
+SYNTHETIC = {"smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B}
+
+
+@dataclass(frozen=True)
+class TargetBundle:
+    name: str
+    model: LlamaModel
+    tokenizer: Any | None  # None: prompts are random token prefixes, free generation starts at a random token
+    eos: frozenset[int]
+
+    @property
+    def shape(self) -> LlamaShape:
+        return self.model.shape
+
+
+def load_target(spec: str, device: str, dtype: DType) -> TargetBundle:
+    """`spec`: a model directory, a testbed name (fetched / derived on demand), or synthetic:<shape>[:seed]."""
+    if spec.startswith(SYNTHETIC_PREFIX):
+        name, _, seed = spec[len(SYNTHETIC_PREFIX):].partition(":")
+        if name not in SYNTHETIC:
+            raise ValueError(f"unknown synthetic target {name!r}: expected one of {sorted(SYNTHETIC)}")
+        model = random_model(SYNTHETIC[name], dtype.torch, device, seed=int(seed or 0))
+        return TargetBundle(spec, model, None, frozenset())
+    path = Path(spec)
+    if not path.is_dir():
+        from specpilot.testbed.registry import resolve_testbed  # only when a testbed name is given
+
+        path = resolve_testbed(spec)
+    model = load_model(path, dtype.torch, device)
+    try:
+        tokenizer = load_tokenizer(path)
+    except ModelLoadError:
+        tokenizer = None  # weights without a tokenizer: train on random prefixes and free generation
+    return TargetBundle(str(spec), model, tokenizer, eos_ids(path, tokenizer))
+
+
+class LeakError(ValueError):
+    """A benchmark test prompt was about to be used for drafter training."""
+
+
+def mbpp_train_texts(directory: str | Path | None = None, ids: range = MBPP_TRAIN_IDS) -> list[tuple[int, str]]:
+    """(task_id, prompt text) of MBPP train tasks, formatted as the benchmark formats its prompts."""
+    if any(i in MBPP_TEST_IDS for i in ids):
+        raise LeakError(f"MBPP ids {ids} overlap the test split {MBPP_TEST_IDS}")
+    path = benchmarks_dir(directory) / "mbpp.jsonl"
+    rows: list[tuple[int, str]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            tid = int(row["task_id"])
+            if tid in ids:
+                rows.append((tid, f"{row['text']}\nYour code should pass this test:\n{row['test_list'][0]}"))
+    if not rows:
+        raise ValueError(f"{path} holds no MBPP tasks with ids in {ids.start}..{ids.stop - 1}")
+    return rows
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Tokenized training prompts plus held-out ones (for the acceptance measurement), and how many tokens of
+    each free-generation prompt are sampled rather than greedy."""
+
+    train: tuple[tuple[int, ...], ...]
+    free: tuple[tuple[int, ...], ...]  # free-generation starts (BOS or a random token)
+    held_out: tuple[tuple[int, ...], ...]
+    sources: dict[str, Any]
+
+
+def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_out: int, seed: int,
+                  random_len: int = 8, directory: str | Path | None = None) -> PromptSet:
+    """MBPP train prompts (when the target has a tokenizer) else random token prefixes, shuffled with `seed`;
+    the last `held_out` of them are kept aside. Plus `free` free-generation starts."""
+    rng = random.Random(seed)
+    if tokenizer is not None and mbpp > 0:
+        texts = mbpp_train_texts(directory)
+        rng.shuffle(texts)
+        texts = texts[:mbpp + held_out]
+        prompts = [tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in texts]
+        source = {"kind": "mbpp-train", "task_ids": sorted(tid for tid, _ in texts[:len(texts) - held_out]),
+                  "held_out_task_ids": sorted(tid for tid, _ in texts[len(texts) - held_out:])}
+    else:
+        n = mbpp + held_out
+        prompts = [tuple(rng.randrange(3, vocab) for _ in range(random_len)) for _ in range(n)]
+        source = {"kind": "random-prefixes", "count": n, "length": random_len}
+    if len(prompts) <= held_out:
+        raise ValueError(f"{len(prompts)} prompts cannot leave {held_out} held out and still train")
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    starts = tuple((bos,) if bos is not None else (rng.randrange(3, vocab),) for _ in range(free))
+    return PromptSet(tuple(prompts[:len(prompts) - held_out]), starts, tuple(prompts[len(prompts) - held_out:]),
+                     {**source, "free_generations": free, "free_start": "bos" if bos is not None else "random-token"})

@@ -1,0 +1,299 @@
+"""Block drafter: trained briefly it learns; chain, tree and two-level verification equal AR token for token;
+the best-first tree honours budget/width/depth; two-level pruning shrinks what the target verifies; our
+checkpoint round trips and DFlash-layout checkpoints load."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _tiny import prompt, tiny_model
+
+from specpilot.costmodel.acceptance import best_first_tree
+from specpilot.drafting.checkpoint import DrafterCheckpointError, load_drafter, save_dflash, save_drafter
+from specpilot.drafting.cli import register_cli
+from specpilot.drafting.data import generate
+from specpilot.drafting.objective import Batch, block_logits
+from specpilot.drafting.sources import LeakError, mbpp_train_texts
+from specpilot.drafting.sources import TargetBundle
+from specpilot.drafting.train import TrainConfig, fit, new_drafter, train_drafter
+from specpilot.engines.build import build_engine
+from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, VerifyMode
+from specpilot.engines.drafters.base import DraftTree
+from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, default_target_layers
+from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
+from specpilot.engines.loader import save_model
+from specpilot.engines.runner import ModelRunner, tree_anc
+from specpilot.engines.two_level import LevelOneRule, prune, shallow_argmax
+from specpilot.workload import MBPP_TEST_IDS
+
+NO_EOS: frozenset[int] = frozenset()
+SHAPES = ("gqa", "mha_tied")
+# Fully random tiny targets are chaotic (their next token depends on the whole context: ~9% bigram purity),
+# which no drafter learns in seconds. Damping their layers gives text as predictable as a real LM's
+# (70-85% bigram purity, 7-20 distinct tokens in 48): a target a briefly trained drafter can learn.
+DAMP = {"gqa": 0.4, "mha_tied": 0.85}
+QUICK = dict(block_size=4, layers=1, batch_seqs=8, anchors=16, mbpp_prompts=96, free_prompts=16, free_sampled=4,
+             gen_tokens=40, gen_batch=128, held_out=4, eval_tokens=32, eval_anchors=32, lr=3e-3, warmup=10,
+             progress=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's spin-waits under
+    oversubscription make them many times slower; run this module single-threaded, then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def damped(shape: str, seed: int):
+    m = tiny_model(shape, seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.startswith("layers.") and not name.endswith("norm.weight"):
+                p.mul_(DAMP[shape])
+    return m
+
+
+def cfg(**kw) -> EngineConfig:
+    return EngineConfig(**{"dtype": "float32", "max_seq_len": 128, "token_tile": 8, "drafter": DrafterKind.BLOCK,
+                           "block_size": 4, **kw})
+
+
+def quick_drafter(model, seed: int, steps: int = 0, block_size: int = 4) -> BlockDrafterModel:
+    """A drafter for `model`, trained `steps` steps on its own greedy continuations of random prefixes."""
+    c = TrainConfig(**{**QUICK, "steps": max(1, steps), "seed": seed, "block_size": block_size})
+    drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), c)
+    if steps:
+        prompts = [prompt(model.shape.vocab, 8, 1000 * seed + i) for i in range(64)]
+        data = generate(model, prompts, 40, drafter.config.target_layers, NO_EOS)
+        fit(drafter, model, data, c)
+    return drafter.eval()
+
+
+def run(model, drafter, p, n, **kw):
+    engine = build_engine(cfg(drafter=DrafterKind.BLOCK, **kw), model, NO_EOS, "cpu", block_drafter=drafter)
+    return engine.generate(p, n)
+
+
+def ar(model, p, n):
+    return build_engine(cfg(drafter=DrafterKind.NONE), model, NO_EOS, "cpu").generate(p, n).tokens
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chain_tree_and_two_level_equal_ar_over_seeds(shape):
+    tree_accepts = []
+    for seed in range(10):
+        for model, steps in ((tiny_model(shape, seed), 0), (damped(shape, seed), 40)):
+            drafter = quick_drafter(model, seed, steps)
+            p = prompt(model.shape.vocab, 10, seed)
+            ref = ar(model, p, 24)
+            for verify in VerifyMode:
+                r = run(model, drafter, p, 24, verify=verify)
+                assert r.tokens == ref, (shape, seed, steps, verify)
+                if verify is VerifyMode.TREE:
+                    tree_accepts += [s.accepted for s in r.steps]
+    assert max(tree_accepts) >= 2 and sum(a > 1 for a in tree_accepts) >= 5  # trees really accept paths
+
+
+def test_briefly_trained_drafter_learns(tmp_path):
+    model = damped("gqa", 0)
+    result = train_drafter(TargetBundle("tiny-gqa", model, None, NO_EOS), TrainConfig(**{**QUICK, "steps": 300}),
+                           tmp_path / "out")
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    before = {r["mode"]: r for r in rep["untrained"]["engine"]}
+    after = {r["mode"]: r for r in rep["trained"]["engine"]}
+    for mode in ("chain", "tree", "two_level"):
+        assert after[mode]["equal_to_ar"] and before[mode]["equal_to_ar"]
+        assert after[mode]["committed_per_step"] > 1.3, after[mode]
+        assert after[mode]["committed_per_step"] > before[mode]["committed_per_step"] + 0.25
+    assert after["tree"]["committed_per_step"] >= after["chain"]["committed_per_step"]
+    curve = rep["loss_curve"]
+    assert curve[-1]["loss"] < 0.6 * curve[0]["loss"]
+    tf = rep["trained"]["teacher_forced"]
+    assert tf["slot_accuracy"][0] > 0.3 > rep["untrained"]["teacher_forced"]["slot_accuracy"][0]
+    assert rep["data"]["kind"] == "random-prefixes" and rep["checkpoint_bytes"] > 0
+    assert load_drafter(result.checkpoint, model).config == result.model.config
+
+
+def _observed(model, drafter, shape: TreeShape, ctx):
+    runner = ModelRunner(model, cfg(), "cpu", block_width=32, capture=drafter.config.target_layers)
+    d = BlockTreeDrafter(drafter, model, shape, 128, "cpu")
+    d.observe(0, runner.prefill(ctx[:-1]).features)
+    return d
+
+
+def test_tree_respects_budget_width_and_depth():
+    model = tiny_model("gqa", 3)
+    drafter = quick_drafter(model, 3, block_size=6)
+    ctx = prompt(model.shape.vocab, 12, 3)
+    for budget, width, block, max_depth in ((1, 1, 4, 9), (5, 2, 4, 9), (16, 4, 6, 9), (16, 3, 6, 2), (60, 16, 3, 9)):
+        shape = TreeShape(True, block, budget, width, block - 1)
+        tree = _observed(model, drafter, shape, ctx).propose(ctx, max_depth)
+        depth = min(block - 1, max_depth)
+        assert 1 <= len(tree) <= budget and max(tree.depths()) <= depth
+        children = [tree.parents.count(i) for i in range(-1, len(tree))]
+        assert max(children) <= width
+        assert all(a >= b for a, b in zip(tree.scores, tree.scores[1:]))  # best first
+        ref = best_first_tree([t[:width] for t in tree.topk_tokens[:depth]], [p[:width] for p in tree.topk_probs[:depth]], budget)
+        assert (tree.tokens, tree.parents) == (list(ref.tokens), list(ref.parents))
+    chain = _observed(model, drafter, TreeShape(False, 6, 16, 4, 5), ctx).propose(ctx, 9)
+    assert chain.parents == [-1, 0, 1, 2, 3] and chain.tokens == [t[0] for t in chain.topk_tokens]
+
+
+def test_drafter_at_run_time_matches_the_training_objective():
+    """Engine-side drafting (runner features, drafter cache) == the batched training forward (generated data)."""
+    model = tiny_model("mha_tied", 1)
+    drafter = quick_drafter(model, 1)
+    p = prompt(model.shape.vocab, 9, 1)
+    data = generate(model, [p], 12, drafter.config.target_layers, NO_EOS)
+    seq = data.tokens[0].tolist()
+    a = 13  # a generated pending token
+    d = _observed(model, drafter, TreeShape(False, 4, 16, 4, 3), seq[:a + 1])
+    tokens, probs = d.distributions(seq[a], a, 3)
+    logits = block_logits(drafter, model.embed_tokens.weight, model.embed_tokens.weight,
+                          Batch(data.tokens, data.features, torch.tensor([[a]]), torch.zeros(1, 1, 3, dtype=torch.long),
+                                torch.ones(1, 1, 3)))
+    train_probs = torch.softmax(logits[0, 0], -1)
+    assert [t[0] for t in tokens] == train_probs.argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor([q[0] for q in probs]), train_probs.max(-1).values, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rule", list(LevelOneRule))
+def test_two_level_never_changes_output_and_verifies_fewer_nodes(rule, monkeypatch):
+    monkeypatch.setattr("specpilot.engines.two_level.DEFAULT_RULE", rule)
+    model = damped("gqa", 0)
+    drafter = quick_drafter(model, 0, 120)
+    verified: dict[str, list[int]] = {}
+    accepted: list[int] = []
+    for seed in range(3):
+        p = prompt(model.shape.vocab, 10, 40 + seed)
+        ref = ar(model, p, 30)
+        tree = run(model, drafter, p, 30, verify=VerifyMode.TREE, tree_budget=12)
+        two = run(model, drafter, p, 30, verify=VerifyMode.TWO_LEVEL, tree_budget=12, level_one_keep=4)
+        assert tree.tokens == ref and two.tokens == ref
+        assert all(s.drafted <= 4 for s in two.steps)
+        verified.setdefault("tree", []).extend(s.drafted for s in tree.steps)
+        verified.setdefault("two", []).extend(s.drafted for s in two.steps)
+        accepted.extend(s.accepted for s in two.steps)
+    assert sum(verified["two"]) / len(verified["two"]) < 0.5 * sum(verified["tree"]) / len(verified["tree"])
+    assert sum(a > 1 for a in accepted) >= 3  # the pruned trees still accept paths
+
+
+def test_shallow_pass_with_every_layer_is_the_full_verify():
+    model = tiny_model("mha_tied", 3)
+    ctx = prompt(model.shape.vocab, 14, 3)
+    tree = _observed(model, quick_drafter(model, 3), TreeShape(True, 4, 12, 3, 3), ctx).propose(ctx, 9)
+    block, parents = [ctx[-1]] + tree.tokens, [-1] + [p + 1 for p in tree.parents]
+    runner = ModelRunner(model, cfg(), "cpu", block_width=16)
+    runner.prefill(ctx[:-1])
+    base = len(ctx) - 1
+    full = runner.verify(base, block, [0] + tree.depths(), tree_anc(parents)).argmax
+    assert shallow_argmax(runner, base, block, parents, model.shape.layers) == full
+    assert shallow_argmax(runner, base, block, parents, 1) != full  # one layer is a different (cheap) model
+
+
+def test_prune_keeps_the_voted_path_and_an_ancestor_closed_subtree():
+    # root -> a(0.6) -> c(0.3); root -> b(0.3) -> d(0.2) -> e(0.05)
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, -1, 0, 1, 3], [0.6, 0.3, 0.3, 0.2, 0.05])
+    by_score = prune(tree, 3)
+    assert (by_score.tokens, by_score.parents) == ([1, 2, 3], [-1, -1, 0])
+    voted = prune(tree, 4, first=(1, 3, 4))  # the shallow model's path b -> d -> e first, then best score
+    assert (voted.tokens, voted.parents) == ([1, 2, 4, 5], [-1, -1, 1, 2])
+    assert prune(tree, 2, first=(1, 3, 4)).tokens == [2, 4]  # the path's prefix, never an orphan
+
+
+def test_our_checkpoint_round_trips(tmp_path):
+    model = tiny_model("gqa", 5)
+    drafter = quick_drafter(model, 5)
+    with torch.no_grad():
+        drafter.mask_embed.add_(0.5)  # make sure the learned mask inputs travel
+    save_drafter(drafter, tmp_path / "d", model, {"note": "test"}, dtype=torch.float32)
+    loaded = load_drafter(tmp_path / "d", model)
+    assert loaded.config == drafter.config
+    for (k, v), (k2, v2) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2), k
+    ctx = prompt(model.shape.vocab, 12, 5)
+    shape = TreeShape(True, 4, 16, 4, 3)
+    a, b = (_observed(model, d, shape, ctx).propose(ctx, 9) for d in (drafter, loaded))
+    assert (a.tokens, a.parents, a.scores) == (b.tokens, b.parents, b.scores)
+    with pytest.raises(DrafterCheckpointError, match="layer"):
+        load_drafter(tmp_path / "d", tiny_model("mha_tied", 0))
+
+
+def test_dflash_layout_loads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model = tiny_model("mha_tied", 2)  # 3 layers, tied head
+    mask_id = 7
+    conf = BlockDrafterConfig.for_target(model.shape, layers=2, block_size=5, target_layers=(0, 2))
+    drafter = BlockDrafterModel(BlockDrafterConfig(**{**conf.to_dict(), "mask_token_id": mask_id})).init_weights(2)
+    with torch.no_grad():
+        drafter.mask_embed.copy_(model.embed_tokens.weight[mask_id].expand_as(drafter.mask_embed))
+    out = save_dflash(drafter, tmp_path / "dflash", model, dtype=torch.float32)
+    written = json.loads((out / "config.json").read_text())
+    assert written["dflash_config"] == {"block_size": 5, "target_layer_ids": [0, 2], "mask_token_id": 7,
+                                        "input_embedding_scale": 1.0, "output_multiplier": 1.0}
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        names = set(fh.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.q_proj.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.0.mlp.gate_proj.weight"} <= names and "mask_embed" not in names
+    loaded = load_drafter(out, model)
+    ctx = prompt(model.shape.vocab, 12, 2)
+    shape = TreeShape(True, 5, 16, 4, 4)
+    a, b = (_observed(model, d, shape, ctx).propose(ctx, 9) for d in (drafter, loaded))
+    assert (a.tokens, a.parents) == (b.tokens, b.parents)
+    # The variants published checkpoints use: block_size at the top level, no target_layer_ids (DFlash's rule),
+    # no mask id (passed in), "model."-prefixed names and a rotary buffer.
+    alt = tmp_path / "alt"
+    alt.mkdir()
+    cfg2 = {k: v for k, v in written.items() if k != "dflash_config"}
+    (alt / "config.json").write_text(json.dumps(cfg2))
+    with safe_open(str(out / "model.safetensors"), "pt") as fh:
+        tensors = {"model." + k: fh.get_tensor(k) for k in fh.keys()}
+    save_file({**tensors, "rotary_emb.inv_freq": torch.ones(4)}, str(alt / "model.safetensors"))
+    with pytest.raises(DrafterCheckpointError, match="mask_token_id"):
+        load_drafter(alt, model)
+    alt_model = load_drafter(alt, model, mask_token_id=mask_id)
+    assert alt_model.config.target_layers == default_target_layers(3, 2) and alt_model.config.block_size == 5
+    (alt / "config.json").write_text(json.dumps({**cfg2, "architectures": ["DFlash2DraftModel"]}))
+    with pytest.raises(ValueError, match="DFlash2"):
+        load_drafter(alt, model, mask_token_id=mask_id)
+
+
+def test_build_engine_block_drafter_errors():
+    model = tiny_model("gqa", 0)
+    with pytest.raises(ConfigError, match="block drafter model"):
+        build_engine(cfg(), model, NO_EOS, "cpu")
+    with pytest.raises(ConfigError, match="trained block size"):
+        build_engine(cfg(block_size=8), model, NO_EOS, "cpu", block_drafter=quick_drafter(model, 0))
+
+
+def test_training_prompts_never_come_from_the_test_split():
+    rows = mbpp_train_texts()
+    assert len(rows) == 374 and all(601 <= tid <= 974 and tid not in MBPP_TEST_IDS for tid, _ in rows)
+    with pytest.raises(LeakError):
+        mbpp_train_texts(ids=range(500, 620))
+
+
+def test_cli_trains_on_a_model_directory_and_evaluates(tmp_path, capsys):
+    import argparse
+
+    save_model(damped("gqa", 6), tmp_path / "target")
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["drafter", "train", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
+                              "--steps", "30", "--block-size", "3", "--layers", "1", "--mbpp-prompts", "24",
+                              "--free-prompts", "8", "--gen-tokens", "24", "--held-out", "2", "--eval-tokens", "16",
+                              "--no-progress"])
+    assert args.func(args) == 0
+    assert "equal to AR: True" in capsys.readouterr().out
+    rep = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert rep["config"]["steps"] == 30 and {r["mode"] for r in rep["trained"]["engine"]} == {"chain", "tree", "two_level"}
+    args = parser.parse_args(["drafter", "eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "d"),
+                              "--new-tokens", "16", "--held-out", "2", "--mbpp-prompts", "24"])
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == 2
