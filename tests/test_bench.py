@@ -67,3 +67,31 @@ def test_every_subcommand_has_help():
     assert {"bench", "testbed", "memory", "audit"} <= set(sub.choices)
     for name, p in sub.choices.items():
         assert p.format_help().strip(), name
+
+
+def test_block_drafter_deployment_runs_lossless(tmp_path, capsys):
+    """A deployment listing a block drafter checkpoint: the session loads it and bench verifies every token."""
+    import torch
+    from specpilot.drafting.checkpoint import save_drafter
+    from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+    from specpilot.engines.loader import load_model
+    from specpilot.testbed import fetch_smollm2, make_random_model
+    target_dir = make_random_model("tiny", tmp_path / "target", seed=3, dtype="float32", tokenizer_dir=fetch_smollm2())
+    target = load_model(target_dir, torch.float32, "cpu")
+    drafter = BlockDrafterModel(BlockDrafterConfig.for_target(target.shape, layers=1, block_size=4))
+    save_drafter(drafter, tmp_path / "drafter", target)
+    yaml = tmp_path / "block.yaml"
+    yaml.write_text(f"""
+name: tiny-block
+target: {{path: {target_dir}}}
+drafters:
+  - kind: block
+    model: {{path: {tmp_path / 'drafter'}}}
+    engine: {{block_size: 4, verify: tree, tree_budget: 6, level_one_keep: 4}}
+device: {{kind: cpu}}
+workload: {{benchmarks: [gsm8k], prompts_per_benchmark: 1, max_new_tokens: 16, seed: 0}}
+engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 2048, token_tile: 8}}
+""")
+    assert bench_main(["bench", "--deployment", str(yaml), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"][f"block:{tmp_path / 'drafter'}"]["all_match_ar"]

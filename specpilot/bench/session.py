@@ -48,32 +48,52 @@ class DeploymentSession:
             self.target = load_model(self.target_dir, dtype, device)
             self.tokenizer = load_tokenizer(self.target_dir)
             self.eos = eos_ids(self.target_dir, self.tokenizer)
-        self._draft_models: dict[str, LlamaModel] = {}
+        self._draft_models: dict[str, object] = {}  # draft models and block drafters by label
         self._engines: dict[tuple[str, str, int], SpecEngine] = {}
         self._policies: list[EnginePolicy] = []  # keeps policy objects alive so their ids stay unique
 
-    def draft_model(self, label: str) -> LlamaModel | None:
-        spec = next((d for d in self.deployment.drafters if d.label == label), None)
-        if spec is None or spec.kind is not DrafterKind.DRAFT_MODEL:
+    def _spec(self, label: str | None, kind: DrafterKind):
+        """The deployment's drafter of this kind: the one labelled `label`, else the first of that kind."""
+        specs = [d for d in self.deployment.drafters if d.kind is kind]
+        return next((d for d in specs if d.label == label), specs[0] if specs else None)
+
+    def draft_model(self, label: str | None) -> LlamaModel | None:
+        spec = self._spec(label, DrafterKind.DRAFT_MODEL)
+        if spec is None:
             return None
-        if label not in self._draft_models:
+        if spec.label not in self._draft_models:
             path = resolve_model(spec.model, self.cache)
             if self.tokenizer is not None:
-                check_same_tokenizer(self.tokenizer, load_tokenizer(path), label)
-            self._draft_models[label] = load_model(path, self.deployment.engine.dtype.torch, self.device)
-        return self._draft_models[label]
+                check_same_tokenizer(self.tokenizer, load_tokenizer(path), spec.label)
+            self._draft_models[spec.label] = load_model(path, self.deployment.engine.dtype.torch, self.device)
+        return self._draft_models[spec.label]
+
+    def block_drafter(self, label: str | None):
+        """A block drafter checkpoint (ours or DFlash layout) for this target, or None if none is deployed."""
+        from specpilot.drafting.checkpoint import load_drafter
+        spec = self._spec(label, DrafterKind.BLOCK)
+        if spec is None:
+            return None
+        if spec.label not in self._draft_models:
+            # A drafter checkpoint is no standalone model directory (no tokenizer): take a path as it is.
+            path = spec.model.value if spec.model.kind is ModelRefKind.PATH else resolve_model(spec.model, self.cache)
+            self._draft_models[spec.label] = load_drafter(path, self.target)
+        return self._draft_models[spec.label]
 
     def engine(self, cfg: EngineConfig, drafter_label: str | None = None, policy: EnginePolicy = STOCK) -> SpecEngine:
         """Engines are cached per (config, drafter, policy instance); models are shared between them."""
         key = (cfg.digest(), drafter_label or "", id(policy))
         if key not in self._engines:
-            dm = self.draft_model(drafter_label) if drafter_label else None
-            if cfg.drafter is DrafterKind.DRAFT_MODEL and dm is None:
-                dm = next((self.draft_model(d.label) for d in self.deployment.drafters
-                           if d.kind is DrafterKind.DRAFT_MODEL), None)
+            dm = self.draft_model(drafter_label) if cfg.drafter is DrafterKind.DRAFT_MODEL else None
+            bd = self.block_drafter(drafter_label) if cfg.drafter is DrafterKind.BLOCK else None
             self._policies.append(policy)
-            self._engines[key] = build_engine(cfg, self.target, self.eos, self.device, draft_model=dm, policy=policy)
+            self._engines[key] = build_engine(cfg, self.target, self.eos, self.device, draft_model=dm, policy=policy,
+                                              block_drafter=bd)
         return self._engines[key]
+
+    def release(self, cfg: EngineConfig, drafter_label: str | None = None, policy: EnginePolicy = STOCK) -> None:
+        """Drop a cached engine (its KV cache, graphs and any transformed weights) once it is no longer needed."""
+        self._engines.pop((cfg.digest(), drafter_label or "", id(policy)), None)
 
     def tokenize(self, prompts: list[Prompt] | tuple[Prompt, ...]) -> list[TokenizedPrompt]:
         if self.tokenizer is None:  # random-weight targets: deterministic synthetic prompt ids
