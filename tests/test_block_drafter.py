@@ -24,7 +24,8 @@ from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterMod
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import save_model
 from specpilot.engines.runner import ModelRunner, tree_anc
-from specpilot.engines.two_level import LevelOneRule, prune, shallow_argmax
+from specpilot.engines.config import LevelOneRule
+from specpilot.engines.two_level import prune, shallow_argmax
 from specpilot.workload import MBPP_TEST_IDS
 
 NO_EOS: frozenset[int] = frozenset()
@@ -162,8 +163,7 @@ def test_drafter_at_run_time_matches_the_training_objective():
 
 
 @pytest.mark.parametrize("rule", list(LevelOneRule))
-def test_two_level_never_changes_output_and_verifies_fewer_nodes(rule, monkeypatch):
-    monkeypatch.setattr("specpilot.engines.two_level.DEFAULT_RULE", rule)
+def test_two_level_never_changes_output_and_verifies_fewer_nodes(rule):
     model = damped("gqa", 0)
     drafter = quick_drafter(model, 0, 120)
     verified: dict[str, list[int]] = {}
@@ -172,7 +172,8 @@ def test_two_level_never_changes_output_and_verifies_fewer_nodes(rule, monkeypat
         p = prompt(model.shape.vocab, 10, 40 + seed)
         ref = ar(model, p, 30)
         tree = run(model, drafter, p, 30, verify=VerifyMode.TREE, tree_budget=12)
-        two = run(model, drafter, p, 30, verify=VerifyMode.TWO_LEVEL, tree_budget=12, level_one_keep=4)
+        two = run(model, drafter, p, 30, verify=VerifyMode.TWO_LEVEL, tree_budget=12, level_one_keep=4,
+                  level_one_rule=rule)
         assert tree.tokens == ref and two.tokens == ref
         assert all(s.drafted <= 4 for s in two.steps)
         verified.setdefault("tree", []).extend(s.drafted for s in tree.steps)

@@ -26,6 +26,12 @@ class VerifyMode(str, Enum):
     TWO_LEVEL = "two_level"
 
 
+class LevelOneRule(str, Enum):
+    """Two-level verification's cheap first level (the full target still decides: lossless either way)."""
+    CONFIDENCE = "confidence"  # path-probability cut: free, uses only the drafter's scores
+    SHALLOW = "shallow"  # the target's first layers vote on one path; costs a fraction of a target forward
+
+
 class WeightFormat(str, Enum):
     NATIVE = "native"  # the model's compute dtype (bf16 on GPU)
     W12 = "w12"  # lossless 12-bit: 8 bits sign+mantissa, 4-bit exponent code
@@ -58,6 +64,9 @@ class EngineConfig:
     tree_budget: int = 16  # max draft nodes verified per step (tree / two-level)
     tree_width: int = 4  # max children per node when growing a tree
     level_one_keep: int = 8  # two-level: nodes kept after the cheap first level
+    level_one_rule: LevelOneRule = LevelOneRule.SHALLOW
+    level_one_layers: int = 0  # SHALLOW rule: target layers run by level one (0: a quarter of them)
+    tree_depth: int = 0  # deepest tree level a block drafter grows (0: block_size - 1)
     block_size: int = 16  # block drafter: tokens drafted per forward
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
@@ -73,7 +82,7 @@ class EngineConfig:
     kernel_table: tuple[tuple[str, str], ...] = ()  # (kernel@shape, launch params JSON) from tune_kernels
 
     def __post_init__(self) -> None:
-        for name, enum in (("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
+        for name, enum in (("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType), ("level_one_rule", LevelOneRule),
                            ("weight_format", WeightFormat), ("kernel_backend", KernelBackend)):
             value = getattr(self, name)
             if not isinstance(value, enum):
@@ -89,6 +98,8 @@ class EngineConfig:
         _check(1 <= self.level_one_keep <= self.tree_budget,
                f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
+        _check(0 <= self.tree_depth < max(self.block_size, 2), f"tree_depth={self.tree_depth}: must be in 0..block_size-1")
+        _check(self.level_one_layers >= 0, f"level_one_layers={self.level_one_layers}: must be >= 0")
         _check(self.token_tile in (1, 2, 4, 8, 16, 32, 64), f"token_tile={self.token_tile}: must be a power of 2 <= 64")
         _check(self.max_seq_len >= 64, f"max_seq_len={self.max_seq_len}: must be >= 64")
         if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON

@@ -17,21 +17,14 @@ from enum import Enum
 
 import torch
 
-from specpilot.engines.config import EngineConfig
+from specpilot.engines.config import EngineConfig, LevelOneRule
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.engine import greedy_accept
 from specpilot.engines.llama import visibility_mask
 from specpilot.engines.runner import ModelRunner, tree_anc
 
 
-class LevelOneRule(str, Enum):
-    CONFIDENCE = "confidence"  # path-probability cut: free, uses only the drafter's scores
-    SHALLOW = "shallow"  # the target's first layers vote on one path; costs a fraction of a target forward
-
-
-# Defaults until EngineConfig carries these knobs (level_one_rule, level_one_layers).
-DEFAULT_RULE = LevelOneRule.SHALLOW
-SHALLOW_FRACTION = 4  # shallow pass depth: target layers // 4, at least 1
+SHALLOW_FRACTION = 4  # default shallow pass depth: target layers // 4, at least 1
 
 
 @dataclass(frozen=True)
@@ -47,7 +40,8 @@ class LevelOneConfig:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, target_layers: int) -> "LevelOneConfig":
-        return cls(DEFAULT_RULE, cfg.level_one_keep, max(1, target_layers // SHALLOW_FRACTION))
+        layers = cfg.level_one_layers or max(1, target_layers // SHALLOW_FRACTION)
+        return cls(cfg.level_one_rule, cfg.level_one_keep, min(layers, target_layers))
 
 
 def prune(tree: DraftTree, keep: int, first: tuple[int, ...] = ()) -> DraftTree:

@@ -48,7 +48,7 @@ class TreeShape:
         """Chain verification drafts the whole block (B-1 tokens, as DFlash ships it); tree and two-level
         verification grow a tree of cfg.tree_budget nodes, cfg.tree_width children, depth B-1."""
         return cls(tree=cfg.verify is not VerifyMode.CHAIN, block_size=cfg.block_size, budget=cfg.tree_budget,
-                   width=cfg.tree_width, depth=cfg.block_size - 1)
+                   width=cfg.tree_width, depth=cfg.tree_depth or cfg.block_size - 1)
 
     @property
     def max_nodes(self) -> int:
