@@ -73,7 +73,7 @@ def _run(request: ChildRequest, target, draft) -> dict:
     runner = forced_runner(engine)
     forced = []
     for p in request.prompts:
-        fp = forced_pass(runner, p.ids, request.stock_outputs[p.key])
+        fp = forced_pass(runner, p.ids, request.stock_outputs[p.key], request.max_new_tokens)
         forced.append({"key": p.key, "argmax": list(fp.argmax), "runner_up": list(fp.runner_up),
                        "margin": [float(m) for m in fp.margin]})
     return {"forced": forced}

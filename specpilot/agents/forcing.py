@@ -97,7 +97,7 @@ def validate_sandboxed(factory: EngineFactory, stock: Candidate, candidate: Cand
         if len(f.argmax) != len(s_run.tokens):
             return rejected(f"{p.key}: the sandbox's forced pass has {len(f.argmax)} positions, stock output "
                             f"{len(s_run.tokens)}")
-        ref = forced_pass(ref_runner, p.ids, s_run.tokens)
+        ref = forced_pass(ref_runner, p.ids, s_run.tokens, max_new_tokens)
         flips = _forced_flips(p.key, s_run.tokens, ref, ForcedPass(f.argmax, f.runner_up, f.margin), tie_epsilon)
         tie_at = {d.index for d in flips if d.tie}
         first = _first_mismatch(DivergenceKind.FREE_RUNNING, p.key, s_run.tokens, list(c_run.tokens), tie_at)

@@ -76,6 +76,10 @@ class EngineConfig:
     # bit. Off = fastest shapes per step (AR at 1 token), exactness not claimed.
     batch_invariant: bool = True
     token_tile: int = 16
+    # Tree nodes sit at other KV slots than AR puts them; with this on, every token reads its keys in position
+    # order (through its ancestors' slots), so tree verification is bit-exact against AR, not only token-exact.
+    # Costs a per-row key gather (torch path) or per-token attention programs (Triton). Chains need it not.
+    position_ordered_attention: bool = False
     cuda_graphs: bool = True
     compile: bool = False  # torch.compile the step function (GPU)
     max_seq_len: int = 4096  # static KV cache length (prompt + new tokens + one tile of slack)

@@ -69,6 +69,7 @@ class SpecEngine:
             return GenerationResult(list(cached), "cached", 0.0, 0.0)
         if self.drafter is not None:
             self.drafter.reset()
+        self.target.begin_request(len(prompt) + max_new_tokens)
         t0 = time.perf_counter()
         pre = self.target.prefill(prompt)
         first = pre.argmax[0]

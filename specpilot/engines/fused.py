@@ -58,10 +58,11 @@ def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.
 
 
 def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, k_caches, v_caches,
-                  capture: tuple[int, ...] = ()):
+                  capture: tuple[int, ...] = (), block_slots=None):
     """Same contract as LlamaModel.forward, but attention visibility is (base [1] tensor, anc [T, T]) and the
     result is the pre-norm residual stream's final norm applied inside the LM-head kernel: returns
-    (logits fp32 [T, V], captured layer outputs)."""
+    (logits fp32 [T, V], captured layer outputs). block_slots [T, A] (llama.ancestor_slots): keys read in
+    position order through each token's ancestors' slots (then anc is not read)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear, rope_kv_write, swiglu
     sh = model.shape
     packed = tables.w12
@@ -80,7 +81,7 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
         w_qkv, w_o, w_gate_up, w_down = ws[i]
         qkv = norm_proj(stream, layer.input_layernorm.weight, w_qkv, sh.rms_eps)
         q = rope_kv_write(qkv, positions, slots, tables.cos, tables.sin, k_caches[i], v_caches[i], sh.heads, sh.kv_heads)
-        o = attention(q, k_caches[i], v_caches[i], base, anc)
+        o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots)
         stream = proj(o, w_o, residual=stream)
         gate_up = norm_proj(stream, layer.post_attention_layernorm.weight, w_gate_up, sh.rms_eps)
         # Separate activation: fused into the down GEMM every column tile would recompute it (5x slower at 8B).

@@ -14,7 +14,7 @@ import torch
 
 from specpilot.engines.config import EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_for
-from specpilot.engines.llama import LlamaModel, visibility_mask
+from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, visibility_mask
 
 
 @dataclass
@@ -29,6 +29,7 @@ class StepOutput:
 # "global" capture aborts on the Triton launcher's driver queries (seen on the H200 with triton 3.6);
 # "thread_local" only forbids unsafe calls made from other threads during capture.
 CAPTURE_ERROR_MODE = "thread_local"
+VIEW_QUANTUM = 256  # granularity of a request's attention view (slots)
 
 
 def chain_anc(n: int) -> np.ndarray:
@@ -67,7 +68,8 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[int, tuple] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        self.view_slots = self.num_slots  # slots the torch attention spans this request (see begin_request)
         step = self._step
         if cfg.compile and self.device.type == "cuda":
             step = torch.compile(step, dynamic=False)
@@ -76,12 +78,22 @@ class ModelRunner:
     # ---- hot path -------------------------------------------------------------------------------
     def _step(self, ids, positions, slots, base, anc):
         if self.fused is not None:
-            logits, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
-                                             anc[:, :ids.shape[0]].contiguous(), self.kv[0], self.kv[1], self.capture)
+            blk = anc[:, :ids.shape[0]].contiguous()
+            # Position-ordered: keys read through each token's ancestors' slots (tree nodes too): bit-exact vs AR.
+            block_slots = ancestor_slots(base, blk) if self.cfg.position_ordered_attention else None
+            logits, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1), blk,
+                                             self.kv[0], self.kv[1], self.capture, block_slots=block_slots)
         else:
-            mask = visibility_mask(base, anc, self.num_slots)
-            args = (ids, positions, slots, mask, self.kv[0], self.kv[1])
-            hidden, captured = self.model(*args, capture=self.capture) if self.capture else (self.model(*args), [])
+            if self.cfg.position_ordered_attention:
+                # Every row reads its keys in position order (tree nodes through their ancestors' slots), so a
+                # tree verify and AR attend to bit-identical keys in the same order and layout.
+                slot_of, mask = position_slots(base, anc, self.view_slots)
+            else:  # one SDPA over the slots: fast; chains are bit-exact, trees token-exact up to near-ties
+                slot_of, mask = None, visibility_mask(base, anc, self.view_slots)
+            kv = self.kv[..., :self.view_slots, :]
+            args = (ids, positions, slots, mask, kv[0], kv[1])
+            hidden, captured = (self.model(*args, capture=self.capture, slot_of=slot_of) if self.capture
+                                else (self.model(*args, slot_of=slot_of), []))
             logits = self.model.logits(hidden).float()
         features = torch.cat(captured, dim=-1) if self.capture else logits[:, :0]
         top = torch.topk(logits, max(2, self.topk), dim=-1)
@@ -89,6 +101,13 @@ class ModelRunner:
         return logits.argmax(-1), top.values, top.indices, probs, features
 
     # ---- public API -------------------------------------------------------------------------------
+    def begin_request(self, total_tokens: int) -> None:
+        """Sizes this request's attention view: the torch path attends over a fixed number of slots per request
+        (AR and speculative runs of one request see the same shapes, so exactness holds), rounded up to 256 so
+        short requests do not pay for the whole cache."""
+        need = total_tokens + self.block_width
+        self.view_slots = min(self.num_slots, -(-need // VIEW_QUANTUM) * VIEW_QUANTUM)
+
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> StepOutput:
         """Writes slots 0..n-1; returns the greedy token after the last prompt token."""
@@ -114,8 +133,15 @@ class ModelRunner:
         n = len(tokens)
         if n > self.block_width:
             raise ValueError(f"block of {n} tokens exceeds block_width={self.block_width}")
-        if base + self.block_width > self.num_slots:
-            raise ValueError(f"sequence position {base} + block exceeds the KV cache ({self.num_slots} slots)")
+        if base + self.block_width > self.view_slots:
+            raise ValueError(f"sequence position {base} + block exceeds this request's attention view "
+                             f"({self.view_slots} of {self.num_slots} slots; see begin_request)")
+        anc = np.asarray(anc, dtype=bool)
+        if anc.shape != (n, n) or np.triu(anc, 1).any() or not anc.diagonal().all() or \
+                not np.array_equal(anc.sum(1) - 1, np.asarray(depths)):
+            # position_slots reads row i's ancestor at depth e as its (e+1)-th ancestor in block order
+            raise ValueError("anc must be ancestor-or-self of a block whose parents precede their children, "
+                             "with depths[j] = (ancestors of j) - 1")
         width = self.tile or _bucket(n)
         padded = -(-n // width) * width
         ids = np.zeros(padded, dtype=np.int64)
@@ -150,7 +176,7 @@ class ModelRunner:
         if not self.use_graphs:
             d = self.device
             return self._step_fn(*(h.to(d) for h in host), base_t.to(d), anc_t.to(d))
-        graph, static_in, static_out = self._graphs.get(width) or self._capture(width)
+        graph, static_in, static_out = self._graphs.get((width, self.view_slots)) or self._capture(width)
         for dst, src in zip(static_in, (*host, base_t, anc_t)):
             dst.copy_(src, non_blocking=True)
         graph.replay()
@@ -173,8 +199,8 @@ class ModelRunner:
         with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
             static_out = self._step_fn(*static_in)
         self.kv[:, :, :, :width] = saved
-        self._graphs[width] = (graph, static_in, static_out)
-        return self._graphs[width]
+        self._graphs[(width, self.view_slots)] = (graph, static_in, static_out)
+        return self._graphs[(width, self.view_slots)]
 
     def _output(self, out, rows: list[int]) -> StepOutput:
         argmax, top_v, top_i, top_p, feats = out

@@ -62,10 +62,10 @@ def _load_base(base_ptr, base_val, BASE_IS_PTR: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T", "base_val"])
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
-                       T, base_val, S, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
+                       T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,10 +74,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     lo = split * SPLIT
     if lo < end:
         dtype = q_ptr.dtype.element_ty
-        r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = r < T * G
-        t = r // G
-        h = kvh * G + r % G
+        if HAS_SLOTS:  # one token per program (its G query heads): the token's own key slots feed one tl.dot
+            n_g = tl.cdiv(G, BLOCK_M)
+            tok = pid_m // n_g
+            g = (pid_m % n_g) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = g < G
+            t = tl.zeros([BLOCK_M], dtype=tl.int32) + tok
+            h = kvh * G + g
+        else:
+            r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = r < T * G
+            t = r // G
+            h = kvh * G + r % G
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + (t * H + h).to(tl.int64)[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
         ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(dtype)
@@ -88,13 +96,25 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         for k0 in range(lo, tl.minimum(lo + SPLIT, end), BLOCK_N):
             kk = k0 + tl.arange(0, BLOCK_N)
             k_ok = kk < end
-            kt = tl.load(k_ptr + kv_base + kk.to(tl.int64)[None, :] * D + dd[:, None], mask=k_ok[None, :], other=0.0)
-            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
             j = kk - base
-            in_blk = (j >= 0) & (j < T) & k_ok
-            a = tl.load(anc_ptr + t.to(tl.int64)[:, None] * T + j[None, :], mask=row_ok[:, None] & in_blk[None, :],
-                        other=0)
-            vis = row_ok[:, None] & (((kk < base) & k_ok)[None, :] | (a != 0))
+            if HAS_SLOTS:  # key of position base + e: the slot of the token's ancestor at depth e (-1: none)
+                e_ok = (j >= 0) & (j < A) & k_ok
+                bs = tl.load(bslot_ptr + tok.to(tl.int64) * A + j, mask=e_ok, other=-1)
+                key_vis = ((kk < base) & k_ok) | (bs >= 0)
+                ks = tl.where(kk < base, kk, tl.maximum(bs, 0).to(tl.int32))
+                ld_ok = key_vis
+            else:
+                ks = kk
+                ld_ok = k_ok
+            kt = tl.load(k_ptr + kv_base + ks.to(tl.int64)[None, :] * D + dd[:, None], mask=ld_ok[None, :], other=0.0)
+            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            if HAS_SLOTS:
+                vis = row_ok[:, None] & key_vis[None, :]
+            else:
+                in_blk = (j >= 0) & (j < T) & k_ok
+                a = tl.load(anc_ptr + t.to(tl.int64)[:, None] * T + j[None, :],
+                            mask=row_ok[:, None] & in_blk[None, :], other=0)
+                vis = row_ok[:, None] & (((kk < base) & k_ok)[None, :] | (a != 0))
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             live = m_new > float("-inf")  # rows with a visible key so far
@@ -102,7 +122,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
             m_safe = tl.where(live, m_new, 0.0)
             alpha = tl.exp2(m - m_safe)
             p = tl.exp2(s - m_safe[:, None]).to(dtype)
-            v = tl.load(v_ptr + kv_base + kk.to(tl.int64)[:, None] * D + dd[None, :], mask=k_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=ld_ok[:, None], other=0.0)
             pv = tl.dot(p, v, input_precision=DOT_PREC)
             psum = tl.max(tl.dot(p, ones, input_precision=DOT_PREC), axis=1)  # 16 identical columns
             acc = tl.where(seen[:, None], acc * alpha[:, None] + pv, acc)
@@ -143,18 +163,32 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
 
 
 def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
-                  anc: torch.Tensor) -> torch.Tensor:
-    """Plain torch: boolean mask over slots 0..base+T-1, fp32 scores and softmax; returns [T, heads * D]."""
+                  anc: torch.Tensor, block_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: boolean mask over slots 0..base+T-1, fp32 scores and softmax; returns [T, heads * D].
+
+    With block_slots [T, A]: token i's key at position base + e is slot block_slots[i, e] (visible iff >= 0)."""
     T, H, D = q.shape
     KVH = k_cache.shape[0]
     base = int(base)
     L = base + T
     mask = torch.zeros(T, L, dtype=torch.bool, device=q.device)
     mask[:, :base] = True
-    mask[:, base:] = anc.bool()
-    k = k_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)  # [H, L, D]
-    v = v_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)
-    scores = torch.einsum("thd,hld->htl", q.float(), k) / math.sqrt(D)
+    if block_slots is None:
+        mask[:, base:] = anc.bool()
+        k = k_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)  # [H, L, D]
+        v = v_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)
+        scores = torch.einsum("thd,hld->htl", q.float(), k) / math.sqrt(D)
+    else:
+        A = block_slots.shape[1]
+        bs = torch.full((T, T), -1, dtype=torch.long, device=q.device)
+        bs[:, :min(A, T)] = block_slots[:, :T]
+        mask[:, base:] = bs >= 0
+        slot_of = torch.cat([torch.arange(base, device=q.device).expand(T, base), bs.clamp(min=0)], dim=1)  # [T, L]
+        k = k_cache[:, slot_of].float().repeat_interleave(H // KVH, dim=0)  # [H, T, L, D]
+        v = v_cache[:, slot_of].float().repeat_interleave(H // KVH, dim=0)
+        scores = torch.einsum("thd,htld->htl", q.float(), k) / math.sqrt(D)
+        probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+        return torch.einsum("htl,htld->thd", probs, v).reshape(T, H * D).to(q.dtype)
     scores = scores.masked_fill(~mask[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("htl,hld->thd", probs, v)
@@ -162,11 +196,14 @@ def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
-              anc: torch.Tensor, *, out: torch.Tensor | None = None, block_n: int = 64, split_keys: int = 256,
-              num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+              anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              block_n: int = 64, split_keys: int = 256, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
+    block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
+    (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
+    the keys AR would, in position order (anc is then not read). Tokens are then tiled one per program.
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
     check_tensor("q", q, (None, None, None), ACT_DTYPES)
@@ -188,6 +225,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     else:
         base_val = check_int("base", base, 0, S - T)
         base_is_ptr, n_split = False, triton.cdiv(base_val + T, split_keys)
+    if block_slots is not None:
+        check_tensor("block_slots", block_slots, (T, None), torch.int64, dev)
     check_launchable(_attn_split_kernel, dev)
     out = check_out("out", out, (T, H * D), dt, dev)
     G = H // KVH
@@ -196,10 +235,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     ws_o = torch.empty(n_split * T * H * D, dtype=torch.float32, device=dev)
     base_ptr = base if base_is_ptr else ws_m
     qk_scale = LOG2E / math.sqrt(D)
-    _attn_split_kernel[(triton.cdiv(T * G, BLOCK_M), KVH, n_split)](
-        q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, T, base_val, S, qk_scale,
+    has_slots = block_slots is not None
+    n_m = T * triton.cdiv(G, BLOCK_M) if has_slots else triton.cdiv(T * G, BLOCK_M)
+    _attn_split_kernel[(n_m, KVH, n_split)](
+        q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
-        BLOCK_N=params.block_n, SPLIT=params.split_keys, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, num_warps=num_warps,
+        num_stages=num_stages)
     block_r = 16
     _attn_combine_kernel[(triton.cdiv(T * H, block_r),)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr, BLOCK_R=block_r,

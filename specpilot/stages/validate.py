@@ -189,8 +189,10 @@ def forced_runner(engine: SpecEngine) -> ModelRunner:
     return ModelRunner(t.model, t.cfg, t.device, block_width=t.block_width, topk=2)
 
 
-def forced_pass(runner: ModelRunner, prompt: Sequence[int], output: Sequence[int]) -> ForcedPass:
-    """Feeds prompt + output in the runner's verify shape: a prefill, then chain blocks of its verify width."""
+def forced_pass(runner: ModelRunner, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int) -> ForcedPass:
+    """Feeds prompt + output in the runner's verify shape: a prefill, then chain blocks of its verify width.
+    max_new_tokens: the request's limit, which sizes its attention view exactly as generate() did."""
+    runner.begin_request(len(prompt) + max_new_tokens)
     first = runner.prefill(list(prompt))  # the same prefill the engine runs: one forward over the prompt
     argmax, runner_up, margin = list(first.argmax), [first.topk_tokens[0][1]], first.margin.tolist()
     feed = list(output[:-1])  # the last output token predicts nothing that stock produced
@@ -226,7 +228,8 @@ def validate(factory: EngineFactory, stock: Candidate, candidate: Candidate, pro
     ref_runner, cand_runner = forced_runner(stock_engine), forced_runner(cand_engine)
     rows, divergences, margins = [], [], []
     for i, (p, (s_run, c_run)) in enumerate(zip(prompts, runs)):
-        ref, cand = forced_pass(ref_runner, p.ids, s_run.tokens), forced_pass(cand_runner, p.ids, s_run.tokens)
+        ref = forced_pass(ref_runner, p.ids, s_run.tokens, max_new_tokens)
+        cand = forced_pass(cand_runner, p.ids, s_run.tokens, max_new_tokens)
         flips = _forced_flips(p.key, s_run.tokens, ref, cand, tie_epsilon)
         tie_at = {d.index for d in flips if d.tie}
         free = _first_mismatch(DivergenceKind.FREE_RUNNING, p.key, s_run.tokens, c_run.tokens, tie_at)

@@ -51,6 +51,9 @@ class HybridRunner:
         self._row_of: dict[int, int] = {}  # the last verify's block node -> row (depth-first order permutes rows)
 
     # ---- public API (ModelRunner's) ---------------------------------------------------------------
+    def begin_request(self, total_tokens: int) -> None:
+        """The runner protocol's per-request hook; the hybrid runner keeps one fixed attention view."""
+
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> StepOutput:
         """Runs the prompt as chained chunks (verify + commit of the whole chunk); returns the greedy token after it."""
