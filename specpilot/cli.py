@@ -7,6 +7,7 @@ import sys
 
 # Modules that add subcommands, in help order. Each exposes register_cli(subparsers).
 _CLI_MODULES = (
+    "specpilot.stages.cli",
     "specpilot.bench.cli",
     "specpilot.testbed.cli",
     "specpilot.memory.cli",

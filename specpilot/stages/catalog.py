@@ -1,0 +1,291 @@
+"""The mechanism catalog: named mechanisms, the EngineConfig knobs each turns (with ranges), where each applies,
+and which cost-model directions it addresses. The search proposer optimises over the knobs of a round's space.
+
+Only EngineConfig fields are turned (the drafter choice picks one of the deployment's drafters, whose model the
+session loads). Stock is the deployment's first listed drafter with its published defaults.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+
+from specpilot.costmodel import DirectionName
+from specpilot.deployments import Deployment, DeviceKind
+from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.memory import MechanismCategory
+from specpilot.stages.candidate import Candidate, CandidateSource
+
+DRAFTER_PARAM = "drafter_label"  # the one search parameter that is not an EngineConfig field
+
+
+class KnobDomain(str, Enum):
+    INT = "int"  # integers low..high
+    CHOICE = "choice"  # one of `choices`
+
+
+@dataclass(frozen=True)
+class Knob:
+    field: str  # EngineConfig field (or DRAFTER_PARAM)
+    domain: KnobDomain
+    low: int = 0
+    high: int = 0
+    choices: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "domain", KnobDomain(self.domain))
+        if self.field != DRAFTER_PARAM and self.field not in EngineConfig.__dataclass_fields__:
+            raise ValueError(f"knob {self.field!r} is not an EngineConfig field")
+        if self.domain is KnobDomain.INT and not self.low <= self.high:
+            raise ValueError(f"knob {self.field}: empty range {self.low}..{self.high}")
+        if self.domain is KnobDomain.CHOICE and not self.choices:
+            raise ValueError(f"knob {self.field}: no choices")
+
+    def size(self) -> int:
+        return self.high - self.low + 1 if self.domain is KnobDomain.INT else len(self.choices)
+
+
+@dataclass(frozen=True)
+class CatalogMechanism:
+    name: str
+    category: MechanismCategory
+    description: str
+    knobs: tuple[Knob, ...]
+    addresses: frozenset[DirectionName]
+    drafters: frozenset[DrafterKind] = frozenset()  # applies when the build drafts with one of these (empty: any)
+    devices: frozenset[DeviceKind] = frozenset(DeviceKind)
+
+    def applies(self, build: EngineConfig, device: DeviceKind) -> bool:
+        if device not in self.devices:
+            return False
+        if self.drafters and build.drafter not in self.drafters:
+            return False
+        if any(k.field == "token_tile" for k in self.knobs):  # the tile only shapes the stock, batch-invariant path
+            return build.batch_invariant and build.kernel_backend is KernelBackend.TORCH
+        return True
+
+
+_ALL = frozenset(DirectionName)
+_CUDA = frozenset({DeviceKind.CUDA})
+_INT, _CHOICE = KnobDomain.INT, KnobDomain.CHOICE
+CATALOG: tuple[CatalogMechanism, ...] = (
+    CatalogMechanism("ngram_draft_length", MechanismCategory.ALGORITHM, "n-gram lookup: draft tokens per step",
+                     (Knob("draft_len", _INT, 1, 12),), frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}),
+                     frozenset({DrafterKind.NGRAM})),
+    CatalogMechanism("ngram_window", MechanismCategory.ALGORITHM, "n-gram lookup: longest and shortest suffix matched",
+                     (Knob("ngram_max", _INT, 1, 8), Knob("ngram_min", _INT, 1, 4)),
+                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.NGRAM})),
+    CatalogMechanism("draft_model_length", MechanismCategory.ALGORITHM, "draft model: draft tokens per step",
+                     (Knob("draft_len", _INT, 1, 12),), frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}),
+                     frozenset({DrafterKind.DRAFT_MODEL})),
+    CatalogMechanism("block_tree_shape", MechanismCategory.ALGORITHM,
+                     "block drafter: chain, best-first tree or two-level verification and the tree's node budget",
+                     (Knob("verify", _CHOICE, choices=tuple(v.value for v in VerifyMode)),
+                      Knob("tree_budget", _INT, 4, 64), Knob("tree_width", _INT, 1, 8),
+                      Knob("level_one_keep", _INT, 2, 32)),
+                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK})),
+    CatalogMechanism("token_tile", MechanismCategory.KERNEL, "batch-invariant forward width (every step runs at it)",
+                     (Knob("token_tile", _CHOICE, choices=(8, 16)),),
+                     frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD})),
+    CatalogMechanism("cuda_graphs", MechanismCategory.SCHEDULING, "replay each step as a captured CUDA graph",
+                     (Knob("cuda_graphs", _CHOICE, choices=(True, False)),), frozenset({DirectionName.OVERHEAD}),
+                     devices=_CUDA),
+    CatalogMechanism("torch_compile", MechanismCategory.KERNEL, "torch.compile the step function",
+                     (Knob("compile", _CHOICE, choices=(False, True)),),
+                     frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), devices=_CUDA),
+    CatalogMechanism("triton_kernels", MechanismCategory.KERNEL, "SpecPilot's fused batch-invariant Triton kernels",
+                     (Knob("kernel_backend", _CHOICE, choices=tuple(b.value for b in KernelBackend)),),
+                     frozenset({DirectionName.KERNELS}), devices=_CUDA),
+)
+# Mechanisms set by other means than the search: the drafter choice is a search parameter of its own, the
+# kernel table comes from the tune_kernels stage (and only matters with kernel_backend=triton).
+DRAFTER_CHOICE = CatalogMechanism("drafter_choice", MechanismCategory.ALGORITHM,
+                                  "which of the deployment's drafters proposes tokens", (), _ALL)
+KERNEL_TABLE = CatalogMechanism("kernel_table", MechanismCategory.KERNEL,
+                                "tuned Triton launch parameters per kernel, shape and token count", (),
+                                frozenset({DirectionName.KERNELS}), devices=_CUDA)
+BY_NAME: dict[str, CatalogMechanism] = {m.name: m for m in (*CATALOG, DRAFTER_CHOICE, KERNEL_TABLE)}
+
+
+def stock_candidate(dep: Deployment) -> Candidate:
+    """The deployment's first drafter with its published defaults on the default kernels."""
+    first = dep.drafters[0]
+    return Candidate("stock", first.engine_config(dep.engine), source=CandidateSource.STOCK, drafter_label=first.label)
+
+
+def drafter_config(dep: Deployment, label: str) -> EngineConfig:
+    configs = dep.drafter_configs()
+    if label not in configs:
+        raise ValueError(f"deployment {dep.name} has no drafter {label!r}; drafters: {sorted(configs)}")
+    return configs[label]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The mechanisms searched this round: per drafter label, the applicable catalog mechanisms."""
+
+    direction: DirectionName
+    drafter_labels: tuple[str, ...]  # more than one: the drafter choice is searched too
+    mechanisms: dict[str, tuple[CatalogMechanism, ...]]  # drafter label -> mechanisms applying to it
+    widened: bool  # the direction's own mechanisms offered too few settings: every applicable one is searched
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"direction": self.direction.value, "drafter_labels": list(self.drafter_labels), "widened": self.widened,
+                "mechanisms": {label: [{"name": m.name, "category": m.category.value, "knobs": [
+                    {"field": k.field, "domain": k.domain.value, "low": k.low, "high": k.high, "choices": list(k.choices)}
+                    for k in m.knobs]} for m in ms] for label, ms in self.mechanisms.items()}}
+
+
+def search_space(dep: Deployment, build: Candidate, direction: DirectionName, min_settings: int) -> SearchSpace:
+    """Mechanisms addressing `direction` that apply to the build on this device; widened to every applicable
+    mechanism when they offer fewer than `min_settings` distinct settings."""
+    labels = tuple(dep.drafter_configs())
+
+    def pick(only_direction: bool) -> dict[str, tuple[CatalogMechanism, ...]]:
+        out = {}
+        for label in labels:
+            base = build.config if label == build.drafter_label else drafter_config(dep, label)
+            base = base.replace(**{k: getattr(build.config, k) for k in _SHARED_FIELDS})
+            out[label] = tuple(m for m in CATALOG if m.applies(base, dep.device.kind)
+                               and (not only_direction or direction in m.addresses))
+        return out
+
+    def settings(space: dict[str, tuple[CatalogMechanism, ...]]) -> int:
+        total = 0
+        for ms in space.values():
+            n = 1
+            for m in ms:
+                for k in m.knobs:
+                    n *= k.size()
+            total += n
+        return total
+
+    chosen = pick(True)
+    widened = settings(chosen) < min_settings
+    return SearchSpace(direction, labels, pick(False) if widened else chosen, widened)
+
+
+# Fields that are the build's, whichever drafter drafts (kernels, scheduling, exactness).
+_SHARED_FIELDS = ("dtype", "weight_format", "kernel_backend", "batch_invariant", "token_tile", "cuda_graphs", "compile",
+                  "max_seq_len", "kernel_table")
+
+
+def config_delta(base: EngineConfig, config: EngineConfig) -> dict[str, Any]:
+    """Fields of `config` that differ from `base`, as JSON values."""
+    b, c = base.to_dict(), config.to_dict()
+    return {k: c[k] for k in c if c[k] != b[k]}
+
+
+def mechanisms_in(base: Candidate, config: EngineConfig, drafter_label: str | None) -> tuple[str, ...]:
+    """Catalog mechanisms whose knobs `config` turns relative to `base` (and the drafter choice)."""
+    delta = config_delta(base.config, config)
+    names = [DRAFTER_CHOICE.name] if drafter_label != base.drafter_label else []
+    for m in CATALOG:
+        if m.drafters and config.drafter not in m.drafters:
+            continue
+        if any(k.field in delta for k in m.knobs):
+            names.append(m.name)
+    if "kernel_table" in delta:
+        names.append(KERNEL_TABLE.name)
+    return tuple(dict.fromkeys(names))
+
+
+def with_kernel_table(candidate: Candidate, pairs: tuple[tuple[str, str], ...]) -> Candidate:
+    """`candidate` with a tuned kernel table merged into its config (entries of the same key replaced)."""
+    merged = tuple(sorted((dict(candidate.config.kernel_table) | dict(pairs)).items()))
+    return Candidate(f"{candidate.name}+kernels", candidate.config.replace(kernel_table=merged), candidate.policy,
+                     tuple(dict.fromkeys((*candidate.mechanisms, KERNEL_TABLE.name))), CandidateSource.SEARCH,
+                     candidate.drafter_label)
+
+
+def mechanism_category(names: tuple[str, ...]) -> MechanismCategory:
+    return BY_NAME[names[0]].category if names and names[0] in BY_NAME else MechanismCategory.ALGORITHM
+
+
+def apply_delta(dep: Deployment, base: Candidate, delta: dict[str, Any],
+                drafter_label: str | None) -> tuple[EngineConfig, str]:
+    """`base` with `delta` applied; a delta that switches drafter starts from that drafter's stock config and
+    keeps the build's shared (kernel/scheduling) fields. ConfigError/ValueError when it does not fit."""
+    label = drafter_label or base.drafter_label
+    if "drafter" in delta and delta["drafter"] != base.config.drafter.value:
+        label = drafter_label or next((d.label for d in dep.drafters if d.kind.value == delta["drafter"]), None)
+        if label is None:
+            raise ValueError(f"deployment {dep.name} has no {delta['drafter']} drafter")
+    start = base.config if label == base.drafter_label else drafter_config(dep, label).replace(
+        **{k: getattr(base.config, k) for k in _SHARED_FIELDS})
+    return start.replace(**{k: v for k, v in delta.items() if k != "kernel_table"}), label
+
+
+def merge_deltas(deltas: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int]]:
+    """Union of deltas in order, skipping any that sets a field to a different value than an earlier one;
+    returns the merged delta and the indices of the deltas it contains."""
+    merged: dict[str, Any] = {}
+    used = []
+    for i, delta in enumerate(deltas):
+        if all(merged.get(k, v) == v for k, v in delta.items()):
+            merged.update(delta)
+            used.append(i)
+    return merged, used
+
+
+# ---- the search space as Optuna parameters ------------------------------------------------------------------
+def _param(m: CatalogMechanism, k: Knob) -> str:
+    return f"{m.name}.{k.field}"
+
+
+def distributions(space: SearchSpace, label: str) -> dict[str, BaseDistribution]:
+    out: dict[str, BaseDistribution] = {}
+    if len(space.drafter_labels) > 1:
+        out[DRAFTER_PARAM] = CategoricalDistribution(space.drafter_labels)
+    for m in space.mechanisms[label]:
+        for k in m.knobs:
+            out[_param(m, k)] = (IntDistribution(k.low, k.high) if k.domain is KnobDomain.INT
+                                 else CategoricalDistribution(k.choices))
+    return out
+
+
+def _repaired(start: EngineConfig, values: dict[str, Any]) -> EngineConfig:
+    """Apply knob values, pulling dependent knobs inside their limits (min <= max, kept nodes <= budget)."""
+    merged = {**start.to_dict(), **values}
+    merged["ngram_min"] = min(merged["ngram_min"], merged["ngram_max"])
+    merged["level_one_keep"] = min(merged["level_one_keep"], merged["tree_budget"])
+    return start.replace(**{k: merged[k] for k in values.keys() | {"ngram_min", "level_one_keep"}})
+
+
+def suggest(trial: optuna.Trial | optuna.trial.FixedTrial, dep: Deployment, base: Candidate,
+            space: SearchSpace) -> tuple[EngineConfig, str]:
+    """A trial's config and drafter label (define-by-run: each drafter's knobs only when it is chosen)."""
+    labels = space.drafter_labels
+    label = trial.suggest_categorical(DRAFTER_PARAM, list(labels)) if len(labels) > 1 else labels[0]
+    values: dict[str, Any] = {}
+    for m in space.mechanisms[label]:
+        for k in m.knobs:
+            name = _param(m, k)
+            values[k.field] = (trial.suggest_int(name, k.low, k.high) if k.domain is KnobDomain.INT
+                               else trial.suggest_categorical(name, list(k.choices)))
+    start, label = apply_delta(dep, base, {}, label)
+    return _repaired(start, values), label
+
+
+def params_of(config: EngineConfig, label: str | None, dep: Deployment, base: Candidate,
+              space: SearchSpace) -> dict[str, Any] | None:
+    """The trial parameters that reproduce `config` exactly, or None when the space cannot express it."""
+    if label not in space.mechanisms:
+        return None
+    params: dict[str, Any] = {DRAFTER_PARAM: label} if len(space.drafter_labels) > 1 else {}
+    as_dict = config.to_dict()
+    for m in space.mechanisms[label]:
+        for k in m.knobs:
+            value = as_dict[k.field]
+            inside = k.low <= value <= k.high if k.domain is KnobDomain.INT else value in k.choices
+            if not inside:
+                return None
+            params[_param(m, k)] = value
+    try:
+        rebuilt, rebuilt_label = suggest(optuna.trial.FixedTrial(params), dep, base, space)
+    except (ValueError, ConfigError):
+        return None
+    return params if rebuilt.digest() == config.digest() and rebuilt_label == label else None

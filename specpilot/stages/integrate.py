@@ -1,0 +1,302 @@
+"""Validate (token forcing of one candidate, as a stage) and integrate: combine what passed, re-benchmark the
+result against stock on the held-out prompts, emit the new build content-addressed, and write memory.
+
+Integration applies the accepted candidates' config deltas together where they agree (a field set to two
+values, or two drafters, cannot be combined), checks the combination still beats the best single candidate
+by decoding it again and proves it lossless by token forcing. The final build is whichever of stock, the
+current build and that result is fastest on the held-out prompts, so it is never slower than stock there;
+when nothing beats stock the final build is stock and the decision says so. Memory is written only here.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from specpilot.bench.harness import AR_LABEL, BenchReport, Variant, run_bench
+from specpilot.bench.session import DeploymentSession, TokenizedPrompt
+from specpilot.deployments import Deployment
+from specpilot.engines.config import ConfigError, DType
+from specpilot.stages import catalog
+from specpilot.stages.candidate import Candidate, CandidateSource
+from specpilot.memory import Evidence, Failure, Mechanism, Memory, RunStatus, Verdict
+from specpilot.stages.io import SplitName, StageRun, exclusive, memory_scope, write_build
+from specpilot.stages.validate import VerdictKind, validate, write_verdict
+
+# Logit margins below about one rounding step of the dtype at typical logit sizes (|logit| 8..16) are ties.
+TIE_EPSILON = {DType.BF16: 2.0 ** -4, DType.FP16: 2.0 ** -7, DType.FP32: 1e-5}
+HELDOUT_LABELS = ("stock", "current", "candidate")  # preference order on equal speed: the simpler build wins
+
+
+def tie_epsilon(dep: Deployment, given: float | None = None) -> float:
+    return TIE_EPSILON[dep.engine.dtype] if given is None else float(given)
+
+
+def _per_benchmark(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    groups: dict[str, list[float]] = {}
+    for key, value in pairs:
+        groups.setdefault(key.split("/", 1)[0], []).append(value)
+    return {b: _geomean(v) for b, v in groups.items()}
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+@dataclass(frozen=True)
+class ValidateParams:
+    prompts: int = 0  # held-out prompts (0: all of the validate split)
+    max_new_tokens: int = 0  # 0: the workload's
+    tie_epsilon: float | None = None  # None: TIE_EPSILON of the deployment's dtype
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ValidateParams":
+        return cls(**{k: v for k, v in d.items() if k in {f.name for f in fields(cls)}})
+
+
+def run_validate(run: StageRun) -> dict[str, Any]:
+    """Token forcing of params.candidate against params.stock on held-out prompts."""
+    dep, params = run.deployment, ValidateParams.from_dict(run.request.params)
+    stock, candidate = Candidate.from_dict(run.param("stock")), Candidate.from_dict(run.param("candidate"))
+    prompts = run.prompts(SplitName.VALIDATE, params.prompts)
+    max_new = params.max_new_tokens or dep.workload.max_new_tokens
+    with exclusive(run.device):
+        verdict = validate(run.session(), stock, candidate, prompts, max_new, tie_epsilon(dep, params.tie_epsilon))
+    write_verdict(verdict, run.out_dir)
+    (run.out_dir / "candidate.json").write_text(json.dumps(candidate.to_dict(), indent=1))
+    speedup = min(verdict.speedup.geomean, verdict.speedup.remeasured_geomean or verdict.speedup.geomean)
+    return {"candidate": candidate.to_dict(), "verdict": verdict.kind.value, "speedup_vs_stock": speedup,
+            "per_benchmark": _per_benchmark([(p.prompt, p.speedup) for p in verdict.prompts]),
+            "reasons": list(verdict.reasons), "prompts": len(prompts), "max_new_tokens": max_new}
+
+
+@dataclass(frozen=True)
+class ValidatedCandidate:
+    candidate: Candidate
+    verdict: VerdictKind
+    speedup_vs_stock: float  # held-out, from the validation run
+    per_benchmark: dict[str, float]
+    reasons: tuple[str, ...]
+    evidence_uri: str  # the validation stage's manifest
+
+    @property
+    def accepted(self) -> bool:
+        return self.verdict is VerdictKind.PASS and self.speedup_vs_stock > 1.0
+
+    @property
+    def rejection(self) -> str:
+        if self.verdict is not VerdictKind.PASS:
+            return f"token forcing {self.verdict.value}: " + "; ".join(self.reasons[:3])
+        return f"lossless but {self.speedup_vs_stock:.3f}x vs stock on held-out prompts (not faster)"
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any], uri: str) -> "ValidatedCandidate":
+        return cls(Candidate.from_dict(summary["candidate"]), VerdictKind(summary["verdict"]), summary["speedup_vs_stock"],
+                   summary["per_benchmark"], tuple(summary["reasons"]), uri)
+
+
+@dataclass(frozen=True)
+class IntegrateParams:
+    round: int = 1
+    final_round: bool = True
+    heldout_prompts: int = 0  # validate-split prompts for the final comparison (0: all)
+    heldout_max_new_tokens: int = 0  # 0: the workload's
+    recheck_prompts: int = 2  # tune prompts for the combination-still-wins check
+    recheck_max_new_tokens: int = 16
+    tie_epsilon: float | None = None
+    memory: str | None = None  # memory file (default: $SPECPILOT_MEMORY or the cache)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "IntegrateParams":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class IntegrateResult:
+    final: Candidate
+    final_label: str  # which of HELDOUT_LABELS won
+    combined_from: tuple[str, ...]  # accepted candidates the integrated candidate applies
+    candidate: Candidate | None  # the integrated candidate measured on held-out prompts (None: nothing accepted)
+    decisions: tuple[str, ...]
+    heldout: BenchReport
+    final_vs_stock: float  # geomean over held-out requests of stock decode time / final decode time
+    speedup_vs_ar: dict[str, float]  # label -> held-out geomean speedup vs AR
+
+    @property
+    def final_is_stock(self) -> bool:
+        return self.final_label == "stock"
+
+    def summary(self) -> dict[str, Any]:
+        return {"final": self.final.to_dict(), "final_label": self.final_label, "final_is_stock": self.final_is_stock,
+                "combined_from": list(self.combined_from), "decisions": list(self.decisions),
+                "final_vs_stock": self.final_vs_stock, "final_vs_ar": self.speedup_vs_ar[self.final_label],
+                "stock_vs_ar": self.speedup_vs_ar["stock"], "speedup_vs_ar": self.speedup_vs_ar,
+                "heldout_prompts": len({r.prompt_id for r in self.heldout.requests}),
+                "heldout_max_new_tokens": self.heldout.max_new_tokens}
+
+
+def combine(dep: Deployment, current: Candidate, accepted: list[ValidatedCandidate],
+            round_: int) -> tuple[Candidate, tuple[ValidatedCandidate, ...], tuple[str, ...]]:
+    """The accepted deltas (relative to the current build) applied together, best first; returns the candidate,
+    the accepted candidates it applies and a note for each one left out because it conflicts."""
+    ranked = sorted(accepted, key=lambda v: -v.speedup_vs_stock)
+    deltas = [{**catalog.config_delta(current.config, v.candidate.config), catalog.DRAFTER_PARAM: v.candidate.drafter_label}
+              for v in ranked]
+    merged, used = catalog.merge_deltas(deltas)
+    notes = tuple(f"{v.candidate.name} left out: sets {sorted(k for k in deltas[i] if merged.get(k) != deltas[i][k])} "
+                  f"differently from {ranked[0].candidate.name}" for i, v in enumerate(ranked) if i not in used)
+    label = merged.pop(catalog.DRAFTER_PARAM)
+    if len(used) > 1:
+        try:
+            config, label = catalog.apply_delta(dep, current, merged, label)
+        except (ConfigError, ValueError) as e:
+            return ranked[0].candidate, (ranked[0],), notes + (f"combination not buildable ({e})",)
+        parts = tuple(ranked[i] for i in used)
+        mechanisms = tuple(dict.fromkeys(m for v in parts for m in v.candidate.mechanisms))
+        return Candidate(f"integrated-r{round_}", config, mechanisms=mechanisms, source=CandidateSource.INTEGRATED,
+                         drafter_label=label), parts, notes
+    return ranked[0].candidate, (ranked[0],), notes
+
+
+def _variant(label: str, c: Candidate) -> Variant:
+    return Variant(label, c.config, c.drafter_label)
+
+
+def _prove_combination(session: DeploymentSession, stock: Candidate, best: Candidate, combined: Candidate,
+                       tune_prompts: list[TokenizedPrompt], heldout_prompts: list[TokenizedPrompt],
+                       params: IntegrateParams, out_dir: Path) -> str:
+    """'' when the combination still beats the best single candidate (decoded again on tune prompts) and passes
+    token forcing against stock; otherwise why it does not."""
+    dep = session.deployment
+    check, _, _ = run_bench(session, tune_prompts, [Variant(AR_LABEL, dep.ar_config()), _variant("best", best),
+                                                    _variant("combined", combined)],
+                            params.recheck_max_new_tokens, progress=False, warmup=True)
+    wins = check.all_match("combined") and (check.geomean("combined") or 0) >= (check.geomean("best") or 0)
+    verdict = validate(session, stock, combined, heldout_prompts, params.heldout_max_new_tokens or
+                       dep.workload.max_new_tokens, tie_epsilon(dep, params.tie_epsilon)) if wins else None
+    (out_dir / "combination.json").write_text(json.dumps({"recheck": check.to_dict(), "verdict": (
+        verdict.to_dict() if verdict else None)}, indent=1))
+    if verdict is None:
+        return "slower than the best single candidate when decoded again"
+    return "" if verdict.kind is VerdictKind.PASS else f"token forcing {verdict.kind.value}"
+
+
+def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, validated: list[ValidatedCandidate],
+              tune_prompts: list[TokenizedPrompt], heldout_prompts: list[TokenizedPrompt], params: IntegrateParams,
+              out_dir: Path) -> IntegrateResult:
+    dep = session.deployment
+    decisions = [f"{v.candidate.name}: rejected, {v.rejection}" for v in validated if not v.accepted]
+    accepted = [v for v in validated if v.accepted]
+    candidate, parts, notes = (None, (), ()) if not accepted else combine(dep, current, accepted, params.round)
+    decisions += list(notes)
+    if candidate is not None and len(parts) == 1:
+        decisions.append(f"candidate for the held-out comparison: {candidate.name} "
+                         f"({parts[0].speedup_vs_stock:.3f}x vs stock in validation)")
+    if candidate is not None and len(parts) > 1:
+        failure = _prove_combination(session, stock, parts[0].candidate, candidate, tune_prompts, heldout_prompts,
+                                     params, out_dir)
+        names = [p.candidate.name for p in parts]
+        if failure:
+            decisions.append(f"combination of {names} dropped: {failure}; keeping {parts[0].candidate.name}")
+            candidate, parts = parts[0].candidate, parts[:1]
+        else:
+            decisions.append(f"combined {names} into {candidate.name}")
+    builds = {"stock": stock}
+    if (current.config.digest(), current.drafter_label) != (stock.config.digest(), stock.drafter_label):
+        builds["current"] = current
+    if candidate is not None:
+        builds["candidate"] = candidate
+    variants = [Variant(AR_LABEL, dep.ar_config())] + [_variant(label, c) for label, c in builds.items()]
+    max_new = params.heldout_max_new_tokens or dep.workload.max_new_tokens
+    report, _, _ = run_bench(session, heldout_prompts, variants, max_new, warmup=True)
+    speedups = {label: report.geomean(label) or 0.0 for label in builds}
+    eligible = [label for label in HELDOUT_LABELS if label in builds and (label == "stock" or report.all_match(label))]
+    final_label = max(eligible, key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
+    decisions.append(f"held-out ({len(heldout_prompts)} prompts, {max_new} new tokens): " + ", ".join(
+        f"{label} {speedups[label]:.3f}x vs AR" for label in builds) + f"; final build = {final_label}"
+        + (" (no candidate beat stock: the final build IS stock)" if final_label == "stock" else ""))
+    decode = {(r.variant, r.prompt_id, r.benchmark): r.decode_s for r in report.requests}
+    ratios = [decode[("stock", p, b)] / max(decode[(final_label, p, b)], 1e-9)
+              for (v, p, b) in decode if v == "stock"]
+    return IntegrateResult(builds[final_label], final_label, tuple(p.candidate.name for p in parts), candidate,
+                           tuple(decisions), report, _geomean(ratios), speedups)
+
+
+def memory_delta(stock: Candidate, candidate: Candidate) -> dict[str, Any]:
+    """What memory stores for a candidate: its fields that differ from stock, and always its drafter kind (a draft
+    length means something else for another drafter), so another deployment applies it to that drafter."""
+    return {**catalog.config_delta(stock.config, candidate.config), "drafter": candidate.config.drafter.value}
+
+
+def mechanism_name(candidate: Candidate, delta: dict[str, Any]) -> str:
+    """A validated mechanism: the catalog mechanisms it turns and the exact delta over stock it was proven with."""
+    return "+".join(candidate.mechanisms or ("config",)) + ":" + ",".join(f"{k}={v}" for k, v in sorted(delta.items()))
+
+
+def record_memory(run: StageRun, stock: Candidate, validated: list[ValidatedCandidate], lossy: list[dict[str, Any]],
+                  result: IntegrateResult, params: IntegrateParams, heldout_uri: str) -> dict[str, int]:
+    """Run, mechanisms, scopes and evidence for accepted candidates, failures for rejected ones, in one transaction."""
+    dep, run_id, counts = run.deployment, run.request.run_id, {"mechanisms": 0, "evidence": 0, "failures": 0}
+    stock_bench = {b: result.heldout.geomean("stock", b) for b in result.heldout.benchmarks()}
+    measured = {b: result.heldout.geomean("candidate", b) for b in result.heldout.benchmarks()}
+    on_heldout = set(result.combined_from)  # measured against stock on the held-out prompts, won or not
+    with Memory.open(params.memory) as memory, memory.transaction():
+        if not memory.sql("SELECT count(*) FROM runs WHERE run_id = ?", params=[run_id]).rows[0][0]:
+            memory.record_run(run_id, dep.name, {**dep.fingerprint(), "digest": dep.fingerprint_digest()})
+        for v in validated:
+            delta = memory_delta(stock, v.candidate)
+            if not v.accepted or len(delta) == 1:  # only the drafter kind: nothing over stock
+                memory.record_failure(Failure(run_id, "validate", f"{v.candidate.name}: {v.rejection}", config_delta=delta))
+                counts["failures"] += 1
+                continue
+            name, scope = mechanism_name(v.candidate, delta), memory_scope(dep, v.candidate.drafter_label, run.device)
+            described = ", ".join(catalog.BY_NAME[m].description for m in v.candidate.mechanisms if m in catalog.BY_NAME)
+            memory.record_mechanism(Mechanism(name, catalog.mechanism_category(v.candidate.mechanisms),
+                                              described or name, delta, v.candidate.policy))
+            counts["mechanisms"] += 1
+            rows = [(b, "speedup_vs_stock", 1.0, s, v.evidence_uri) for b, s in v.per_benchmark.items()]
+            if v.candidate.name in on_heldout:
+                rows += [(b, "speedup_vs_ar", stock_bench[b], measured[b], heldout_uri) for b in measured
+                         if stock_bench[b] and measured[b]]
+            for bench, metric, before, after, uri in rows:
+                memory.record_evidence(Evidence(name, scope, run_id, dep.name, bench, metric, before, after,
+                                                Verdict(v.verdict.value), artifact_uris=(uri,)))
+                counts["evidence"] += 1
+        for m in lossy:
+            delta = memory_delta(stock, Candidate.from_dict(m["candidate"]))
+            memory.record_failure(Failure(run_id, "explore", f"{m['candidate']['name']}: {m['error']}", config_delta=delta))
+            counts["failures"] += 1
+        if params.final_round:
+            report_uri = run.store.uri_for(f"{run.request.prefix}/manifest.json")
+            memory.finish_run(run_id, RunStatus.SUCCEEDED, report_uri=report_uri)
+    return counts
+
+
+def mark_run_failed(memory_path: str | None, run_id: str, reason: str) -> None:
+    """Close a run that stopped before its last integration (the flow calls this on failure)."""
+    with Memory.open(memory_path) as memory, memory.transaction():
+        if memory.sql("SELECT count(*) FROM runs WHERE run_id = ?", params=[run_id]).rows[0][0]:
+            memory.record_failure(Failure(run_id, "tune", reason))
+            memory.finish_run(run_id, RunStatus.FAILED)
+
+
+def run(run: StageRun) -> dict[str, Any]:
+    params = IntegrateParams.from_dict(run.request.params)
+    stock, current = Candidate.from_dict(run.param("stock")), Candidate.from_dict(run.param("current"))
+    validated = [ValidatedCandidate.from_summary(run.manifest(role).meta["summary"], run.request.inputs[role])
+                 for role in run.roles("validate")]
+    lossy = [m for role in run.roles("explore") for m in run.manifest(role).meta["summary"]["lossy"]]
+    tune_prompts = run.prompts(SplitName.TUNE, params.recheck_prompts)
+    heldout_prompts = run.prompts(SplitName.VALIDATE, params.heldout_prompts)
+    with exclusive(run.device):
+        result = integrate(run.session(), stock, current, validated, tune_prompts, heldout_prompts, params, run.out_dir)
+    (run.out_dir / "heldout.json").write_text(json.dumps(result.heldout.to_dict(), indent=1))
+    build = write_build(run, result.final)
+    heldout_uri = run.store.uri_for(f"{run.request.prefix}/heldout.json")
+    rows = record_memory(run, stock, validated, lossy, result, params, heldout_uri)
+    summary = {**result.summary(), "build": asdict(build), "memory": rows, "round": params.round}
+    (run.out_dir / "integration.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,309 @@
+"""The stage framework: a request (input manifests + parameters) in, files + a sha256 manifest out.
+
+Every stage is a plain function over typed inputs; its module also exposes `run(StageRun) -> dict` that reads
+the request's input manifests, calls the function, and returns a JSON summary. `run_stage` wraps that: it
+writes request.json, runs the stage, uploads every file of the output directory to the artifact store under
+runs/<run_id>/<stage>[/<qualifier>...]/ and writes the stage manifest (sha256 per output) next to them.
+The same path serves in-process calls (the Prefect flow) and `specpilot stage <name> --in M --out DIR`.
+"""
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import platform
+import re
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from specpilot.artifacts import (
+    MANIFEST_NAME, Manifest, digest_bytes, read_manifest, stage_prefix, store_from_uri, store_output,
+    write_manifest,
+)
+from specpilot.bench.session import DeploymentSession, TokenizedPrompt
+from specpilot.deployments import (Deployment, DeviceKind, ModelRefKind, RegimeKind, engine_code_version,
+                                  load_deployment, resolve_model)
+from specpilot.engines.loader import read_shape
+from specpilot.memory import Scope
+from specpilot.stages.candidate import Candidate
+from specpilot.testbed.synthetic import ShapeName
+from specpilot.workload import Prompt
+
+REQUEST_NAME = "request.json"
+
+
+class StageName(str, Enum):
+    RECALL = "recall"  # read memory (read-only) for mechanisms proven on similar scopes
+    PROFILE = "profile"
+    ATTRIBUTE = "attribute"
+    EXPLORE = "explore"
+    TUNE_KERNELS = "tune_kernels"  # GPU: launch parameters of the kernels furthest from their bound
+    VALIDATE = "validate"
+    INTEGRATE = "integrate"
+
+    @property
+    def entry(self) -> str:
+        """module:function that runs this stage from a StageRun."""
+        module = {StageName.RECALL: "explore", StageName.VALIDATE: "integrate"}.get(self, self.value)
+        function = {StageName.RECALL: "run_recall", StageName.VALIDATE: "run_validate"}.get(self, "run")
+        return f"specpilot.stages.{module}:{function}"
+
+
+class SplitName(str, Enum):
+    TUNE = "tune"  # what profile and explore may see
+    VALIDATE = "validate"  # held out: validate and integrate only
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """What a stage reads: upstream manifests by role, parameters, where to store, which device to use."""
+
+    stage: StageName
+    run_id: str
+    deployment: str  # a shipped deployment name or a YAML path
+    store: str  # artifact store URI
+    inputs: dict[str, str] = field(default_factory=dict)  # role -> manifest URI
+    params: dict[str, Any] = field(default_factory=dict)
+    qualifiers: tuple[str, ...] = ()  # e.g. ("round1", "dev0")
+    device: str = ""  # "cpu", "cuda:0", ...; empty: the deployment's device, index 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage", StageName(self.stage))
+        object.__setattr__(self, "qualifiers", tuple(self.qualifiers))
+        stage_prefix(self.run_id, self.stage.value, *self.qualifiers)  # validates names
+        json.dumps(self.params, allow_nan=False)
+
+    @property
+    def prefix(self) -> str:
+        return stage_prefix(self.run_id, self.stage.value, *self.qualifiers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage.value, "run_id": self.run_id, "deployment": self.deployment, "store": self.store,
+                "inputs": dict(self.inputs), "params": self.params, "qualifiers": list(self.qualifiers),
+                "device": self.device}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StageRequest":
+        unknown = set(d) - {"stage", "run_id", "deployment", "store", "inputs", "params", "qualifiers", "device"}
+        if unknown:
+            raise ValueError(f"stage request: unknown field(s) {sorted(unknown)}")
+        return cls(**{**d, "qualifiers": tuple(d.get("qualifiers", ()))})
+
+    def save(self, path: Path) -> Path:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "StageRequest":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}: not a stage request: {e}") from None
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """A request being executed: its store, output directory and accessors for its inputs."""
+
+    request: StageRequest
+    out_dir: Path
+
+    @property
+    def store(self):
+        return store_from_uri(self.request.store)
+
+    @property
+    def deployment(self) -> Deployment:
+        return load_deployment(self.request.deployment)
+
+    @property
+    def device(self) -> str:
+        return self.request.device or default_device(self.deployment)
+
+    def roles(self, prefix: str) -> list[str]:
+        """Input roles named `prefix` or `prefix.<n>`, in order."""
+        found = [r for r in self.request.inputs if r == prefix or r.startswith(prefix + ".")]
+        return sorted(found, key=lambda r: (len(r), r))
+
+    def manifest(self, role: str) -> Manifest:
+        if role not in self.request.inputs:
+            raise ValueError(f"stage {self.request.stage.value} needs input {role!r}; got {sorted(self.request.inputs)}")
+        return read_manifest(self.store, self.request.inputs[role])
+
+    def read_bytes(self, role: str, name: str) -> bytes:
+        """An upstream output's bytes, checked against the sha256 its manifest recorded."""
+        entry = self.manifest(role).output(name)
+        data = self.store.get_bytes(entry.uri)
+        if digest_bytes(data).sha256 != entry.sha256:
+            raise ValueError(f"{entry.uri}: sha256 differs from its manifest's (corrupted or replaced artifact)")
+        return data
+
+    def read_json(self, role: str, name: str) -> Any:
+        return json.loads(self.read_bytes(role, name))
+
+    def read_table(self, role: str, name: str) -> pa.Table:
+        return pq.read_table(io.BytesIO(self.read_bytes(role, name)))
+
+    def session(self) -> DeploymentSession:
+        return session_for(self.request.deployment, self.device)
+
+    def prompts(self, split: SplitName, count: int) -> list[TokenizedPrompt]:
+        return self.session().tokenize(select_prompts(self.deployment, split, count))
+
+    def param(self, name: str, default: Any = None) -> Any:
+        return self.request.params.get(name, default)
+
+
+@dataclass(frozen=True)
+class StageOutcome:
+    stage: StageName
+    qualifiers: tuple[str, ...]
+    manifest_uri: str
+    out_dir: str  # local copy of the outputs and manifest.json
+    meta: dict[str, Any]  # the stage's summary (also in its manifest)
+
+    @property
+    def label(self) -> str:
+        return "-".join((self.stage.value, *self.qualifiers))
+
+    def manifest(self) -> Manifest:
+        return Manifest.load(Path(self.out_dir) / MANIFEST_NAME)
+
+
+def run_stage(request: StageRequest, out_dir: str | Path) -> StageOutcome:
+    """Run one stage and publish its outputs; returns the manifest URI and the stage's summary."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    request.save(out / REQUEST_NAME)
+    module, function = request.stage.entry.split(":")
+    meta = getattr(importlib.import_module(module), function)(StageRun(request, out))
+    manifest_uri = publish(request, out, meta)
+    return StageOutcome(request.stage, request.qualifiers, manifest_uri, str(out), meta)
+
+
+def publish(request: StageRequest, out_dir: Path, meta: dict[str, Any]) -> str:
+    """Upload every file of out_dir under the stage's prefix and write the manifest there (and locally)."""
+    store = store_from_uri(request.store)
+    subdirs = [p.name for p in out_dir.iterdir() if p.is_dir()]
+    if subdirs:
+        raise ValueError(f"stage {request.stage.value} wrote directories {subdirs} in {out_dir}; "
+                         "outputs must be flat files")
+    files = sorted(p for p in out_dir.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
+    outputs = tuple(store_output(store, p.name, p, key=f"{request.prefix}/{p.name}") for p in files)
+    manifest = Manifest.now(request.stage.value, request.run_id, inputs=tuple(request.inputs.values()),
+                            outputs=outputs, meta={"request": request.to_dict(), "summary": meta})
+    (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
+    return write_manifest(store, manifest, key=f"{request.prefix}/{MANIFEST_NAME}")
+
+
+# ---- sessions: models load once per (deployment, device); one measurement per device at a time ----------------
+_SESSIONS: dict[tuple[str, str], DeploymentSession] = {}
+_DEVICE_LOCKS: dict[str, threading.Lock] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _deployment_key(ref: str) -> str:
+    p = Path(ref).expanduser()
+    return str(p.resolve()) if p.suffix in (".yaml", ".yml") else ref
+
+
+def session_for(deployment: str, device: str) -> DeploymentSession:
+    key = (_deployment_key(deployment), device)
+    with _REGISTRY_LOCK:
+        if key not in _SESSIONS:
+            _SESSIONS[key] = DeploymentSession(load_deployment(deployment), device=device)
+        return _SESSIONS[key]
+
+
+@contextmanager
+def exclusive(device: str) -> Iterator[None]:
+    """Hold a device for a measurement: concurrent tasks on one device would time each other."""
+    with _REGISTRY_LOCK:
+        lock = _DEVICE_LOCKS.setdefault(device, threading.Lock())
+    with lock:
+        if device.startswith("cuda"):
+            import torch
+            torch.cuda.set_device(torch.device(device))
+        yield
+
+
+def path_part(name: str) -> str:
+    """`name` usable as one segment of a store key (candidate names may contain ':')."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("-_.") or "unnamed"
+
+
+def default_device(dep: Deployment, index: int = 0) -> str:
+    return f"cuda:{index}" if dep.device.kind is DeviceKind.CUDA else "cpu"
+
+
+def device_name(device: str) -> str:
+    """The accelerator's marketing name (GPU) or the CPU model, for memory scopes and reports."""
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_name(torch.device(device))
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return "cpu:" + " ".join(line.split(":", 1)[1].split())
+    return "cpu:" + (platform.processor() or platform.machine() or "unknown")
+
+
+def memory_scope(dep: Deployment, drafter_label: str | None, device: str) -> Scope:
+    """Where a measurement of this deployment's build is proven: model family and model, drafter, device, regime."""
+    target = dep.target
+    shape = ShapeName(target.value).shape if target.kind is ModelRefKind.RANDOM else read_shape(resolve_model(target))
+    model = Path(target.value).name if target.kind is ModelRefKind.PATH else target.value
+    regime = "batch1" if dep.regime.kind is RegimeKind.SINGLE else "batch" + "-".join(map(str, dep.regime.concurrency))
+    return Scope(shape.model_type, model, drafter_label or "none", device_name(device), regime)
+
+
+def select_prompts(dep: Deployment, split: SplitName, count: int) -> list[Prompt]:
+    """The first `count` prompts of a split, taken round-robin over benchmarks (0 = all of them)."""
+    chosen = dep.workload.select()
+    pool = list(chosen.tune if split is SplitName.TUNE else chosen.validate)
+    if count <= 0 or count >= len(pool):
+        return pool
+    by_bench: dict[str, list[Prompt]] = {}
+    for p in pool:
+        by_bench.setdefault(p.benchmark.value, []).append(p)
+    out: list[Prompt] = []
+    while len(out) < count:
+        for prompts in by_bench.values():
+            if prompts and len(out) < count:
+                out.append(prompts.pop(0))
+    return out
+
+
+@dataclass(frozen=True)
+class BuildRef:
+    """An engine build in the store: its EngineConfig JSON content-addressed, and the build's manifest."""
+
+    name: str
+    config_uri: str
+    config_sha256: str
+    manifest_uri: str
+
+
+def write_build(run: StageRun, candidate: Candidate) -> BuildRef:
+    """Store the build's engine_config.json as a sha256 blob and its manifest (config sha256, candidate, code
+    version, deployment fingerprint) under builds/<sha256 prefix>/; also keep both in the stage's outputs."""
+    dep, store = run.deployment, run.store
+    config_bytes = (json.dumps(candidate.config.to_dict(), indent=1, sort_keys=True) + "\n").encode()
+    (run.out_dir / "engine_config.json").write_bytes(config_bytes)
+    (run.out_dir / "build_candidate.json").write_text(json.dumps(candidate.to_dict(), indent=1))
+    config = store_output(store, "engine_config.json", run.out_dir / "engine_config.json", key=None)
+    described = store_output(store, "build_candidate.json", run.out_dir / "build_candidate.json", key=None)
+    manifest = Manifest.now("build", run.request.run_id, inputs=tuple(run.request.inputs.values()),
+                            outputs=(config, described),
+                            meta={"deployment": dep.name, "fingerprint": dep.fingerprint_digest(),
+                                  "code_version": engine_code_version(), "candidate": candidate.to_dict()})
+    uri = write_manifest(store, manifest, key=f"builds/{config.sha256[:16]}/{MANIFEST_NAME}")
+    return BuildRef(candidate.name, config.uri, config.sha256, uri)
