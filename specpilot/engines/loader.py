@@ -34,18 +34,12 @@ def read_shape(model_dir: Path) -> LlamaShape:
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> LlamaModel:
     """Reads HF tensor names, fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     shape = read_shape(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                tensors[name] = fh.get_tensor(name)
+    tensors = read_safetensors(files)
     with torch.device("meta"):
         model = LlamaModel(shape)
     state = {}
@@ -91,6 +85,19 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) 
         raise ModelLoadError(f"{model_dir}: weights missing for {missing[:5]}")
     _init_buffers(model, device)  # after the dtype cast: rotary frequencies stay float32
     return model.eval().requires_grad_(False)
+
+
+def read_safetensors(files, keep=lambda name: True) -> dict[str, torch.Tensor]:
+    """Every tensor (whose name `keep` accepts) of the given safetensors files, by name."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if keep(name):
+                    tensors[name] = fh.get_tensor(name)
+    return tensors
 
 
 def random_model(shape: LlamaShape, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> LlamaModel:

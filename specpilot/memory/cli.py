@@ -10,26 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import duckdb
 
+from specpilot.cliutil import guarded
 from specpilot.memory.db import MEMORY_ENV, Memory, MemoryOpenError, ReadOnlyMemoryError, default_memory_path
 from specpilot.memory.schema import SchemaVersionError
 
 _ERRORS = (MemoryOpenError, ReadOnlyMemoryError, SchemaVersionError, ValueError, FileNotFoundError, duckdb.Error)
 
 
-def _guarded(action: Callable[[argparse.Namespace], str]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            text = action(args)
-        except _ERRORS as e:
-            print(f"specpilot memory {args.memory_command}: error: {e}", file=sys.stderr)
-            return 2
-        print(text)
-        return 0
-    return run
+_guarded = guarded("memory", "memory_command", _ERRORS)
 
 
 def _sql(args: argparse.Namespace) -> str:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
+from specpilot.cliutil import guarded
 from specpilot.engines.config import DType
 from specpilot.testbed.derive import derive_truncated
 from specpilot.testbed.fetch import FetchError, convert_gguf, fetch_smollm2
@@ -22,17 +23,7 @@ from specpilot.testbed.synthetic import ShapeName, make_random_model
 _ERRORS = (FetchError, ModelDirError, PackError, ValueError, OSError)
 
 
-def _guarded(action: Callable[[argparse.Namespace], Path]) -> Callable[[argparse.Namespace], int]:
-    """Run `action`, print the path it returns, and turn expected failures into one-line errors (exit 2)."""
-    def run(args: argparse.Namespace) -> int:
-        try:
-            result = action(args)
-        except _ERRORS as e:
-            print(f"specpilot testbed {args.testbed_command}: error: {e}", file=sys.stderr)
-            return 2
-        print(result)
-        return 0
-    return run
+_guarded = guarded("testbed", "testbed_command", _ERRORS)
 
 
 def _fetch(args: argparse.Namespace) -> Path:

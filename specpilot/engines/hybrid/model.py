@@ -18,7 +18,7 @@ from specpilot.engines.hybrid.config import HybridShape, LayerKind
 from specpilot.engines.hybrid.layers import (DenseMLP, GatedAttention, GatedDeltaNet, PackedKeys, SparseMoE,
                                              ZeroCentredRMSNorm)
 from specpilot.engines.hybrid.state import RecurrentCache, ScanPlan
-from specpilot.engines.loader import ModelLoadError
+from specpilot.engines.loader import ModelLoadError, read_safetensors
 
 
 def rope_inv_freq(shape: HybridShape) -> torch.Tensor:
@@ -90,19 +90,13 @@ def read_hybrid_shape(model_dir: Path) -> HybridShape:
 def load_hybrid_model(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> HybridModel:
     """Loads transformers' Qwen3-Next safetensors: per-expert hub tensors (experts.{e}.gate_proj...) or fused
     in-memory ones (experts.gate_up_proj); multi-token-prediction weights (mtp.*) are not used."""
-    from safetensors import safe_open
-
     model_dir = Path(model_dir)
     shape = read_hybrid_shape(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                if not name.startswith("mtp."):
-                    tensors[name.removeprefix("model.")] = fh.get_tensor(name)
+    tensors = {name.removeprefix("model."): t  # the multi-token-prediction head is not used here
+               for name, t in read_safetensors(files, keep=lambda n: not n.startswith("mtp.")).items()}
     if shape.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     for i, sparse in enumerate(shape.sparse_layers):
