@@ -243,3 +243,12 @@ def test_default_path_follows_the_environment(monkeypatch, tmp_path: Path):
     monkeypatch.delenv("SPECPILOT_MEMORY")
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path / "cache"))
     assert default_memory_path() == tmp_path / "cache" / "memory.duckdb"
+
+
+def test_run_started_comes_from_the_run_id():
+    from datetime import datetime, timezone
+
+    from specpilot.artifacts.manifest import new_run_id, run_started
+    t = datetime(2026, 11, 30, 2, 58, 0, tzinfo=timezone.utc)
+    assert run_started(new_run_id(t)) == t
+    assert run_started("hand-made-id") is None

@@ -34,6 +34,14 @@ def new_run_id(now: datetime | None = None) -> str:
     return f"{now.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 
+def run_started(run_id: str) -> datetime | None:
+    """When a run made by new_run_id started (its id begins with the UTC timestamp); None for other ids."""
+    try:
+        return datetime.strptime(run_id.split("-", 1)[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+
+
 def run_prefix(run_id: str) -> str:
     _check_name("run id", run_id)
     return f"runs/{run_id}"

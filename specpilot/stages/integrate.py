@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from specpilot.artifacts.manifest import run_started
 from specpilot.bench.harness import AR_LABEL, BenchReport, Variant, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.deployments import Deployment
@@ -245,7 +246,9 @@ def record_memory(run: StageRun, stock: Candidate, validated: list[ValidatedCand
     on_heldout = set(result.combined_from)  # measured against stock on the held-out prompts, won or not
     with Memory.open(params.memory) as memory, memory.transaction():
         if not memory.sql("SELECT count(*) FROM runs WHERE run_id = ?", params=[run_id]).rows[0][0]:
-            memory.record_run(run_id, dep.name, {**dep.fingerprint(), "digest": dep.fingerprint_digest()})
+            # Recorded here (memory's one writer), dated from the run id: when the run began, not when it ends.
+            memory.record_run(run_id, dep.name, {**dep.fingerprint(), "digest": dep.fingerprint_digest()},
+                              started=run_started(run_id))
         for v in validated:
             delta = memory_delta(stock, v.candidate)
             if not v.accepted or len(delta) == 1:  # only the drafter kind: nothing over stock
