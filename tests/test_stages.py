@@ -288,3 +288,21 @@ def test_a_combination_is_decoded_again_and_token_forced(pipeline, tiny_deployme
         assert why.startswith("slower") and record["verdict"] is None
     else:
         assert record["verdict"]["kind"] == "pass"
+
+
+def test_quick_bench_measures_policy_candidates_and_refuses_agent_code(pipeline, tiny_deployment):
+    """Our own policy code is decoded next to AR (a lossy one then fails the token check); agent code is refused
+    in-process (it runs only in the sandbox)."""
+    from specpilot.stages.candidate import CandidateSource
+    from specpilot.stages.io import SplitName, select_prompts
+
+    dep = load_deployment(tiny_deployment)
+    session, stock = session_for(str(tiny_deployment), "cpu"), pipeline["stock"]
+    prompts = session.tokenize(select_prompts(dep, SplitName.TUNE, 1))
+    lossy = Candidate("truncate", stock.config, policy="specpilot.stages.lossy:TruncateOutput",
+                      drafter_label="ngram", source=CandidateSource.LOSSY_SUITE)
+    agent = Candidate("agent-code", stock.config, policy="/tmp/never-imported.py:Policy", drafter_label="ngram",
+                      source=CandidateSource.AGENT)
+    lossy_m, agent_m = QuickBench(session, prompts, 16, stock)([lossy, agent])
+    assert not lossy_m.matches_ar and lossy_m.objective == 0.0 and not lossy_m.error.startswith("ValueError")
+    assert agent_m.error.startswith("PermissionError")

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.engine import GenerationResult
+from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.traces import RequestTrace, StepTrace
 
 AR_LABEL = "ar"  # the exact AR reference (batch-invariant shapes): every variant's tokens must equal it
@@ -29,6 +30,7 @@ class Variant:
     label: str
     config: EngineConfig
     drafter_label: str | None = None
+    policy: EnginePolicy = STOCK  # policy code at the engine's extension points (in-process: never agent code)
 
 
 @dataclass
@@ -105,7 +107,7 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
     if not variants or variants[0].label != AR_LABEL:
         raise ValueError("the first variant must be the AR baseline labelled 'ar'")
     report = BenchReport(session.deployment.name, session.device, max_new_tokens, [v.label for v in variants])
-    engines = {v.label: session.engine(v.config, v.drafter_label) for v in variants}
+    engines = {v.label: session.engine(v.config, v.drafter_label, v.policy) for v in variants}
     if warmup and prompts:  # graph capture, compilation and allocator warm-up stay out of the numbers
         for e in engines.values():
             e.generate(list(prompts[0].ids), min(8, max_new_tokens))

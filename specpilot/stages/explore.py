@@ -114,20 +114,21 @@ class QuickBench:
     def __call__(self, candidates: list[Candidate]) -> list[Measurement]:
         todo, self._queue = self._queue + list(candidates), []
         batch, dep = len(self.baselines), self.session.deployment
-        built, failed = [], {}
+        built, failed, policies = [], {}, {}
         self._warm(self.session.engine(dep.ar_config()))
         self._warm(self.session.engine(self.baseline.config, self.baseline.drafter_label))
         for c in todo:
             try:
-                if c.policy is not None:
-                    raise ValueError("the quick bench measures config-only candidates (no policy code)")
-                self._warm(self.session.engine(c.config, c.drafter_label))
+                # Policy code runs in-process only when it is ours; agent code is refused here (PermissionError)
+                # and measured in the sandbox instead.
+                policies[c.name] = c.load_policy()
+                self._warm(self.session.engine(c.config, c.drafter_label, policies[c.name]))
                 built.append(c)
-            except (ConfigError, ValueError, RuntimeError) as e:  # not buildable or not runnable here
+            except (ConfigError, ValueError, RuntimeError, PermissionError) as e:  # not buildable or runnable here
                 failed[c.name] = f"{type(e).__name__}: {e}"
         variants = [Variant(AR_LABEL, dep.ar_config()), Variant(self.BASELINE, self.baseline.config,
                                                                self.baseline.drafter_label)]
-        variants += [Variant(c.name, c.config, c.drafter_label) for c in built]
+        variants += [Variant(c.name, c.config, c.drafter_label, policies[c.name]) for c in built]
         reports = [run_bench(self.session, self.prompts, variants, self.max_new_tokens, progress=False, warmup=False)[0]
                    for _ in range(self.repeats)]
         fastest = _fastest(reports)

@@ -161,14 +161,13 @@ class ProfileResult:
 
 def profile(session: DeploymentSession, build: Candidate, prompts: list[TokenizedPrompt], params: ProfileParams,
             out_dir: Path) -> ProfileResult:
-    if build.policy is not None:
-        raise ValueError(f"build {build.name}: the harness measures config-only builds (no policy code)")
+    policy = build.load_policy()  # refuses agent code: that runs only in the sandbox
     dep = session.deployment
     max_new = params.max_new_tokens or dep.workload.max_new_tokens
-    variants = [Variant(AR_LABEL, dep.ar_config()), Variant(BUILD_LABEL, build.config, build.drafter_label)]
+    variants = [Variant(AR_LABEL, dep.ar_config()), Variant(BUILD_LABEL, build.config, build.drafter_label, policy)]
     report, steps, requests = run_bench(session, prompts, variants, max_new, warmup=True)
     build_steps = steps.get(BUILD_LABEL, [])
-    engine = session.engine(build.config, build.drafter_label)
+    engine = session.engine(build.config, build.drafter_label, policy)
     runner = ModelRunner(engine.target.model, engine.target.cfg, engine.target.device,
                          block_width=max(64, engine.target.block_width))
     width = max((s.verify_tokens for s in build_steps), default=1)
