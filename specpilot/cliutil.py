@@ -20,3 +20,11 @@ def guarded(group: str, command_attr: str, errors: tuple[type[BaseException], ..
             return 0
         return run
     return wrap
+
+
+def run_standalone(register_cli: Callable[[argparse._SubParsersAction], Any], argv=None) -> int:
+    """`python -m specpilot.<area>.cli ...`: one area's subcommands without the rest of the CLI (bare hosts)."""
+    parser = argparse.ArgumentParser(prog="specpilot")
+    register_cli(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from specpilot.cliutil import run_standalone
 from specpilot.artifacts.audit import audit_run, format_audit
 from specpilot.artifacts.factory import default_store_uri, store_from_uri
 from specpilot.artifacts.manifest import run_prefix
@@ -40,10 +41,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_standalone(register_cli, argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from specpilot.cliutil import run_standalone
 from specpilot.bench.harness import AR_FAST_LABEL, AR_LABEL, Variant, format_report, run_bench
 from specpilot.bench.session import DeploymentSession
 from specpilot.deployments import load_deployment
@@ -79,10 +80,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    a = parser.parse_args(argv)
-    return a.func(a)
+    return run_standalone(register_cli, argv)
 
 
 if __name__ == "__main__":

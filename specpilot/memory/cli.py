@@ -14,7 +14,7 @@ from typing import Sequence
 
 import duckdb
 
-from specpilot.cliutil import guarded
+from specpilot.cliutil import guarded, run_standalone
 from specpilot.memory.db import MEMORY_ENV, Memory, MemoryOpenError, ReadOnlyMemoryError, default_memory_path
 from specpilot.memory.schema import SchemaVersionError
 
@@ -60,10 +60,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_standalone(register_cli, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from specpilot.cliutil import run_standalone
 from specpilot.stages.io import StageName, StageRequest, run_stage
 
 
@@ -80,10 +81,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_standalone(register_cli, argv)
 
 
 if __name__ == "__main__":

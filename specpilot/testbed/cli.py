@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from specpilot.cliutil import guarded
+from specpilot.cliutil import guarded, run_standalone
 from specpilot.engines.config import DType
 from specpilot.testbed.derive import derive_truncated
 from specpilot.testbed.fetch import FetchError, convert_gguf, fetch_smollm2
@@ -89,10 +89,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run_standalone(register_cli, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from specpilot.cliutil import run_standalone
 from specpilot.weights.format import W12Error
 from specpilot.weights.pack import format_stats_table, pack_model, verify
 
@@ -64,10 +65,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specpilot")
-    register_cli(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return run_standalone(register_cli, argv)
 
 
 if __name__ == "__main__":
