@@ -1,0 +1,134 @@
+"""Where a decode step's time goes on the GPU (random weights: step time does not depend on weight values).
+
+python3 scripts/gpu_profile.py OUT_DIR [--shapes smollm2,llama8b] [--tokens 256]
+
+Per shape: the step graph's pure GPU time (CUDA events over replays) at widths 1 and 16, the engine's end-to-end
+AR ms/token (so host overhead = end-to-end - graph), the per-kernel GPU time of one eager step (torch.profiler),
+and for Llama-3-8B shapes the weight-bandwidth floor (weight bytes / the best measured HBM read bandwidth).
+Prints a short table last; JSON in OUT_DIR/profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from specpilot.engines.build import build_engine
+from specpilot.engines.config import DrafterKind, EngineConfig
+from specpilot.engines.loader import random_model
+from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
+
+SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
+
+
+def events_ms(fn, reps: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def hbm_read_gbs() -> float:
+    """Best of a streaming reduction and a copy (copy moves 2x its size) over 2 GiB."""
+    x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 2
+    t_sum = events_ms(lambda: x.sum(dtype=torch.float32), 20)
+    t_copy = events_ms(lambda: y.copy_(x), 20)
+    return max(nbytes / t_sum / 1e6, 2 * nbytes / t_copy / 1e6)
+
+
+def kernel_table(runner, width: int) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    dev = runner.device
+    ids = torch.zeros(width, dtype=torch.long, device=dev)
+    pos = torch.arange(100, 100 + width, device=dev)
+    base = torch.tensor(100, device=dev)
+    anc = torch.eye(width, runner.block_width, dtype=torch.bool, device=dev)
+    for _ in range(3):
+        runner._step(ids, pos, pos, base, anc)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner._step(ids, pos, pos, base, anc)
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            agg[ev.name[:60]].append(ev.device_time)
+    rows = [{"kernel": k, "calls": len(v), "total_us": sum(v), "mean_us": sum(v) / len(v)} for k, v in agg.items()]
+    return sorted(rows, key=lambda r: -r["total_us"])
+
+
+def profile_shape(name: str, tokens: int, backend: str) -> dict:
+    shape = SHAPES[name]
+    torch.manual_seed(0)
+    model = random_model(shape, torch.bfloat16, "cuda", seed=0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    prompt = torch.randint(3, shape.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
+    eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=1024),
+                       model, frozenset(), "cuda")
+    eng.generate(prompt, 16)
+    torch.cuda.synchronize()
+    r = eng.generate(prompt, tokens)
+    e2e_ms = 1e3 * r.decode_s / tokens
+    runner = eng.target
+    out = {"shape": name, "backend": backend, "weight_bytes": weight_bytes, "e2e_ar_ms": e2e_ms}
+    for width in (1, 2, 4, 8, 16, 32):
+        n = width
+        runner.verify(150, list(range(3, 3 + n)), list(range(n)), np.tril(np.ones((n, n), bool)))
+        key = next(k for k in runner._graphs if k[0] == (runner.tile or width))
+        graph = runner._graphs[key][0]
+        out[f"graph_ms_w{width}"] = events_ms(graph.replay, 100)
+    out["kernels_w1"] = kernel_table(runner, runner.tile or 1)
+    out["kernels_w16"] = kernel_table(runner, 16)
+    del eng, runner, model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shapes", default="smollm2,llama8b")
+    ap.add_argument("--backends", default="triton")
+    ap.add_argument("--tokens", type=int, default=256)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
+    for name in a.shapes.split(","):
+        for backend in a.backends.split(","):
+            t0 = time.time()
+            r = profile_shape(name, a.tokens, backend)
+            r["wall_s"] = time.time() - t0
+            r["floor_ms"] = r["weight_bytes"] / res["hbm_read_gbs"] / 1e6
+            res["runs"].append(r)
+            json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
+            print(f"\n## {name} {backend}: top kernels at width 1 (us)")
+            for k in r["kernels_w1"][:14]:
+                print(f"  {k['total_us']:8.1f} {k['calls']:4d}x {k['mean_us']:6.2f}  {k['kernel']}")
+            print(f"  sum {sum(k['total_us'] for k in r['kernels_w1']):.1f} us; launches "
+                  f"{sum(k['calls'] for k in r['kernels_w1'])}", flush=True)
+    print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
+    print("| shape | backend | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w32 | w16/w1 | floor ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in res["runs"]:
+        g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16, 32)]
+        print(f"| {r['shape']} | {r['backend']} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
+              + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
