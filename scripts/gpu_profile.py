@@ -72,28 +72,37 @@ def kernel_table(runner, width: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_us"])
 
 
-def profile_shape(name: str, tokens: int, backend: str) -> dict:
+def attention_table(shape, split_keys: int, block_n: int) -> tuple[tuple[str, str], ...]:
+    """Kernel-table entry giving attention this reduction order at every token count."""
+    from specpilot.kernels import AttentionParams
+    from specpilot.kernels.table import table_key
+    p = json.dumps(AttentionParams(block_n=block_n, split_keys=split_keys).as_kwargs(), sort_keys=True)
+    return ((table_key("attention", shape.q_dim, shape.kv_dim, 1), p),)
+
+
+def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True) -> dict:
     shape = SHAPES[name]
     torch.manual_seed(0)
     model = random_model(shape, torch.bfloat16, "cuda", seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = torch.randint(3, shape.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
-    eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=1024),
-                       model, frozenset(), "cuda")
-    eng.generate(prompt, 16)
+    table = attention_table(shape, *map(int, attn.split(":"))) if attn else ()
+    eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
+                                    kernel_table=table), model, frozenset(), "cuda")
+    eng.generate(prompt, tokens)  # same request size: the same graphs as the timed run
     torch.cuda.synchronize()
     r = eng.generate(prompt, tokens)
     e2e_ms = 1e3 * r.decode_s / tokens
     runner = eng.target
-    out = {"shape": name, "backend": backend, "weight_bytes": weight_bytes, "e2e_ar_ms": e2e_ms}
-    for width in (1, 2, 4, 8, 16, 32):
+    out = {"shape": name, "backend": backend, "attn": attn, "weight_bytes": weight_bytes, "e2e_ar_ms": e2e_ms}
+    for width in (1, 2, 4, 8, 16):
         n = width
         runner.verify(150, list(range(3, 3 + n)), list(range(n)), np.tril(np.ones((n, n), bool)))
         key = next(k for k in runner._graphs if k[0] == (runner.tile or width))
-        graph = runner._graphs[key][0]
+        graph = runner._graphs[key].graph
         out[f"graph_ms_w{width}"] = events_ms(graph.replay, 100)
-    out["kernels_w1"] = kernel_table(runner, runner.tile or 1)
-    out["kernels_w16"] = kernel_table(runner, 16)
+    out["kernels_w1"] = kernel_table(runner, runner.tile or 1) if kernels else []
+    out["kernels_w16"] = kernel_table(runner, 16) if kernels else []
     del eng, runner, model
     torch.cuda.empty_cache()
     return out
@@ -105,6 +114,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--attn", default="", help="split_keys:block_n variants of attention, comma-separated")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
@@ -113,20 +123,23 @@ def main() -> None:
             t0 = time.time()
             r = profile_shape(name, a.tokens, backend)
             r["wall_s"] = time.time() - t0
-            r["floor_ms"] = r["weight_bytes"] / res["hbm_read_gbs"] / 1e6
-            res["runs"].append(r)
-            json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
             print(f"\n## {name} {backend}: top kernels at width 1 (us)")
             for k in r["kernels_w1"][:14]:
                 print(f"  {k['total_us']:8.1f} {k['calls']:4d}x {k['mean_us']:6.2f}  {k['kernel']}")
             print(f"  sum {sum(k['total_us'] for k in r['kernels_w1']):.1f} us; launches "
                   f"{sum(k['calls'] for k in r['kernels_w1'])}", flush=True)
+            variants = [r] + [profile_shape(name, a.tokens, backend, attn, kernels=False)
+                              for attn in filter(None, a.attn.split(","))]
+            for v in variants:
+                v["floor_ms"] = v["weight_bytes"] / res["hbm_read_gbs"] / 1e6
+                res["runs"].append(v)
+            json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
     print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
-    print("| shape | backend | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w32 | w16/w1 | floor ms |")
+    print("| shape | backend | attn split:block | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | floor ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
-        g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16, 32)]
-        print(f"| {r['shape']} | {r['backend']} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
+        g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
+        print(f"| {r['shape']} | {r['backend']} | {r['attn'] or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
               + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} |")
 
 

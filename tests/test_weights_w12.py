@@ -372,10 +372,11 @@ def test_fused_forward_w12_is_bit_identical_to_native(shape, tmp_path):
     sh = model.shape
     from_pack = rope_tables_for(model, 64, DEV, WeightFormat.W12,
                                 w12=W12Weights.from_tensors(load_w12(tmp_path / "p"), sh.layers, sh.tie_embeddings))
-    want_logits, want_cap = _forward(model, native, 7)
+    want_logits, want_argmax, want_cap = _forward(model, native, 7)
     for tables in (w12, from_pack):
-        logits, cap = _forward(model, tables, 7)
+        logits, argmax, cap = _forward(model, tables, 7)
         assert_same(logits, want_logits)
+        assert_same(argmax, want_argmax)
         assert_same(cap[0], want_cap[0])
 
 

@@ -11,13 +11,14 @@ the tables, and checked bit for bit against the model, so W12 changes no output,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from specpilot.engines.config import WeightFormat
 from specpilot.engines.llama import LlamaModel
+from specpilot.kernels.table import LaunchTable
 from specpilot.weights.model import W12Weights
 
 
@@ -26,11 +27,14 @@ class FusedTables:
     cos: torch.Tensor  # [max_pos, D/2] fp32
     sin: torch.Tensor
     w12: W12Weights | None = None  # the projections in W12 (weight_format=W12); None: read the model's bf16
+    launch: LaunchTable = field(default_factory=LaunchTable)  # EngineConfig.kernel_table (tuned launch params)
 
 
 def rope_tables_for(model: LlamaModel, max_positions: int, device,
-                    weight_format: WeightFormat = WeightFormat.NATIVE, w12: W12Weights | None = None) -> FusedTables:
-    """Rotary tables, and for W12 the packed projections: `w12` (e.g. from a pack) or encoded from the model."""
+                    weight_format: WeightFormat = WeightFormat.NATIVE, w12: W12Weights | None = None,
+                    kernel_table: tuple[tuple[str, str], ...] = ()) -> FusedTables:
+    """Rotary tables, the launch table, and for W12 the packed projections: `w12` (e.g. from a pack) or encoded
+    from the model."""
     from specpilot.kernels import rope_tables
     sh = model.shape
     cos, sin = rope_tables(max_positions, sh.head_dim, sh.rope_theta, device)
@@ -44,7 +48,7 @@ def rope_tables_for(model: LlamaModel, max_positions: int, device,
             packed.check_against(model)  # the engine's exactness rests on decoding to the very weights it runs
     elif w12 is not None:
         raise ValueError(f"W12 weights given but weight_format={weight_format.value}")
-    return FusedTables(cos.contiguous(), sin.contiguous(), packed)
+    return FusedTables(cos.contiguous(), sin.contiguous(), packed, LaunchTable(tuple(kernel_table)))
 
 
 def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.NATIVE) -> None:
@@ -57,12 +61,19 @@ def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.
         raise ValueError(f"weight_format=w12 stores bf16 weights; this model runs in {dtype}")
 
 
+# Attention's reduction order for the fused forward: one 64-key block per split, so each program makes one pass
+# and the combine does the rest (H200, SmolLM2, ctx ~600: 1.867 vs 1.928 ms per step with 256-key splits).
+ATTENTION_ORDER = {"split_keys": 64, "block_n": 64}
+
+
 def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, k_caches, v_caches,
-                  capture: tuple[int, ...] = (), block_slots=None):
+                  capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True):
     """Same contract as LlamaModel.forward, but attention visibility is (base [1] tensor, anc [T, T]) and the
     result is the pre-norm residual stream's final norm applied inside the LM-head kernel: returns
-    (logits fp32 [T, V], captured layer outputs). block_slots [T, A] (llama.ancestor_slots): keys read in
-    position order through each token's ancestors' slots (then anc is not read)."""
+    (logits fp32 [T, V] or None, argmax [T], captured layer outputs). want_logits=False: the LM head finds the
+    argmax in its epilogue and never writes the logits (the AR/verify hot path needs only the argmax).
+    block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
+    slots (then anc is not read)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear, rope_kv_write, swiglu
     sh = model.shape
     packed = tables.w12
@@ -75,18 +86,37 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
         from specpilot.kernels.w12_linear import w12_linear as proj, w12_rmsnorm_linear as norm_proj
         ws = [(p.qkv, p.o, p.gate_up, p.down) for p in packed.layers]
         head = packed.head
+    T, lt = ids.shape[0], tables.launch
+    H, I, qkv_n = sh.hidden, sh.intermediate, sh.q_dim + 2 * sh.kv_dim
+    p_qkv = lt.get("qkv", qkv_n, H, T)
+    p_rope = lt.get("rope_kv", qkv_n, sh.head_dim, T)
+    p_attn = lt.get("attention", sh.q_dim, sh.kv_dim, T, **ATTENTION_ORDER)
+    p_o = lt.get("o_proj", H, sh.q_dim, T)
+    p_gate_up = lt.get("gate_up", 2 * I, H, T)
+    p_act = lt.get("swiglu", I, 2 * I, T)
+    p_down = lt.get("down", H, I, T)
+    p_head = lt.get("lm_head", sh.vocab, H, T)
+    if packed is not None:  # the W12 kernels take the projection params but keep the default K chunk of linear
+        p_o, p_down = ({k: v for k, v in p.items() if k != "block_k"} for p in (p_o, p_down))
     stream = F.embedding(ids, model.embed_tokens.weight)
     captured = []
     for i, layer in enumerate(model.layers):
         w_qkv, w_o, w_gate_up, w_down = ws[i]
-        qkv = norm_proj(stream, layer.input_layernorm.weight, w_qkv, sh.rms_eps)
-        q = rope_kv_write(qkv, positions, slots, tables.cos, tables.sin, k_caches[i], v_caches[i], sh.heads, sh.kv_heads)
-        o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots)
-        stream = proj(o, w_o, residual=stream)
-        gate_up = norm_proj(stream, layer.post_attention_layernorm.weight, w_gate_up, sh.rms_eps)
-        # Separate activation: fused into the down GEMM every column tile would recompute it (5x slower at 8B).
-        stream = proj(swiglu(gate_up), w_down, residual=stream)
+        qkv = norm_proj(stream, layer.input_layernorm.weight, w_qkv, sh.rms_eps, **p_qkv)
+        q = rope_kv_write(qkv, positions, slots, tables.cos, tables.sin, k_caches[i], v_caches[i], sh.heads,
+                          sh.kv_heads, **p_rope)
+        o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots, **p_attn)
+        stream = proj(o, w_o, residual=stream, **p_o)
+        gate_up = norm_proj(stream, layer.post_attention_layernorm.weight, w_gate_up, sh.rms_eps, **p_gate_up)
+        # Separate activation: in the down GEMM's prologue every column tile recomputes it (H200: 5x slower at 8B,
+        # and 19.8 vs 4 + 1 us at SmolLM2's shapes).
+        stream = proj(swiglu(gate_up, **p_act), w_down, residual=stream, **p_down)
         if i in capture:
             captured.append(stream)
-    logits = norm_proj(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32)
-    return logits, captured
+    if packed is None:
+        logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
+                                        argmax=True, store_y=want_logits, **p_head)
+    else:
+        logits = norm_proj(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32, **p_head)
+        argmax = logits.argmax(-1)
+    return logits, argmax, captured

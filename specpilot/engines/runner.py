@@ -60,7 +60,8 @@ class ModelRunner:
         self.fused = None
         if cfg.kernel_backend is KernelBackend.TRITON:
             check_fusable(model)
-            self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device, cfg.weight_format)
+            self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device, cfg.weight_format,
+                                         kernel_table=cfg.kernel_table)
         # Stock kernels are batch-invariant only at one fixed shape; the fused kernels are at any width.
         self.tile = cfg.token_tile if cfg.batch_invariant and self.fused is None else 0
         self.block_width = max(block_width, self.tile)
@@ -68,7 +69,9 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], tuple] = {}
+        self._graphs: dict[tuple[int, int], _StepGraph] = {}
+        self._host_buf: torch.Tensor | None = None  # pinned landing buffer of each step's argmax
+        self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self.view_slots = self.num_slots  # slots the torch attention spans this request (see begin_request)
         step = self._step
         if cfg.compile and self.device.type == "cuda":
@@ -77,12 +80,16 @@ class ModelRunner:
 
     # ---- hot path -------------------------------------------------------------------------------
     def _step(self, ids, positions, slots, base, anc):
+        """-> (argmax [T], top-k values, top-k indices, top-k probs, features); the top-k entries are None unless
+        this runner serves top-k (drafters, token forcing's margins): the decode hot path needs only the argmax."""
+        need_logits = self.topk > 0
         if self.fused is not None:
             blk = anc[:, :ids.shape[0]].contiguous()
             # Position-ordered: keys read through each token's ancestors' slots (tree nodes too): bit-exact vs AR.
             block_slots = ancestor_slots(base, blk) if self.cfg.position_ordered_attention else None
-            logits, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1), blk,
-                                             self.kv[0], self.kv[1], self.capture, block_slots=block_slots)
+            logits, argmax, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
+                                                     blk, self.kv[0], self.kv[1], self.capture,
+                                                     block_slots=block_slots, want_logits=need_logits)
         else:
             if self.cfg.position_ordered_attention:
                 # Every row reads its keys in position order (tree nodes through their ancestors' slots), so a
@@ -95,10 +102,13 @@ class ModelRunner:
             hidden, captured = (self.model(*args, capture=self.capture, slot_of=slot_of) if self.capture
                                 else (self.model(*args, slot_of=slot_of), []))
             logits = self.model.logits(hidden).float()
-        features = torch.cat(captured, dim=-1) if self.capture else logits[:, :0]
+            argmax = logits.argmax(-1)
+        features = torch.cat(captured, dim=-1) if self.capture else None
+        if not need_logits:
+            return argmax, None, None, None, features
         top = torch.topk(logits, max(2, self.topk), dim=-1)
         probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
-        return logits.argmax(-1), top.values, top.indices, probs, features
+        return argmax, top.values, top.indices, probs, features
 
     # ---- public API -------------------------------------------------------------------------------
     def begin_request(self, total_tokens: int) -> None:
@@ -121,7 +131,7 @@ class ModelRunner:
         pos = torch.arange(n, device=dev)
         anc = torch.from_numpy(chain_anc(n)).to(dev)
         out = self._step(t, pos, pos, torch.tensor(0, device=dev), anc)
-        res = self._output(out, rows=[n - 1])
+        res = self._output(out, n, rows=[n - 1])
         if self.capture:
             res.features = out[4]  # every prompt token's features: a block drafter's context
         return res
@@ -146,18 +156,20 @@ class ModelRunner:
         padded = -(-n // width) * width
         ids = np.zeros(padded, dtype=np.int64)
         ids[:n] = tokens
-        block = np.arange(padded)
-        pos = base + block.copy()
+        slots = base + np.arange(padded)
+        pos = slots.copy()
         pos[:n] = base + np.asarray(depths)
         anc_full = np.eye(padded, self.block_width, dtype=bool)  # pad rows see the context and themselves
         anc_full[:n, :n] = anc
         outs = []
         for s in range(0, padded, width):
-            o = self._run(width, ids[s:s + width], pos[s:s + width], base + block[s:s + width], base, anc_full[s:s + width])
+            o = self._run(width, ids[s:s + width], pos[s:s + width], slots[s:s + width], base, anc_full[s:s + width])
             # A replayed graph returns its static buffers: the next chunk would overwrite this one's rows.
-            outs.append(tuple(t.clone() for t in o) if padded > width and self.use_graphs else o)
-        out = tuple(torch.cat([o[i] for o in outs]) for i in range(5))
-        return self._output(out, rows=list(range(n)))
+            outs.append(tuple(None if t is None else t.clone() for t in o) if padded > width and self.use_graphs
+                        else o)
+        out = outs[0] if len(outs) == 1 else tuple(None if o0 is None else torch.cat([o[i] for o in outs])
+                                                   for i, o0 in enumerate(outs[0]))
+        return self._output(out, n)
 
     @torch.no_grad()
     def compact(self, base: int, path: list[int]) -> None:
@@ -170,25 +182,33 @@ class ModelRunner:
 
     # ---- internals ----------------------------------------------------------------------------------
     def _run(self, width, ids, pos, slots, base, anc):
-        host = [torch.from_numpy(np.ascontiguousarray(a)) for a in (ids, pos, slots)]
-        base_t = torch.tensor(base, dtype=torch.long)
-        anc_t = torch.from_numpy(np.ascontiguousarray(anc))
         if not self.use_graphs:
             d = self.device
-            return self._step_fn(*(h.to(d) for h in host), base_t.to(d), anc_t.to(d))
-        graph, static_in, static_out = self._graphs.get((width, self.view_slots)) or self._capture(width)
-        for dst, src in zip(static_in, (*host, base_t, anc_t)):
-            dst.copy_(src, non_blocking=True)
-        graph.replay()
-        return static_out
+            host = [torch.from_numpy(np.ascontiguousarray(a)).to(d) for a in (ids, pos, slots)]
+            return self._step_fn(*host, torch.tensor(base, dtype=torch.long, device=d),
+                                 torch.from_numpy(np.ascontiguousarray(anc)).to(d))
+        g = self._graphs.get(self._graph_key(width)) or self._capture(width)
+        # Inputs go through pinned staging buffers: two truly asynchronous copies instead of five pageable ones
+        # (each of which blocks the host). The previous copies from this staging must have run before refilling.
+        g.staged.synchronize()
+        h = g.host_ints.numpy()
+        h[:width], h[width:2 * width], h[2 * width:3 * width], h[3 * width] = ids, pos, slots, base
+        g.host_anc.numpy()[:] = anc
+        g.dev_ints.copy_(g.host_ints, non_blocking=True)
+        g.dev_anc.copy_(g.host_anc, non_blocking=True)
+        g.staged.record()
+        g.graph.replay()
+        return g.out
 
-    def _capture(self, width: int):
+    def _capture(self, width: int) -> "_StepGraph":
         d = self.device
-        static_in = (torch.zeros(width, dtype=torch.long, device=d), torch.zeros(width, dtype=torch.long, device=d),
-                     torch.arange(width, device=d), torch.tensor(1, device=d),
-                     torch.eye(width, self.block_width, dtype=torch.bool, device=d))
+        ints = torch.zeros(3 * width + 1, dtype=torch.long, device=d)
+        ints[2 * width:3 * width] = torch.arange(width, device=d)
+        ints[3 * width] = 1
+        anc = torch.eye(width, self.block_width, dtype=torch.bool, device=d)
+        static_in = (ints[:width], ints[width:2 * width], ints[2 * width:3 * width], ints[3 * width], anc)
         # Warm up on a side stream (compilation, cuBLAS handles) writing only scratch slots, then capture.
-        saved = self.kv[:, :, :, :width].clone()
+        saved = self.kv[:, :, :, :width + 1].clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -198,19 +218,53 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
             static_out = self._step_fn(*static_in)
-        self.kv[:, :, :, :width] = saved
-        self._graphs[(width, self.view_slots)] = (graph, static_in, static_out)
-        return self._graphs[(width, self.view_slots)]
+        self.kv[:, :, :, :width + 1] = saved
+        g = _StepGraph(graph, ints, anc, torch.empty(ints.shape, dtype=torch.long).pin_memory(),
+                       torch.empty(anc.shape, dtype=torch.bool).pin_memory(), static_out, torch.cuda.Event())
+        g.staged.record()
+        self._graphs[self._graph_key(width)] = g
+        return g
 
-    def _output(self, out, rows: list[int]) -> StepOutput:
+    def _graph_key(self, width: int) -> tuple[int, int]:
+        # The fused kernels read the whole cache (splits past the context exit at once): no per-request view.
+        return width, (0 if self.fused is not None else self.view_slots)
+
+    def _host_rows(self, t: torch.Tensor) -> list:
+        """t's rows as Python values: the step's one host sync (a pinned copy on CUDA)."""
+        if t.device.type != "cuda":
+            return t.tolist()
+        if self._host_buf is None or self._host_buf.numel() < t.numel():
+            self._host_buf = torch.empty(max(t.numel(), 4 * self.block_width), dtype=torch.long).pin_memory()
+        h = self._host_buf[:t.numel()].view(t.shape)
+        h.copy_(t, non_blocking=True)
+        self._fetched.record()
+        self._fetched.synchronize()
+        return h.tolist()
+
+    def _output(self, out, n: int, rows: list[int] | None = None) -> StepOutput:
+        """The StepOutput of rows 0..n-1 of a step's outputs (or of `rows`)."""
         argmax, top_v, top_i, top_p, feats = out
-        idx = torch.tensor(rows, device=argmax.device)
-        am = argmax[idx].tolist()  # the step's one host sync
-        margin = top_v[idx, 0] - top_v[idx, 1]
-        features = feats[idx] if self.capture else None
+        sel = (lambda t: t[:n]) if rows is None else (lambda t: t[torch.tensor(rows, device=t.device)])
+        am = self._host_rows(sel(argmax))
+        features = sel(feats) if self.capture else None
         if not self.topk:
-            return StepOutput(am, margin, features=features)
-        return StepOutput(am, margin, top_i[idx, :self.topk].tolist(), top_p[idx, :self.topk].tolist(), features)
+            return StepOutput(am, None, features=features)
+        top_v, top_i, top_p = sel(top_v), sel(top_i), sel(top_p)
+        margin = top_v[:, 0] - top_v[:, 1]
+        return StepOutput(am, margin, top_i[:, :self.topk].tolist(), top_p[:, :self.topk].tolist(), features)
+
+
+@dataclass
+class _StepGraph:
+    """One captured step: device inputs (ints = ids | positions | slots | base; anc), their pinned staging twins,
+    the static outputs, and the event after which the staging buffers may be refilled."""
+    graph: "torch.cuda.CUDAGraph"
+    dev_ints: torch.Tensor
+    dev_anc: torch.Tensor
+    host_ints: torch.Tensor
+    host_anc: torch.Tensor
+    out: tuple
+    staged: "torch.cuda.Event"
 
 
 def _bucket(n: int) -> int:

@@ -35,9 +35,10 @@ class LinearParams(LaunchParams):
     block_n: int | None = None
     num_warps: int = 4
     num_stages: int | None = None
+    block_k: int = BLOCK_K  # the K chunk of the accumulation chain: a reduction-order field (per shape, all T)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
-                                                "num_stages": (2, 3, 4, 5)}
+                                                "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512)}
 
 
 def default_block_n(n: int, tokens: int, target_programs: int = 128) -> int:
@@ -54,10 +55,18 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128) -> int:
 
 
 def default_num_stages(block_n: int, elem_size: int, a_tiles: int = 1, most: int = 5,
-                       smem_budget: int = 200 * 1024) -> int:
+                       smem_budget: int = 200 * 1024, block_k: int = BLOCK_K) -> int:
     """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget."""
-    per_stage = (a_tiles * BLOCK_M + block_n) * BLOCK_K * elem_size
+    per_stage = (a_tiles * BLOCK_M + block_n) * block_k * elem_size
     return max(1, min(most, smem_budget // per_stage))
+
+
+def fit_block_n(block_n: int, block_k: int, elem_size: int, smem_budget: int = 160 * 1024) -> int:
+    """Halve a default column tile until one K chunk's dot operands fit shared memory (228 KiB per SM on an
+    H200; a one-chunk kernel with a 1024-wide chunk would otherwise ask for 288 KiB)."""
+    while block_n > 16 and (BLOCK_M + block_n) * block_k * elem_size > smem_budget:
+        block_n //= 2
+    return block_n
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -117,8 +126,8 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 
 def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, swiglu: bool,
-            block_n, num_warps: int, num_stages) -> torch.Tensor:
-    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+            block_n, num_warps: int, num_stages, block_k: int = BLOCK_K) -> torch.Tensor:
+    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -140,33 +149,35 @@ def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, sw
     check_launchable(_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev)
     bn = default_block_n(N, T) if block_n is None else block_n
-    stages = default_num_stages(bn, x.element_size(), 2 if swiglu else 1) if num_stages is None else num_stages
+    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k) if num_stages is None
+              else num_stages)
     grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, bn),)
     _linear_kernel[grid](x, W, x if bias is None else bias, x if residual is None else residual, out,
                          T, N, K, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
                          HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
-                         BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=stages)
+                         BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     return out
 
 
 def linear(x: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+           block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+           block_k: int = BLOCK_K) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous.
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
-    return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages)
+    return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  num_stages: int | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
     its 16-row tile, N / block_n times the work of `swiglu`: on an H200 at Llama-3-8B's down_proj it took 199 us
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
-    return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages)
+    return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k)

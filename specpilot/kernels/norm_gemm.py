@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._common import (ACT_DTYPES, BLOCK_M, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
-from .gemm import BLOCK_K, default_block_n, default_num_stages, linear_ref
+from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +34,10 @@ class RMSNormLinearParams(LaunchParams):
     block_n: int | None = None
     num_warps: int = 8
     num_stages: int | None = None
+    block_k: int = BLOCK_K  # K chunk of the norm statistic and the accumulation chain: reduction order
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
-                                                "num_stages": (2, 3, 4, 5)}
+                                                "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512)}
 
 
 @triton.jit
@@ -48,22 +49,11 @@ def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
     return h
 
 
-@triton.jit(do_not_specialize=["T"])
-def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, T, N, K, eps,
-                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(T, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < T
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    row_offs = rows.to(tl.int64)[:, None] * K
+@triton.jit
+def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, row_offs, row_ok, col_ok, ks, pid_n, K, eps,
+              HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
     dtype = x_ptr.dtype.element_ty
-
     # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -79,7 +69,6 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, T, 
     rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
@@ -91,10 +80,53 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, T, 
         a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
         w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, T, N, K, eps,
+                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                           STORE_Y: tl.constexpr, ARGMAX: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(T, BLOCK_M)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < T
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    row_offs = rows.to(tl.int64)[:, None] * K
+    dtype = x_ptr.dtype.element_ty
+
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+    acc = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, row_offs, row_ok, col_ok, ks, pid_n, K, eps, HAS_RES,
+                    DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if STORE_Y:
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if ARGMAX:  # per column tile: the rows' max of the stored values and its first column (argmax_combine ends it)
+        vals = tl.where(col_ok[None, :], acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        num_n = tl.cdiv(N, BLOCK_N)
+        tl.store(pmax_ptr + rows * num_n + pid_n, tl.max(vals, axis=1), mask=row_ok)
+        tl.store(pidx_ptr + rows * num_n + pid_n, pid_n * BLOCK_N + tl.argmax(vals, axis=1, tie_break_left=True),
+                 mask=row_ok)
+
+
+@triton.jit
+def _argmax_combine_kernel(pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexpr):
+    # One row per program: the max over tiles is exact in any order and the winner is the lowest column holding
+    # it, which is torch.argmax's first occurrence.
+    row = tl.program_id(0)
+    t = tl.arange(0, BLOCK_T)
+    ok = t < NT
+    m = tl.load(pmax_ptr + row * NT + t, mask=ok, other=float("-inf"))
+    i = tl.load(pidx_ptr + row * NT + t, mask=ok, other=2147483647)
+    best = tl.max(m, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(ok & (m == best), i, 2147483647), axis=0).to(tl.int64))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,12 +149,15 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
                    residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
-                   num_stages: int | None = None):
+                   num_stages: int | None = None, block_k: int = BLOCK_K, argmax: bool = False,
+                   store_y: bool = True):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype.
 
     Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
+    argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
+    column of each row's maximum of y, found in the epilogue (the logits need not be written and re-read).
     """
-    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -145,14 +180,25 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
         residual_out = check_out("residual_out", residual_out, (T, K), dt, dev)
     elif residual_out is not None:
         raise ValueError("residual_out is only written when residual is given")
+    if (argmax and residual is not None) or not (store_y or argmax):
+        raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     check_launchable(_rmsnorm_linear_kernel, dev)
-    out = check_out("out", out, (T, N), out_dtype, dev)
+    out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
     bn = default_block_n(N, T, target_programs=64) if block_n is None else block_n
-    stages = default_num_stages(bn, x.element_size(), most=4) if num_stages is None else num_stages
+    bn = fit_block_n(bn, block_k, x.element_size()) if block_n is None else bn
+    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k) if num_stages is None else num_stages
     grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, bn),)
     has_res = residual is not None
+    tiles = triton.cdiv(N, bn)
+    pmax = torch.empty((T, tiles) if argmax else (1,), dtype=torch.float32, device=dev)
+    pidx = torch.empty((T, tiles) if argmax else (1,), dtype=torch.int32, device=dev)
     _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x if bias is None else bias, out,
-                                 residual_out if has_res else out, T, N, K, float(eps), HAS_RES=has_res,
-                                 HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
-                                 BLOCK_N=bn, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=stages)
+                                 residual_out if has_res else out, pmax, pidx, T, N, K, float(eps), HAS_RES=has_res,
+                                 HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), STORE_Y=store_y,
+                                 ARGMAX=argmax, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps,
+                                 num_stages=stages)
+    if argmax:
+        best = torch.empty(T, dtype=torch.int64, device=dev)
+        _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4)
+        return (out if store_y else None), best
     return out if residual is None else (out, residual_out)

@@ -21,10 +21,10 @@ import triton.language as tl
 
 from ..weights.format import W12Tensor
 from ._common import ACT_DTYPES, BLOCK_M, check_launchable, check_out, check_tensor, is_interpreted
-from .gemm import BLOCK_K, LinearParams, default_block_n, default_num_stages, linear
+from .gemm import BLOCK_K, LinearParams, default_block_n, default_num_stages, fit_block_n, linear
 from .norm_gemm import RMSNormLinearParams, _load_h
 
-ESCAPE = 15
+ESCAPE = tl.constexpr(15)  # a constexpr global: compiled kernels may only read constexpr globals
 
 
 @triton.jit
@@ -190,9 +190,9 @@ def w12_rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: W12Tensor, eps:
                        residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                        residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
-                       num_stages: int | None = None):
+                       num_stages: int | None = None, block_k: int = BLOCK_K):
     """rmsnorm_linear(x, norm_w, decode(W), eps, residual, ...) bit for bit, reading W as W12."""
-    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
     T, K, N, out_dtype, arrays = _check_common(x, W, bias, out_dtype)
     dev = x.device
     check_tensor("norm_w", norm_w, (K,), x.dtype, dev)
@@ -205,14 +205,14 @@ def w12_rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: W12Tensor, eps:
         raise ValueError("residual_out is only written when residual is given")
     check_launchable(_w12_rmsnorm_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev)
-    bn = default_block_n(N, T, target_programs=64) if block_n is None else block_n
-    stages = default_num_stages(bn, x.element_size(), most=4) if num_stages is None else num_stages
+    bn = fit_block_n(default_block_n(N, T, target_programs=64), block_k, 2) if block_n is None else block_n
+    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k) if num_stages is None else num_stages
     grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, bn),)
     has_res = residual is not None
     _w12_rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, *arrays, x if bias is None else bias,
                                      out, residual_out if has_res else out, T, N, K, W.codes.shape[1], float(eps),
                                      HAS_RES=has_res, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn,
-                                     BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=stages)
+                                     BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     return out if residual is None else (out, residual_out)
 
 

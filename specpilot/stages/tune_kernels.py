@@ -30,6 +30,8 @@ from specpilot.engines.config import EngineConfig
 from specpilot.engines.shapes import LlamaShape, OpClass
 from specpilot.kernels import (AcceptParams, AttentionParams, LaunchParams, LinearParams, RMSNormLinearParams,
                                RopeKVParams, SwigluParams)
+from specpilot.kernels import table as _table
+from specpilot.kernels.table import launch_params, parse_key  # noqa: F401  (the tuner's table API, re-exported)
 from specpilot.stages.candidate import Candidate
 
 if TYPE_CHECKING:
@@ -193,43 +195,12 @@ class KernelTable:
                    tuple(d["refused"]))
 
 
-def parse_key(key: str) -> tuple[str, int, int, int]:
-    try:
-        kernel, nk, t = key.split("@")
-        n, k = nk.split("x")
-        return kernel, int(n), int(k), int(t.removeprefix("T"))
-    except ValueError:
-        raise TuneError(f"kernel table key {key!r} is not kernel@NxK@Tt") from None
-
-
-def _fixed(spec: KernelSpec, params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if k not in spec.params.T_NEUTRAL}
-
-
 def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:
-    """Every entry is a valid LaunchParams, and the fields that set numerics agree across the T of a shape."""
-    seen: dict[tuple[str, int, int], dict[str, Any]] = {}
-    for key, text in pairs:
-        kernel, n, k, _ = parse_key(key)
-        if kernel not in BY_NAME:
-            raise TuneError(f"{key}: unknown kernel {kernel!r}")
-        params = json.loads(text)
-        BY_NAME[kernel].params(**params)  # validates the values
-        fixed = _fixed(BY_NAME[kernel], params)
-        if seen.setdefault((kernel, n, k), fixed) != fixed:
-            raise TuneError(f"{key}: {fixed} breaks batch invariance; other T of {kernel}@{n}x{k} use "
-                            f"{seen[(kernel, n, k)]}")
-
-
-def launch_params(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int, tokens: int) -> dict[str, Any] | None:
-    """What the engine launches `kernel` with at (N, K, T): the entry for T; else, if the shape has entries,
-    their numerics-setting fields with default T-neutral ones (they hold for every T); else None (defaults)."""
-    rows = {parse_key(key)[3]: json.loads(text) for key, text in pairs if parse_key(key)[:3] == (kernel, n, k)}
-    if tokens in rows:
-        return rows[tokens]
-    if not rows:
-        return None
-    return dataclasses.asdict(BY_NAME[kernel].params(**_fixed(BY_NAME[kernel], next(iter(rows.values())))))
+    """kernels.table.check_invariance, with a table that breaks batch invariance reported as a TuneError."""
+    try:
+        _table.check_invariance(pairs)
+    except _table.InvarianceError as e:
+        raise TuneError(str(e)) from None
 
 
 def write_kernel_table(table: KernelTable, path: str | Path) -> Path:

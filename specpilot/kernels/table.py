@@ -1,0 +1,97 @@
+"""Kernel launch tables: which LaunchParams each fused kernel runs with, per (kernel, N x K, token count).
+
+EngineConfig.kernel_table holds (f"{kernel}@{N}x{K}@T{t}", params JSON) pairs, written by the kernel tuner
+(stages/tune_kernels.py) and read by the fused forward through `LaunchTable`. Fields outside a params class's
+T_NEUTRAL set the reduction order, so every T of one shape must agree on them (check_invariance); a T without
+its own entry gets the shape's order-setting fields with default T-neutral ones, so a table never makes a token
+count reduce differently from another.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+from .accept import AcceptParams
+from .act import SwigluParams
+from .attn import AttentionParams
+from .gemm import LinearParams
+from .norm_gemm import RMSNormLinearParams
+from .rope_kv import RopeKVParams
+
+# The fused forward's kernels by the names tables use, and the params class each one takes.
+PARAMS: dict[str, type] = {
+    "qkv": RMSNormLinearParams, "gate_up": RMSNormLinearParams, "lm_head": RMSNormLinearParams,
+    "o_proj": LinearParams, "down": LinearParams, "swiglu": SwigluParams, "rope_kv": RopeKVParams,
+    "attention": AttentionParams, "greedy_accept": AcceptParams,
+}
+
+
+class KernelTableError(ValueError):
+    """A malformed key, an unknown kernel, or invalid params."""
+
+
+class InvarianceError(KernelTableError):
+    """Order-setting fields that differ across the token counts of one shape."""
+
+
+def table_key(kernel: str, n: int, k: int, tokens: int) -> str:
+    return f"{kernel}@{n}x{k}@T{tokens}"
+
+
+def parse_key(key: str) -> tuple[str, int, int, int]:
+    try:
+        kernel, nk, t = key.split("@")
+        n, k = nk.split("x")
+        return kernel, int(n), int(k), int(t.removeprefix("T"))
+    except ValueError:
+        raise KernelTableError(f"kernel table key {key!r} is not kernel@NxK@Tt") from None
+
+
+def order_fields(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `params` that set the reduction order (not T-neutral)."""
+    return {k: v for k, v in params.items() if k not in PARAMS[kernel].T_NEUTRAL}
+
+
+def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:
+    """Every entry is a valid LaunchParams, and the fields that set numerics agree across the T of a shape."""
+    seen: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for key, text in pairs:
+        kernel, n, k, _ = parse_key(key)
+        if kernel not in PARAMS:
+            raise KernelTableError(f"{key}: unknown kernel {kernel!r} (known: {', '.join(PARAMS)})")
+        params = json.loads(text)
+        try:
+            PARAMS[kernel](**params)  # validates the values
+        except (TypeError, ValueError) as e:
+            raise KernelTableError(f"{key}: {e}") from None
+        fixed = order_fields(kernel, params)
+        if seen.setdefault((kernel, n, k), fixed) != fixed:
+            raise InvarianceError(f"{key}: {fixed} breaks batch invariance; other T of {kernel}@{n}x{k} use "
+                                   f"{seen[(kernel, n, k)]}")
+
+
+def launch_params(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int, tokens: int) -> dict[str, Any] | None:
+    """What the engine launches `kernel` with at (N, K, T): the entry for T; else, if the shape has entries,
+    their numerics-setting fields with default T-neutral ones (they hold for every T); else None (defaults)."""
+    rows = {parse_key(key)[3]: json.loads(text) for key, text in pairs if parse_key(key)[:3] == (kernel, n, k)}
+    if tokens in rows:
+        return rows[tokens]
+    if not rows:
+        return None
+    return dataclasses.asdict(PARAMS[kernel](**order_fields(kernel, next(iter(rows.values())))))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchTable:
+    """A validated kernel table the fused forward asks at trace time (T is static inside a captured graph)."""
+
+    pairs: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_invariance(self.pairs)
+
+    def get(self, kernel: str, n: int, k: int, tokens: int, **defaults: Any) -> dict[str, Any]:
+        """Keyword arguments for the kernel's wrapper: `defaults` overridden by the table's entry."""
+        found = launch_params(self.pairs, kernel, n, k, tokens) if self.pairs else None
+        return defaults | (found or {})
