@@ -122,7 +122,9 @@ class DrafterSpec:
 
     @property
     def label(self) -> str:
-        return self.kind.value if self.model is None else f"{self.kind.value}:{self.model.value}"
+        """kind[:model][{overrides}]: two drafters of one model (say chain and tree) stay apart in reports."""
+        base = self.kind.value if self.model is None else f"{self.kind.value}:{self.model.value}"
+        return base + ("{" + ",".join(f"{k}={v}" for k, v in self.engine) + "}" if self.engine else "")
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """The deployment's base engine config with this drafter and its overrides applied."""

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Real SmolLM2-135M-Instruct on an air-gapped H200, in back-to-back warm calls (the host is released after 30 s
+# idle, and at most 64 MiB travels per call, so the 98 MB GGUF goes in parts; see notes/h200.md):
+#   a: carry .gpu + .tb/gguf.part.aa                       -> parks part A in /root/tb, host-overhead profile
+#   b: carry .gpu + .tb/gguf.part.ab,ac + tok + benchmarks  -> convert; AR speed (engine vs transformers);
+#                                                             n-gram bench, 5 benchmarks x 2048 tokens
+#   c: carry .gpu                                           -> train the block drafter (checkpoint to $OUT)
+#   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level
+# Run from a snapshot of HEAD (.gpu/src: `bash scripts/gpu_snapshot.sh`), so work in progress never travels.
+set -uo pipefail
+stage=$1
+TB=/root/tb
+ROOT=$(pwd)
+SRC=$ROOT/.gpu/src
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=/tmp/site:$SRC SPECPILOT_BENCHMARKS=$ROOT/.tb/benchmarks PYTHONUNBUFFERED=1
+cd "$SRC"
+dep() {  # dep NAME DRAFTERS_YAML -> a deployment YAML of the converted model
+  cat > "$TB/$1.yaml" <<YAML
+name: $1
+target: {path: $TB/hf}
+drafters:
+$2
+device: {kind: cuda, gpu: H200, count: 1}
+regime: {kind: single}
+workload: {benchmarks: [gsm8k, humaneval, math500, mbpp, mt_bench], prompts_per_benchmark: 4,
+           max_new_tokens: 2048, tune_fraction: 0.5, validate_fraction: 0.5, seed: 0}
+engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: triton}
+YAML
+  echo "$TB/$1.yaml"
+}
+case $stage in
+  a)
+    mkdir -p $TB && cp "$ROOT/.tb/gguf.part.aa" $TB/
+    python3 scripts/gpu_host_overhead.py "$OUT/host" 2>&1 | tail -45 ;;
+  b)
+    pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
+    cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
+    python3 "$ROOT/.tb/convert.py" $TB/smollm2.gguf $TB/hf 2>&1 | tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
+    python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes torch_graph_t1_fast,triton_graph \
+      --skip-checks 2>&1 | grep -v Warning | tail -8
+    python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
+      > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;
+  c)
+    timeout 560 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda --no-progress \
+      > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tail -25 "$OUT/train.txt"
+    mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
+  d)
+    drafters="  - {kind: block, model: {path: $TB/drafter}, engine: {verify: chain}}
+  - {kind: block, model: {path: $TB/drafter}, engine: {verify: tree, tree_budget: 32, position_ordered_attention: true}}
+  - {kind: block, model: {path: $TB/drafter}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
+    python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
+      > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt" ;;
+esac
