@@ -103,3 +103,12 @@ def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
     with prefect_test_harness():
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_agent_api_key():
+    """Tests never reach the Anthropic API: the agent proposer runs only against recorded responses, injected
+    as a client. Without this, a key in the developer's environment would switch it on in every explore stage."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("ANTHROPIC_API_KEY", raising=False)
+        yield

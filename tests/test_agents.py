@@ -7,18 +7,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import anthropic
-import httpx2
 import pytest
 import torch
 
 import specpilot
+from _replay import DATA, Replay
 from _tiny import prompt, tiny_model
-from specpilot.agents import (AgentBudget, AgentProposer, EngineTrial, Isolation, SandboxedPolicyRunner,
-                              SandboxLimits, SandboxStatus, SandboxTrial, StopReason, TargetSpec, TraceSummary,
-                              Workbench, plain_delta, proposers_for, validate_sandboxed)
+from specpilot.agents import (AgentBudget, AgentProposer, AgentSettings, AgentStatus, EngineTrial, Isolation,
+                              SandboxedPolicyRunner, SandboxLimits, SandboxStatus, SandboxTrial, StopReason, TargetSpec,
+                              TraceSummary, Workbench, plain_delta, plan_proposers, validate_sandboxed)
 from specpilot.agents.sandbox import docker_argv
-from specpilot.agents.transfer import record_transfer, transfer_candidates, transfer_history
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.costmodel import Ceilings, Direction, DirectionName, attribute, ideal_op_times
 from specpilot.deployments import load_deployment
@@ -28,41 +26,20 @@ from specpilot.engines.loader import load_model, save_model
 from specpilot.engines.policy import STOCK as STOCK_POLICY
 from specpilot.engines.traces import KernelTrace
 from specpilot.memory import Evidence, Mechanism, MechanismCategory, Memory, Scope, Verdict
+from specpilot.memory.transfer import record_transfer, transfer_candidates, transfer_history
 from specpilot.stages import catalog
 from specpilot.stages.candidate import Candidate, CandidateSource
-from specpilot.stages.explore import ExploreContext, ExploreParams, MemoryProposer, QuickBench, SearchProposer
+from specpilot.stages.explore import ExploreParams
 from specpilot.stages.io import SplitName, select_prompts
+from specpilot.stages.proposers import ExploreContext, MemoryProposer, SearchProposer
+from specpilot.stages.quickbench import QuickBench
 from specpilot.stages.validate import DivergenceKind, VerdictKind, validate
 from specpilot.workload import Benchmark, Prompt
 
-DATA = Path(__file__).parent / "data"
 MAX_NEW, EPS = 24, 1e-6
 BASE = EngineConfig(dtype=DType.FP32, cuda_graphs=False, max_seq_len=256)
 STOCK = Candidate("stock", BASE, source=CandidateSource.STOCK)
 CEILINGS = Ceilings(peak_flops=1e12, peak_bandwidth=1e11)
-
-
-class Replay:
-    """Serves the recorded responses of one directory in order and keeps each request body."""
-
-    def __init__(self, name: str):
-        self.responses = sorted((DATA / name).glob("*.json"))
-        self.requests: list[dict] = []
-
-    def __call__(self, request: httpx2.Request) -> httpx2.Response:
-        assert request.method == "POST" and request.url.path == "/v1/messages"
-        self.requests.append(json.loads(request.content))
-        body = json.loads(self.responses[len(self.requests) - 1].read_text())
-        return httpx2.Response(200, json=body)
-
-    def client(self) -> anthropic.Anthropic:
-        return anthropic.Anthropic(api_key="recorded", max_retries=0,
-                                   http_client=httpx2.Client(transport=httpx2.MockTransport(self)))
-
-    def tool_results(self, turn: int) -> dict[str, tuple[dict, bool]]:
-        """tool_use_id -> (parsed content, is_error) of the tool results sent with request `turn`."""
-        last = self.requests[turn]["messages"][-1]
-        return {r["tool_use_id"]: (json.loads(r["content"]), r.get("is_error", False)) for r in last["content"]}
 
 
 class TinyFactory:
@@ -235,13 +212,16 @@ def test_cost_budget_stops_the_loop_before_a_call_could_exceed_it(world, tmp_pat
 def test_without_an_api_key_search_and_memory_run_alone(explore, tmp_path, monkeypatch):
     explore_ctx = explore.ctx
     monkeypatch.delenv("SPECPILOT_TEST_ANTHROPIC_KEY", raising=False)
-    proposers, note = proposers_for(explore_ctx, tmp_path, api_key_env="SPECPILOT_TEST_ANTHROPIC_KEY")
-    assert [type(p) for p in proposers] == [MemoryProposer, SearchProposer]
-    assert "SPECPILOT_TEST_ANTHROPIC_KEY is not set" in note and "search and memory proposers only" in note
+    settings, session = AgentSettings(key_env="SPECPILOT_TEST_ANTHROPIC_KEY"), explore_ctx.evaluate.session
+    plan = plan_proposers(session, tmp_path, settings)
+    assert [type(p) for p in plan.proposers] == [MemoryProposer, SearchProposer] and plan.status is AgentStatus.NO_KEY
+    assert "SPECPILOT_TEST_ANTHROPIC_KEY is not set" in plan.note and "search and memory proposers only" in plan.note
+    assert plan_proposers(session, tmp_path, AgentSettings(key_env="")).status is AgentStatus.DISABLED
     assert not AgentProposer(None).available() and AgentProposer(None).propose(tree_direction_stub(), explore_ctx, 2) == []
     monkeypatch.setenv("SPECPILOT_TEST_ANTHROPIC_KEY", "sk-test")
-    proposers, note = proposers_for(explore_ctx, tmp_path, api_key_env="SPECPILOT_TEST_ANTHROPIC_KEY")
-    assert isinstance(proposers[-1], AgentProposer) and proposers[-1].available() and note.startswith("agent proposer on")
+    plan = plan_proposers(session, tmp_path, settings)
+    assert isinstance(plan.proposers[-1], AgentProposer) and plan.proposers[-1].available()
+    assert plan.status is AgentStatus.ON and plan.note.startswith("agent proposer on")
 
 
 def test_sandbox_limits_memory_and_wall_clock(world):

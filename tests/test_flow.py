@@ -90,6 +90,23 @@ def test_prefect_artifacts_describe_the_run(tuned):
     assert Artifact.get("tiny-a-integrate-round1").data.endswith("/integrate/round1/manifest.json)")  # a link
 
 
+def test_explore_tasks_are_pinned_one_per_device_and_timed(tuned):
+    from datetime import datetime
+
+    from prefect.artifacts import Artifact
+    from specpilot.deployments import load_deployment
+    from specpilot.flows.tune import devices_for
+
+    assert devices_for(load_deployment("smollm2-135m-h200"), 2) == ["cuda:0", "cuda:1"]  # one task per GPU
+    store = store_from_uri(tuned["store"])
+    explore = read_manifest(store, f"runs/{tuned['first'].run_id}/explore/round1/dev0/manifest.json")
+    timing = explore.meta["timing"]
+    assert timing["device"] == explore.meta["request"]["device"] == "cpu"
+    assert datetime.fromisoformat(timing["started"]) <= datetime.fromisoformat(timing["finished"]) <= explore.created
+    timeline = Artifact.get("tiny-a-explore-timeline-r1")
+    assert timeline is not None and "explore-round1-dev0" in timeline.data and timing["started"] in timeline.data
+
+
 def test_nightly_skips_unchanged_and_retunes_changed(tuned, tiny_root):
     from conftest import write_deployment
     from specpilot.flows.nightly import plan_nightly

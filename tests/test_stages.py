@@ -20,7 +20,9 @@ from specpilot.memory import Memory
 from specpilot.stages import catalog
 from specpilot.stages.candidate import Candidate, CandidateSource
 from specpilot.stages.cli import main as stage_main
-from specpilot.stages.explore import ExploreContext, ExploreParams, MemoryHit, MemoryProposer, QuickBench
+from specpilot.stages.explore import ExploreParams
+from specpilot.stages.proposers import ExploreContext, MemoryHit, MemoryProposer
+from specpilot.stages.quickbench import QuickBench
 from specpilot.stages.io import StageName, StageRequest, path_part, run_stage, session_for
 from specpilot.stages.lossy import lossy_candidates
 

@@ -13,17 +13,23 @@ it cannot match stock without computing what stock computes.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
+from specpilot.agents.plan import sandbox_for_session
 from specpilot.agents.protocol import PromptIds, SandboxOutcome
-from specpilot.agents.sandbox import SandboxedPolicyRunner
-from specpilot.bench.session import TokenizedPrompt
+from specpilot.agents.sandbox import SandboxedPolicyRunner, SandboxLimits
+from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.validate import (EngineFactory, ForcedPass, PromptMargins, PromptRow, SpeedupCheck, Verdict,
-                                       VerdictKind, forced_pass, forced_runner)
+                                       VerdictKind, forced_pass, forced_runner, write_verdict)
 # validate's comparison rules themselves, so both paths judge by one definition of a flip and a tie.
 from specpilot.stages.validate import DivergenceKind, _classify, _first_mismatch, _forced_flips, _reasons, _speedup
+
+
+SANDBOX_VERDICT = "sandbox_verdict.json"
 
 
 @dataclass(frozen=True)
@@ -112,3 +118,23 @@ def validate_sandboxed(factory: EngineFactory, stock: Candidate, candidate: Cand
     verdict = Verdict(_classify(divergences), stock.name, candidate.name, tie_epsilon, max_new_tokens, tuple(rows),
                       tuple(divergences), tuple(margins), check, _reasons(divergences, check, tie_epsilon))
     return SandboxedVerdict(candidate.name, verdict, tuple(outcomes))
+
+
+def validate_isolated(session: DeploymentSession, stock: Candidate, candidate: Candidate,
+                      prompts: Sequence[TokenizedPrompt], max_new_tokens: int, tie_epsilon: float, root: Path,
+                      limits: SandboxLimits = SandboxLimits()) -> SandboxedVerdict:
+    """The validate stage's path for agent code: a sandbox over the session's target under `root` (the stage's
+    scratch). Code that is not where the candidate says (explore ran on another host) rejects it, with why."""
+    code = candidate.policy.rsplit(":", 1)[0] if candidate.policy else ""
+    if code.endswith(".py") and not Path(code).is_file():
+        return SandboxedVerdict(candidate.name, None, (), f"policy code {code} is not on this host")
+    runner = sandbox_for_session(session, root, limits)
+    return validate_sandboxed(session, stock, candidate, prompts, max_new_tokens, tie_epsilon, runner)
+
+
+def write_sandboxed_verdict(result: SandboxedVerdict, out_dir: Path) -> None:
+    """sandbox_verdict.json (every child run, and why it was stopped), plus validate's verdict files when token
+    forcing got as far as a verdict."""
+    (out_dir / SANDBOX_VERDICT).write_text(json.dumps(result.to_dict(), indent=1))
+    if result.verdict is not None:
+        write_verdict(result.verdict, out_dir)

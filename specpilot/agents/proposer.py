@@ -8,31 +8,27 @@ made). Every request, response and tool execution is saved as JSON under the ses
 """
 from __future__ import annotations
 
-import functools
 import json
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from specpilot.agents.ledger import AgentBudget, CostMeter, Prices, Transcript
-from specpilot.agents.protocol import TargetSpec
-from specpilot.agents.sandbox import SandboxedPolicyRunner, SandboxLimits
+from specpilot.agents.sandbox import SandboxedPolicyRunner
 from specpilot.agents.tools import (TOOLS, Proposal, ToolInputError, ToolName, attribution_summary,
                                     check_policy_code, knobs_and_hooks)
 from specpilot.agents.trials import TrialOutcome
 from specpilot.agents.workbench import Workbench
 from specpilot.costmodel import Direction
-from specpilot.engines.config import ConfigError, DrafterKind
+from specpilot.engines.config import ConfigError
 from specpilot.engines.traces import StepTrace
 from specpilot.stages.candidate import Candidate, CandidateSource
 
 if TYPE_CHECKING:
     import anthropic
 
-    from specpilot.bench.session import DeploymentSession
-    from specpilot.stages.explore import ExploreContext, Proposer
+    from specpilot.stages.proposers import ExploreContext
 
 DEFAULT_MODEL = "claude-sonnet-4-6"
 SYSTEM = """You tune a speculative-decoding engine. Outputs must stay exactly equal to the engine's own greedy
@@ -237,56 +233,3 @@ def _brief(direction: Direction, bench: Workbench, n: int) -> str:
             f"Current build: {json.dumps(bench.base.config.to_dict())}, drafter {bench.base.drafter_label}.\n"
             f"Policy code: {'accepted (sandboxed)' if bench.sandbox else 'not accepted in this run'}.\n"
             f"Submit at most {n} candidate(s) with submit_candidates.")
-
-
-# ---- wiring: which proposers explore runs -----------------------------------------------------------------
-API_KEY_ENV = "ANTHROPIC_API_KEY"
-MODEL_ENV = "SPECPILOT_AGENT_MODEL"
-
-
-def sandbox_for_session(session: "DeploymentSession", root: str | Path,
-                        limits: SandboxLimits = SandboxLimits()) -> SandboxedPolicyRunner:
-    """A sandbox whose child loads the session's target (and its draft model) from disk, read-only."""
-    from specpilot.deployments import resolve_model
-    from specpilot.engines.loader import save_model
-
-    root, dep = Path(root), session.deployment
-    model_dir = session.target_dir
-    if model_dir is None:  # random-weight targets exist only in memory: write them once for the child
-        model_dir = root / "target"
-        if not (model_dir / "config.json").is_file():
-            save_model(session.target, model_dir)
-    draft_dir = None
-    spec = next((d for d in dep.drafters if d.kind is DrafterKind.DRAFT_MODEL and d.model is not None), None)
-    if spec is not None:
-        draft_dir = resolve_model(spec.model, session.cache)
-        if draft_dir is None:
-            draft_dir = save_model(session.draft_model(spec.label), root / "draft")
-    target = TargetSpec(str(model_dir), dep.engine.dtype, session.device, tuple(sorted(session.eos)),
-                        None if draft_dir is None else str(draft_dir))
-    return SandboxedPolicyRunner(target, root / "sandbox", limits)
-
-
-def proposers_for(context: "ExploreContext", workdir: str | Path, *, api_key_env: str = API_KEY_ENV,
-                  client_factory: Callable[[], "anthropic.Anthropic"] | None = None, model: str | None = None,
-                  budget: AgentBudget = AgentBudget(), prices: Prices = Prices(),
-                  limits: SandboxLimits = SandboxLimits(), steps: Sequence[StepTrace] = ()) -> tuple[list["Proposer"], str]:
-    """Memory and search always; the agent too when a client can be made. Returns (proposers, a note for the log)."""
-    from specpilot.stages.explore import MemoryProposer, SearchProposer
-
-    proposers: list[Proposer] = [MemoryProposer(), SearchProposer()]
-    if client_factory is None:
-        key = os.environ.get(api_key_env, "").strip()
-        if not key:
-            return proposers, (f"agent proposer off: ${api_key_env} is not set; exploring with the search and "
-                               f"memory proposers only")
-        import anthropic
-
-        client_factory = functools.partial(anthropic.Anthropic, api_key=key, max_retries=2)
-    chosen = model or os.environ.get(MODEL_ENV) or DEFAULT_MODEL
-    sandbox = sandbox_for_session(context.evaluate.session, Path(workdir) / "agent", limits)
-    agent = AgentProposer(client_factory, chosen, budget, workdir, prices=prices, sandbox=sandbox, steps=steps)
-    proposers.append(agent)
-    return proposers, (f"agent proposer on: model {chosen}, at most {budget.max_turns} turns and "
-                       f"${budget.max_cost_usd:g}; its policy code runs in a {sandbox.isolation.value} sandbox "
-                       f"under {sandbox.root}; search and memory proposers run too")

@@ -3,25 +3,28 @@
 A trial decodes the tune prompts with the candidate and with AR and reports the geometric-mean speedup and
 whether every token matched AR. Config-only candidates run in-process (through explore's QuickBench when
 the explore stage provides one, so the measurement joins its log); candidates with agent code run in the
-sandbox, with AR decoded here. The agent sees speedups and match flags, never the reference tokens.
+sandbox, with AR decoded here, and in explore LoggedSandboxTrial adds their outcome to the same log. The agent
+sees speedups and match flags, never the reference tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-from specpilot.agents.protocol import PromptIds, SandboxOutcome
+from specpilot.agents.protocol import PromptIds, SandboxOutcome, SandboxStatus
 from specpilot.agents.sandbox import SandboxedPolicyRunner
 from specpilot.bench.session import TokenizedPrompt
 from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.stages.candidate import Candidate
+from specpilot.stages.quickbench import Measurement, QuickBench, TrialStatus
 from specpilot.stages.validate import EngineFactory
 
-if TYPE_CHECKING:
-    from specpilot.stages.explore import QuickBench
-
 FLOOR_S = 1e-6
+# A guard or a limit ended the run: the code did something it may not (or too much of it), not merely a bug.
+STOPPING = frozenset({SandboxStatus.VIOLATION, SandboxStatus.TIMEOUT, SandboxStatus.CPU_LIMIT,
+                      SandboxStatus.MEMORY_LIMIT})
 
 
 @dataclass(frozen=True)
@@ -128,3 +131,26 @@ class SandboxTrial:
         per_step = sum(r.tokens_per_step for r in runs.values()) / len(runs)
         return TrialOutcome(candidate.name, _geomean(speedups) if match else 0.0, match, per_step,
                             "" if match else "output differs from AR on the trial prompts", outcome)
+
+
+def trial_status(outcome: TrialOutcome) -> TrialStatus:
+    if outcome.sandbox is not None and outcome.sandbox.status in STOPPING:
+        return TrialStatus.STOPPED
+    if outcome.sandbox is None or not outcome.sandbox.ok:
+        return TrialStatus.NOT_RUN
+    return TrialStatus.OK if outcome.tokens_match else TrialStatus.LOSSY
+
+
+class LoggedSandboxTrial:
+    """Agent code in the sandbox, its outcome also logged in explore's QuickBench as a Measurement against the
+    build's latest baseline: from there it is selected, validated and integrated like any other candidate."""
+
+    def __init__(self, trial: SandboxTrial, bench: QuickBench):
+        self.trial, self.bench = trial, bench
+
+    def __call__(self, candidate: Candidate) -> TrialOutcome:
+        base = self.bench.latest_baseline()
+        outcome = self.trial(candidate)
+        self.bench.record(Measurement(candidate, outcome.speedup, base.objective, outcome.tokens_per_step,
+                                      outcome.tokens_match, base.batch, outcome.error, trial_status(outcome)))
+        return dataclasses.replace(outcome, baseline=base.objective)

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from specpilot.agents.sandbox import SandboxedPolicyRunner
-from specpilot.agents.trials import CandidateTrial, QuickBenchTrial, SandboxTrial
+from specpilot.agents.trials import CandidateTrial, LoggedSandboxTrial, QuickBenchTrial, SandboxTrial
 from specpilot.costmodel import Attribution
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.traces import StepTrace
 from specpilot.stages.candidate import Candidate
 
 if TYPE_CHECKING:
-    from specpilot.stages.explore import ExploreContext
+    from specpilot.stages.proposers import ExploreContext
 
 DeltaApplier = Callable[[dict[str, Any]], tuple[EngineConfig, str | None]]
 
@@ -76,16 +76,16 @@ class Workbench:
     @classmethod
     def from_context(cls, context: "ExploreContext", sandbox: SandboxedPolicyRunner | None = None,
                      steps: Sequence[StepTrace] = ()) -> "Workbench":
-        """From explore's context: trials through its QuickBench (and the sandbox), traces from `steps`, else
-        from decoding the tune prompts once with the current build."""
+        """From explore's context: config trials through its QuickBench, code trials through the sandbox (logged
+        in the QuickBench too), traces from `steps`, else from decoding the tune prompts once with the build."""
         from specpilot.stages import catalog
 
         bench, dep, p = context.evaluate, context.deployment, context.params
         if not steps:
             engine = bench.session.engine(context.base.config, context.base.drafter_label)
             steps = [s for t in bench.prompts for s in engine.generate(list(t.ids), bench.max_new_tokens, t.key).steps]
-        policy_trial = None if sandbox is None else SandboxTrial(sandbox, bench.session, dep.ar_config(), bench.prompts,
-                                                                 bench.max_new_tokens)
+        policy_trial = None if sandbox is None else LoggedSandboxTrial(
+            SandboxTrial(sandbox, bench.session, dep.ar_config(), bench.prompts, bench.max_new_tokens), bench)
         return cls(context.base, context.attribution, TraceSummary.from_steps(steps) if steps else None,
                    QuickBenchTrial(bench), lambda delta: catalog.apply_delta(dep, context.base, delta, None),
                    sandbox, policy_trial, f"agent-r{p.round}-d{p.device_index}")

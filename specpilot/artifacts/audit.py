@@ -7,6 +7,7 @@ that produced them); inputs elsewhere (model hubs, other stores) are counted as 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from enum import Enum
 
 from specpilot.artifacts.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -117,6 +118,17 @@ def audit_run(store: ArtifactStore, run_prefix: str) -> AuditReport:
                        len(matched - mismatched), inputs_checked, inputs_external)
 
 
+def _ran(timing: object) -> str:
+    """"  [ran 12.3s on cuda:1]" from a stage manifest's timing record (stages/io.StageTiming), if it has one."""
+    if not isinstance(timing, dict) or not {"started", "finished", "device"} <= set(timing):
+        return ""
+    try:
+        seconds = (datetime.fromisoformat(timing["finished"]) - datetime.fromisoformat(timing["started"])).total_seconds()
+    except (TypeError, ValueError):
+        return ""
+    return f"  [ran {seconds:.1f}s on {timing['device']}]"
+
+
 def format_audit(report: AuditReport) -> str:
     """The stage timeline (from manifest timestamps) followed by every failure, one line each."""
     lines = [f"audit of {report.run_prefix} in {report.store_uri}"]
@@ -127,8 +139,9 @@ def format_audit(report: AuditReport) -> str:
         for s in report.stages:
             m = s.manifest
             offset = (m.created - start).total_seconds()
+            ran = _ran(m.meta.get("timing"))
             lines.append(f"  {m.created.isoformat(timespec='seconds')}  +{offset:9.1f}s  {m.stage:<{width}}  "
-                         f"{len(m.outputs):3d} outputs  {len(m.inputs):3d} inputs  {s.key}")
+                         f"{len(m.outputs):3d} outputs  {len(m.inputs):3d} inputs  {s.key}{ran}")
     lines.append(f"{report.outputs_verified} outputs re-hashed and matching, {report.inputs_checked} inputs present"
                  f", {report.inputs_external} external inputs not checked")
     if report.ok:

@@ -1,8 +1,9 @@
 """S3Store: artifacts in an S3 bucket (AWS, or any S3-compatible server such as SeaweedFS or MinIO).
 
 Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) when set, else from
-boto3's default chain (config files, instance roles). Transient failures are retried by botocore's
-"standard" retry mode; whatever still fails is raised as a StoreError naming the endpoint, bucket and key.
+boto3's default chain (config files, instance roles); boto3 itself is imported when a store is opened.
+Transient failures are retried by botocore's "standard" retry mode; whatever still fails is raised as a
+StoreError naming the endpoint, bucket and key.
 """
 from __future__ import annotations
 
@@ -15,12 +16,6 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlencode, urlparse
 
-import boto3
-import botocore.exceptions as bce
-from boto3.exceptions import S3UploadFailedError
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-
 from specpilot.artifacts.store import (
     CHUNK_BYTES, ArtifactNotFoundError, ArtifactStore, StoreError, StoreUnreachableError, validate_key,
     validate_prefix,
@@ -28,7 +23,6 @@ from specpilot.artifacts.store import (
 
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
-_NETWORK_ERRORS = (bce.ConnectionError, bce.HTTPClientError)
 
 
 @dataclass(frozen=True)
@@ -82,6 +76,12 @@ class S3Store(ArtifactStore):
     """Objects live at s3://<bucket>/<prefix>/<key>; that is also their URI."""
 
     def __init__(self, config: S3Config) -> None:
+        # boto3 is imported only when an S3 store is opened: hosts that keep artifacts in a local directory
+        # (an offline GPU host, say) need not carry botocore's 16 MB of service models.
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
         self.config = config
         botocore_config = Config(
             region_name=config.region,
@@ -125,10 +125,13 @@ class S3Store(ArtifactStore):
     @contextmanager
     def _translated(self, action: str, key: str) -> Iterator[None]:
         """Turn botocore's exceptions into StoreErrors that say which endpoint, bucket and key failed."""
+        import botocore.exceptions as bce
+        from boto3.exceptions import S3UploadFailedError
+
         where = f"S3 endpoint {self.config.endpoint_name}, bucket {self.config.bucket}"
         try:
             yield
-        except _NETWORK_ERRORS as e:
+        except (bce.ConnectionError, bce.HTTPClientError) as e:
             raise StoreUnreachableError(f"cannot reach {where} ({action} {key}): {e}") from e
         except bce.NoCredentialsError as e:
             raise StoreError(f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from e
@@ -215,6 +218,8 @@ class S3Store(ArtifactStore):
 
     def create_bucket(self) -> None:
         """Create the bucket if it does not exist (for local S3 servers and tests; production buckets pre-exist)."""
+        import botocore.exceptions as bce
+
         with self._translated("create bucket", self.config.bucket):
             try:
                 self._client.head_bucket(Bucket=self.config.bucket)

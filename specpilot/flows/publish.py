@@ -49,6 +49,14 @@ def publish_round(deployment: str, round_: int, stages: list[StageOutcome], expl
                              key=artifact_key(deployment, outcome.label))
 
 
+def publish_timeline(deployment: str, round_: int, explores: list[StageOutcome]) -> None:
+    """When each explore task ran and on which device: on several GPUs their windows overlap."""
+    rows = [{"task": o.label, "device": o.timing.device, "host": o.timing.host, "started": o.timing.started,
+             "finished": o.timing.finished, "seconds": round(o.timing.seconds, 2)} for o in explores if o.timing]
+    create_table_artifact(rows, key=artifact_key(deployment, "explore-timeline", f"r{round_}"),
+                          description=f"round {round_}: explore tasks, one per device, with start and end (UTC)")
+
+
 def publish_summary(deployment: str, report: TuneReport) -> None:
     create_markdown_artifact(report.table(), key=artifact_key(deployment, "tune-summary"),
                              description=f"tune run {report.run_id}")

@@ -20,7 +20,8 @@ from prefect.task_runners import ThreadPoolTaskRunner  # noqa: E402
 
 from specpilot.artifacts import new_run_id, store_from_uri  # noqa: E402
 from specpilot.deployments import Deployment, DeviceKind, load_deployment  # noqa: E402
-from specpilot.flows.publish import publish_attribution, publish_round, publish_summary  # noqa: E402
+from specpilot.flows.publish import (publish_attribution, publish_round, publish_summary,  # noqa: E402
+                                     publish_timeline)
 from specpilot.flows.report import RoundReport, TuneReport  # noqa: E402
 from specpilot.flows.settings import TuneSettings  # noqa: E402
 from specpilot.memory import default_memory_path  # noqa: E402
@@ -136,6 +137,7 @@ def tune(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = No
             explores = explore_task.map(request=[
                 request(StageName.EXPLORE, (q, f"dev{i}"), asdict(replace(settings.explore, round=r, device_index=i)),
                         inputs, device) for i, device in enumerate(devices)], work_dir=unmapped(work)).result()
+            publish_timeline(dep.name, r, explores)
             candidates = pick_candidates(explores, settings.candidates_per_round)
             if dep.device.kind is DeviceKind.CUDA:  # kernel tuning needs the real device's timings
                 tuned = tune_kernels_task(request(StageName.TUNE_KERNELS, (q,), {}, {

@@ -39,11 +39,17 @@ class Candidate:
         if self.policy is not None and ":" not in self.policy:
             raise ValueError(f"candidate {self.name}: policy {self.policy!r} must look like 'module:Class' or 'file.py:Class'")
 
+    @property
+    def runs_isolated(self) -> bool:
+        """An agent's policy: it runs only in the sandbox (specpilot.agents.sandbox), never in-process. Any policy
+        reference an agent candidate carries counts, not only files: a module path is code the agent chose too."""
+        return self.source is CandidateSource.AGENT and self.policy is not None
+
     def load_policy(self) -> EnginePolicy:
         if self.policy is None:
             return STOCK
         target, cls_name = self.policy.rsplit(":", 1)
-        if target.endswith(".py") and self.source is CandidateSource.AGENT:
+        if self.runs_isolated:
             # Agent-written code never runs in the orchestrator: specpilot.agents.sandbox runs it isolated.
             raise PermissionError(f"candidate {self.name}: agent policy code runs only in the sandbox "
                                   "(specpilot.agents.sandbox), never in this process")

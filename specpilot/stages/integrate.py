@@ -5,7 +5,9 @@ Integration applies the accepted candidates' config deltas together where they a
 values, or two drafters, cannot be combined), checks the combination still beats the best single candidate
 by decoding it again and proves it lossless by token forcing. The final build is whichever of stock, the
 current build and that result is fastest on the held-out prompts, so it is never slower than stock there;
-when nothing beats stock the final build is stock and the decision says so. Memory is written only here.
+when nothing beats stock the final build is stock and the decision says so. Agent code is validated in the
+sandbox (agents/forcing.py) and, passing, recorded but not built in. Memory is written only here
+(stages/remember.py), including whether memory's candidates carried over to this scope.
 """
 from __future__ import annotations
 
@@ -15,15 +17,16 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from specpilot.artifacts.manifest import run_started
+from specpilot.agents.forcing import validate_isolated, write_sandboxed_verdict
 from specpilot.bench.harness import AR_LABEL, BenchReport, Variant, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.deployments import Deployment
 from specpilot.engines.config import ConfigError, DType
+from specpilot.memory import Failure, Memory, RunStatus
 from specpilot.stages import catalog
 from specpilot.stages.candidate import Candidate, CandidateSource
-from specpilot.memory import Evidence, Failure, Mechanism, Memory, RunStatus, Verdict
-from specpilot.stages.io import SplitName, StageRun, exclusive, memory_scope, write_build
+from specpilot.stages.io import SplitName, StageRun, exclusive, write_build
+from specpilot.stages.remember import Explored, record_memory
 from specpilot.stages.validate import VerdictKind, validate, write_verdict
 
 # Logit margins below about one rounding step of the dtype at typical logit sizes (|logit| 8..16) are ties.
@@ -63,14 +66,24 @@ def run_validate(run: StageRun) -> dict[str, Any]:
     stock, candidate = Candidate.from_dict(run.param("stock")), Candidate.from_dict(run.param("candidate"))
     prompts = run.prompts(SplitName.VALIDATE, params.prompts)
     max_new = params.max_new_tokens or dep.workload.max_new_tokens
+    eps = tie_epsilon(dep, params.tie_epsilon)
     with exclusive(run.device):
-        verdict = validate(run.session(), stock, candidate, prompts, max_new, tie_epsilon(dep, params.tie_epsilon))
-    write_verdict(verdict, run.out_dir)
+        if candidate.runs_isolated:  # agent code: the candidate's half of token forcing runs in the sandbox
+            checked = validate_isolated(run.session(), stock, candidate, prompts, max_new, eps, run.scratch)
+            write_sandboxed_verdict(checked, run.out_dir)
+            verdict, kind, reasons = checked.verdict, checked.kind, checked.reasons
+        else:
+            verdict = validate(run.session(), stock, candidate, prompts, max_new, eps)
+            write_verdict(verdict, run.out_dir)
+            kind, reasons = verdict.kind, verdict.reasons
     (run.out_dir / "candidate.json").write_text(json.dumps(candidate.to_dict(), indent=1))
-    speedup = min(verdict.speedup.geomean, verdict.speedup.remeasured_geomean or verdict.speedup.geomean)
-    return {"candidate": candidate.to_dict(), "verdict": verdict.kind.value, "speedup_vs_stock": speedup,
-            "per_benchmark": _per_benchmark([(p.prompt, p.speedup) for p in verdict.prompts]),
-            "reasons": list(verdict.reasons), "prompts": len(prompts), "max_new_tokens": max_new}
+    # A candidate the sandbox stopped before any verdict has no speed to report: 0, never accepted.
+    speedup = 0.0 if verdict is None else min(verdict.speedup.geomean,
+                                              verdict.speedup.remeasured_geomean or verdict.speedup.geomean)
+    per_benchmark = {} if verdict is None else _per_benchmark([(p.prompt, p.speedup) for p in verdict.prompts])
+    return {"candidate": candidate.to_dict(), "verdict": kind.value, "speedup_vs_stock": speedup,
+            "per_benchmark": per_benchmark, "reasons": list(reasons), "prompts": len(prompts),
+            "max_new_tokens": max_new, "sandboxed": candidate.runs_isolated}
 
 
 @dataclass(frozen=True)
@@ -190,7 +203,12 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
               out_dir: Path) -> IntegrateResult:
     dep = session.deployment
     decisions = [f"{v.candidate.name}: rejected, {v.rejection}" for v in validated if not v.accepted]
-    accepted = [v for v in validated if v.accepted]
+    # Agent code passed token forcing in the sandbox, but a build is decoded in-process (profile, bench, serving):
+    # it is not built in automatically. Memory records it, with its code reference, for a person to review.
+    decisions += [f"{v.candidate.name}: passed token forcing in the sandbox ({v.speedup_vs_stock:.3f}x vs stock); "
+                  "agent code is not built into the engine without review" for v in validated
+                  if v.accepted and v.candidate.runs_isolated]
+    accepted = [v for v in validated if v.accepted and not v.candidate.runs_isolated]
     candidate, parts, notes = (None, (), ()) if not accepted else combine(dep, current, accepted, params.round)
     decisions += list(notes)
     if candidate is not None and len(parts) == 1:
@@ -226,58 +244,6 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
                            tuple(decisions), report, _geomean(ratios), speedups)
 
 
-def memory_delta(stock: Candidate, candidate: Candidate) -> dict[str, Any]:
-    """What memory stores for a candidate: its fields that differ from stock, and always its drafter kind (a draft
-    length means something else for another drafter), so another deployment applies it to that drafter."""
-    return {**catalog.config_delta(stock.config, candidate.config), "drafter": candidate.config.drafter.value}
-
-
-def mechanism_name(candidate: Candidate, delta: dict[str, Any]) -> str:
-    """A validated mechanism: the catalog mechanisms it turns and the exact delta over stock it was proven with."""
-    return "+".join(candidate.mechanisms or ("config",)) + ":" + ",".join(f"{k}={v}" for k, v in sorted(delta.items()))
-
-
-def record_memory(run: StageRun, stock: Candidate, validated: list[ValidatedCandidate], lossy: list[dict[str, Any]],
-                  result: IntegrateResult, params: IntegrateParams, heldout_uri: str) -> dict[str, int]:
-    """Run, mechanisms, scopes and evidence for accepted candidates, failures for rejected ones, in one transaction."""
-    dep, run_id, counts = run.deployment, run.request.run_id, {"mechanisms": 0, "evidence": 0, "failures": 0}
-    stock_bench = {b: result.heldout.geomean("stock", b) for b in result.heldout.benchmarks()}
-    measured = {b: result.heldout.geomean("candidate", b) for b in result.heldout.benchmarks()}
-    on_heldout = set(result.combined_from)  # measured against stock on the held-out prompts, won or not
-    with Memory.open(params.memory) as memory, memory.transaction():
-        if not memory.sql("SELECT count(*) FROM runs WHERE run_id = ?", params=[run_id]).rows[0][0]:
-            # Recorded here (memory's one writer), dated from the run id: when the run began, not when it ends.
-            memory.record_run(run_id, dep.name, {**dep.fingerprint(), "digest": dep.fingerprint_digest()},
-                              started=run_started(run_id))
-        for v in validated:
-            delta = memory_delta(stock, v.candidate)
-            if not v.accepted or len(delta) == 1:  # only the drafter kind: nothing over stock
-                memory.record_failure(Failure(run_id, "validate", f"{v.candidate.name}: {v.rejection}", config_delta=delta))
-                counts["failures"] += 1
-                continue
-            name, scope = mechanism_name(v.candidate, delta), memory_scope(dep, v.candidate.drafter_label, run.device)
-            described = ", ".join(catalog.BY_NAME[m].description for m in v.candidate.mechanisms if m in catalog.BY_NAME)
-            memory.record_mechanism(Mechanism(name, catalog.mechanism_category(v.candidate.mechanisms),
-                                              described or name, delta, v.candidate.policy))
-            counts["mechanisms"] += 1
-            rows = [(b, "speedup_vs_stock", 1.0, s, v.evidence_uri) for b, s in v.per_benchmark.items()]
-            if v.candidate.name in on_heldout:
-                rows += [(b, "speedup_vs_ar", stock_bench[b], measured[b], heldout_uri) for b in measured
-                         if stock_bench[b] and measured[b]]
-            for bench, metric, before, after, uri in rows:
-                memory.record_evidence(Evidence(name, scope, run_id, dep.name, bench, metric, before, after,
-                                                Verdict(v.verdict.value), artifact_uris=(uri,)))
-                counts["evidence"] += 1
-        for m in lossy:
-            delta = memory_delta(stock, Candidate.from_dict(m["candidate"]))
-            memory.record_failure(Failure(run_id, "explore", f"{m['candidate']['name']}: {m['error']}", config_delta=delta))
-            counts["failures"] += 1
-        if params.final_round:
-            report_uri = run.store.uri_for(f"{run.request.prefix}/manifest.json")
-            memory.finish_run(run_id, RunStatus.SUCCEEDED, report_uri=report_uri)
-    return counts
-
-
 def mark_run_failed(memory_path: str | None, run_id: str, reason: str) -> None:
     """Close a run that stopped before its last integration (the flow calls this on failure)."""
     with Memory.open(memory_path) as memory, memory.transaction():
@@ -291,7 +257,7 @@ def run(run: StageRun) -> dict[str, Any]:
     stock, current = Candidate.from_dict(run.param("stock")), Candidate.from_dict(run.param("current"))
     validated = [ValidatedCandidate.from_summary(run.manifest(role).meta["summary"], run.request.inputs[role])
                  for role in run.roles("validate")]
-    lossy = [m for role in run.roles("explore") for m in run.manifest(role).meta["summary"]["lossy"]]
+    explored = Explored.from_manifests([run.manifest(role) for role in run.roles("explore")])
     tune_prompts = run.prompts(SplitName.TUNE, params.recheck_prompts)
     heldout_prompts = run.prompts(SplitName.VALIDATE, params.heldout_prompts)
     with exclusive(run.device):
@@ -299,7 +265,7 @@ def run(run: StageRun) -> dict[str, Any]:
     (run.out_dir / "heldout.json").write_text(json.dumps(result.heldout.to_dict(), indent=1))
     build = write_build(run, result.final)
     heldout_uri = run.store.uri_for(f"{run.request.prefix}/heldout.json")
-    rows = record_memory(run, stock, validated, lossy, result, params, heldout_uri)
+    rows = record_memory(run, stock, validated, explored, result, params, heldout_uri)
     summary = {**result.summary(), "build": asdict(build), "memory": rows, "round": params.round}
     (run.out_dir / "integration.json").write_text(json.dumps(summary, indent=1))
     return summary

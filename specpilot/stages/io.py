@@ -13,9 +13,11 @@ import io
 import json
 import platform
 import re
+import socket
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,7 +32,7 @@ from specpilot.artifacts import (
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.deployments import (Deployment, DeviceKind, ModelRefKind, RegimeKind, engine_code_version,
                                   load_deployment, resolve_model)
-from specpilot.engines.loader import read_shape
+from specpilot.engines.targets import read_target_shape
 from specpilot.memory import Scope
 from specpilot.stages.candidate import Candidate
 from specpilot.testbed.synthetic import ShapeName
@@ -127,6 +129,14 @@ class StageRun:
     def device(self) -> str:
         return self.request.device or default_device(self.deployment)
 
+    @property
+    def scratch(self) -> Path:
+        """Local working files that are not outputs (outputs are flat files): e.g. sandbox runs, transcripts
+        before they are flattened into outputs. Next to the output directory, created on first use."""
+        path = self.out_dir.parent / f"{self.out_dir.name}.scratch"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def roles(self, prefix: str) -> list[str]:
         """Input roles named `prefix` or `prefix.<n>`, in order."""
         found = [r for r in self.request.inputs if r == prefix or r.startswith(prefix + ".")]
@@ -162,12 +172,28 @@ class StageRun:
 
 
 @dataclass(frozen=True)
+class StageTiming:
+    """When and where one stage ran (UTC ISO timestamps), kept in its manifest's meta as "timing": the
+    record that shows, e.g., two explore tasks on two GPUs running at the same time."""
+
+    started: str
+    finished: str
+    device: str
+    host: str
+
+    @property
+    def seconds(self) -> float:
+        return (datetime.fromisoformat(self.finished) - datetime.fromisoformat(self.started)).total_seconds()
+
+
+@dataclass(frozen=True)
 class StageOutcome:
     stage: StageName
     qualifiers: tuple[str, ...]
     manifest_uri: str
     out_dir: str  # local copy of the outputs and manifest.json
     meta: dict[str, Any]  # the stage's summary (also in its manifest)
+    timing: StageTiming | None = None
 
     @property
     def label(self) -> str:
@@ -183,12 +209,15 @@ def run_stage(request: StageRequest, out_dir: str | Path) -> StageOutcome:
     out.mkdir(parents=True, exist_ok=True)
     request.save(out / REQUEST_NAME)
     module, function = request.stage.entry.split(":")
-    meta = getattr(importlib.import_module(module), function)(StageRun(request, out))
-    manifest_uri = publish(request, out, meta)
-    return StageOutcome(request.stage, request.qualifiers, manifest_uri, str(out), meta)
+    run = StageRun(request, out)
+    started = datetime.now(timezone.utc)
+    meta = getattr(importlib.import_module(module), function)(run)
+    timing = StageTiming(started.isoformat(), datetime.now(timezone.utc).isoformat(), run.device, socket.gethostname())
+    manifest_uri = publish(request, out, meta, timing)
+    return StageOutcome(request.stage, request.qualifiers, manifest_uri, str(out), meta, timing)
 
 
-def publish(request: StageRequest, out_dir: Path, meta: dict[str, Any]) -> str:
+def publish(request: StageRequest, out_dir: Path, meta: dict[str, Any], timing: StageTiming | None = None) -> str:
     """Upload every file of out_dir under the stage's prefix and write the manifest there (and locally)."""
     store = store_from_uri(request.store)
     subdirs = [p.name for p in out_dir.iterdir() if p.is_dir()]
@@ -198,7 +227,8 @@ def publish(request: StageRequest, out_dir: Path, meta: dict[str, Any]) -> str:
     files = sorted(p for p in out_dir.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
     outputs = tuple(store_output(store, p.name, p, key=f"{request.prefix}/{p.name}") for p in files)
     manifest = Manifest.now(request.stage.value, request.run_id, inputs=tuple(request.inputs.values()),
-                            outputs=outputs, meta={"request": request.to_dict(), "summary": meta})
+                            outputs=outputs, meta={"request": request.to_dict(), "summary": meta,
+                                                   **({"timing": asdict(timing)} if timing else {})})
     (out_dir / MANIFEST_NAME).write_text(manifest.to_json())
     return write_manifest(store, manifest, key=f"{request.prefix}/{MANIFEST_NAME}")
 
@@ -259,7 +289,8 @@ def device_name(device: str) -> str:
 def memory_scope(dep: Deployment, drafter_label: str | None, device: str) -> Scope:
     """Where a measurement of this deployment's build is proven: model family and model, drafter, device, regime."""
     target = dep.target
-    shape = ShapeName(target.value).shape if target.kind is ModelRefKind.RANDOM else read_shape(resolve_model(target))
+    shape = (ShapeName(target.value).shape if target.kind is ModelRefKind.RANDOM
+             else read_target_shape(resolve_model(target)))
     model = Path(target.value).name if target.kind is ModelRefKind.PATH else target.value
     regime = "batch1" if dep.regime.kind is RegimeKind.SINGLE else "batch" + "-".join(map(str, dep.regime.concurrency))
     return Scope(shape.model_type, model, drafter_label or "none", device_name(device), regime)

@@ -1,10 +1,24 @@
 """Memory transfer: mechanisms proven on one deployment are tried first on another with a similar scope, and
 an evidence row on the new scope says whether each carried over.
 
-A transfer is recorded as ordinary evidence on the destination scope (so retrieval sees it), with the source
-scope in its artifact URIs as `transfer://family/model/drafter/gpu/regime?carried=0|1` (the schema has no
-column for it). A mechanism that did not carry over (lossy there, or no faster) also gets a `failures` row,
-and `transfer_candidates` does not offer it to that scope again.
+The explore stage's memory proposer tries the recalled mechanisms first; validation token-forces them on the
+new deployment's held-out prompts; integrate (memory's one writer) calls `record_transfer` with that verdict
+and the held-out speedup over stock before (1.0) and after. A transfer is ordinary evidence on the destination
+scope (so retrieval sees it), with the source scope in its artifact URIs as
+`transfer://family/model/drafter/gpu/regime?carried=0|1` (the schema has no column for it). A mechanism that
+did not carry over (lossy there, or no faster) also gets a `failures` row, and neither `transfer_candidates`
+nor explore's recall offers it to that scope again.
+
+From the command line (read-only), every transfer with its outcome:
+
+    specpilot memory sql "SELECT m.name AS mechanism,
+        regexp_extract(e.artifact_uris::VARCHAR, 'transfer://[^/]*/([^/]*)/', 1) AS proven_on_model,
+        s.model AS tried_on_model, e.run_id, e.verdict, e.before, e.after,
+        regexp_extract(e.artifact_uris::VARCHAR, 'carried=([01])', 1) = '1' AS carried_over
+      FROM evidence e JOIN mechanisms m ON m.id = e.mechanism_id JOIN scopes s ON s.id = e.scope_id
+      WHERE e.artifact_uris::VARCHAR LIKE '%transfer://%' ORDER BY e.id"
+
+(`TRANSFER_SQL` below is that query; the source model is URL-quoted as in the URI.)
 """
 from __future__ import annotations
 
@@ -17,6 +31,12 @@ from specpilot.memory.records import Evidence
 
 TRANSFER_SCHEME = "transfer"
 TRANSFER_STAGE = "transfer"
+TRANSFER_SQL = """SELECT m.name AS mechanism,
+    regexp_extract(e.artifact_uris::VARCHAR, 'transfer://[^/]*/([^/]*)/', 1) AS proven_on_model,
+    s.model AS tried_on_model, e.run_id, e.verdict, e.before, e.after,
+    regexp_extract(e.artifact_uris::VARCHAR, 'carried=([01])', 1) = '1' AS carried_over
+  FROM evidence e JOIN mechanisms m ON m.id = e.mechanism_id JOIN scopes s ON s.id = e.scope_id
+  WHERE e.artifact_uris::VARCHAR LIKE '%transfer://%' ORDER BY e.id"""
 
 
 def transfer_uri(from_scope: Scope, carried: bool) -> str:
@@ -83,9 +103,15 @@ def transfer_history(memory: Memory, to_scope: Scope | None = None) -> list[Tran
     return out
 
 
+def failed_transfers(memory: Memory, to_scope: Scope) -> frozenset[str]:
+    """Mechanisms whose latest transfer to `to_scope` did not carry over: not offered to that scope again."""
+    latest = {t.mechanism: t.carried_over for t in transfer_history(memory, to_scope)}  # oldest first: last wins
+    return frozenset(name for name, carried in latest.items() if not carried)
+
+
 def transfer_candidates(memory: Memory, to_scope: Scope, limit: int = 10) -> list[RankedMechanism]:
     """Mechanisms proven on other scopes, most similar scope first (memory's ranking), without those already
     proven on `to_scope` itself and those whose transfer to it failed before."""
-    failed = {t.mechanism for t in transfer_history(memory, to_scope) if not t.carried_over}
+    failed = failed_transfers(memory, to_scope)
     ranked = memory.retrieve(to_scope, limit=max(limit * 4, 50))
     return [r for r in ranked if r.proven_on != to_scope and r.mechanism.name not in failed][:limit]
