@@ -1,8 +1,8 @@
 """The Llama forward through SpecPilot's fused, batch-invariant Triton kernels (KernelBackend.TRITON).
 
-Eight launches per layer instead of ~15 stock ops: norm+QKV, rotary+KV write, attention (split + combine),
-o_proj+residual, norm+gate_up, SwiGLU, down+residual. Every kernel tiles tokens by a fixed BLOCK_M and reduces
-in a fixed order, so a token's row is bit-identical whatever the forward's width: AR (1 token) and verify
+Six launches per layer instead of ~15 stock ops: norm+QKV+rotary+KV write, attention (split + combine),
+o_proj+residual, norm+gate_up+SwiGLU, down+residual (W12 weights: eight, rotary and SwiGLU separate). Every
+kernel tiles tokens by a fixed BLOCK_M and reduces in a fixed order, so a token's row is bit-identical whatever the forward's width: AR (1 token) and verify
 (k tokens) agree without padding to a common shape. Same weights as the torch path (the LlamaModel's).
 
 weight_format=W12: the projections read W12 weights (specpilot.weights), decoded inside the matmul by the
@@ -75,6 +75,7 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
     slots (then anc is not read)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear, rope_kv_write, swiglu
+    from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
     sh = model.shape
     packed = tables.w12
     if packed is None:  # the model's bf16 (or fp32) weights
@@ -102,15 +103,22 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     captured = []
     for i, layer in enumerate(model.layers):
         w_qkv, w_o, w_gate_up, w_down = ws[i]
-        qkv = norm_proj(stream, layer.input_layernorm.weight, w_qkv, sh.rms_eps, **p_qkv)
-        q = rope_kv_write(qkv, positions, slots, tables.cos, tables.sin, k_caches[i], v_caches[i], sh.heads,
-                          sh.kv_heads, **p_rope)
+        ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        if packed is None:  # rotary + cache write in the QKV kernel's epilogue: the same bits, one launch fewer
+            q = rmsnorm_qkv_rope(stream, ln1, w_qkv, sh.rms_eps, positions, slots, tables.cos, tables.sin,
+                                 k_caches[i], v_caches[i], sh.heads, sh.kv_heads, **p_qkv)
+        else:
+            q = rope_kv_write(norm_proj(stream, ln1, w_qkv, sh.rms_eps, **p_qkv), positions, slots, tables.cos,
+                              tables.sin, k_caches[i], v_caches[i], sh.heads, sh.kv_heads, **p_rope)
         o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots, **p_attn)
         stream = proj(o, w_o, residual=stream, **p_o)
-        gate_up = norm_proj(stream, layer.post_attention_layernorm.weight, w_gate_up, sh.rms_eps, **p_gate_up)
-        # Separate activation: in the down GEMM's prologue every column tile recomputes it (H200: 5x slower at 8B,
-        # and 19.8 vs 4 + 1 us at SmolLM2's shapes).
-        stream = proj(swiglu(gate_up, **p_act), w_down, residual=stream, **p_down)
+        # The activation goes in gate_up's epilogue (each output column owns its gate and up pair), not in the down
+        # GEMM's prologue, where every column tile recomputes it (H200: 5x slower at 8B, 19.8 vs 4 + 1 us at SmolLM2).
+        if packed is None:
+            act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up)
+        else:
+            act = swiglu(norm_proj(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up), **p_act)
+        stream = proj(act, w_down, residual=stream, **p_down)
         if i in capture:
             captured.append(stream)
     if packed is None:

@@ -161,6 +161,11 @@ class ModelRunner:
         pos[:n] = base + np.asarray(depths)
         anc_full = np.eye(padded, self.block_width, dtype=bool)  # pad rows see the context and themselves
         anc_full[:n, :n] = anc
+        if self.use_graphs and padded == width:  # the common case: one replay, its argmax already on the host
+            g = self._replay(width, ids, pos, slots, base, anc_full)
+            self._fetched.record()
+            self._fetched.synchronize()
+            return self._output(g.out, n, argmax=g.host_argmax.numpy()[:n].tolist())
         outs = []
         for s in range(0, padded, width):
             o = self._run(width, ids[s:s + width], pos[s:s + width], slots[s:s + width], base, anc_full[s:s + width])
@@ -187,40 +192,52 @@ class ModelRunner:
             host = [torch.from_numpy(np.ascontiguousarray(a)).to(d) for a in (ids, pos, slots)]
             return self._step_fn(*host, torch.tensor(base, dtype=torch.long, device=d),
                                  torch.from_numpy(np.ascontiguousarray(anc)).to(d))
+        return self._replay(width, ids, pos, slots, base, anc).out
+
+    def _replay(self, width, ids, pos, slots, base, anc) -> "_StepGraph":
+        """Fills the graph's pinned inputs and replays it. The graph itself copies them in and the argmax out, so a
+        step costs the host one replay and one sync instead of four copy launches. The previous replay of this
+        graph must have read the pinned inputs before they are refilled."""
         g = self._graphs.get(self._graph_key(width)) or self._capture(width)
-        # Inputs go through pinned staging buffers: two truly asynchronous copies instead of five pageable ones
-        # (each of which blocks the host). The previous copies from this staging must have run before refilling.
         g.staged.synchronize()
         h = g.host_ints.numpy()
         h[:width], h[width:2 * width], h[2 * width:3 * width], h[3 * width] = ids, pos, slots, base
         g.host_anc.numpy()[:] = anc
-        g.dev_ints.copy_(g.host_ints, non_blocking=True)
-        g.dev_anc.copy_(g.host_anc, non_blocking=True)
-        g.staged.record()
         g.graph.replay()
-        return g.out
+        g.staged.record()
+        return g
 
     def _capture(self, width: int) -> "_StepGraph":
         d = self.device
         ints = torch.zeros(3 * width + 1, dtype=torch.long, device=d)
-        ints[2 * width:3 * width] = torch.arange(width, device=d)
-        ints[3 * width] = 1
-        anc = torch.eye(width, self.block_width, dtype=torch.bool, device=d)
+        anc = torch.zeros(width, self.block_width, dtype=torch.bool, device=d)
+        host_ints = torch.zeros(ints.shape, dtype=torch.long).pin_memory()
+        host_ints[2 * width:3 * width] = torch.arange(width)  # warm-up and capture write only scratch slots
+        host_ints[3 * width] = 1
+        host_anc = torch.eye(width, self.block_width, dtype=torch.bool).pin_memory()
+        host_argmax = torch.zeros(width, dtype=torch.long).pin_memory()
         static_in = (ints[:width], ints[width:2 * width], ints[2 * width:3 * width], ints[3 * width], anc)
+
+        def step():
+            ints.copy_(host_ints, non_blocking=True)
+            anc.copy_(host_anc, non_blocking=True)
+            out = self._step_fn(*static_in)
+            host_argmax.copy_(out[0], non_blocking=True)
+            return out
         # Warm up on a side stream (compilation, cuBLAS handles) writing only scratch slots, then capture.
         saved = self.kv[:, :, :, :width + 1].clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                self._step_fn(*static_in)
+                step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
-            static_out = self._step_fn(*static_in)
+            static_out = step()
+        torch.cuda.synchronize()
         self.kv[:, :, :, :width + 1] = saved
-        g = _StepGraph(graph, ints, anc, torch.empty(ints.shape, dtype=torch.long).pin_memory(),
-                       torch.empty(anc.shape, dtype=torch.bool).pin_memory(), static_out, torch.cuda.Event())
+        g = _StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event())
         g.staged.record()
         self._graphs[self._graph_key(width)] = g
         return g
@@ -241,11 +258,12 @@ class ModelRunner:
         self._fetched.synchronize()
         return h.tolist()
 
-    def _output(self, out, n: int, rows: list[int] | None = None) -> StepOutput:
-        """The StepOutput of rows 0..n-1 of a step's outputs (or of `rows`)."""
-        argmax, top_v, top_i, top_p, feats = out
+    def _output(self, out, n: int, rows: list[int] | None = None, argmax: list[int] | None = None) -> StepOutput:
+        """The StepOutput of rows 0..n-1 of a step's outputs (or of `rows`); `argmax`: those rows' argmax, when
+        the step already brought it to the host."""
         sel = (lambda t: t[:n]) if rows is None else (lambda t: t[torch.tensor(rows, device=t.device)])
-        am = self._host_rows(sel(argmax))
+        am = self._host_rows(sel(out[0])) if argmax is None else argmax
+        _, top_v, top_i, top_p, feats = out
         features = sel(feats) if self.capture else None
         if not self.topk:
             return StepOutput(am, None, features=features)
@@ -256,13 +274,12 @@ class ModelRunner:
 
 @dataclass
 class _StepGraph:
-    """One captured step: device inputs (ints = ids | positions | slots | base; anc), their pinned staging twins,
-    the static outputs, and the event after which the staging buffers may be refilled."""
+    """One captured step: it copies its pinned inputs (ints = ids | positions | slots | base; anc) in and the
+    argmax out to pinned memory; `staged` marks when its last replay has read the inputs."""
     graph: "torch.cuda.CUDAGraph"
-    dev_ints: torch.Tensor
-    dev_anc: torch.Tensor
     host_ints: torch.Tensor
     host_anc: torch.Tensor
+    host_argmax: torch.Tensor
     out: tuple
     staged: "torch.cuda.Event"
 

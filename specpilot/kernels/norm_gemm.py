@@ -23,7 +23,13 @@ import triton.language as tl
 
 from ._common import (ACT_DTYPES, BLOCK_M, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
+from .act import silu_mul
 from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref
+
+# What a norm + projection kernel does with its tile (constexpr: each kind compiles to its own kernel).
+EPI_STORE = tl.constexpr(0)  # store y (and/or the argmax partials)
+EPI_GLU = tl.constexpr(1)  # gate_up: store silu(gate) * up, the MLP activation (no separate swiglu launch)
+EPI_ROPE = tl.constexpr(2)  # qkv: rotate q and k, write k and v to the KV cache (no separate rope_kv launch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +56,10 @@ def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, row_offs, row_ok, col_ok, ks, pid_n, K, eps,
-              HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, col_ok, col_ok2, ks, pid_n, K, eps,
+              HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """-> (acc over w_cols, acc over w_cols2 when PAIR: a second W row set fed by the same normalised tile)."""
     dtype = x_ptr.dtype.element_ty
     # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -70,6 +77,7 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, row_offs, row_ok, col_ok, ks,
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
@@ -80,13 +88,49 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, row_offs, row_ok, col_ok, ks,
         a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
         w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-    return acc
+        if PAIR:
+            w2 = tl.load(w_cols2 + kk[:, None], mask=k_ok[:, None] & col_ok2[None, :], other=0.0)
+            acc2 = tl.dot(a, w2, acc2, input_precision=DOT_PREC)
+    return acc, acc2
+
+
+@triton.jit
+def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+                   S, max_pos, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr):
+    """rope_kv_write's arithmetic on a QKV tile: q rotated to q [T, H*D]; k rotated and v to the caches at slots."""
+    D: tl.constexpr = 2 * HALF
+    dtype = q_ptr.dtype.element_ty
+    y = acc.to(dtype)
+    x = y.to(tl.float32)  # the rotation reads the rounded projection, as rope_kv_write reads qkv
+    xp = acc2.to(dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    ok = row_ok & (pos >= 0) & (pos < max_pos) & (slot >= 0) & (slot < S)
+    d = cols % D
+    first = d < HALF
+    tab = pos.to(tl.int64)[:, None] * HALF + (d % HALF)[None, :]
+    tm = ok[:, None] & col_ok[None, :]
+    c = tl.load(cos_ptr + tab, mask=tm, other=0.0)
+    s = tl.load(sin_ptr + tab, mask=tm, other=0.0)
+    rot = tl.where(first[None, :], x * c - xp * s, x * c + xp * s).to(dtype)  # [x1 c - x2 s, x2 c + x1 s]
+    is_q = col_ok & (cols < H * D)
+    is_k = col_ok & (cols >= H * D) & (cols < (H + KVH) * D)
+    is_v = col_ok & (cols >= (H + KVH) * D)
+    nan = tl.full([1, 1], float("nan"), tl.float32).to(dtype)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * (H * D) + cols[None, :], tl.where(ok[:, None], rot, nan),
+             mask=row_ok[:, None] & is_q[None, :])
+    kvh = tl.where(is_v, cols - (H + KVH) * D, cols - H * D) // D
+    cache = (kvh[None, :] * S + slot[:, None]).to(tl.int64) * D + d[None, :]
+    tl.store(kc_ptr + cache, rot, mask=ok[:, None] & is_k[None, :])
+    tl.store(vc_ptr + cache, y, mask=ok[:, None] & is_v[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])
-def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, T, N, K, eps,
+def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr,
+                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                           STORE_Y: tl.constexpr, ARGMAX: tl.constexpr,
+                           STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
+                           H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -101,13 +145,29 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pma
     dtype = x_ptr.dtype.element_ty
 
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
-    acc = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, row_offs, row_ok, col_ok, ks, pid_n, K, eps, HAS_RES,
-                    DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if STORE_Y:
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if EPI == EPI_GLU:  # output column j = silu(gate_j) * up_j: gate is W row j, up is W row N + j
+        cols2, col_ok2 = cols + N, col_ok
+    elif EPI == EPI_ROPE:  # q/k column j also needs its rotate_half partner j -+ D/2 (v columns need none)
+        d = cols % (2 * HALF)
+        cols2 = tl.where(d < HALF, cols + HALF, cols - HALF)
+        col_ok2 = col_ok & (cols < (H + KVH) * 2 * HALF)
+    else:
+        cols2, col_ok2 = cols, col_ok
+    acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, row_offs,
+                          row_ok, col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, BLOCK_M,
+                          BLOCK_N, BLOCK_K)
+    if EPI == EPI_GLU:
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], silu_mul(acc.to(dtype), acc2.to(dtype)),
+                 mask=row_ok[:, None] & col_ok[None, :])
+    elif EPI == EPI_ROPE:
+        _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, y_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr,
+                       vc_ptr, S, max_pos, H, KVH, HALF)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if STORE_Y:
+            offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     if ARGMAX:  # per column tile: the rows' max of the stored values and its first column (argmax_combine ends it)
         vals = tl.where(col_ok[None, :], acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         num_n = tl.cdiv(N, BLOCK_N)
@@ -145,6 +205,39 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
     return y if residual is None else (y, h)
 
 
+def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
+                      w_rows_per_out: int = 1) -> tuple[int, int, int, torch.Tensor | None]:
+    """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out)."""
+    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
+    check_tensor("x", x, (None, None), ACT_DTYPES)
+    dev, dt = x.device, x.dtype
+    T, K = x.shape
+    if T < 1 or K < 1:
+        raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
+    check_tensor("norm_w", norm_w, (K,), dt, dev)
+    check_tensor("W", W, (None, K), dt, dev)
+    if W.shape[0] < 1 or W.shape[0] % w_rows_per_out:
+        raise ValueError(f"W must have a positive multiple of {w_rows_per_out} rows, got {W.shape[0]}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    if residual is not None:
+        check_tensor("residual", residual, (T, K), dt, dev)
+        residual_out = check_out("residual_out", residual_out, (T, K), dt, dev)
+    elif residual_out is not None:
+        raise ValueError("residual_out is only written when residual is given")
+    check_launchable(_rmsnorm_linear_kernel, dev)
+    return T, K, W.shape[0] // w_rows_per_out, residual_out
+
+
+def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int) -> tuple[int, int, tuple]:
+    """(block_n, num_stages, grid) of a norm + projection launch with n output columns."""
+    T = x.shape[0]
+    bn = fit_block_n(default_block_n(n, T, target_programs=64), block_k, x.element_size()) if block_n is None \
+        else block_n
+    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k) if num_stages is None else num_stages
+    return bn, stages, (triton.cdiv(T, BLOCK_M) * triton.cdiv(n, bn),)
+
+
 def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
@@ -157,48 +250,34 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
     argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
     column of each row's maximum of y, found in the epilogue (the logits need not be written and re-read).
     """
-    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
-    check_tensor("x", x, (None, None), ACT_DTYPES)
+    T, K, N, residual_out = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps,
+                                              num_stages, block_k)
     dev, dt = x.device, x.dtype
-    T, K = x.shape
-    if T < 1 or K < 1:
-        raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
-    check_tensor("norm_w", norm_w, (K,), dt, dev)
-    check_tensor("W", W, (None, K), dt, dev)
-    N = W.shape[0]
-    if N < 1:
-        raise ValueError("W must have at least one row")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps must be a positive float, got {eps!r}")
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
         raise ValueError(f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
     if bias is not None:
         check_tensor("bias", bias, (N,), dt, dev)
-    if residual is not None:
-        check_tensor("residual", residual, (T, K), dt, dev)
-        residual_out = check_out("residual_out", residual_out, (T, K), dt, dev)
-    elif residual_out is not None:
-        raise ValueError("residual_out is only written when residual is given")
     if (argmax and residual is not None) or not (store_y or argmax):
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
-    check_launchable(_rmsnorm_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
-    bn = default_block_n(N, T, target_programs=64) if block_n is None else block_n
-    bn = fit_block_n(bn, block_k, x.element_size()) if block_n is None else bn
-    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k) if num_stages is None else num_stages
-    grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, bn),)
+    bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k)
     has_res = residual is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1,), dtype=torch.float32, device=dev)
     pidx = torch.empty((T, tiles) if argmax else (1,), dtype=torch.int32, device=dev)
     _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x if bias is None else bias, out,
-                                 residual_out if has_res else out, pmax, pidx, T, N, K, float(eps), HAS_RES=has_res,
-                                 HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), STORE_Y=store_y,
-                                 ARGMAX=argmax, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps,
-                                 num_stages=stages)
+                                 residual_out if has_res else out, pmax, pidx, *_NO_ROPE(x), T, N, K, float(eps),
+                                 HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt),
+                                 STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=BLOCK_M,
+                                 BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4)
         return (out if store_y else None), best
     return out if residual is None else (out, residual_out)
+
+
+def _NO_ROPE(x: torch.Tensor) -> tuple:
+    """Placeholder rope arguments (pos, slot, cos, sin, k cache, v cache, S, max_pos) for other epilogues."""
+    return x, x, x, x, x, x, 1, 1

@@ -1,0 +1,91 @@
+"""Norm + projection launches that finish the next op in their epilogue, one launch fewer per use:
+
+- rmsnorm_qkv_rope: rmsnorm(x) @ W_qkv.T, then rope_kv_write's rotation and cache write: returns q [T, H, D]
+  and writes rotated k and plain v to the caches at `slots` (no qkv tensor, no rope_kv launch);
+- rmsnorm_glu: (x + residual ->) rmsnorm @ W_gate_up.T, then silu(gate) * up: returns the MLP activation
+  [T, I] (no gate_up tensor, no swiglu launch).
+
+Same kernel as rmsnorm_linear (norm_gemm.py): a program owning output columns j also accumulates a second W row
+set (the rotate_half partner j -+ D/2, or the up row I + j) from the same normalised tile, in the same fixed K
+order, so every value equals the unfused pair's: the projection rounded to the dtype, then the rotation (fp32,
+from the fp32 tables) or silu_mul. Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._common import check_int, check_out, check_tensor, dot_precision
+from .act import swiglu_ref
+from .gemm import BLOCK_K
+from .norm_gemm import BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, rmsnorm_linear_ref
+from .rope_kv import rope_kv_write_ref
+
+
+def rmsnorm_qkv_rope_ref(x, norm_w, W, eps, positions, slots, cos, sin, k_cache, v_cache, heads: int,
+                         kv_heads: int) -> torch.Tensor:
+    return rope_kv_write_ref(rmsnorm_linear_ref(x, norm_w, W, eps), positions, slots, cos, sin, k_cache, v_cache,
+                             heads, kv_heads)
+
+
+def rmsnorm_glu_ref(x, norm_w, W, eps, residual=None):
+    y = rmsnorm_linear_ref(x, norm_w, W, eps, residual)
+    return swiglu_ref(y) if residual is None else (swiglu_ref(y[0]), y[1])
+
+
+def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float, positions: torch.Tensor,
+                     slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, heads: int, kv_heads: int, *, out: torch.Tensor | None = None,
+                     block_n: int | None = None, num_warps: int = 8, num_stages: int | None = None,
+                     block_k: int = BLOCK_K) -> torch.Tensor:
+    """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
+
+    W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
+    [max_pos, D/2]. A token with an out-of-range position or slot writes no cache row and gets a NaN q row
+    (no host sync can report it), as in rope_kv_write.
+    """
+    T, K, N, _ = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages, block_k)
+    dev, dt = x.device, x.dtype
+    check_int("heads", heads, 1)
+    check_int("kv_heads", kv_heads, 1)
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+    check_tensor("k_cache", k_cache, (kv_heads, None, None), dt, dev)
+    S, D = k_cache.shape[1], k_cache.shape[2]
+    if D < 8 or D & (D - 1):
+        raise ValueError(f"head_dim={D} must be a power of two >= 8")
+    if N != (heads + 2 * kv_heads) * D:
+        raise ValueError(f"W has {N} rows; heads={heads}, kv_heads={kv_heads}, head_dim={D} need "
+                         f"{(heads + 2 * kv_heads) * D}")
+    check_tensor("v_cache", v_cache, (kv_heads, S, D), dt, dev)
+    check_tensor("positions", positions, (T,), torch.int64, dev)
+    check_tensor("slots", slots, (T,), torch.int64, dev)
+    check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
+    check_tensor("sin", sin, cos.shape, torch.float32, dev)
+    out = check_out("out", out, (T, heads, D), dt, dev)
+    bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k)
+    _rmsnorm_linear_kernel[grid](x, x, norm_w, W, x, out, out, x, x, positions, slots, cos, sin, k_cache, v_cache,
+                                 S, cos.shape[0], T, N, K, float(eps), HAS_RES=False, HAS_BIAS=False,
+                                 DOT_PREC=dot_precision(dt), STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
+                                 KVH=kv_heads, HALF=D // 2, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=block_k,
+                                 num_warps=num_warps, num_stages=stages)
+    return out
+
+
+def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
+                num_stages: int | None = None, block_k: int = BLOCK_K):
+    """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
+    (activation, x + residual) when residual is given."""
+    T, K, N, residual_out = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps,
+                                              num_stages, block_k, w_rows_per_out=2)
+    dev, dt = x.device, x.dtype
+    out = check_out("out", out, (T, N), dt, dev)
+    bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k)
+    has_res = residual is not None
+    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x, out, residual_out if has_res else out,
+                                 x, x, x, x, x, x, x, x, 1, 1, T, N, K, float(eps), HAS_RES=has_res, HAS_BIAS=False,
+                                 DOT_PREC=dot_precision(dt), STORE_Y=True, ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1,
+                                 BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps,
+                                 num_stages=stages)
+    return out if residual is None else (out, residual_out)
