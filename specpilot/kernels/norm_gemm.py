@@ -61,12 +61,6 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, co
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """-> (acc over w_cols, acc over w_cols2 when PAIR: a second W row set fed by the same normalised tile)."""
     dtype = x_ptr.dtype.element_ty
-    # W's first chunk is loaded before the statistic, so its memory latency overlaps pass 1 instead of following it
-    k0_ok = ks < K
-    w_first = tl.load(w_cols + ks[:, None], mask=k0_ok[:, None] & col_ok[None, :], other=0.0)
-    w2_first = w_first
-    if PAIR:
-        w2_first = tl.load(w_cols2 + ks[:, None], mask=k0_ok[:, None] & col_ok2[None, :], other=0.0)
     # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -82,33 +76,22 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, co
     rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
-    # pass 2: chunk 0 (W already loaded), then the rest; the same accumulation order as one loop from 0
-    a = _normed(x_ptr, r_ptr, nw_ptr, row_offs, row_ok, ks, K, rstd, HAS_RES)
-    acc = tl.dot(a, w_first, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), input_precision=DOT_PREC)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if PAIR:
-        acc2 = tl.dot(a, w2_first, acc2, input_precision=DOT_PREC)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
-        a = _normed(x_ptr, r_ptr, nw_ptr, row_offs, row_ok, kk, K, rstd, HAS_RES)
+        xm = row_ok[:, None] & k_ok[None, :]
+        h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
+        nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+        a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
         w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         if PAIR:
             w2 = tl.load(w_cols2 + kk[:, None], mask=k_ok[:, None] & col_ok2[None, :], other=0.0)
             acc2 = tl.dot(a, w2, acc2, input_precision=DOT_PREC)
     return acc, acc2
-
-
-@triton.jit
-def _normed(x_ptr, r_ptr, nw_ptr, row_offs, row_ok, kk, K, rstd, HAS_RES: tl.constexpr):
-    """The projection's input chunk: rmsnorm with LlamaRMSNorm's dtype roundings."""
-    dtype = x_ptr.dtype.element_ty
-    k_ok = kk < K
-    h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
-    nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
-    return (hn.to(tl.float32) * nw[None, :]).to(dtype)
 
 
 @triton.jit
