@@ -181,3 +181,58 @@ def test_bad_inputs_raise_clear_errors():
         e.generate([5] * 300, 64)
     with pytest.raises(ValueError, match="draft_len"):
         EngineConfig(draft_len=0)
+
+
+@pytest.mark.parametrize("steps", [2, 4, 8])
+def test_ar_steps_per_sync_change_no_token(steps):
+    """AR with several steps per host round trip (ModelRunner.decode) commits the same tokens, stops at EOS inside
+    a chained run and at the token limit mid-run, and keeps one trace per token."""
+    model = tiny_model("gqa", 3)
+    p = prompt(model.shape.vocab, 10, 3)
+    c = cfg(drafter=DrafterKind.NONE)
+
+    def run(k, n, eos=NO_EOS):
+        return SpecEngine(ModelRunner(model, c, "cpu", block_width=16), None, eos, ar_steps=k).generate(p, n)
+    one = run(1, 40)
+    assert one.tokens == ar_tokens(model, p, 40)
+    for n in (1, 2, 3, 5, 17, 40):
+        r = run(steps, n)
+        assert r.tokens == one.tokens[:n] and r.stop_reason == "max_tokens", n
+        assert len(r.steps) == n - 1 and all(s.committed == 1 for s in r.steps)  # the first token is prefill's
+    j = next(i for i in range(3, 40) if one.tokens[i] not in one.tokens[:i] and i % steps)  # EOS mid-run
+    r = run(steps, 40, eos=frozenset({one.tokens[j]}))
+    assert r.tokens == one.tokens[:j + 1] and r.stop_reason == "eos"
+
+
+def test_decode_equals_one_token_verifies():
+    model = tiny_model("mha_tied", 4)
+    runner = ModelRunner(model, cfg(drafter=DrafterKind.NONE), "cpu", block_width=16)
+    p = prompt(model.shape.vocab, 9, 4)
+    runner.begin_request(len(p) + 20)
+    first = runner.prefill(p).argmax[0]
+    chained = runner.decode(len(p), first, 6)
+    runner.prefill(p)
+    tok, singles = first, []
+    for i in range(6):
+        tok = runner.verify(len(p) + i, [tok], [0], [[True]]).argmax[0]
+        singles.append(tok)
+    assert chained == singles
+    with pytest.raises(ValueError, match="steps=17"):
+        runner.decode(len(p), first, 17)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the chained-step graph)")
+def test_decode_graph_equals_one_token_verifies_on_gpu():
+    model = tiny_model("gqa", 5, dtype=torch.bfloat16).to("cuda")
+    c = cfg(drafter=DrafterKind.NONE, kernel_backend="triton", cuda_graphs=True)
+    runner = ModelRunner(model, c, "cuda", block_width=16)
+    p = prompt(model.shape.vocab, 9, 5)
+    runner.begin_request(len(p) + 20)
+    first = runner.prefill(p).argmax[0]
+    chained = runner.decode(len(p), first, 8)
+    runner.prefill(p)
+    tok, singles = first, []
+    for i in range(8):
+        tok = runner.verify(len(p) + i, [tok], [0], [[True]]).argmax[0]
+        singles.append(tok)
+    assert chained == singles

@@ -49,13 +49,22 @@ class GenerationResult:
         return sum(s.committed for s in self.steps) / max(1, len(self.steps))
 
 
+# AR decoding runs up to this many greedy steps per host round trip (ModelRunner.decode: one graph, each step's
+# token fed on the device); the steps are the same forwards as one at a time, so the tokens are identical.
+AR_STEPS_PER_SYNC = 4
+
+
 class SpecEngine:
     """AR decoding when drafter is None; otherwise speculative decoding with greedy verification."""
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64,
-                 policy: EnginePolicy = STOCK):
+                 policy: EnginePolicy = STOCK, ar_steps: int = AR_STEPS_PER_SYNC):
         self.target, self.drafter, self.eos, self.policy = target, drafter, frozenset(eos), policy
         self.max_depth = min(max_depth, target.block_width - 1)
+        # Several AR steps per sync need a runner that can chain them, and the stock accept (a policy that
+        # rewrites acceptance must see every step).
+        chains = getattr(target, "decode", None) is not None and type(policy).accept is EnginePolicy.accept
+        self.ar_steps = max(1, min(ar_steps, target.block_width)) if drafter is None and chains else 1
 
     def generate(self, prompt: list[int], max_new_tokens: int, request_id: str = "") -> GenerationResult:
         if max_new_tokens < 1:
@@ -84,6 +93,18 @@ class SpecEngine:
             base = len(seq) - 1  # slot of the pending token, whose KV is not computed yet
             remaining = max_new_tokens - len(out)
             ts = time.perf_counter()
+            if self.ar_steps > 1 and remaining > 1:
+                k = 1 << (min(self.ar_steps, remaining).bit_length() - 1)  # a power of two: few graphs
+                new, stopped = self.policy.commit(self.target.decode(base, seq[-1], k), self.eos, remaining)
+                stop = "eos" if stopped else ("max_tokens" if len(out) + len(new) >= max_new_tokens else "")
+                dt = (time.perf_counter() - ts) / len(new)
+                for i, tok in enumerate(new):  # one trace per AR step, as if each had its own round trip
+                    steps.append(StepTrace(request_id=request_id, step=len(steps), position=base + 1 + i, drafted=0,
+                                           depth=0, accepted=0, committed=1, verify_tokens=1, draft_s=0.0,
+                                           verify_s=dt))
+                seq.extend(new)
+                out.extend(new)
+                continue
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
             tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()

@@ -69,7 +69,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], _StepGraph] = {}
+        self._graphs: dict[tuple, _StepGraph] = {}  # (width, view) steps and ("decode", k) chains
         self._host_buf: torch.Tensor | None = None  # pinned landing buffer of each step's argmax
         self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self.view_slots = self.num_slots  # slots the torch attention spans this request (see begin_request)
@@ -177,6 +177,33 @@ class ModelRunner:
         return self._output(out, n)
 
     @torch.no_grad()
+    def decode(self, base: int, token: int, steps: int) -> list[int]:
+        """`steps` greedy AR steps from `token` at slot base: the argmax after token, then after that one, ...
+
+        Every step is the same one-token forward as verify(base + i, [token_i], [0], [[True]]), so the tokens are
+        identical; with CUDA graphs and the fused kernels all steps are one replay (each step's token is fed on
+        the device) and one host sync, instead of one per step.
+        """
+        if not 1 <= steps <= self.block_width:
+            raise ValueError(f"steps={steps} must be in 1..block_width={self.block_width}")
+        if base + self.block_width > self.view_slots:
+            raise ValueError(f"sequence position {base} + block exceeds this request's attention view "
+                             f"({self.view_slots} of {self.num_slots} slots; see begin_request)")
+        if not (self.use_graphs and self.fused is not None and self.topk == 0):
+            out = []
+            for i in range(steps):
+                token = self.verify(base + i, [token], [0], _ONE).argmax[0]
+                out.append(token)
+            return out
+        g = self._graphs.get(("decode", steps)) or self._capture_decode(steps)
+        g.staged.synchronize()
+        g.host_ints.numpy()[:2] = (token, base)
+        g.graph.replay()
+        g.staged.record()
+        g.staged.synchronize()
+        return g.host_argmax.numpy().tolist()
+
+    @torch.no_grad()
     def compact(self, base: int, path: list[int]) -> None:
         """Moves the accepted path's KV (block indices `path`, depth order) to slots base+0..base+len-1."""
         if all(node == d for d, node in enumerate(path)):
@@ -242,6 +269,40 @@ class ModelRunner:
         self._graphs[self._graph_key(width)] = g
         return g
 
+    def _capture_decode(self, steps: int) -> "_StepGraph":
+        """One graph of `steps` chained one-token forwards: inputs (token, base) in, the steps' argmax out."""
+        d = self.device
+        ints = torch.zeros(2, dtype=torch.long, device=d)
+        host_ints = torch.zeros(2, dtype=torch.long).pin_memory()  # warm-up/capture: slots 0.. (scratch)
+        host_argmax = torch.zeros(steps, dtype=torch.long).pin_memory()
+        offsets = torch.arange(steps, device=d)
+        anc = torch.eye(1, self.block_width, dtype=torch.bool, device=d)
+
+        def chain():
+            ints.copy_(host_ints, non_blocking=True)
+            slots = ints[1] + offsets  # position == slot == base for one AR token
+            token, tokens = ints[:1], []
+            for i in range(steps):
+                token = self._step_fn(token, slots[i:i + 1], slots[i:i + 1], slots[i], anc)[0]
+                tokens.append(token)
+            host_argmax.copy_(torch.cat(tokens), non_blocking=True)
+        saved = self.kv[:, :, :, :steps + 1].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+            chain()
+        torch.cuda.synchronize()
+        self.kv[:, :, :, :steps + 1] = saved
+        g = _StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event())
+        g.staged.record()
+        self._graphs[("decode", steps)] = g
+        return g
+
     def _graph_key(self, width: int) -> tuple[int, int]:
         # The fused kernels read the whole cache (splits past the context exit at once): no per-request view.
         return width, (0 if self.fused is not None else self.view_slots)
@@ -282,6 +343,9 @@ class _StepGraph:
     host_argmax: torch.Tensor
     out: tuple
     staged: "torch.cuda.Event"
+
+
+_ONE = np.ones((1, 1), dtype=bool)
 
 
 def _bucket(n: int) -> int:
