@@ -32,7 +32,7 @@ YAML
 case $stage in
   a)
     mkdir -p $TB && cp "$ROOT/.tb/gguf.part.aa" $TB/
-    python3 scripts/gpu_host_overhead.py "$OUT/host" 2>&1 | tail -45 ;;
+    timeout 120 python3 scripts/gpu_profile.py "$OUT/profile" --shapes smollm2 --tokens 512 2>&1 | grep -v Warn | tail -12 ;;
   b)
     pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
     cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
