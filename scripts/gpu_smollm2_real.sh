@@ -23,7 +23,7 @@ drafters:
 $2
 device: {kind: cuda, gpu: H200, count: 1}
 regime: {kind: single}
-workload: {benchmarks: [gsm8k, humaneval, math500, mbpp, mt_bench], prompts_per_benchmark: 4,
+workload: {benchmarks: [gsm8k, humaneval, math500, mbpp, mt_bench], prompts_per_benchmark: ${PPB:-4},
            max_new_tokens: 2048, tune_fraction: 0.5, validate_fraction: 0.5, seed: 0}
 engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: triton}
 YAML
@@ -31,8 +31,7 @@ YAML
 }
 case $stage in
   a)
-    mkdir -p $TB && cp "$ROOT/.tb/gguf.part.aa" $TB/
-    timeout 120 python3 scripts/gpu_profile.py "$OUT/profile" --shapes smollm2 --tokens 512 2>&1 | grep -v Warn | tail -12 ;;
+    mkdir -p $TB && cp "$ROOT/.tb/gguf.part.aa" $TB/ && echo "part A parked" ;;
   b)
     pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
     cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
