@@ -15,15 +15,16 @@ from specpilot.engines.config import DrafterKind, DType
 from specpilot.testbed import ModelDirError, TINY, make_random_model
 from specpilot.workload import Benchmark
 
-SHIPPED = ["llama8b-shape-h200", "smollm2-135m-cpu", "smollm2-135m-h200"]
+SHIPPED = ["llama8b-shape-h200", "qwen3-next-80b-layers-h200", "qwen3-next-tiny-cpu", "smollm2-135m-cpu",
+           "smollm2-135m-h200"]
 
 
-def test_the_three_deployments_ship_and_load():
+def test_the_shipped_deployments_load():
     assert list_deployments() == SHIPPED
     for name in SHIPPED:
         dep = load_deployment(name)
         assert dep.name == name and dep.source == DEPLOYMENTS_DIR / f"{name}.yaml"
-        assert dep.engine.dtype is DType.BF16
+        assert dep.engine.dtype is (DType.FP32 if name == "qwen3-next-tiny-cpu" else DType.BF16)  # the CPU hybrid
         assert set(dep.workload.benchmarks) == set(Benchmark)
         assert load_deployment(DEPLOYMENTS_DIR / f"{name}.yaml") == dep  # by path too
         assert Deployment.from_dict(dep.to_dict()) == dep  # to_dict round-trips

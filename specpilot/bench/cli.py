@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from specpilot.cliutil import run_standalone
+from specpilot.bench.batched import add_concurrency_args, bench_concurrency
 from specpilot.bench.harness import AR_FAST_LABEL, AR_LABEL, Variant, format_report, run_bench
 from specpilot.bench.session import DeploymentSession
 from specpilot.deployments import load_deployment
@@ -42,6 +43,8 @@ def _bench(args: argparse.Namespace) -> int:
     session = DeploymentSession(dep, device=args.device)
     split = wl.select(args.benchmarks_dir)
     prompts = session.tokenize(list(split.validate if args.split == "validate" else split.tune))
+    if args.concurrency:  # batched serving at fixed concurrency (specpilot.bench.batched)
+        return bench_concurrency(args, session, prompts, wl.max_new_tokens)
     report, steps, _ = run_bench(session, prompts, variants_for(session, args.mode), wl.max_new_tokens,
                                  progress=not args.json)
     if args.out:
@@ -75,6 +78,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--device", default=None, help="override the deployment's device (cpu, cuda)")
     p.add_argument("--out", default=None, help="also write bench.json here")
     p.add_argument("--json", action="store_true")
+    add_concurrency_args(p)
     p.set_defaults(func=_bench)
     return p
 

@@ -11,7 +11,8 @@ from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.engine import SpecEngine
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.policy import STOCK, EnginePolicy
-from specpilot.engines.loader import check_same_tokenizer, eos_ids, load_model, load_tokenizer, random_model
+from specpilot.engines.loader import check_same_tokenizer, eos_ids, load_model, load_tokenizer
+from specpilot.engines.targets import load_target, random_target
 from specpilot.testbed.synthetic import ShapeName
 from specpilot.workload import Prompt, apply_chat_template
 
@@ -40,12 +41,12 @@ class DeploymentSession:
         if ref.kind is ModelRefKind.RANDOM:
             # Random weights: kernels and cost only; a fixed synthetic tokenizer is not needed (ids are ints).
             self.target_dir = None
-            self.target = random_model(ShapeName(ref.value).shape, dtype, device, seed=ref.seed or 0)
+            self.target = random_target(ShapeName(ref.value).shape, dtype, device, seed=ref.seed or 0)
             self.tokenizer = None
             self.eos: frozenset[int] = frozenset()
         else:
             self.target_dir = resolve_model(ref, cache)
-            self.target = load_model(self.target_dir, dtype, device)
+            self.target = load_target(self.target_dir, dtype, device)  # either family (config.json's model_type)
             self.tokenizer = load_tokenizer(self.target_dir)
             self.eos = eos_ids(self.target_dir, self.tokenizer)
         self._draft_models: dict[str, object] = {}  # draft models and block drafters by label

@@ -37,8 +37,11 @@ from specpilot.deployments.spec import (_NAME, DeploymentError, DeviceKind, Devi
                                         ModelRefKind, RegimeKind, RegimeSpec, _engine_config, _mapping, _no_extra,
                                         workload_from_yaml)
 from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.family import FamilyLookupError, TargetFamily, family_of_dir
+from specpilot.engines.shapes import UnsupportedModelError
 from specpilot.testbed.modeldir import check_model_dir, model_identity
-from specpilot.testbed.registry import resolve_testbed
+from specpilot.testbed.registry import TestbedName, resolve_testbed
+from specpilot.testbed.synthetic import ShapeName
 from specpilot.workload import WorkloadSpec
 
 DEPLOYMENTS_DIR = Path(__file__).resolve().parent
@@ -85,6 +88,34 @@ class Deployment:
                 d.engine_config(self.engine)
             except ValueError as e:
                 raise DeploymentError(f"drafters[{i}].engine", f"conflicts with the base engine config: {e}") from None
+        self._check_family()
+
+    def target_family(self) -> TargetFamily:
+        """The target's family without loading it: random shapes and testbed bases know theirs; a model directory
+        says it in its config.json."""
+        ref = self.target
+        if ref.kind is ModelRefKind.RANDOM:
+            return ShapeName(ref.value).family
+        if ref.kind is ModelRefKind.TESTBED:
+            return TestbedName.parse(ref.value).base.family
+        return family_of_dir(ref.value)
+
+    def _check_family(self) -> None:
+        """Hybrid targets run n-gram and draft-model drafters, chain or tree verified (not block drafters, which read
+        Llama target features, nor two-level verification). A directory that cannot be read yet is checked when the
+        session loads it."""
+        try:
+            family = self.target_family()
+        except (FamilyLookupError, UnsupportedModelError, OSError):
+            return
+        if family is not TargetFamily.HYBRID:
+            return
+        for i, (d, cfg) in enumerate(zip(self.drafters, self.drafter_configs().values())):
+            if d.kind is DrafterKind.BLOCK:
+                raise DeploymentError(f"drafters[{i}].kind", "block drafters read Llama target features: not available "
+                                      "on hybrid targets (use ngram or draft_model)")
+            if cfg.verify is VerifyMode.TWO_LEVEL:
+                raise DeploymentError(f"drafters[{i}].engine.verify", "two_level is not available on hybrid targets")
 
     @classmethod
     def from_dict(cls, data: Any, base_dir: Path | None = None, source: Path | None = None) -> "Deployment":

@@ -9,6 +9,9 @@ from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.engine import SpecEngine
+from specpilot.engines.hybrid.build import build_hybrid_engine
+from specpilot.engines.hybrid.config import HybridConfig
+from specpilot.engines.hybrid.model import HybridModel
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.runner import ModelRunner
@@ -24,9 +27,16 @@ def block_width(cfg: EngineConfig) -> int:
     return -(-width // tile) * tile
 
 
-def build_engine(cfg: EngineConfig, target: LlamaModel, eos: frozenset[int], device: str | torch.device,
+def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: frozenset[int], device: str | torch.device,
                  draft_model: LlamaModel | None = None, policy: EnginePolicy = STOCK,
                  block_drafter: BlockDrafterModel | None = None) -> SpecEngine:
+    """The engine for `target`'s family: hybrid recurrent targets get the hybrid runner (knobs from cfg, see
+    HybridConfig.from_engine), Llama-family targets the stock runner."""
+    if isinstance(target, HybridModel):  # block drafters and two-level verification are refused there
+        return build_hybrid_engine(cfg, HybridConfig.from_engine(cfg), target, eos, device, draft_model=draft_model,
+                                   policy=policy)
+    if not isinstance(target, LlamaModel):
+        raise ConfigError(f"no engine for targets of type {type(target).__name__} (Llama family or hybrid only)")
     # A block drafter reads target features: the runner captures the layers it was trained on.
     capture = block_drafter.config.target_layers if cfg.drafter is DrafterKind.BLOCK and block_drafter else ()
     runner = ModelRunner(policy.transform_weights(target), cfg, device, block_width=block_width(cfg), capture=capture)

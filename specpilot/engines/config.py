@@ -9,6 +9,9 @@ from enum import Enum
 from typing import Any
 
 
+MAX_CHECKPOINT_SPACING = 64  # a deeper spacing than any verify block is "store branch points only"
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent."""
 
@@ -82,6 +85,11 @@ class EngineConfig:
     position_ordered_attention: bool = False
     cuda_graphs: bool = True
     compile: bool = False  # torch.compile the step function (GPU)
+    # Hybrid recurrent targets only (Gated DeltaNet layers; ignored by Llama targets), see HybridConfig: store
+    # the recurrent state every this many tree levels during a verify (committing an unstored node replays at
+    # most spacing - 1 updates), and run a tree's rows depth-first with leaf children first.
+    state_checkpoint_spacing: int = 1
+    tree_dfs_order: bool = True
     max_seq_len: int = 4096  # static KV cache length (prompt + new tokens + one tile of slack)
     kernel_table: tuple[tuple[str, str], ...] = ()  # (kernel@shape, launch params JSON) from tune_kernels
 
@@ -106,6 +114,12 @@ class EngineConfig:
         _check(self.level_one_layers >= 0, f"level_one_layers={self.level_one_layers}: must be >= 0")
         _check(self.token_tile in (1, 2, 4, 8, 16, 32, 64), f"token_tile={self.token_tile}: must be a power of 2 <= 64")
         _check(self.max_seq_len >= 64, f"max_seq_len={self.max_seq_len}: must be >= 64")
+        _check(not isinstance(self.state_checkpoint_spacing, bool) and isinstance(self.state_checkpoint_spacing, int)
+               and 1 <= self.state_checkpoint_spacing <= MAX_CHECKPOINT_SPACING,
+               f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in "
+               f"1..{MAX_CHECKPOINT_SPACING}")
+        for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant"):
+            _check(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r}: must be a bool")
         if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON
                                                         or self.dtype is not DType.BF16):
             raise ConfigError("weight_format=w12 decodes inside the Triton matmuls: it needs kernel_backend=triton "

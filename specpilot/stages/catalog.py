@@ -2,7 +2,9 @@
 and which cost-model directions it addresses. The search proposer optimises over the knobs of a round's space.
 
 Only EngineConfig fields are turned (the drafter choice picks one of the deployment's drafters, whose model the
-session loads). Stock is the deployment's first listed drafter with its published defaults.
+session loads). Stock is the deployment's first listed drafter with its published defaults. Mechanisms name the
+target families they apply to: hybrid recurrent targets have knobs of their own (tree or chain verification with
+per-branch recurrent state, state checkpoint spacing) and none of the Llama runner's torch.compile.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, IntD
 from specpilot.costmodel import DirectionName
 from specpilot.deployments import Deployment, DeviceKind
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.family import TargetFamily
 from specpilot.memory import MechanismCategory
 from specpilot.stages.candidate import Candidate, CandidateSource
 
@@ -57,19 +60,31 @@ class CatalogMechanism:
     addresses: frozenset[DirectionName]
     drafters: frozenset[DrafterKind] = frozenset()  # applies when the build drafts with one of these (empty: any)
     devices: frozenset[DeviceKind] = frozenset(DeviceKind)
+    families: frozenset[TargetFamily] = frozenset(TargetFamily)  # target families whose engines read the knobs
 
-    def applies(self, build: EngineConfig, device: DeviceKind) -> bool:
-        if device not in self.devices:
+    def __post_init__(self) -> None:
+        for name, enum in (("drafters", DrafterKind), ("devices", DeviceKind), ("families", TargetFamily)):
+            object.__setattr__(self, name, frozenset(enum(v) for v in getattr(self, name)))
+        if not self.families or not self.devices:
+            raise ValueError(f"mechanism {self.name}: applies to no target family or device")
+
+    def applies(self, build: EngineConfig, device: DeviceKind, family: TargetFamily = TargetFamily.LLAMA) -> bool:
+        if device not in self.devices or family not in self.families:
             return False
         if self.drafters and build.drafter not in self.drafters:
             return False
-        if any(k.field == "token_tile" for k in self.knobs):  # the tile only shapes the stock, batch-invariant path
-            return build.batch_invariant and build.kernel_backend is KernelBackend.TORCH
+        if any(k.field == "token_tile" for k in self.knobs):  # the tile shapes batch-invariant forwards: all of the
+            # hybrid runner's, only the stock kernels' on Llama targets (the fused kernels are invariant at any width)
+            stock = build.kernel_backend is KernelBackend.TORCH
+            return build.batch_invariant and (family is TargetFamily.HYBRID or stock)
         return True
 
 
 _ALL = frozenset(DirectionName)
 _CUDA = frozenset({DeviceKind.CUDA})
+_ANY_DEVICE = frozenset(DeviceKind)
+_LLAMA, _HYBRID = frozenset({TargetFamily.LLAMA}), frozenset({TargetFamily.HYBRID})
+_CHAIN_DRAFTERS = frozenset({DrafterKind.NGRAM, DrafterKind.DRAFT_MODEL})
 _INT, _CHOICE = KnobDomain.INT, KnobDomain.CHOICE
 CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("ngram_draft_length", MechanismCategory.ALGORITHM, "n-gram lookup: draft tokens per step",
@@ -86,7 +101,7 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      (Knob("verify", _CHOICE, choices=tuple(v.value for v in VerifyMode)),
                       Knob("tree_budget", _INT, 4, 64), Knob("tree_width", _INT, 1, 8),
                       Knob("level_one_keep", _INT, 2, 32)),
-                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK})),
+                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("token_tile", MechanismCategory.KERNEL, "batch-invariant forward width (every step runs at it)",
                      (Knob("token_tile", _CHOICE, choices=(8, 16)),),
                      frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD})),
@@ -95,10 +110,26 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      devices=_CUDA),
     CatalogMechanism("torch_compile", MechanismCategory.KERNEL, "torch.compile the step function",
                      (Knob("compile", _CHOICE, choices=(False, True)),),
-                     frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), devices=_CUDA),
-    CatalogMechanism("triton_kernels", MechanismCategory.KERNEL, "SpecPilot's fused batch-invariant Triton kernels",
+                     frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), devices=_CUDA,
+                     families=_LLAMA),  # the hybrid runner does not compile its step
+    CatalogMechanism("triton_kernels", MechanismCategory.KERNEL,
+                     "SpecPilot's batch-invariant Triton kernels (fused Llama layers; the Gated DeltaNet tree scan)",
                      (Knob("kernel_backend", _CHOICE, choices=tuple(b.value for b in KernelBackend)),),
                      frozenset({DirectionName.KERNELS}), devices=_CUDA),
+    # Hybrid recurrent targets (Gated DeltaNet + attention). A tree's extra nodes are the drafter's own runner-up
+    # candidates as leaves: they hold their parent's recurrent state on chip, so they cost rows, not state traffic.
+    CatalogMechanism("hybrid_tree_verify", MechanismCategory.ALGORITHM,
+                     "hybrid targets: verify a tree (the draft chain plus the drafter's alternatives as leaves, "
+                     "per-branch recurrent state) or the chain alone, and the tree's node budget and width",
+                     (Knob("verify", _CHOICE, choices=(VerifyMode.CHAIN.value, VerifyMode.TREE.value)),
+                      Knob("tree_budget", _INT, 4, 32), Knob("tree_width", _INT, 1, 4)),
+                     frozenset({DirectionName.TREE_SHAPE}), _CHAIN_DRAFTERS, _ANY_DEVICE, _HYBRID),
+    CatalogMechanism("hybrid_state_checkpoints", MechanismCategory.KERNEL,
+                     "hybrid targets: recurrent-state checkpoint spacing during verify (state writes vs replayed "
+                     "updates at commit) and depth-first tree order (fewer state reloads)",
+                     (Knob("state_checkpoint_spacing", _CHOICE, choices=(1, 2, 4, 8, 16)),
+                      Knob("tree_dfs_order", _CHOICE, choices=(True, False))),
+                     frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), families=_HYBRID),
 )
 # Mechanisms set by other means than the search: the drafter choice is a search parameter of its own, the
 # kernel table comes from the tune_kernels stage (and only matters with kernel_backend=triton).
@@ -143,13 +174,14 @@ def search_space(dep: Deployment, build: Candidate, direction: DirectionName, mi
     """Mechanisms addressing `direction` that apply to the build on this device; widened to every applicable
     mechanism when they offer fewer than `min_settings` distinct settings."""
     labels = tuple(dep.drafter_configs())
+    family = dep.target_family()
 
     def pick(only_direction: bool) -> dict[str, tuple[CatalogMechanism, ...]]:
         out = {}
         for label in labels:
             base = build.config if label == build.drafter_label else drafter_config(dep, label)
             base = base.replace(**{k: getattr(build.config, k) for k in _SHARED_FIELDS})
-            out[label] = tuple(m for m in CATALOG if m.applies(base, dep.device.kind)
+            out[label] = tuple(m for m in CATALOG if m.applies(base, dep.device.kind, family)
                                and (not only_direction or direction in m.addresses))
         return out
 
@@ -170,7 +202,7 @@ def search_space(dep: Deployment, build: Candidate, direction: DirectionName, mi
 
 # Fields that are the build's, whichever drafter drafts (kernels, scheduling, exactness).
 _SHARED_FIELDS = ("dtype", "weight_format", "kernel_backend", "batch_invariant", "token_tile", "cuda_graphs", "compile",
-                  "max_seq_len", "kernel_table")
+                  "max_seq_len", "kernel_table", "state_checkpoint_spacing", "tree_dfs_order")
 
 
 def config_delta(base: EngineConfig, config: EngineConfig) -> dict[str, Any]:
@@ -179,12 +211,14 @@ def config_delta(base: EngineConfig, config: EngineConfig) -> dict[str, Any]:
     return {k: c[k] for k in c if c[k] != b[k]}
 
 
-def mechanisms_in(base: Candidate, config: EngineConfig, drafter_label: str | None) -> tuple[str, ...]:
-    """Catalog mechanisms whose knobs `config` turns relative to `base` (and the drafter choice)."""
+def mechanisms_in(base: Candidate, config: EngineConfig, drafter_label: str | None, *,
+                  family: TargetFamily | None = None) -> tuple[str, ...]:
+    """Catalog mechanisms whose knobs `config` turns relative to `base` (and the drafter choice); with `family`,
+    only mechanisms of that target family (two may share a field, e.g. verify)."""
     delta = config_delta(base.config, config)
     names = [DRAFTER_CHOICE.name] if drafter_label != base.drafter_label else []
     for m in CATALOG:
-        if m.drafters and config.drafter not in m.drafters:
+        if (m.drafters and config.drafter not in m.drafters) or (family is not None and family not in m.families):
             continue
         if any(k.field in delta for k in m.knobs):
             names.append(m.name)

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from specpilot.cliutil import guarded, run_standalone
 from specpilot.engines.config import DType
+from specpilot.engines.family import TargetFamily
 from specpilot.testbed.derive import derive_truncated
 from specpilot.testbed.fetch import FetchError, convert_gguf, fetch_smollm2
 from specpilot.testbed.modeldir import ModelDirError, check_model_dir
@@ -74,7 +75,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.set_defaults(func=_guarded(lambda a: derive_truncated(a.dir, a.out, a.layers)))
 
     p = sub.add_parser("random", help="write a random-weight model of a known shape")
-    p.add_argument("--shape", choices=[s.value for s in ShapeName], required=True)
+    p.add_argument("--shape", choices=[s.value for s in ShapeName if s.family is TargetFamily.LLAMA], required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=dtypes, default=DType.BF16.value)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specpilot.testbed.derive import derive_truncated, derived_source_sha
 from specpilot.testbed.fetch import fetch_smollm2
+from specpilot.engines.family import TargetFamily
 from specpilot.engines.shapes import SMOLLM2_135M
 from specpilot.testbed import modeldir
 from specpilot.testbed.modeldir import check_model_dir, file_lock, valid_stamp
@@ -28,6 +29,10 @@ class TestbedBase(str, Enum):
     @property
     def layers(self) -> int:
         return {TestbedBase.SMOLLM2_135M: SMOLLM2_135M.layers}[self]
+
+    @property
+    def family(self) -> TargetFamily:  # known without fetching the model
+        return {TestbedBase.SMOLLM2_135M: TargetFamily.LLAMA}[self]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from typing import Iterator
 from tqdm import tqdm
 
 from specpilot.engines.config import DType
+from specpilot.engines.family import TargetFamily, TargetShape
+from specpilot.engines.hybrid.config import QWEN3_NEXT_80B_LAYERS, QWEN3_NEXT_TINY
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M, LlamaShape
 from specpilot.testbed.modeldir import (ModelDirError, Stamp, StampKind, copy_tokenizer, replace_dir, scratch_dir,
                                         tokenizer_vocab_size)
@@ -37,10 +39,19 @@ class ShapeName(str, Enum):
     TINY = "tiny"
     SMOLLM2_135M = "smollm2-135m"
     LLAMA3_8B = "llama3-8b"
+    # Hybrid recurrent targets (Qwen3-Next layout): generated in memory by the engine only (random_target).
+    QWEN3_NEXT_TINY = "qwen3-next-tiny"
+    QWEN3_NEXT_80B_LAYERS = "qwen3-next-80b-layers"
 
     @property
-    def shape(self) -> LlamaShape:
-        return {ShapeName.TINY: TINY, ShapeName.SMOLLM2_135M: SMOLLM2_135M, ShapeName.LLAMA3_8B: LLAMA3_8B}[self]
+    def shape(self) -> TargetShape:
+        return {ShapeName.TINY: TINY, ShapeName.SMOLLM2_135M: SMOLLM2_135M, ShapeName.LLAMA3_8B: LLAMA3_8B,
+                ShapeName.QWEN3_NEXT_TINY: QWEN3_NEXT_TINY,
+                ShapeName.QWEN3_NEXT_80B_LAYERS: QWEN3_NEXT_80B_LAYERS}[self]
+
+    @property
+    def family(self) -> TargetFamily:
+        return TargetFamily.of_shape(self.shape)
 
 
 class Init(str, Enum):
@@ -125,11 +136,15 @@ def make_random_model(shape: LlamaShape | ShapeName | str, out_dir: str | os.Pat
     """
     from safetensors.torch import save_file
 
+    name = getattr(shape, "value", shape)
     if not isinstance(shape, LlamaShape):
         try:
             shape = ShapeName(shape).shape
         except ValueError:
             raise ValueError(f"shape={shape!r}: expected a LlamaShape or one of {[s.value for s in ShapeName]}") from None
+    if not isinstance(shape, LlamaShape):
+        raise ValueError(f"shape={name!r}: model directories are written in the Llama layout; hybrid shapes are "
+                         "generated in memory by the engine (a deployment's target: {random: <shape>})")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r}: must be a non-negative integer")
     dtype, out = DType(dtype), Path(out_dir).expanduser()

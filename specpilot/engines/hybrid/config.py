@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from specpilot.engines.config import ConfigError
+from specpilot.engines.config import (MAX_CHECKPOINT_SPACING, ConfigError, EngineConfig, KernelBackend,
+                                      VerifyMode)
 from specpilot.engines.shapes import UnsupportedModelError
 
 
@@ -52,6 +53,16 @@ class HybridShape:
     @property
     def layers(self) -> int:
         return len(self.layer_kinds)
+
+    @property
+    def model_type(self) -> str:  # config.json's model_type: the model family in memory scopes
+        return "qwen3_next"
+
+    def first_layers(self, n: int) -> "HybridShape":
+        """The model cut to its first n layers (kinds and MLPs as they were): per-layer cost at fewer layers."""
+        if not 1 <= n <= self.layers:
+            raise ValueError(f"layers={n}: must be in 1..{self.layers}")
+        return dataclasses.replace(self, layer_kinds=self.layer_kinds[:n], sparse_layers=self.sparse_layers[:n])
 
     @property
     def gdn_layers(self) -> tuple[int, ...]:
@@ -137,13 +148,24 @@ QWEN3_NEXT_80B = HybridShape(
     lin_k_heads=16, lin_v_heads=32, lin_k_dim=128, lin_v_dim=128, conv_kernel=4,
     intermediate=5120, experts=512, experts_per_tok=10, moe_intermediate=512, shared_intermediate=512,
     norm_topk_prob=True)
+# For cost on one GPU: every layer exactly the 80B's (GDN, gated attention, 512-expert MoE), its first 8 layers
+# (6 GDN + 2 attention, the model's 3:1 mix); the full model's bf16 weights (~160 GB) do not fit an H200.
+QWEN3_NEXT_80B_LAYERS = QWEN3_NEXT_80B.first_layers(8)
+# For CPU development: the same structure (3 GDN + 1 attention, MoE with a shared expert, GQA on both kinds).
+QWEN3_NEXT_TINY = HybridShape(
+    vocab=512, hidden=64, layer_kinds=(LayerKind.LINEAR,) * 3 + (LayerKind.FULL,), sparse_layers=(True,) * 4,
+    rms_eps=1e-6, tie_embeddings=False, heads=4, kv_heads=2, head_dim=16, rotary_dim=4, rope_theta=10_000.0,
+    attention_bias=False, lin_k_heads=2, lin_v_heads=4, lin_k_dim=16, lin_v_dim=16, conv_kernel=4,
+    intermediate=96, experts=8, experts_per_tok=2, moe_intermediate=32, shared_intermediate=32, norm_topk_prob=True)
 
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """Explorer knobs of hybrid targets (beside EngineConfig's). Each one keeps output exact; they trade work.
+    """The hybrid runner's knobs; deployments and the explorer turn them as EngineConfig fields (see from_engine).
+    Each one keeps output exact; they trade work.
 
-    verify_tree: verify the drafter's tree with per-branch recurrent state (True), or collapse it to its best
+    verify_tree: verify the drafter's tree with per-branch recurrent state (True; a chain drafter's proposal grows
+        leaves from its own runner-up candidates, see build.with_alternatives), or collapse it to its best
         root-to-node path and verify a chain (False): a chain never resumes a state from memory and stores fewer
         checkpoints, a tree accepts more tokens per step.
     state_checkpoint_spacing: during verify, store the recurrent state of nodes at depths s-1, 2s-1, ... (plus the
@@ -171,8 +193,17 @@ class HybridConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a bool")
         if isinstance(self.state_checkpoint_spacing, bool) or not isinstance(self.state_checkpoint_spacing, int) \
-                or not 1 <= self.state_checkpoint_spacing <= 64:
-            raise ConfigError(f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in 1..64")
+                or not 1 <= self.state_checkpoint_spacing <= MAX_CHECKPOINT_SPACING:
+            raise ConfigError(f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in "
+                              f"1..{MAX_CHECKPOINT_SPACING}")
+
+    @classmethod
+    def from_engine(cls, cfg: EngineConfig) -> "HybridConfig":
+        """The knobs as an EngineConfig carries them (the explorer turns EngineConfig fields): verify=tree verifies
+        trees, anything else chains; kernel_backend=triton runs the Triton scan (SpecPilot's kernels on hybrids)."""
+        triton = cfg.kernel_backend is KernelBackend.TRITON
+        return cls(verify_tree=cfg.verify is VerifyMode.TREE, state_checkpoint_spacing=cfg.state_checkpoint_spacing,
+                   dfs_order=cfg.tree_dfs_order, gdn_backend=GdnBackend.TRITON if triton else GdnBackend.REFERENCE)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (v.value if isinstance(v := getattr(self, f.name), Enum) else v)

@@ -118,3 +118,26 @@ def load_hybrid_model(model_dir: Path, dtype: torch.dtype, device: str | torch.d
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True)
     model.inv_freq = rope_inv_freq(shape)  # buffers built on the meta device hold no values
     return model.to(device).eval()
+
+
+def random_hybrid_model(shape: HybridShape, dtype: torch.dtype, device: str | torch.device,
+                        seed: int = 0) -> HybridModel:
+    """Random weights for kernels and cost (never for acceptance): projections, router and conv ~ N(0, 0.02), the
+    norms at identity (zero-centred norms 0, gated norms 1), A_log and dt_bias as transformers initialises them.
+    Built on the meta device and cast there, so a large shape allocates its weights once, in `dtype`."""
+    gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    with torch.device("meta"):
+        model = HybridModel(shape).to(dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decay rates exp(A_log) in 1..16, as transformers draws them
+                p.copy_(torch.empty(p.shape, device=p.device).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("norm.weight"):  # ZeroCentredRMSNorm scales by 1 + w
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = rope_inv_freq(shape).to(device)  # a float32 buffer, like the loader's
+    return model.eval().requires_grad_(False)

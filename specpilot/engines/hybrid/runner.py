@@ -8,16 +8,21 @@ replaying into) the right row, never by cropping.
 In batch-invariant mode every forward runs at exactly `token_tile` rows, so autoregressive and speculative steps
 run the same kernels at the same shapes and agree bit for bit, for chains and trees alike; blocks longer than a
 tile run as several tile-sized forwards (a later chunk resumes its rows' states from stored checkpoints).
-CUDA graphs and EngineConfig.kernel_backend (the Llama fused kernels) do not apply here yet; the GDN scan's
-implementation is HybridConfig.gdn_backend.
+On CUDA with the Triton scan and cfg.cuda_graphs, every forward is a CUDA graph captured per (width, chunk
+offset) over static inputs (graphs.py), with an eager fallback; the torch reference scan always runs eagerly. The
+GDN scan's implementation is HybridConfig.gdn_backend (HybridConfig.from_engine maps kernel_backend=triton to it).
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import numpy as np
 import torch
 
 from specpilot.engines.config import EngineConfig
-from specpilot.engines.hybrid.config import HybridConfig
+from specpilot.engines.hybrid.config import GdnBackend, HybridConfig
+from specpilot.engines.hybrid.graphs import BlockInputs, ChunkGraphs, ChunkOut, DeviceBlock
 from specpilot.engines.hybrid.layers import PackedKeys
 from specpilot.engines.hybrid.model import HybridModel
 from specpilot.engines.hybrid.state import (BlockSchedule, RecurrentCache, ScanPlan, dfs_order,
@@ -48,6 +53,12 @@ class HybridRunner:
                               device=self.device)
         self.rec = RecurrentCache(sh, self.rows, self.device, dtype)
         self._pending: BlockSchedule | None = None  # the last verify's schedule, until compact commits from it
+        self._last_runs: list[Callable[[], ChunkOut]] = []  # the last block's forwards (see replay_verify)
+        # CUDA graphs need the Triton scan: the torch reference reads parents on the host (a sync per chunk). Without
+        # CUDA (the Triton interpreter) the graphs' static-buffer path still runs, uncaptured: tests check it on CPU.
+        use_graphs = cfg.cuda_graphs and hybrid.gdn_backend is GdnBackend.TRITON
+        self.graphs = ChunkGraphs(self.rows, self.num_slots, sh.conv_kernel, self.device,
+                                  capture=self.device.type == "cuda") if use_graphs else None
         self._row_of: dict[int, int] = {}  # the last verify's block node -> row (depth-first order permutes rows)
 
     # ---- public API (ModelRunner's) ---------------------------------------------------------------
@@ -106,6 +117,20 @@ class HybridRunner:
         self.rec.commit(self._pending, path[-1], self.hybrid.gdn_backend)
         self._pending = None
 
+    def pending_commit(self, node: int) -> tuple[BlockSchedule, int]:
+        """The last verify's schedule and the row block node `node` ran at: what compact would commit from."""
+        if self._pending is None:
+            raise RuntimeError("no verify() is pending")
+        return self._pending, self._row_of[node]
+
+    @torch.no_grad()
+    def replay_verify(self) -> None:
+        """Runs the last verify's forwards again on the inputs already on the device (graph replays when captured):
+        for timing the device work alone. Harmless: a forward writes only the block's scratch, never the committed
+        state, and commits read nothing it writes differently."""
+        for run in self._last_runs:
+            run()
+
     # ---- internals ----------------------------------------------------------------------------------
     def _block(self, base: int, tokens: list[int], depths: list[int], parents: list[int],
                keep: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
@@ -115,38 +140,26 @@ class HybridRunner:
         if padded > self.rows:
             raise ValueError(f"block of {n} rows pads to {padded} > {self.rows} rows of recurrent scratch")
         sched = BlockSchedule.build(parents, chunk=width, spacing=self.hybrid.state_checkpoint_spacing, keep=keep)
-        ids = np.zeros(padded, dtype=np.int64)
-        ids[:n] = tokens
-        rows = np.arange(padded)
-        pos = base + rows
-        pos[:n] = base + np.asarray(depths)
-        dev = self.device
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
-        par_t, store_t = torch.tensor(parents, device=dev), torch.tensor(sched.store, device=dev)
-        hold_t = torch.tensor(sched.hold, dtype=torch.long, device=dev)
-        windows = t(sched.conv_windows(self.model.shape.conv_kernel, padded))
-        argmax, margin = [], []
+        host = BlockInputs.build(base, tokens, depths, sched, padded, self.num_slots, self.model.shape.conv_kernel)
+        block = self.graphs.load(host) if self.graphs else host.to(self.device)
+        runs: list[Callable[[], ChunkOut]] = []
         for s in range(0, padded, width):
-            real = max(0, min(n, s + width) - s)
-            plan = ScanPlan(par_t[s:s + real], hold_t[s:s + real], store_t, windows[s:s + width], s, real,
-                            self.hybrid.gdn_backend)
-            hidden = self.model(t(ids[s:s + width]), t(pos[s:s + width]), t(base + rows[s:s + width]),
-                                self._keys(base, sched, s, width), self.kv, self.rec, plan)
-            logits = self.model.logits(hidden).float()
-            top = torch.topk(logits, 2, dim=-1).values
-            argmax.append(logits.argmax(-1))
-            margin.append(top[:, 0] - top[:, 1])
-        self._pending = sched
-        return torch.cat(argmax).tolist(), torch.cat(margin)
+            real = width if self.graphs else min(n, s + width) - s  # a graph scans its padding rows too (graphs.py)
+            forward = functools.partial(self._chunk, block, s, width, real)
+            runs.append(functools.partial(self.graphs.run, (width, s), forward) if self.graphs else forward)
+        outs = [run() for run in runs]
+        self._last_runs, self._pending = runs, sched
+        # cat copies: a replayed graph's outputs are overwritten by the next replay
+        return torch.cat([o[0] for o in outs]).tolist(), torch.cat([o[1] for o in outs])
 
-    def _keys(self, base: int, sched: BlockSchedule, start: int, width: int) -> PackedKeys:
-        """Rows start..start+width-1: the context, then their ancestors root first; padding rows see themselves."""
-        index = np.zeros((width, self.num_slots), dtype=np.int64)
-        visible = np.zeros((width, self.num_slots), dtype=bool)
-        index[:, :base] = np.arange(base)
-        for i in range(width):
-            row = start + i
-            path = sched.path(row) if row < sched.rows else [row]
-            index[i, base:base + len(path)] = base + np.asarray(path)
-            visible[i, :base + len(path)] = True
-        return PackedKeys(torch.from_numpy(index).to(self.device), torch.from_numpy(visible).to(self.device))
+    def _chunk(self, block: DeviceBlock, start: int, width: int, real: int) -> ChunkOut:
+        """One forward over rows start..start+width-1; its scan runs the first `real` of them."""
+        end = start + width
+        plan = ScanPlan(block.parents[start:start + real], block.hold[start:start + real], block.store,
+                        block.windows[start:end], start, real, self.hybrid.gdn_backend)
+        keys = PackedKeys(block.key_index[start:end], block.key_visible[start:end])
+        hidden = self.model(block.ids[start:end], block.pos[start:end], block.slots[start:end], keys, self.kv,
+                            self.rec, plan)
+        logits = self.model.logits(hidden).float()
+        top = torch.topk(logits, 2, dim=-1).values
+        return logits.argmax(-1), top[:, 0] - top[:, 1]

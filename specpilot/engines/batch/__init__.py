@@ -1,0 +1,38 @@
+"""Batched speculative decoding: continuous batching over a paged KV cache, lossless per request.
+
+Layers as in nano-vllm: BatchEngine (engine.py: the loop) over a Scheduler (scheduler.py: admission, chunked
+prefill, rows and pages) and a BatchRunner (runner.py: paged cache, persistent buffers, CUDA graphs per token
+bucket, on-device acceptance) running a pure forward (model.py) whose attention is the paged kernel
+(paged_attn.py). The three batching mechanisms are BatchConfig knobs (config.py, mechanisms.py, drafting.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from specpilot.engines.batch.clock import StepClock, WallClock
+from specpilot.engines.batch.config import MECHANISMS, BatchConfig, DraftLength, VerifyBudget, batch_knob_schema
+from specpilot.engines.batch.cost import CostCurve, measure_cost_curve
+from specpilot.engines.batch.engine import BatchEngine, RequestResult, RequestSpec, RunResult
+from specpilot.engines.batch.runner import BatchRunner
+from specpilot.engines.config import EngineConfig
+from specpilot.engines.llama import LlamaModel
+
+
+def block_width(cfg: EngineConfig, batch: BatchConfig) -> int:
+    """Widest verify block an engine of (cfg, batch) builds: the pending token + its longest draft."""
+    if not cfg.speculative:
+        return 1
+    return 1 + (batch.max_draft_len if batch.draft_length is DraftLength.GOODPUT else cfg.draft_len)
+
+
+def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig, eos: frozenset[int],
+                       device: torch.device | str, **kw) -> BatchEngine:
+    """A runner sized for this one engine, and the engine (share a runner between engines by hand)."""
+    runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
+                         emulate_graphs=kw.pop("emulate_graphs", False))
+    return BatchEngine(runner, cfg, batch, eos, **kw)
+
+
+__all__ = ["MECHANISMS", "BatchConfig", "BatchEngine", "BatchRunner", "CostCurve", "DraftLength", "RequestResult",
+           "RequestSpec", "RunResult", "StepClock", "VerifyBudget", "WallClock", "batch_knob_schema",
+           "block_width", "build_batch_engine", "measure_cost_curve"]
