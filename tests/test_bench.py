@@ -36,12 +36,12 @@ def test_bench_runs_ar_and_every_drafter_with_equal_tokens(tiny_deployment, tmp_
     rc = bench_main(["bench", "--deployment", str(tiny_deployment), "--json", "--out", str(tmp_path)])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    spec = {"ngram", f"draft_model:{tiny_deployment.parent / 'draft'}"}
+    spec = {"ngram{draft_len=3}", f"draft_model:{tiny_deployment.parent / 'draft'}"}  # labels carry overrides
     assert set(out["summary"]) == {"ar", "ar_fast"} | spec
     assert all(out["summary"][v]["all_match_ar"] for v in spec)
     reqs = out["requests"]
     assert len(reqs) == 2 * 4  # 2 prompts (gsm8k, mbpp) x (AR, fastest AR, 2 drafters), interleaved per prompt
-    assert [r["variant"] for r in reqs[:4]] == ["ar", "ar_fast", *sorted(spec, key=lambda v: v != "ngram")]
+    assert [r["variant"] for r in reqs[:4]] == ["ar", "ar_fast", *sorted(spec, key=lambda v: not v.startswith("ngram"))]
     for r in reqs:
         if r["variant"] in spec:  # against the faster AR mode, never more than against the exact one's time
             ar_times = [x["decode_s"] for x in reqs if x["prompt_id"] == r["prompt_id"] and x["variant"] in ("ar", "ar_fast")]
@@ -94,4 +94,5 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 2048, token_tile: 8}}
 """)
     assert bench_main(["bench", "--deployment", str(yaml), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["summary"][f"block:{tmp_path / 'drafter'}"]["all_match_ar"]
+    label = f"block:{tmp_path / 'drafter'}" + "{block_size=4,level_one_keep=4,tree_budget=6,verify=tree}"
+    assert out["summary"][label]["all_match_ar"]
