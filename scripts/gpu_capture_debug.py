@@ -5,7 +5,7 @@ import traceback
 
 import torch
 
-import specpilot.engines.runner as runner_mod
+import specpilot.engines.graphs as runner_mod
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.loader import random_model

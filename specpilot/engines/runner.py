@@ -14,6 +14,7 @@ import torch
 
 from specpilot.engines.config import EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_for
+from specpilot.engines.graphs import StepGraph, capture_decode, capture_step
 from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, visibility_mask
 
 
@@ -26,9 +27,6 @@ class StepOutput:
     features: torch.Tensor | None = None  # [rows, len(capture) * hidden] target features (block drafters)
 
 
-# "global" capture aborts on the Triton launcher's driver queries (seen on the H200 with triton 3.6);
-# "thread_local" only forbids unsafe calls made from other threads during capture.
-CAPTURE_ERROR_MODE = "thread_local"
 VIEW_QUANTUM = 256  # granularity of a request's attention view (slots)
 
 
@@ -69,7 +67,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple, _StepGraph] = {}  # (width, view) steps and ("decode", k) chains
+        self._graphs: dict[tuple, StepGraph] = {}  # (width, view) steps and ("decode", k) chains
         self._host_buf: torch.Tensor | None = None  # pinned landing buffer of each step's argmax
         self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self.view_slots = self.num_slots  # slots the torch attention spans this request (see begin_request)
@@ -195,7 +193,7 @@ class ModelRunner:
                 token = self.verify(base + i, [token], [0], _ONE).argmax[0]
                 out.append(token)
             return out
-        g = self._graphs.get(("decode", steps)) or self._capture_decode(steps)
+        g = self._graphs.get(("decode", steps)) or self._keep(("decode", steps), capture_decode(self, steps))
         g.staged.synchronize()
         g.host_ints.numpy()[:2] = (token, base)
         g.graph.replay()
@@ -221,11 +219,12 @@ class ModelRunner:
                                  torch.from_numpy(np.ascontiguousarray(anc)).to(d))
         return self._replay(width, ids, pos, slots, base, anc).out
 
-    def _replay(self, width, ids, pos, slots, base, anc) -> "_StepGraph":
+    def _replay(self, width, ids, pos, slots, base, anc) -> StepGraph:
         """Fills the graph's pinned inputs and replays it. The graph itself copies them in and the argmax out, so a
         step costs the host one replay and one sync instead of four copy launches. The previous replay of this
         graph must have read the pinned inputs before they are refilled."""
-        g = self._graphs.get(self._graph_key(width)) or self._capture(width)
+        key = self._graph_key(width)
+        g = self._graphs.get(key) or self._keep(key, capture_step(self, width))
         g.staged.synchronize()
         h = g.host_ints.numpy()
         h[:width], h[width:2 * width], h[2 * width:3 * width], h[3 * width] = ids, pos, slots, base
@@ -234,73 +233,8 @@ class ModelRunner:
         g.staged.record()
         return g
 
-    def _capture(self, width: int) -> "_StepGraph":
-        d = self.device
-        ints = torch.zeros(3 * width + 1, dtype=torch.long, device=d)
-        anc = torch.zeros(width, self.block_width, dtype=torch.bool, device=d)
-        host_ints = torch.zeros(ints.shape, dtype=torch.long).pin_memory()
-        host_ints[2 * width:3 * width] = torch.arange(width)  # warm-up and capture write only scratch slots
-        host_ints[3 * width] = 1
-        host_anc = torch.eye(width, self.block_width, dtype=torch.bool).pin_memory()
-        host_argmax = torch.zeros(width, dtype=torch.long).pin_memory()
-        static_in = (ints[:width], ints[width:2 * width], ints[2 * width:3 * width], ints[3 * width], anc)
-
-        def step():
-            ints.copy_(host_ints, non_blocking=True)
-            anc.copy_(host_anc, non_blocking=True)
-            out = self._step_fn(*static_in)
-            host_argmax.copy_(out[0], non_blocking=True)
-            return out
-        # Warm up on a side stream (compilation, cuBLAS handles) writing only scratch slots, then capture.
-        saved = self.kv[:, :, :, :width + 1].clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
-            static_out = step()
-        torch.cuda.synchronize()
-        self.kv[:, :, :, :width + 1] = saved
-        g = _StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event())
-        g.staged.record()
-        self._graphs[self._graph_key(width)] = g
-        return g
-
-    def _capture_decode(self, steps: int) -> "_StepGraph":
-        """One graph of `steps` chained one-token forwards: inputs (token, base) in, the steps' argmax out."""
-        d = self.device
-        ints = torch.zeros(2, dtype=torch.long, device=d)
-        host_ints = torch.zeros(2, dtype=torch.long).pin_memory()  # warm-up/capture: slots 0.. (scratch)
-        host_argmax = torch.zeros(steps, dtype=torch.long).pin_memory()
-        offsets = torch.arange(steps, device=d)
-        anc = torch.eye(1, self.block_width, dtype=torch.bool, device=d)
-
-        def chain():
-            ints.copy_(host_ints, non_blocking=True)
-            slots = ints[1] + offsets  # position == slot == base for one AR token
-            token, tokens = ints[:1], []
-            for i in range(steps):
-                token = self._step_fn(token, slots[i:i + 1], slots[i:i + 1], slots[i], anc)[0]
-                tokens.append(token)
-            host_argmax.copy_(torch.cat(tokens), non_blocking=True)
-        saved = self.kv[:, :, :, :steps + 1].clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                chain()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
-            chain()
-        torch.cuda.synchronize()
-        self.kv[:, :, :, :steps + 1] = saved
-        g = _StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event())
-        g.staged.record()
-        self._graphs[("decode", steps)] = g
+    def _keep(self, key: tuple, g: StepGraph) -> StepGraph:
+        self._graphs[key] = g
         return g
 
     def _graph_key(self, width: int) -> tuple[int, int]:
@@ -331,18 +265,6 @@ class ModelRunner:
         top_v, top_i, top_p = sel(top_v), sel(top_i), sel(top_p)
         margin = top_v[:, 0] - top_v[:, 1]
         return StepOutput(am, margin, top_i[:, :self.topk].tolist(), top_p[:, :self.topk].tolist(), features)
-
-
-@dataclass
-class _StepGraph:
-    """One captured step: it copies its pinned inputs (ints = ids | positions | slots | base; anc) in and the
-    argmax out to pinned memory; `staged` marks when its last replay has read the inputs."""
-    graph: "torch.cuda.CUDAGraph"
-    host_ints: torch.Tensor
-    host_anc: torch.Tensor
-    host_argmax: torch.Tensor
-    out: tuple
-    staged: "torch.cuda.Event"
 
 
 _ONE = np.ones((1, 1), dtype=bool)

@@ -29,7 +29,7 @@ from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache, pages_
 from specpilot.engines.config import ConfigError, EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, rope_tables_for
 from specpilot.engines.llama import LlamaModel
-from specpilot.engines.runner import CAPTURE_ERROR_MODE
+from specpilot.engines.graphs import CAPTURE_ERROR_MODE
 
 
 @dataclass(frozen=True)

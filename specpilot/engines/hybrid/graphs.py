@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specpilot.engines.hybrid.state import BlockSchedule
-from specpilot.engines.runner import CAPTURE_ERROR_MODE
+from specpilot.engines.graphs import CAPTURE_ERROR_MODE
 
 ChunkOut = tuple[torch.Tensor, torch.Tensor]  # greedy token and top-1 minus top-2 logit per row
 

@@ -1,0 +1,100 @@
+"""CUDA graphs of the runner's hot path: one per step width (a decode/verify forward) and one per chain of AR steps.
+
+Each graph copies its pinned inputs in and its argmax out itself, so a step costs the host one replay and one
+sync. Capture warms up on a side stream writing only scratch KV slots (restored afterwards).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specpilot.engines.runner import ModelRunner
+
+# "global" capture aborts on the Triton launcher's driver queries (seen on the H200 with triton 3.6);
+# "thread_local" only forbids unsafe calls made from other threads during capture.
+CAPTURE_ERROR_MODE = "thread_local"
+
+
+@dataclass
+class StepGraph:
+    """One captured step: it copies its pinned inputs (ints = ids | positions | slots | base; anc) in and the
+    argmax out to pinned memory; `staged` marks when its last replay has read the inputs."""
+    graph: "torch.cuda.CUDAGraph"
+    host_ints: torch.Tensor
+    host_anc: torch.Tensor
+    host_argmax: torch.Tensor
+    out: tuple
+    staged: "torch.cuda.Event"
+
+
+def capture_step(runner: "ModelRunner", width: int) -> StepGraph:
+    """One graph of a `width`-token forward over pinned inputs (ids, positions, slots, base, anc)."""
+    d = runner.device
+    ints = torch.zeros(3 * width + 1, dtype=torch.long, device=d)
+    anc = torch.zeros(width, runner.block_width, dtype=torch.bool, device=d)
+    host_ints = torch.zeros(ints.shape, dtype=torch.long).pin_memory()
+    host_ints[2 * width:3 * width] = torch.arange(width)  # warm-up and capture write only scratch slots
+    host_ints[3 * width] = 1
+    host_anc = torch.eye(width, runner.block_width, dtype=torch.bool).pin_memory()
+    host_argmax = torch.zeros(width, dtype=torch.long).pin_memory()
+    static_in = (ints[:width], ints[width:2 * width], ints[2 * width:3 * width], ints[3 * width], anc)
+
+    def step():
+        ints.copy_(host_ints, non_blocking=True)
+        anc.copy_(host_anc, non_blocking=True)
+        out = runner._step_fn(*static_in)
+        host_argmax.copy_(out[0], non_blocking=True)
+        return out
+    # Warm up on a side stream (compilation, cuBLAS handles) writing only scratch slots, then capture.
+    saved = runner.kv[:, :, :, :width + 1].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+        static_out = step()
+    torch.cuda.synchronize()
+    runner.kv[:, :, :, :width + 1] = saved
+    g = StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event())
+    g.staged.record()
+    return g
+
+
+def capture_decode(runner: "ModelRunner", steps: int) -> StepGraph:
+    """One graph of `steps` chained one-token forwards: inputs (token, base) in, the steps' argmax out."""
+    d = runner.device
+    ints = torch.zeros(2, dtype=torch.long, device=d)
+    host_ints = torch.zeros(2, dtype=torch.long).pin_memory()  # warm-up/capture: slots 0.. (scratch)
+    host_argmax = torch.zeros(steps, dtype=torch.long).pin_memory()
+    offsets = torch.arange(steps, device=d)
+    anc = torch.eye(1, runner.block_width, dtype=torch.bool, device=d)
+
+    def chain():
+        ints.copy_(host_ints, non_blocking=True)
+        slots = ints[1] + offsets  # position == slot == base for one AR token
+        token, tokens = ints[:1], []
+        for i in range(steps):
+            token = runner._step_fn(token, slots[i:i + 1], slots[i:i + 1], slots[i], anc)[0]
+            tokens.append(token)
+        host_argmax.copy_(torch.cat(tokens), non_blocking=True)
+    saved = runner.kv[:, :, :, :steps + 1].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+        chain()
+    torch.cuda.synchronize()
+    runner.kv[:, :, :, :steps + 1] = saved
+    g = StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event())
+    g.staged.record()
+    return g
