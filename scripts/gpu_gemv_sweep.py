@@ -17,32 +17,13 @@ import torch
 
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
 from specpilot.kernels import linear, rmsnorm_linear, swiglu_linear
+from specpilot.kernels.bench import time_graph
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
 
 
 def graph_us(fn, launches: int = 20, reps: int = 30) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    times.sort()
-    return times[len(times) // 2]
+    return time_graph([fn] * launches, reps) * 1e3
 
 
 def kernels(sh, T: int, dev):

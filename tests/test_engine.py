@@ -204,21 +204,27 @@ def test_ar_steps_per_sync_change_no_token(steps):
     assert r.tokens == one.tokens[:j + 1] and r.stop_reason == "eos"
 
 
+def chained_and_single_steps(runner, p, steps):
+    """(ModelRunner.decode's tokens, the same steps as one-token verifies) from the same prefilled prompt."""
+    runner.begin_request(len(p) + 20)
+    first = runner.prefill(p).argmax[0]
+    chained = runner.decode(len(p), first, steps)
+    runner.prefill(p)
+    tok, singles = first, []
+    for i in range(steps):
+        tok = runner.verify(len(p) + i, [tok], [0], [[True]]).argmax[0]
+        singles.append(tok)
+    return chained, singles
+
+
 def test_decode_equals_one_token_verifies():
     model = tiny_model("mha_tied", 4)
     runner = ModelRunner(model, cfg(drafter=DrafterKind.NONE), "cpu", block_width=16)
     p = prompt(model.shape.vocab, 9, 4)
-    runner.begin_request(len(p) + 20)
-    first = runner.prefill(p).argmax[0]
-    chained = runner.decode(len(p), first, 6)
-    runner.prefill(p)
-    tok, singles = first, []
-    for i in range(6):
-        tok = runner.verify(len(p) + i, [tok], [0], [[True]]).argmax[0]
-        singles.append(tok)
+    chained, singles = chained_and_single_steps(runner, p, 6)
     assert chained == singles
     with pytest.raises(ValueError, match="steps=17"):
-        runner.decode(len(p), first, 17)
+        runner.decode(len(p), singles[0], 17)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the chained-step graph)")
@@ -227,13 +233,5 @@ def test_decode_graph_equals_one_token_verifies_on_gpu():
     model = tiny_model("gqa", 5, dtype=torch.bfloat16).to("cuda")
     c = cfg(drafter=DrafterKind.NONE, kernel_backend="triton", cuda_graphs=True)
     runner = ModelRunner(model, c, "cuda", block_width=16)
-    p = prompt(model.shape.vocab, 9, 5)
-    runner.begin_request(len(p) + 20)
-    first = runner.prefill(p).argmax[0]
-    chained = runner.decode(len(p), first, 8)
-    runner.prefill(p)
-    tok, singles = first, []
-    for i in range(8):
-        tok = runner.verify(len(p) + i, [tok], [0], [[True]]).argmax[0]
-        singles.append(tok)
+    chained, singles = chained_and_single_steps(runner, prompt(model.shape.vocab, 9, 5), 8)
     assert chained == singles

@@ -10,12 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specpilot.kernels._common import CAPTURE_ERROR_MODE  # also what the batch and hybrid runners capture with
+
 if TYPE_CHECKING:
     from specpilot.engines.runner import ModelRunner
-
-# "global" capture aborts on the Triton launcher's driver queries (seen on the H200 with triton 3.6);
-# "thread_local" only forbids unsafe calls made from other threads during capture.
-CAPTURE_ERROR_MODE = "thread_local"
 
 
 @dataclass
@@ -48,19 +46,7 @@ def capture_step(runner: "ModelRunner", width: int) -> StepGraph:
         out = runner._step_fn(*static_in)
         host_argmax.copy_(out[0], non_blocking=True)
         return out
-    # Warm up on a side stream (compilation, cuBLAS handles) writing only scratch slots, then capture.
-    saved = runner.kv[:, :, :, :width + 1].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
-        static_out = step()
-    torch.cuda.synchronize()
-    runner.kv[:, :, :, :width + 1] = saved
+    graph, static_out = _capture(runner, step, width + 1)
     g = StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event())
     g.staged.record()
     return g
@@ -83,18 +69,25 @@ def capture_decode(runner: "ModelRunner", steps: int) -> StepGraph:
             token = runner._step_fn(token, slots[i:i + 1], slots[i:i + 1], slots[i], anc)[0]
             tokens.append(token)
         host_argmax.copy_(torch.cat(tokens), non_blocking=True)
-    saved = runner.kv[:, :, :, :steps + 1].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            chain()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
-        chain()
-    torch.cuda.synchronize()
-    runner.kv[:, :, :, :steps + 1] = saved
+    graph, _ = _capture(runner, chain, steps + 1)
     g = StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event())
     g.staged.record()
     return g
+
+
+def _capture(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3):
+    """(graph, body's outputs): warm-up on a side stream (compilation, cuBLAS handles), then capture. Both write
+    only KV slots < scratch_slots, which are restored afterwards (a request's context may live there)."""
+    saved = runner.kv[:, :, :, :scratch_slots].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+        out = body()
+    torch.cuda.synchronize()
+    runner.kv[:, :, :, :scratch_slots] = saved
+    return graph, out

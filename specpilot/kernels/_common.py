@@ -17,6 +17,9 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 
 BLOCK_M = 16  # token tile of every token-tiled kernel; part of the numerics, never tuned
+# CUDA-graph capture mode for graphs holding Triton launches: "global" aborts on the Triton launcher's driver
+# queries (seen on the H200 with triton 3.6); "thread_local" only forbids unsafe calls from other threads.
+CAPTURE_ERROR_MODE = "thread_local"
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)
 

@@ -17,6 +17,7 @@ from ..engines.shapes import LlamaShape, OpClass
 from . import _common
 from .accept import greedy_accept, greedy_accept_ref
 from .act import swiglu, swiglu_ref
+from ._common import CAPTURE_ERROR_MODE
 from .attn import attention, attention_ref
 from .gemm import _linear_kernel, linear, linear_ref, swiglu_linear, swiglu_linear_ref
 from .norm_gemm import rms_norm_ref, rmsnorm_linear, rmsnorm_linear_ref
@@ -106,7 +107,7 @@ def _make(name: str, shape: LlamaShape, T: int, context: int, dtype: torch.dtype
     raise ValueError(f"unknown kernel {name!r}; choose from {KERNELS}")
 
 
-def _time_graph(fns: list[Callable[[], Any]], reps: int) -> float:
+def time_graph(fns: list[Callable[[], Any]], reps: int) -> float:
     """Median ms per call of `fns` run back to back in one CUDA graph (no host overhead, inputs rotated)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -115,7 +116,7 @@ def _time_graph(fns: list[Callable[[], Any]], reps: int) -> float:
             f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
         for f in fns:
             f()
     graph.replay()
@@ -138,7 +139,7 @@ def _time(fns: list[Callable[[], Any]], graph: bool, reps: int, warmup_ms: int, 
     import triton.testing
 
     if graph:
-        return _time_graph(fns, reps)
+        return time_graph(fns, reps)
     return triton.testing.do_bench(fns[0], warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 

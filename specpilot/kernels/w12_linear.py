@@ -227,7 +227,7 @@ def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequ
     Each row also checks that the W12 output equals `linear` on the decoded weights bit for bit.
     """
     from ..weights.format import decode, encode
-    from .bench import _time_graph
+    from .bench import time_graph
 
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
@@ -245,8 +245,8 @@ def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequ
             x = (torch.randn(T, K, generator=g, device=dev)).to(torch.bfloat16)
             if not torch.equal(w12_linear(x, Qs[0]).view(torch.int16), linear(x, decode(Qs[0])).view(torch.int16)):
                 raise RuntimeError(f"w12_linear differs from linear at [N, K]=[{N}, {K}], T={T}")
-            ms = _time_graph([lambda Q=Q: w12_linear(x, Q) for Q in Qs], reps)
-            ref_ms = _time_graph([lambda W=W: linear(x, W) for W in Ws], reps)
+            ms = time_graph([lambda Q=Q: w12_linear(x, Q) for Q in Qs], reps)
+            ref_ms = time_graph([lambda W=W: linear(x, W) for W in Ws], reps)
             st = Qs[0].stats
             rows.append({"N": N, "K": K, "tokens": T, "w12_us": ms * 1e3, "bf16_us": ref_ms * 1e3,
                          "speedup": ref_ms / ms, "w12_gbps": st.kernel_bytes / ms / 1e6,
