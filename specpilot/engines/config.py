@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 
 MAX_CHECKPOINT_SPACING = 64  # a deeper spacing than any verify block is "store branch points only"
@@ -57,8 +57,54 @@ class DType(str, Enum):
         return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[self.value]
 
 
+class ConfigOps:
+    """replace / to_dict / from_dict / digest of a frozen config dataclass (EngineConfig, BatchConfig): unknown
+    fields are refused by name; enums serialise to their values and PAIR_FIELDS (tuples of pairs) to lists."""
+
+    PAIR_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def replace(self, **delta: Any):
+        _refuse_unknown(type(self), delta)
+        return dataclasses.replace(self, **delta)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, Enum) else ([list(p) for p in v] if f.name in self.PAIR_FIELDS else v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        _refuse_unknown(cls, d)
+        return cls(**d)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _refuse_unknown(cls: type, names) -> None:
+    unknown = set(names) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} field(s): {sorted(unknown)}")
+
+
+def config_schema(cls: type) -> list[dict[str, Any]]:
+    """A config class's fields with types, defaults and allowed values: what explorers may turn."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        row: dict[str, Any] = {"name": f.name, "type": str(f.type),
+                               "default": default.value if isinstance(default, Enum) else default}
+        if isinstance(default, Enum):
+            row["choices"] = [e.value for e in type(default)]
+        rows.append(row)
+    return rows
+
+
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(ConfigOps):
+    PAIR_FIELDS: ClassVar[tuple[str, ...]] = ("kernel_table",)
     drafter: DrafterKind = DrafterKind.NGRAM
     draft_len: int = 5  # k: draft tokens proposed per step (chain); vLLM's documented ngram example uses 5
     ngram_max: int = 4  # longest suffix tried for a lookup match (vLLM prompt_lookup_max)
@@ -132,40 +178,9 @@ class EngineConfig:
     def speculative(self) -> bool:
         return self.drafter is not DrafterKind.NONE
 
-    def replace(self, **delta: Any) -> "EngineConfig":
-        unknown = set(delta) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown EngineConfig field(s): {sorted(unknown)}")
-        return dataclasses.replace(self, **delta)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.value if isinstance(v, Enum) else ([list(p) for p in v] if f.name == "kernel_table" else v)
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown EngineConfig field(s): {sorted(unknown)}")
-        return cls(**d)
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-
 def knob_schema() -> list[dict[str, Any]]:
     """EngineConfig's fields with types, defaults and allowed values: what explorers may turn."""
-    rows = []
-    for f in dataclasses.fields(EngineConfig):
-        default = f.default if f.default is not dataclasses.MISSING else None
-        row: dict[str, Any] = {"name": f.name, "type": str(f.type), "default": default.value if isinstance(default, Enum) else default}
-        if isinstance(default, Enum):
-            row["choices"] = [e.value for e in type(default)]
-        rows.append(row)
-    return rows
+    return config_schema(EngineConfig)
 
 
 def _check(ok: bool, message: str) -> None:

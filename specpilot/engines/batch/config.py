@@ -11,14 +11,11 @@ Stock (all off) is what SGLang / vLLM ship for n-gram: a fixed draft length for 
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
-from specpilot.engines.config import ConfigError
+from specpilot.engines.config import ConfigError, ConfigOps, config_schema
 
 
 class DraftLength(str, Enum):
@@ -39,7 +36,8 @@ MECHANISMS: dict[str, dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
-class BatchConfig:
+class BatchConfig(ConfigOps):
+    PAIR_FIELDS: ClassVar[tuple[str, ...]] = ("cost_curve",)
     max_batch: int = 24  # requests running at once (the concurrency cap); more wait in the queue
     prefill_chunk: int = 1024  # prompt tokens fused into one step (chunked prefill; prefills share steps)
     graph_max_tokens: int = 512  # largest token count captured as a CUDA graph; larger steps run eagerly
@@ -109,41 +107,11 @@ class BatchConfig:
             delta.update(MECHANISMS[name])
         return cls(**{**delta, **fields})
 
-    def replace(self, **delta: Any) -> "BatchConfig":
-        unknown = set(delta) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise ConfigError(f"unknown BatchConfig field(s): {sorted(unknown)}")
-        return dataclasses.replace(self, **delta)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.value if isinstance(v, Enum) else ([list(p) for p in v] if f.name == "cost_curve" else v)
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BatchConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown BatchConfig field(s): {sorted(unknown)}")
-        return cls(**d)
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def batch_knob_schema() -> list[dict[str, Any]]:
     """BatchConfig's fields with types, defaults and allowed values: what explorers may turn."""
-    rows = []
-    for f in dataclasses.fields(BatchConfig):
-        default = f.default
-        row: dict[str, Any] = {"name": f.name, "type": str(f.type),
-                               "default": default.value if isinstance(default, Enum) else default}
-        if isinstance(default, Enum):
-            row["choices"] = [e.value for e in type(default)]
-        rows.append(row)
-    return rows
+    return config_schema(BatchConfig)
 
 
 def _check(ok: bool, message: str) -> None:
