@@ -195,17 +195,8 @@ def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.reshape(T, H * D).to(q.dtype)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
-              anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              block_n: int = 64, split_keys: int = 256, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
-
-    base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
-    block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
-    (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
-    the keys AR would, in position order (anc is then not read). Tokens are then tiled one per program.
-    """
-    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
+def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """q [T, heads, D] and caches [kv_heads, S, D] of one dtype and device -> (T, heads, D, kv_heads, S)."""
     check_tensor("q", q, (None, None, None), ACT_DTYPES)
     dev, dt = q.device, q.dtype
     T, H, D = q.shape
@@ -218,6 +209,22 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     check_tensor("v_cache", v_cache, (KVH, S, D), dt, dev)
     if KVH < 1 or H % KVH:
         raise ValueError(f"heads={H} must be a multiple of kv_heads={KVH}")
+    return T, H, D, KVH, S
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
+              anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              block_n: int = 64, split_keys: int = 256, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
+
+    base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
+    block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
+    (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
+    the keys AR would, in position order (anc is then not read). Tokens are then tiled one per program.
+    """
+    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
+    T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
+    dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
     if isinstance(base, torch.Tensor):
         check_tensor("base", base, (1,), (torch.int32, torch.int64), dev)

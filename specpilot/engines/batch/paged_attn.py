@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.kernels._common import ACT_DTYPES, BLOCK_M, check_launchable, check_out, check_tensor, dot_precision
-from specpilot.kernels.attn import LOG2E, AttentionParams
+from specpilot.kernels._common import BLOCK_M, check_launchable, check_out, check_tensor, dot_precision
+from specpilot.kernels.attn import LOG2E, AttentionParams, check_qkv
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
 PAGE = ATTN.split_keys  # default page size == split_keys: one split of the reduction is one page
@@ -195,18 +195,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     params.split_keys). Never syncs with the host: everything the kernels index by is read on the device.
     max_kv_len: a bound on kv_len the host knows (eager calls launch only the splits it needs); None: every
     page of the table (CUDA graphs, where the grid is fixed at capture)."""
-    check_tensor("q", q, (None, None, None), ACT_DTYPES)
+    NTOK, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
-    NTOK, H, D = q.shape
-    if NTOK < 1:
-        raise ValueError("q must hold at least one token")
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"head_dim={D} must be a power of two >= 16")
-    check_tensor("k_cache", k_cache, (None, None, D), dt, dev)
-    KVH, S = k_cache.shape[0], k_cache.shape[1]
-    check_tensor("v_cache", v_cache, (KVH, S, D), dt, dev)
-    if KVH < 1 or H % KVH:
-        raise ValueError(f"heads={H} must be a multiple of kv_heads={KVH}")
     page = params.split_keys
     if S % page:
         raise ValueError(f"cache slots ({S}) must be a whole number of pages of {page}")
