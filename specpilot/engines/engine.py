@@ -49,11 +49,9 @@ class GenerationResult:
         return sum(s.committed for s in self.steps) / max(1, len(self.steps))
 
 
-# AR decoding can run several greedy steps per host round trip (ModelRunner.decode: one graph, each step's token
-# fed on the device; the same forwards as one at a time, so the same tokens). Off by default: on the H200 the
-# chained graph hit a device-side index assert at SmolLM2 shapes that CUDA_LAUNCH_BLOCKING=1 hides (a race not yet
-# found; tiny shapes pass); the eager/CPU path is exact and tested.
-AR_STEPS_PER_SYNC = 1
+# AR decoding runs up to this many greedy steps per host round trip (ModelRunner.decode: one graph, each step's
+# token fed on the device); the steps are the same forwards as one at a time, so the tokens are identical.
+AR_STEPS_PER_SYNC = 4
 
 
 class SpecEngine:

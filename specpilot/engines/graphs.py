@@ -26,6 +26,9 @@ class StepGraph:
     host_argmax: torch.Tensor
     out: tuple
     staged: "torch.cuda.Event"
+    # The device tensors the graph reads besides the model and cache (input buffers, constants): a replay reads
+    # their addresses, so they must live as long as the graph (freed, the allocator hands them out again).
+    keep: tuple = ()
 
 
 def capture_step(runner: "ModelRunner", width: int) -> StepGraph:
@@ -47,7 +50,7 @@ def capture_step(runner: "ModelRunner", width: int) -> StepGraph:
         host_argmax.copy_(out[0], non_blocking=True)
         return out
     graph, static_out = _capture(runner, step, width + 1)
-    g = StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event())
+    g = StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event(), keep=(ints, anc))
     g.staged.record()
     return g
 
@@ -70,7 +73,7 @@ def capture_decode(runner: "ModelRunner", steps: int) -> StepGraph:
             tokens.append(token)
         host_argmax.copy_(torch.cat(tokens), non_blocking=True)
     graph, _ = _capture(runner, chain, steps + 1)
-    g = StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event())
+    g = StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event(), keep=(ints, offsets, anc))
     g.staged.record()
     return g
 
