@@ -17,7 +17,7 @@ from specpilot.deployments import load_deployment
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.shapes import OpClass
 from specpilot.memory import Memory
-from specpilot.stages import catalog
+from specpilot.stages import catalog, search_params
 from specpilot.stages.candidate import Candidate, CandidateSource
 from specpilot.stages.cli import main as stage_main
 from specpilot.stages.explore import ExploreParams
@@ -201,18 +201,18 @@ def test_trial_parameters_reproduce_configs_and_deltas_merge():
     dep = load_deployment("smollm2-135m-cpu")
     stock = catalog.stock_candidate(dep)
     space = catalog.search_space(dep, stock, DirectionName.TREE_SHAPE, min_settings=2)
-    params = catalog.params_of(stock.config, stock.drafter_label, dep, stock, space)
+    params = search_params.params_of(stock.config, stock.drafter_label, dep, stock, space)
     assert params == {"drafter_label": "ngram", "ngram_draft_length.draft_len": 5, "ngram_window.ngram_max": 4,
                       "ngram_window.ngram_min": 1}
     trial = optuna.trial.FixedTrial({**params, "ngram_draft_length.draft_len": 9, "ngram_window.ngram_min": 4,
                                      "ngram_window.ngram_max": 2})
-    config, label = catalog.suggest(trial, dep, stock, space)
+    config, label = search_params.suggest(trial, dep, stock, space)
     assert (config.draft_len, config.ngram_max, config.ngram_min, label) == (9, 2, 2, "ngram")  # min pulled <= max
     assert catalog.mechanisms_in(stock, config, label) == ("ngram_draft_length", "ngram_window")
-    draft, draft_label = catalog.suggest(optuna.trial.FixedTrial(
+    draft, draft_label = search_params.suggest(optuna.trial.FixedTrial(
         {"drafter_label": "draft_model:smollm2-135m-l6", "draft_model_length.draft_len": 3}), dep, stock, space)
     assert draft.drafter.value == "draft_model" and draft.draft_len == 3 and draft.dtype == stock.config.dtype
-    assert catalog.params_of(stock.config.replace(draft_len=30), "ngram", dep, stock, space) is None  # out of range
+    assert search_params.params_of(stock.config.replace(draft_len=30), "ngram", dep, stock, space) is None  # out of range
     merged, used = catalog.merge_deltas([{"draft_len": 8}, {"draft_len": 6}, {"ngram_max": 6}])
     assert merged == {"draft_len": 8, "ngram_max": 6} and used == [0, 2]
 

@@ -116,7 +116,8 @@ def validate_sandboxed(factory: EngineFactory, stock: Candidate, candidate: Cand
                               sum(d.kind is DivergenceKind.FORCED for d in flips), len(tie_at), min(ref.margin),
                               check.first[i]))
     verdict = Verdict(_classify(divergences), stock.name, candidate.name, tie_epsilon, max_new_tokens, tuple(rows),
-                      tuple(divergences), tuple(margins), check, _reasons(divergences, check, tie_epsilon))
+                      tuple(divergences), tuple(margins), check, _reasons(divergences, check, tie_epsilon),
+                      type(ref_runner).__name__)
     return SandboxedVerdict(candidate.name, verdict, tuple(outcomes))
 
 

@@ -13,10 +13,10 @@ from enum import Enum
 from typing import Any
 
 from specpilot.costmodel.classify import short_kernel_name
-from specpilot.costmodel.kernel_factor import DEFAULT_LAUNCH_LATENCY_S, Ceilings, KernelFactor, kernel_factor
+from specpilot.costmodel.kernel_factor import (DEFAULT_LAUNCH_LATENCY_S, Ceilings, CostShape, KernelFactor,
+                                              kernel_factor)
 from specpilot.costmodel.serialize import from_jsonable, to_jsonable
 from specpilot.costmodel.tau import DEFAULT_BUDGETS, CostCurveLike, TauFactor, tau_factor
-from specpilot.engines.shapes import LlamaShape
 from specpilot.engines.traces import KernelTrace, StepTrace
 
 TOP_GAPS_IN_RATIONALE = 3
@@ -120,7 +120,7 @@ def _profiled_tokens(kernels: Sequence[KernelTrace]) -> int:
     return widths.pop()
 
 
-def attribute(steps: Sequence[StepTrace], kernels: Sequence[KernelTrace], shape: LlamaShape, ceilings: Ceilings,
+def attribute(steps: Sequence[StepTrace], kernels: Sequence[KernelTrace], shape: CostShape, ceilings: Ceilings,
               cost_curve: CostCurveLike, *, budgets: Sequence[int] = DEFAULT_BUDGETS, weight_bytes: float = 2.0,
               act_bytes: int = 2, launch_latency_s: float = DEFAULT_LAUNCH_LATENCY_S, tokens: int | None = None,
               context: int | None = None) -> Attribution:

@@ -1,8 +1,8 @@
 """The kernel factor: profiled kernel time per step over the roofline ideal of the same forward.
 
 The ideal of an op class is max(FLOPs / (0.6 x peak FLOP/s), bytes / (0.9 x peak bandwidth)) for the
-fewest bytes it must move (LlamaShape.op_costs). The peaks are measured by the profile stage on the machine
-itself and handed in as Ceilings.
+fewest bytes it must move (the shape's op_costs: LlamaShape's or HybridShape's). The peaks are measured by the
+profile stage on the machine itself and handed in as Ceilings.
 """
 from __future__ import annotations
 
@@ -10,15 +10,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from specpilot.costmodel.classify import kernel_op_classes
-from specpilot.engines.shapes import LlamaShape, OpClass
+from specpilot.engines.shapes import OpClass
 from specpilot.engines.traces import KernelTrace
 
 FLOP_EFFICIENCY = 0.6  # fraction of peak FLOP/s a well-tuned GEMM reaches at decode shapes
 BANDWIDTH_EFFICIENCY = 0.9  # fraction of peak bandwidth a streaming kernel reaches
 # A typical CUDA launch on a recent driver; the profile stage passes the machine's measured value when it has one.
 DEFAULT_LAUNCH_LATENCY_S = 4e-6
+
+
+class CostShape(Protocol):
+    """A model shape the cost model can price: either target family's (LlamaShape, HybridShape)."""
+
+    def op_costs(self, tokens: int, context: int, weight_bytes: float = 2.0,
+                 act_bytes: int = 2) -> dict[OpClass, tuple[float, float]]: ...
 
 
 class Bound(str, Enum):
@@ -48,7 +56,7 @@ class OpIdeal:
     bound: Bound
 
 
-def ideal_op_times(shape: LlamaShape, tokens: int, context: int, ceilings: Ceilings,
+def ideal_op_times(shape: CostShape, tokens: int, context: int, ceilings: Ceilings,
                    weight_bytes: float = 2.0, act_bytes: int = 2) -> dict[OpClass, OpIdeal]:
     """Roofline ideal time of each op class for one forward of `tokens` tokens over `context` cached keys."""
     ideals = {}
@@ -96,7 +104,7 @@ class KernelFactor:
     kernels: tuple[KernelRow, ...]  # most time first
 
 
-def kernel_factor(kernel_traces: Sequence[KernelTrace], shape: LlamaShape, tokens: int, context: int,
+def kernel_factor(kernel_traces: Sequence[KernelTrace], shape: CostShape, tokens: int, context: int,
                   ceilings: Ceilings, weight_bytes: float = 2.0, act_bytes: int = 2,
                   launch_latency_s: float = DEFAULT_LAUNCH_LATENCY_S) -> KernelFactor:
     """Profiled device time per step over the ideal, with per-op-class gaps and launch counts.

@@ -7,10 +7,11 @@ engines/targets.py loads the models.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 from specpilot.engines.hybrid.config import HybridShape
 from specpilot.engines.shapes import SUPPORTED_LLAMA_TYPES, LlamaShape, UnsupportedModelError
@@ -40,6 +41,19 @@ class TargetFamily(str, Enum):
     @classmethod
     def of_shape(cls, shape: TargetShape) -> "TargetFamily":
         return cls.HYBRID if isinstance(shape, HybridShape) else cls.LLAMA
+
+
+def shape_to_dict(shape: TargetShape) -> dict[str, Any]:
+    """A shape as JSON-able fields plus its family (profile's shape.json)."""
+    return {"family": TargetFamily.of_shape(shape).value, **dataclasses.asdict(shape)}
+
+
+def shape_from_dict(d: dict[str, Any]) -> TargetShape:
+    """The inverse of shape_to_dict; a dict without "family" (written before hybrids) is a Llama shape."""
+    fields = {k: v for k, v in d.items() if k != "family"}
+    if TargetFamily(d.get("family", TargetFamily.LLAMA.value)) is TargetFamily.HYBRID:
+        return HybridShape.from_dict(fields)
+    return LlamaShape(**fields)
 
 
 def model_type(model_dir: str | Path) -> str | None:

@@ -27,6 +27,7 @@ from specpilot.flows.settings import TuneSettings  # noqa: E402
 from specpilot.memory import default_memory_path  # noqa: E402
 from specpilot.stages.candidate import Candidate  # noqa: E402
 from specpilot.engines.config import KernelBackend  # noqa: E402
+from specpilot.engines.family import TargetFamily  # noqa: E402
 from specpilot.stages.catalog import stock_candidate, with_kernel_table  # noqa: E402
 from specpilot.stages.integrate import mark_run_failed  # noqa: E402
 from specpilot.stages.io import (StageName, StageOutcome, StageRequest, default_device, device_name,  # noqa: E402
@@ -139,7 +140,8 @@ def tune(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = No
                         inputs, device) for i, device in enumerate(devices)], work_dir=unmapped(work)).result()
             publish_timeline(dep.name, r, explores)
             candidates = pick_candidates(explores, settings.candidates_per_round)
-            if dep.device.kind is DeviceKind.CUDA:  # kernel tuning needs the real device's timings
+            # Kernel tuning needs the real device's timings; its table steers the Llama family's fused kernels only.
+            if dep.device.kind is DeviceKind.CUDA and dep.target_family() is TargetFamily.LLAMA:
                 tuned = tune_kernels_task(request(StageName.TUNE_KERNELS, (q,), {}, {
                     "profile": profile.manifest_uri, "attribute": attribution.manifest_uri}), work)
                 candidates += kernel_tuned([build, *candidates], tuned)

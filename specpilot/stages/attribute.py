@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 
 from specpilot.costmodel import Attribution, CostCurve, attribute, plot, render_markdown
-from specpilot.engines.shapes import LlamaShape
+from specpilot.engines.family import TargetShape, shape_from_dict
 from specpilot.engines.traces import KernelTrace, StepTrace
 from specpilot.stages.io import StageRun
 from specpilot.stages.profile import MachineCeilings
@@ -28,7 +28,7 @@ class ProfileTraces:
     build: str
     steps: tuple[StepTrace, ...]
     kernels: tuple[KernelTrace, ...]
-    shape: LlamaShape
+    shape: TargetShape  # either family: the cost model reads only its op_costs
     ceilings: MachineCeilings
     cost_curve: CostCurve
     element_bytes: int  # bytes per weight and activation element in the deployment's dtype
@@ -38,7 +38,7 @@ class ProfileTraces:
                        cost_curve: dict[str, Any], summary: dict[str, Any]) -> "ProfileTraces":
         points = {int(k): float(v) for k, v in cost_curve["points"].items()}
         return cls(summary["build"], tuple(StepTrace(**row) for row in steps.to_pylist()),
-                   tuple(KernelTrace(**row) for row in kernels.to_pylist()), LlamaShape(**shape),
+                   tuple(KernelTrace(**row) for row in kernels.to_pylist()), shape_from_dict(shape),
                    MachineCeilings(**ceilings), CostCurve.from_measured(points), int(summary["weight_bytes"]))
 
 

@@ -1,5 +1,6 @@
 """The mechanism catalog: named mechanisms, the EngineConfig knobs each turns (with ranges), where each applies,
-and which cost-model directions it addresses. The search proposer optimises over the knobs of a round's space.
+and which cost-model directions it addresses. The search proposer optimises over the knobs of a round's space
+(as Optuna parameters: stages/search_params.py).
 
 Only EngineConfig fields are turned (the drafter choice picks one of the deployment's drafters, whose model the
 session loads). Stock is the deployment's first listed drafter with its published defaults. Mechanisms name the
@@ -12,12 +13,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
-
 from specpilot.costmodel import DirectionName
 from specpilot.deployments import Deployment, DeviceKind
-from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend, VerifyMode
 from specpilot.engines.family import TargetFamily
 from specpilot.memory import MechanismCategory
 from specpilot.stages.candidate import Candidate, CandidateSource
@@ -263,63 +261,3 @@ def merge_deltas(deltas: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int
             merged.update(delta)
             used.append(i)
     return merged, used
-
-
-# ---- the search space as Optuna parameters ------------------------------------------------------------------
-def _param(m: CatalogMechanism, k: Knob) -> str:
-    return f"{m.name}.{k.field}"
-
-
-def distributions(space: SearchSpace, label: str) -> dict[str, BaseDistribution]:
-    out: dict[str, BaseDistribution] = {}
-    if len(space.drafter_labels) > 1:
-        out[DRAFTER_PARAM] = CategoricalDistribution(space.drafter_labels)
-    for m in space.mechanisms[label]:
-        for k in m.knobs:
-            out[_param(m, k)] = (IntDistribution(k.low, k.high) if k.domain is KnobDomain.INT
-                                 else CategoricalDistribution(k.choices))
-    return out
-
-
-def _repaired(start: EngineConfig, values: dict[str, Any]) -> EngineConfig:
-    """Apply knob values, pulling dependent knobs inside their limits (min <= max, kept nodes <= budget)."""
-    merged = {**start.to_dict(), **values}
-    merged["ngram_min"] = min(merged["ngram_min"], merged["ngram_max"])
-    merged["level_one_keep"] = min(merged["level_one_keep"], merged["tree_budget"])
-    return start.replace(**{k: merged[k] for k in values.keys() | {"ngram_min", "level_one_keep"}})
-
-
-def suggest(trial: optuna.Trial | optuna.trial.FixedTrial, dep: Deployment, base: Candidate,
-            space: SearchSpace) -> tuple[EngineConfig, str]:
-    """A trial's config and drafter label (define-by-run: each drafter's knobs only when it is chosen)."""
-    labels = space.drafter_labels
-    label = trial.suggest_categorical(DRAFTER_PARAM, list(labels)) if len(labels) > 1 else labels[0]
-    values: dict[str, Any] = {}
-    for m in space.mechanisms[label]:
-        for k in m.knobs:
-            name = _param(m, k)
-            values[k.field] = (trial.suggest_int(name, k.low, k.high) if k.domain is KnobDomain.INT
-                               else trial.suggest_categorical(name, list(k.choices)))
-    start, label = apply_delta(dep, base, {}, label)
-    return _repaired(start, values), label
-
-
-def params_of(config: EngineConfig, label: str | None, dep: Deployment, base: Candidate,
-              space: SearchSpace) -> dict[str, Any] | None:
-    """The trial parameters that reproduce `config` exactly, or None when the space cannot express it."""
-    if label not in space.mechanisms:
-        return None
-    params: dict[str, Any] = {DRAFTER_PARAM: label} if len(space.drafter_labels) > 1 else {}
-    as_dict = config.to_dict()
-    for m in space.mechanisms[label]:
-        for k in m.knobs:
-            value = as_dict[k.field]
-            inside = k.low <= value <= k.high if k.domain is KnobDomain.INT else value in k.choices
-            if not inside:
-                return None
-            params[_param(m, k)] = value
-    try:
-        rebuilt, rebuilt_label = suggest(optuna.trial.FixedTrial(params), dep, base, space)
-    except (ValueError, ConfigError):
-        return None
-    return params if rebuilt.digest() == config.digest() and rebuilt_label == label else None

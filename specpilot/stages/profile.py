@@ -21,8 +21,10 @@ from torch.autograd import DeviceType
 from specpilot.bench.harness import AR_LABEL, Variant, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.costmodel import Ceilings, classify_kernel
-from specpilot.engines.runner import ModelRunner, chain_anc
+from specpilot.engines.runner import chain_anc
+from specpilot.engines.family import shape_to_dict
 from specpilot.engines.shapes import OpClass
+from specpilot.engines.target_runner import TargetRunner, fresh_runner
 from specpilot.engines.traces import KERNEL_SCHEMA, REQUEST_SCHEMA, STEP_SCHEMA, KernelTrace, to_table
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.io import SplitName, StageRun, device_name, exclusive
@@ -91,12 +93,12 @@ def measure_ceilings(device: str, dtype: torch.dtype) -> MachineCeilings:
                            latency, n, copy_bytes)
 
 
-def _chain(runner: ModelRunner, base: int, tokens: list[int]):
+def _chain(runner: TargetRunner, base: int, tokens: list[int]):
     n = len(tokens)
     return runner.verify(base, tokens, list(range(n)), chain_anc(n))
 
 
-def measure_cost_curve(runner: ModelRunner, prompt: list[int], widths: tuple[int, ...], repeats: int) -> dict[int, float]:
+def measure_cost_curve(runner: TargetRunner, prompt: list[int], widths: tuple[int, ...], repeats: int) -> dict[int, float]:
     """Median wall time of one verify of `t` chain tokens (after the prompt), for each width t."""
     runner.prefill(prompt)
     base, curve = len(prompt), {}
@@ -117,7 +119,7 @@ def measure_cost_curve(runner: ModelRunner, prompt: list[int], widths: tuple[int
     return curve
 
 
-def profile_kernels(runner: ModelRunner, prompt: list[int], width: int, steps: int) -> list[KernelTrace]:
+def profile_kernels(runner: TargetRunner, prompt: list[int], width: int, steps: int) -> list[KernelTrace]:
     """Kernels of `steps` verify forwards of `width` tokens: GPU kernels' device time, or CPU ops' self time."""
     gpu = runner.device.type == "cuda"
     runner.prefill(prompt)
@@ -168,8 +170,7 @@ def profile(session: DeploymentSession, build: Candidate, prompts: list[Tokenize
     report, steps, requests = run_bench(session, prompts, variants, max_new, warmup=True)
     build_steps = steps.get(BUILD_LABEL, [])
     engine = session.engine(build.config, build.drafter_label, policy)
-    runner = ModelRunner(engine.target.model, engine.target.cfg, engine.target.device,
-                         block_width=max(64, engine.target.block_width))
+    runner = fresh_runner(engine.target, block_width=max(64, engine.target.block_width))  # either target family
     width = max((s.verify_tokens for s in build_steps), default=1)
     longest = max(prompts, key=lambda p: len(p.ids))
     kernels = profile_kernels(runner, list(longest.ids), width, params.kernel_steps)
@@ -187,7 +188,7 @@ def profile(session: DeploymentSession, build: Candidate, prompts: list[Tokenize
     (out_dir / "cost_curve.json").write_text(json.dumps({"unit": "seconds per verify forward",
                                                          "points": {str(k): v for k, v in curve.items()}}, indent=1))
     (out_dir / "ceilings.json").write_text(json.dumps(asdict(ceilings), indent=1))
-    (out_dir / "shape.json").write_text(json.dumps(asdict(session.target.shape), indent=1))
+    (out_dir / "shape.json").write_text(json.dumps(shape_to_dict(session.target.shape), indent=1))
     (out_dir / "build.json").write_text(json.dumps(build.to_dict(), indent=1))
     (out_dir / "summary.json").write_text(json.dumps(summary(result), indent=1))
     return result

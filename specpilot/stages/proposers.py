@@ -21,7 +21,7 @@ from specpilot.deployments import Deployment
 from specpilot.engines.config import ConfigError
 from specpilot.memory import Memory, Scope, default_memory_path
 from specpilot.memory.transfer import failed_transfers
-from specpilot.stages import catalog
+from specpilot.stages import catalog, search_params
 from specpilot.stages.candidate import Candidate, CandidateSource
 from specpilot.stages.quickbench import QuickBench
 
@@ -139,7 +139,7 @@ class SearchProposer:
             while asked < p.trials and len(pending) < p.batch:
                 trial, asked = study.ask(), asked + 1
                 try:
-                    config, label = catalog.suggest(trial, context.deployment, context.base, context.space)
+                    config, label = search_params.suggest(trial, context.deployment, context.base, context.space)
                 except (ConfigError, ValueError):
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     bar.update()
@@ -174,7 +174,7 @@ class SearchProposer:
                 continue
             told.add(m.candidate.name)
             label = m.candidate.drafter_label
-            params = catalog.params_of(m.candidate.config, label, context.deployment, context.base, context.space)
+            params = search_params.params_of(m.candidate.config, label, context.deployment, context.base, context.space)
             if params is not None:
                 study.add_trial(optuna.trial.create_trial(params=params, value=m.objective,
-                                                          distributions=catalog.distributions(context.space, label)))
+                                                          distributions=search_params.distributions(context.space, label)))

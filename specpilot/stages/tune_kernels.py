@@ -27,6 +27,7 @@ import torch
 
 from specpilot.costmodel import Attribution
 from specpilot.engines.config import EngineConfig
+from specpilot.engines.family import shape_from_dict
 from specpilot.engines.shapes import LlamaShape, OpClass
 from specpilot.kernels import (AcceptParams, AttentionParams, LaunchParams, LinearParams, RMSNormLinearParams,
                                RopeKVParams, SwigluParams)
@@ -324,9 +325,11 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
 def run(run: "StageRun") -> dict[str, Any]:
     """Stage entry: profile's shape and build, attribute's attribution; writes kernel_table.json and the build
     with the table applied (build.json). Params: tokens (default 1 and the build's token tile), budget, allow_cpu."""
-    build = Candidate.from_dict(run.read_json("profile", "build.json"))
-    table = tune_kernels(Attribution.from_dict(run.read_json("attribute", "attribution.json")),
-                         LlamaShape(**run.read_json("profile", "shape.json")), run.device,
+    build, shape = Candidate.from_dict(run.read_json("profile", "build.json")), shape_from_dict(run.read_json(
+        "profile", "shape.json"))
+    if not isinstance(shape, LlamaShape):  # the table steers the fused Llama layers' kernels only
+        raise TuneError(f"tune_kernels tunes the Llama family's kernels; the target is {type(shape).__name__}")
+    table = tune_kernels(Attribution.from_dict(run.read_json("attribute", "attribution.json")), shape, run.device,
                          run.param("tokens") or sorted({1, build.config.token_tile}),
                          TuneBudget(**run.param("budget", {})), allow_cpu=bool(run.param("allow_cpu", False)))
     write_kernel_table(table, run.out_dir / "kernel_table.json")

@@ -20,7 +20,8 @@ from specpilot.bench.session import TokenizedPrompt
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.engine import GenerationResult, SpecEngine
 from specpilot.engines.policy import STOCK, EnginePolicy
-from specpilot.engines.runner import ModelRunner, chain_anc
+from specpilot.engines.runner import chain_anc
+from specpilot.engines.target_runner import TargetRunner, fresh_runner
 from specpilot.stages.candidate import Candidate
 
 DECODE_FLOOR_S = 1e-6  # a response served without decoding (0 s) still gets a finite, huge speedup
@@ -115,6 +116,7 @@ class Verdict:
     margins: tuple[PromptMargins, ...]
     speedup: SpeedupCheck
     reasons: tuple[str, ...]
+    forced_by: str = ""  # the runner class of the forced passes (ModelRunner, HybridRunner: the target's family)
 
     @property
     def ties(self) -> tuple[Divergence, ...]:
@@ -144,7 +146,7 @@ class Verdict:
                 "speedup": {"threshold": self.speedup.threshold, "first": list(self.speedup.first),
                             "remeasured": None if self.speedup.remeasured is None else list(self.speedup.remeasured),
                             "geomean": self.speedup.geomean, "remeasured_geomean": self.speedup.remeasured_geomean},
-                "reasons": list(self.reasons)}
+                "reasons": list(self.reasons), "forced_by": self.forced_by}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Verdict":
@@ -153,7 +155,7 @@ class Verdict:
                    tuple(PromptRow(**p) for p in d["prompts"]), tuple(Divergence.from_dict(x) for x in d["divergences"]),
                    tuple(PromptMargins(m["prompt"], tuple(m["stock"]), tuple(m["candidate"])) for m in d["margins"]),
                    SpeedupCheck(s["threshold"], tuple(s["first"]), None if s["remeasured"] is None else tuple(s["remeasured"])),
-                   tuple(d["reasons"]))
+                   tuple(d["reasons"]), d.get("forced_by", ""))
 
 
 def write_verdict(verdict: Verdict, out_dir: str | Path) -> Path:
@@ -182,15 +184,15 @@ class ForcedPass:
     margin: tuple[float, ...]
 
 
-def forced_runner(engine: SpecEngine) -> ModelRunner:
-    """A runner over the engine target's own (transformed) weights, config and verify width: the same shapes,
-    plus each position's runner-up token, and a cache of its own so the engine's stays untouched."""
-    t = engine.target
-    return ModelRunner(t.model, t.cfg, t.device, block_width=t.block_width, topk=2)
+def forced_runner(engine: SpecEngine) -> TargetRunner:
+    """A runner of the engine's kind (either family) over its target's own (transformed) weights, config and verify
+    width, plus each position's runner-up token, with caches of its own so the engine's stay untouched."""
+    return fresh_runner(engine.target, topk=2)
 
 
-def forced_pass(runner: ModelRunner, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int) -> ForcedPass:
-    """Feeds prompt + output in the runner's verify shape: a prefill, then chain blocks of its verify width.
+def forced_pass(runner: TargetRunner, prompt: Sequence[int], output: Sequence[int], max_new_tokens: int) -> ForcedPass:
+    """Feeds prompt + output in the runner's verify shape: a prefill, then chain blocks of its verify width, each
+    committed whole (a no-op for a KV cache; a recurrent target's state advances through it).
     max_new_tokens: the request's limit, which sizes its attention view exactly as generate() did."""
     runner.begin_request(len(prompt) + max_new_tokens)
     first = runner.prefill(list(prompt))  # the same prefill the engine runs: one forward over the prompt
@@ -199,6 +201,7 @@ def forced_pass(runner: ModelRunner, prompt: Sequence[int], output: Sequence[int
     for s in range(0, len(feed), runner.block_width):
         chunk = feed[s:s + runner.block_width]
         out = runner.verify(len(prompt) + s, chunk, list(range(len(chunk))), chain_anc(len(chunk)))
+        runner.compact(len(prompt) + s, list(range(len(chunk))))
         argmax += out.argmax
         runner_up += [t[1] for t in out.topk_tokens]
         margin += out.margin.tolist()
@@ -241,7 +244,8 @@ def validate(factory: EngineFactory, stock: Candidate, candidate: Candidate, pro
                               c_run.stop_reason, None if free is None else free.index,
                               sum(d.kind is DivergenceKind.FORCED for d in flips), len(tie_at), min(ref.margin), check.first[i]))
     return Verdict(_classify(divergences), stock.name, candidate.name, tie_epsilon, max_new_tokens, tuple(rows),
-                   tuple(divergences), tuple(margins), check, _reasons(divergences, check, tie_epsilon))
+                   tuple(divergences), tuple(margins), check, _reasons(divergences, check, tie_epsilon),
+                   type(ref_runner).__name__)
 
 
 def _run_pairs(stock: SpecEngine, cand: SpecEngine, prompts: Sequence[TokenizedPrompt],

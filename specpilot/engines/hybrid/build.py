@@ -88,6 +88,10 @@ def build_hybrid_engine(cfg: EngineConfig, hybrid: HybridConfig, target: HybridM
         raise ConfigError("drafter=block is not available on hybrid targets (it reads Llama target features)")
     if cfg.verify is VerifyMode.TWO_LEVEL:
         raise ConfigError("verify=two_level is not available on hybrid targets")
+    if type(policy).transform_weights is not EnginePolicy.transform_weights:
+        # Weight transforms are written for Llama modules; silently skipping one would validate a mechanism that
+        # never ran.
+        raise ConfigError(f"policy {type(policy).__name__} transforms weights, which hybrid targets do not support")
     nodes = draft_nodes(cfg, hybrid) if max_draft_nodes is None else max_draft_nodes
     tile = cfg.token_tile if cfg.batch_invariant else 1
     runner = HybridRunner(target, cfg, hybrid, device, block_width=-(-(nodes + 1) // tile) * tile)

@@ -8,7 +8,7 @@ from typing import Any
 
 from specpilot.engines.config import (MAX_CHECKPOINT_SPACING, ConfigError, EngineConfig, KernelBackend,
                                       VerifyMode)
-from specpilot.engines.shapes import UnsupportedModelError
+from specpilot.engines.shapes import OpClass, UnsupportedModelError
 
 
 class LayerKind(str, Enum):
@@ -87,6 +87,61 @@ class HybridShape:
     @property
     def state_elems(self) -> int:  # one GDN layer's recurrent state [v_heads, d_k, d_v]
         return self.lin_v_heads * self.lin_k_dim * self.lin_v_dim
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HybridShape":
+        """The inverse of dataclasses.asdict (after a JSON round trip: lists for tuples, strings for kinds)."""
+        return cls(**{**d, "layer_kinds": tuple(LayerKind(k) for k in d["layer_kinds"]),
+                      "sparse_layers": tuple(bool(s) for s in d["sparse_layers"])})
+
+    def op_costs(self, tokens: int, context: int, weight_bytes: float = 2.0,
+                 act_bytes: int = 2) -> dict[OpClass, tuple[float, float]]:
+        """(FLOPs, bytes) per op class for one forward of `tokens` rows over `context` cached keys, as
+        LlamaShape.op_costs counts them (fewest bytes: each weight read once, activations once). The Gated DeltaNet
+        layers' projections count as QKV and O_PROJ; their conv and recurrent scan as ATTN, whose fewest bytes are
+        one read and one write of the fp32 state and the conv rows (the state-traffic floor, hybrid/cost.py). MoE
+        layers read the experts `tokens` rows touch under uniform routing, E (1 - (1 - k/E)^t), plus the shared
+        expert and the router (GATE_UP)."""
+        t, h, wb, ab = tokens, self.hidden, weight_bytes, act_bytes
+        la, lg = len(self.attn_layers), len(self.gdn_layers)
+        costs: dict[OpClass, list[float]] = {op: [0.0, 0.0] for op in OpClass if op is not OpClass.OTHER}
+
+        def add(op: OpClass, flops: float, nbytes: float, times: int = 1) -> None:
+            costs[op][0] += times * flops
+            costs[op][1] += times * nbytes
+
+        def linear(op: OpClass, n_in: int, n_out: int, times: int = 1, rows: int = t, weights: float = 1.0) -> None:
+            add(op, 2.0 * rows * n_in * n_out, weights * n_in * n_out * wb + rows * (n_in + n_out) * ab, times)
+        q, kv, rot = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.rotary_dim
+        linear(OpClass.QKV, h, 2 * q + 2 * kv, la)  # q_proj carries the output gate
+        linear(OpClass.O_PROJ, q, h, la)
+        add(OpClass.ATTN, 4.0 * t * context * q, 2 * context * kv * ab + 2 * t * q * ab, la)
+        add(OpClass.ROPE_KV, 6.0 * t * (self.heads + self.kv_heads) * rot, t * (q + 3 * kv) * ab * 2, la)
+        linear(OpClass.QKV, h, 2 * self.key_dim + 2 * self.value_dim + 2 * self.lin_v_heads, lg)
+        linear(OpClass.O_PROJ, self.value_dim, h, lg)
+        conv_rows = (self.conv_kernel - 1) * self.conv_dim * ab
+        add(OpClass.ATTN, t * (2.0 * self.conv_kernel * self.conv_dim + 8.0 * self.state_elems),
+            2 * (4 * self.state_elems + conv_rows) + t * (2 * self.conv_dim + self.value_dim) * ab, lg)
+        add(OpClass.NORM, 4.0 * t * self.value_dim, 2 * t * self.value_dim * ab + self.lin_v_dim * ab, lg)
+        add(OpClass.NORM, 2 * 4.0 * t * h, 2 * (2 * t * h * ab + h * ab), self.layers)
+        for sparse in self.sparse_layers:
+            if not sparse:
+                linear(OpClass.GATE_UP, h, 2 * self.intermediate)
+                add(OpClass.ACT, 4.0 * t * self.intermediate, 3 * t * self.intermediate * ab)
+                linear(OpClass.DOWN, self.intermediate, h)
+                continue
+            e, k, mi, si = self.experts, self.experts_per_tok, self.moe_intermediate, self.shared_intermediate
+            touched = e * (1.0 - (1.0 - k / e) ** t)
+            linear(OpClass.GATE_UP, h, e + 1)  # router and shared-expert gate
+            linear(OpClass.GATE_UP, h, 2 * mi, rows=t * k, weights=touched)
+            linear(OpClass.GATE_UP, h, 2 * si)
+            add(OpClass.ACT, 4.0 * t * (k * mi + si), 3 * t * (k * mi + si) * ab)
+            linear(OpClass.DOWN, mi, h, rows=t * k, weights=touched)
+            linear(OpClass.DOWN, si, h)
+        add(OpClass.EMBED, 0.0, t * h * ab * 2)
+        add(OpClass.LM_HEAD, 2.0 * t * h * self.vocab, h * self.vocab * wb + t * (h * ab + self.vocab * 4))
+        add(OpClass.ACCEPT, t * self.vocab, t * self.vocab * 4)
+        return {op: (f, b) for op, (f, b) in costs.items()}
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "HybridShape":

@@ -25,7 +25,8 @@ import torch
 from specpilot.engines.hybrid.state import BlockSchedule
 from specpilot.engines.graphs import CAPTURE_ERROR_MODE
 
-ChunkOut = tuple[torch.Tensor, torch.Tensor]  # greedy token and top-1 minus top-2 logit per row
+# Per row: greedy token, top-1 minus top-2 logit; with a runner's topk > 0 also its top-k tokens and probabilities.
+ChunkOut = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)

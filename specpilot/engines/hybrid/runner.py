@@ -11,6 +11,8 @@ tile run as several tile-sized forwards (a later chunk resumes its rows' states 
 On CUDA with the Triton scan and cfg.cuda_graphs, every forward is a CUDA graph captured per (width, chunk
 offset) over static inputs (graphs.py), with an eager fallback; the torch reference scan always runs eagerly. The
 GDN scan's implementation is HybridConfig.gdn_backend (HybridConfig.from_engine maps kernel_backend=triton to it).
+Like ModelRunner, every step returns each row's greedy token and top1-top2 logit margin; with topk > 0 also each
+row's top-k tokens and probabilities (token forcing reads the runner-up; see engines/target_runner.py).
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ def _bucket(n: int) -> int:
 
 class HybridRunner:
     def __init__(self, model: HybridModel, cfg: EngineConfig, hybrid: HybridConfig, device: torch.device | str,
-                 block_width: int = 64):
+                 block_width: int = 64, topk: int = 0):
         self.model, self.cfg, self.hybrid = model, cfg, hybrid
         self.device = torch.device(device)
+        self.topk = topk  # > 0: steps also return each row's top-k tokens and probabilities
         self.tile = cfg.token_tile if cfg.batch_invariant else 0
         self.block_width = max(block_width, self.tile)  # rows a verify block may hold: root + draft nodes
         # Rows a block may occupy once padded: whole tiles, or the power-of-two bucket in fast-shapes mode.
@@ -78,10 +81,10 @@ class HybridRunner:
         for start in range(0, n, piece):
             chunk = ids[start:start + piece]
             m = len(chunk)
-            argmax, margin = self._block(start, chunk, list(range(m)), list(range(-1, m - 1)), keep=(m - 1,))
+            out = self._block(start, chunk, list(range(m)), list(range(-1, m - 1)), keep=(m - 1,))
             self._row_of = {i: i for i in range(m)}
             self.compact(start, list(range(m)))
-        return StepOutput([argmax[m - 1]], margin[m - 1:m])
+        return self._output(out, [m - 1])
 
     @torch.no_grad()
     def verify(self, base: int, tokens: list[int], depths: list[int], anc: np.ndarray) -> StepOutput:
@@ -98,10 +101,9 @@ class HybridRunner:
         if order != list(range(n)):
             tokens, depths = [tokens[i] for i in order], [depths[i] for i in order]
             parents = [row_of[parents[i]] if parents[i] >= 0 else -1 for i in order]
-        argmax, margin = self._block(base, tokens, depths, parents)
+        out = self._block(base, tokens, depths, parents)
         self._row_of = row_of
-        rows = [row_of[i] for i in range(n)]
-        return StepOutput([argmax[r] for r in rows], margin[torch.tensor(rows, device=margin.device)])
+        return self._output(out, [row_of[i] for i in range(n)])
 
     @torch.no_grad()
     def compact(self, base: int, path: list[int]) -> None:
@@ -133,7 +135,8 @@ class HybridRunner:
 
     # ---- internals ----------------------------------------------------------------------------------
     def _block(self, base: int, tokens: list[int], depths: list[int], parents: list[int],
-               keep: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
+               keep: tuple[int, ...] = ()) -> ChunkOut:
+        """Runs the block's chunks; returns ChunkOut over every row it ran (padding included), on the device."""
         n = len(tokens)
         width = self.tile or _bucket(n)
         padded = -(-n // width) * width
@@ -150,7 +153,15 @@ class HybridRunner:
         outs = [run() for run in runs]
         self._last_runs, self._pending = runs, sched
         # cat copies: a replayed graph's outputs are overwritten by the next replay
-        return torch.cat([o[0] for o in outs]).tolist(), torch.cat([o[1] for o in outs])
+        return tuple(torch.cat(column) for column in zip(*outs))
+
+    def _output(self, out: ChunkOut, rows: list[int]) -> StepOutput:
+        """The StepOutput of block rows `rows` (in that order): one host copy of their argmax (and top-k)."""
+        sel = torch.tensor(rows, device=out[0].device)
+        argmax, margin, *top = (t[sel] for t in out)
+        if not self.topk:
+            return StepOutput(argmax.tolist(), margin)
+        return StepOutput(argmax.tolist(), margin, top[0].tolist(), top[1].tolist())
 
     def _chunk(self, block: DeviceBlock, start: int, width: int, real: int) -> ChunkOut:
         """One forward over rows start..start+width-1; its scan runs the first `real` of them."""
@@ -161,5 +172,9 @@ class HybridRunner:
         hidden = self.model(block.ids[start:end], block.pos[start:end], block.slots[start:end], keys, self.kv,
                             self.rec, plan)
         logits = self.model.logits(hidden).float()
-        top = torch.topk(logits, 2, dim=-1).values
-        return logits.argmax(-1), top[:, 0] - top[:, 1]
+        top = torch.topk(logits, max(2, self.topk), dim=-1)
+        out = (logits.argmax(-1), top.values[:, 0] - top.values[:, 1])
+        if not self.topk:
+            return out
+        probs = torch.exp(top.values[:, :self.topk] - torch.logsumexp(logits, dim=-1, keepdim=True))
+        return out + (top.indices[:, :self.topk], probs)
