@@ -78,6 +78,16 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 1024}}
     return path
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls run fastest on one torch thread, and 20-50x slower when two threads contend with other jobs for
+    2 cores. Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny-deployments")

@@ -55,12 +55,7 @@ class TinyFactory:
         return self._engines[key][0]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()  # tiny GEMMs: one thread is fastest, two contend on a loaded 2-core box
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

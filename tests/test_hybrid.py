@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -52,13 +51,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is ~50x faster than two on a loaded 2-core box, and results are per-thread-count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_model(name: str, seed: int):

@@ -39,12 +39,7 @@ MICRO = dataclasses.replace(QWEN3_NEXT_TINY, layer_kinds=(LayerKind.LINEAR, Laye
 TREE = [-1, 0, 0, 1, 1, 3, 2, 5, 6, 7, 4]  # 11 rows: two forwards of the 8-row tile, branches in both
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def varied_tiny(device: str, dtype: torch.dtype):

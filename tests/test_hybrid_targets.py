@@ -29,12 +29,7 @@ SMALL_LLAMA = LlamaShape(vocab=512, hidden=32, layers=2, heads=4, kv_heads=2, he
                          rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def varied_tiny(seed: int = 0) -> HybridModel:

@@ -30,12 +30,7 @@ DEPLOYMENT = "qwen3-next-tiny-cpu"
 OVERRIDES = {"explore": {"trials": 8}}  # the CPU defaults otherwise (TuneSettings.for_deployment)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

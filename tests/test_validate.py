@@ -78,13 +78,7 @@ def first_layer_draft(target: LlamaModel) -> LlamaModel:
     return draft.eval().requires_grad_(False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny GEMMs run fastest on one thread, and 20x slower when two threads contend with other jobs for 2 cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
