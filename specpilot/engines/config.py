@@ -63,6 +63,16 @@ class ConfigOps:
 
     PAIR_FIELDS: ClassVar[tuple[str, ...]] = ()
 
+    def _coerce_enums(self, fields: tuple[tuple[str, type], ...]) -> None:
+        """Accept each enum field as its value (YAML, JSON), converted in place on the frozen instance."""
+        for name, enum in fields:
+            value = getattr(self, name)
+            if not isinstance(value, enum):
+                try:
+                    object.__setattr__(self, name, enum(value))
+                except ValueError:
+                    raise ConfigError(f"{name}={value!r}: expected one of {[e.value for e in enum]}") from None
+
     def replace(self, **delta: Any):
         _refuse_unknown(type(self), delta)
         return dataclasses.replace(self, **delta)
@@ -140,14 +150,9 @@ class EngineConfig(ConfigOps):
     kernel_table: tuple[tuple[str, str], ...] = ()  # (kernel@shape, launch params JSON) from tune_kernels
 
     def __post_init__(self) -> None:
-        for name, enum in (("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType), ("level_one_rule", LevelOneRule),
-                           ("weight_format", WeightFormat), ("kernel_backend", KernelBackend)):
-            value = getattr(self, name)
-            if not isinstance(value, enum):
-                try:
-                    object.__setattr__(self, name, enum(value))
-                except ValueError:
-                    raise ConfigError(f"{name}={value!r}: expected one of {[e.value for e in enum]}") from None
+        self._coerce_enums((("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
+                            ("level_one_rule", LevelOneRule), ("weight_format", WeightFormat),
+                            ("kernel_backend", KernelBackend)))
         _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
         _check(1 <= self.ngram_min <= self.ngram_max <= 16,
                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")

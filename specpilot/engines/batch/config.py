@@ -54,13 +54,7 @@ class BatchConfig(ConfigOps):
     cost_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name, enum in (("draft_length", DraftLength), ("verify_budget", VerifyBudget)):
-            value = getattr(self, name)
-            if not isinstance(value, enum):
-                try:
-                    object.__setattr__(self, name, enum(value))
-                except ValueError:
-                    raise ConfigError(f"{name}={value!r}: expected one of {[e.value for e in enum]}") from None
+        self._coerce_enums((("draft_length", DraftLength), ("verify_budget", VerifyBudget)))
         for name in ("max_batch", "prefill_chunk", "graph_max_tokens", "num_pages", "max_draft_len",
                      "verify_budget_max"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
