@@ -50,7 +50,7 @@ class TuneBudget:
     max_kernels: int = 3
     min_gap: float = 1.05  # op classes within 5% of their roofline ideal are not worth tuning
     max_settings: int = 16  # settings timed per (kernel, shape) search and per (kernel, shape, T) search
-    reps: int = 20  # timing repetitions (CUDA: do_bench's rep in ms; CPU: calls, median)
+    reps: int = 20  # timing repetitions (CUDA: replays of a 20-launch graph, median; CPU: calls, median)
     context: int = 2048  # cached keys the attention kernel reads while timed
     min_gain: float = 1.02  # re-profiled default time / tuned time needed to keep a change
     seed: int = 0
@@ -227,8 +227,10 @@ def _settings(spec: KernelSpec, fields: Sequence[str], limit: int, rng: random.R
 
 def _timer(dev: torch.device, reps: int) -> Callable[[Callable[[], Any]], float]:
     if dev.type == "cuda":
-        import triton.testing
-        return lambda fn: float(triton.testing.do_bench(fn, warmup=max(5, reps // 4), rep=reps, return_mode="median"))
+        # Inside a CUDA graph, 20 launches back to back: these kernels run for a few us, less than a Python launch
+        # costs, so timing launches from the host (do_bench) would measure the launcher, not the kernel.
+        from specpilot.kernels.bench import time_graph
+        return lambda fn: time_graph([fn] * 20, max(10, reps))
 
     def cpu(fn: Callable[[], Any]) -> float:
         times = []
