@@ -135,3 +135,26 @@ def test_a_t_neutral_claim_that_changes_bits_is_refused():
     # 128 and 512 split the 300 cached keys differently from the default 256: different rounding, refused
     assert sorted(r.split("{'split_keys': ")[1][:3] for r in table.refused if "output differs" in r) == ["128", "512"]
     assert table.entries == ()
+
+
+def test_engine_runs_with_its_kernel_table():
+    """The fused forward launches with EngineConfig.kernel_table: an order-setting attention entry and T-neutral
+    projection entries keep speculative == AR, and an invalid table is refused when the runner is built."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _tiny import prompt, tiny_model
+    from specpilot.engines.build import build_engine
+    from specpilot.engines.config import DrafterKind
+    from specpilot.kernels.table import KernelTableError, table_key
+
+    model = tiny_model("gqa", 2, dtype=torch.bfloat16)
+    sh = model.shape
+    table = ((table_key("attention", sh.q_dim, sh.kv_dim, 1), json.dumps(AttentionParams(32, 32).as_kwargs())),
+             (table_key("o_proj", sh.hidden, sh.q_dim, 8), json.dumps(LinearParams(block_n=16, num_warps=2).as_kwargs())))
+    base = EngineConfig(kernel_backend="triton", cuda_graphs=False, max_seq_len=128, kernel_table=table)
+    p = prompt(sh.vocab, 10, 2)
+    ar = build_engine(base.replace(drafter=DrafterKind.NONE), model, frozenset(), "cpu").generate(p, 12)
+    spec = build_engine(base.replace(drafter=DrafterKind.NGRAM), model, frozenset(), "cpu").generate(p, 12)
+    assert spec.tokens == ar.tokens
+    bad = ((table_key("attention", sh.q_dim, sh.kv_dim, 1), json.dumps({"block_n": 48})),)
+    with pytest.raises(KernelTableError, match="attention"):
+        build_engine(base.replace(drafter=DrafterKind.NONE, kernel_table=bad), model, frozenset(), "cpu")
