@@ -83,7 +83,7 @@ def _norm(name: str) -> str:
 def write_deployment(root: Path, cfg: RunConfig) -> Path:
     if cfg.device == "cuda":
         target, device, engine = ("{random: smollm2-135m, seed: 0}", f"{{kind: cuda, gpu: H200, count: {cfg.gpus}}}",
-                                  "{dtype: bfloat16, cuda_graphs: true, max_seq_len: 2048}")
+                                  "{dtype: bfloat16, cuda_graphs: true, max_seq_len: 2048, kernel_backend: triton}")
     else:
         target, device, engine = "{random: tiny, seed: 0}", "{kind: cpu}", "{dtype: float32, cuda_graphs: false}"
     path = root / "two-explorers.yaml"
@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--trials", type=int, default=8, help="search trials per explore task")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="tune rounds; with 2+ the kernel tuner runs between rounds and the table shows each "
+                             "round's kernel factor (the before/after attribution of issue 10)")
     parser.add_argument("--site", type=Path, default=None, help="where the carried wheels were installed")
     parser.add_argument("--left-out", type=Path, default=None, help="the wheelhouse's left-out.txt")
     a = parser.parse_args(argv)
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler.start()
     started = time.time()
     try:
-        result = tune(str(deployment), rounds=1, gpus=cfg.gpus, store=str(cfg.scratch / "store"),
+        result = tune(str(deployment), rounds=a.rounds, gpus=cfg.gpus, store=str(cfg.scratch / "store"),
                       memory=str(cfg.scratch / "memory.duckdb"), work_dir=str(cfg.scratch / "work"),
                       overrides=overrides)
     finally:
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             sampler.stop()
     report = TuneReport.from_dict(result)
     print(f"tune {report.run_id} finished in {time.time() - started:.1f} s; store {report.store}")
+    print(report.table())  # per round: tau gap, kernel factor, overhead factor (before/after the kernel tuner)
 
     rows, audit_ok = explore_timeline(report.store, report.run_id, sampler)
     table = format_timeline(rows)
