@@ -11,13 +11,17 @@ from specpilot.bench.batched import add_concurrency_args, bench_concurrency
 from specpilot.bench.harness import AR_FAST_LABEL, AR_LABEL, Variant, format_report, run_bench
 from specpilot.bench.session import DeploymentSession
 from specpilot.deployments import load_deployment
+from specpilot.engines.config import KernelBackend
 from specpilot.workload import Benchmark, WorkloadSpec
 
 
 def variants_for(session: DeploymentSession, mode: str) -> list[Variant]:
     dep = session.deployment
     out = [Variant(AR_LABEL, dep.ar_config())]
-    if dep.ar_config().batch_invariant:  # also the fastest AR shapes, so speedups are not against a slow baseline
+    # Also the fastest AR shapes, so speedups are not against a slow baseline; the fused Triton kernels have no
+    # slower invariant shape (any width is invariant), so there the two AR runs would be the same run twice.
+    ar = dep.ar_config()
+    if ar.batch_invariant and ar.kernel_backend is not KernelBackend.TRITON:
         out.append(Variant(AR_FAST_LABEL, dep.ar_config().replace(batch_invariant=False)))
     if mode != "ar":
         out += [Variant(label, cfg, label) for label, cfg in dep.drafter_configs().items()]
