@@ -4,6 +4,7 @@ checkpoint round trips and DFlash-layout checkpoints load."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,9 +17,9 @@ from specpilot.drafting.data import generate
 from specpilot.drafting.objective import Batch, block_logits
 from specpilot.drafting.sources import LeakError, mbpp_train_texts
 from specpilot.drafting.sources import TargetBundle
-from specpilot.drafting.train import TrainConfig, fit, new_drafter, train_drafter
+from specpilot.drafting.train import TrainConfig, fit, new_drafter, train_autocast, train_drafter
 from specpilot.engines.build import build_engine
-from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, VerifyMode
+from specpilot.engines.config import ConfigError, DrafterKind, DType, EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, default_target_layers
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
@@ -160,6 +161,53 @@ def test_drafter_at_run_time_matches_the_training_objective():
     train_probs = torch.softmax(logits[0, 0], -1)
     assert [t[0] for t in tokens] == train_probs.argmax(-1).tolist()
     torch.testing.assert_close(torch.tensor([q[0] for q in probs]), train_probs.max(-1).values, rtol=1e-4, atol=1e-5)
+
+
+def test_training_logits_get_a_contiguous_hidden(monkeypatch):
+    """The head GEMM sees contiguous rows: a strided slice sends F.linear to a broadcast bmm, 3x slower on CPU."""
+    model = tiny_model("gqa", 2)
+    drafter = quick_drafter(model, 2)
+    data = generate(model, [prompt(model.shape.vocab, 6, 2)], 10, drafter.config.target_layers, NO_EOS)
+    seen = []
+    real = drafter.logits
+    monkeypatch.setattr(drafter, "logits", lambda h, w: seen.append(h.is_contiguous()) or real(h, w))
+    block_logits(drafter, model.embed_tokens.weight, model.embed_tokens.weight,
+                 Batch(data.tokens, data.features, torch.tensor([[7, 9]]), torch.zeros(1, 2, 3, dtype=torch.long),
+                       torch.ones(1, 2, 3)))
+    assert seen == [True]
+
+
+def test_bf16_target_trains_under_cpu_autocast():
+    """A bf16 target trains its (float32) drafter under bf16 autocast on CPU too; float32 targets stay float32."""
+    assert train_autocast("cpu", torch.bfloat16).fast_dtype == torch.bfloat16
+    assert train_autocast("cpu", torch.bfloat16)._enabled and not train_autocast("cpu", torch.float32)._enabled
+    model = damped("gqa", 4).to(torch.bfloat16)
+    c = TrainConfig(**{**QUICK, "steps": 60, "seed": 4})
+    drafter = new_drafter(TargetBundle("tiny-bf16", model, None, NO_EOS), c)
+    data = generate(model, [prompt(model.shape.vocab, 8, 400 + i) for i in range(32)], 40,
+                    drafter.config.target_layers, NO_EOS)
+    curve = fit(drafter, model, data, c)
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())  # master weights stay float32
+    assert all(math.isfinite(r["loss"]) for r in curve) and curve[-1]["loss"] < 0.8 * curve[0]["loss"]
+
+
+def test_acceptance_reference_and_modes_share_position_ordered_attention(monkeypatch):
+    """The AR reference and every mode run position-ordered attention (a bf16 tree is then bit-exact vs AR, not
+    only up to near-ties); a knob can still turn it off for all of them together."""
+    import specpilot.drafting.evaluate as ev
+
+    model = damped("gqa", 5)
+    drafter = quick_drafter(model, 5, steps=20)
+    seen = []
+    real = ev.build_engine
+    monkeypatch.setattr(ev, "build_engine", lambda cfg, *a, **kw: seen.append(cfg) or real(cfg, *a, **kw))
+    p = [prompt(model.shape.vocab, 8, 50 + i) for i in range(2)]
+    rows = ev.measure_acceptance(model, drafter, p, 16, NO_EOS, "cpu", DType.FP32)
+    assert len(seen) == 4 and all(c.position_ordered_attention for c in seen)
+    assert seen[0].drafter is DrafterKind.NONE and all(r.equal_to_ar for r in rows)
+    seen.clear()
+    ev.measure_acceptance(model, drafter, p, 16, NO_EOS, "cpu", DType.FP32, position_ordered_attention=False)
+    assert len(seen) == 4 and not any(c.position_ordered_attention for c in seen)
 
 
 @pytest.mark.parametrize("rule", list(LevelOneRule))

@@ -31,6 +31,10 @@ class ModeAcceptance:
 
 def engine_config(drafter: BlockDrafterModel, verify: VerifyMode, dtype: DType, device: str, max_seq_len: int,
                   **knobs) -> EngineConfig:
+    """Position-ordered attention by default, for the AR reference and every mode alike: with it a tree verify
+    is bit-exact against AR. Without it (plain SDPA over the slots) a bf16 tree is token-exact only up to
+    near-ties, and the report would flag a flip as a mismatch of a lossless configuration."""
+    knobs = {"position_ordered_attention": True, **knobs}
     return EngineConfig(drafter=DrafterKind.BLOCK, verify=verify, block_size=drafter.config.block_size, dtype=dtype,
                         max_seq_len=max(64, max_seq_len), cuda_graphs=device.startswith("cuda"), **knobs)
 

@@ -57,7 +57,8 @@ def block_logits(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tens
     same_block = torch.arange(k, device=dev).repeat_interleave(b)
     sees_block = (same_block[:, None] == same_block[None]).expand(n, k * b, k * b)
     hidden = model(x, pos, ctx_kv, torch.cat([sees_ctx, sees_block], dim=-1))
-    hidden = hidden.view(n, k, b, -1)[:, :, 1:]
+    # contiguous: a strided slice makes F.linear fall back to a broadcast bmm (3x slower on CPU)
+    hidden = hidden.view(n, k, b, -1)[:, :, 1:].contiguous()
     return model.logits(hidden, head.to(hidden.dtype))
 
 

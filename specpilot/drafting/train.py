@@ -122,14 +122,21 @@ def evaluate_all(model, bundle: TargetBundle, cfg: TrainConfig, held: DraftData,
                                                   cfg.device, dtype))}
 
 
+def train_autocast(device: str, target_dtype: torch.dtype) -> torch.autocast:
+    """bf16 autocast on the GPU, and on CPU when the target itself runs in bf16: the LM-head GEMMs dominate a
+    step and run ~4x faster in bf16 on CPUs with AVX512-BF16. Float32 CPU targets (tests) train in float32."""
+    kind = torch.device(device).type
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=kind == "cuda" or target_dtype == torch.bfloat16)
+
+
 def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: TrainConfig,
         out: Path | None = None) -> list[dict]:
-    """The training loop (AdamW, warmup + cosine, gradient clipping, bf16 autocast on GPU); returns the loss
+    """The training loop (AdamW, warmup + cosine, gradient clipping, bf16 autocast: train_autocast); returns the loss
     curve. With `out`, writes a checkpoint every cfg.ckpt_every steps under out/checkpoints/."""
     embed, head = target.embed_tokens.weight, lm_head_weight(target)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.device.startswith("cuda"))
+    autocast = train_autocast(cfg.device, embed.dtype)
     curve: list[dict] = []
     model.train()
     bar = tqdm(range(cfg.steps), desc="train", disable=not cfg.progress, file=sys.stderr)
