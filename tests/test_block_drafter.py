@@ -40,14 +40,7 @@ QUICK = dict(block_size=4, layers=1, batch_seqs=8, anchors=16, mbpp_prompts=96, 
              progress=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's spin-waits under
-    oversubscription make them many times slower; run this module single-threaded, then restore."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def damped(shape: str, seed: int):
