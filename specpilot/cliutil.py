@@ -6,9 +6,10 @@ import sys
 from typing import Any, Callable
 
 
-def guarded(group: str, command_attr: str, errors: tuple[type[BaseException], ...]):
+def guarded(group: str, command_attr: str, errors: tuple[type[BaseException], ...], exit_code: bool = False):
     """Wrap `action(args) -> printable` as a subcommand: print its result (exit 0), or print
-    `specpilot GROUP COMMAND: error: ...` for the expected `errors` (exit 2)."""
+    `specpilot GROUP COMMAND: error: ...` for the expected `errors` (exit 2). exit_code=True: the action prints for
+    itself and returns the exit code (e.g. 1 when a check it ran failed)."""
     def wrap(action: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
         def run(args: argparse.Namespace) -> int:
             try:
@@ -16,6 +17,8 @@ def guarded(group: str, command_attr: str, errors: tuple[type[BaseException], ..
             except errors as e:
                 print(f"specpilot {group} {getattr(args, command_attr)}: error: {e}", file=sys.stderr)
                 return 2
+            if exit_code:
+                return int(result)
             print(result)
             return 0
         return run

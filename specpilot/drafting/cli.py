@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
+from specpilot.cliutil import guarded
 from specpilot.engines.config import DType, VerifyMode
 
 # Every TrainConfig field the command line can set (as --kebab-case), besides --lr and --target-layers.
@@ -79,14 +79,7 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0 if all(r.equal_to_ar for r in rows) else 1
 
 
-def _guarded(fn):
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (ValueError, OSError) as e:
-            print(f"specpilot drafter {args.drafter_command}: error: {e}", file=sys.stderr)
-            return 2
-    return run
+_guarded = guarded("drafter", "drafter_command", (ValueError, OSError), exit_code=True)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

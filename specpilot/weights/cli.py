@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from specpilot.cliutil import run_standalone
+from specpilot.cliutil import guarded, run_standalone
 from specpilot.weights.format import W12Error
 from specpilot.weights.pack import format_stats_table, pack_model, verify
 
@@ -37,14 +37,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _guarded(fn):
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return fn(args)
-        except (W12Error, OSError) as e:
-            print(f"specpilot weights {args.weights_command}: error: {e}", file=sys.stderr)
-            return 2
-    return run
+_guarded = guarded("weights", "weights_command", (W12Error, OSError), exit_code=True)
 
 
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
