@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specpilot.deployments import (DEPLOYMENTS_DIR, Deployment, DeploymentError, DeviceKind, ModelRef, ModelRefKind,
+from specpilot.deployments import (DEPLOYMENTS_DIR, Arrival, Deployment, DeploymentError, DeviceKind, ModelRef, ModelRefKind,
                                    RegimeKind, engine_code_version, list_deployments, load_deployment,
                                    model_fingerprint, resolve_model)
 from specpilot.engines.config import DrafterKind, DType
 from specpilot.testbed import ModelDirError, TINY, make_random_model
 from specpilot.workload import Benchmark
 
-SHIPPED = ["llama8b-shape-h200", "qwen3-next-80b-layers-h200", "qwen3-next-tiny-cpu", "smollm2-135m-cpu",
-           "smollm2-135m-h200"]
+SHIPPED = ["llama8b-shape-h200", "micro-batch-cpu", "qwen3-next-80b-layers-h200", "qwen3-next-tiny-cpu",
+           "smollm2-135m-cpu", "smollm2-135m-h200"]
+FP32 = ("micro-batch-cpu", "qwen3-next-tiny-cpu")  # the CPU development targets of random weights
 
 
 def test_the_shipped_deployments_load():
@@ -24,7 +25,7 @@ def test_the_shipped_deployments_load():
     for name in SHIPPED:
         dep = load_deployment(name)
         assert dep.name == name and dep.source == DEPLOYMENTS_DIR / f"{name}.yaml"
-        assert dep.engine.dtype is (DType.FP32 if name == "qwen3-next-tiny-cpu" else DType.BF16)  # the CPU hybrid
+        assert dep.engine.dtype is (DType.FP32 if name in FP32 else DType.BF16)
         assert set(dep.workload.benchmarks) == set(Benchmark)
         assert load_deployment(DEPLOYMENTS_DIR / f"{name}.yaml") == dep  # by path too
         assert Deployment.from_dict(dep.to_dict()) == dep  # to_dict round-trips
@@ -41,6 +42,10 @@ def test_shipped_deployment_settings():
     assert h200.workload.max_new_tokens == 2048
     assert llama.target == ModelRef(ModelRefKind.RANDOM, "llama3-8b", 0)
     assert llama.regime.kind is RegimeKind.BATCH and llama.regime.concurrency == (16, 20, 24)
+    assert llama.regime.arrival is Arrival.ALL and llama.regime.label == "batch16-20-24" and llama.batched
+    micro = load_deployment("micro-batch-cpu")
+    assert micro.batched and micro.regime.concurrency == (2, 3) and micro.engine.kernel_backend.value == "triton"
+    assert micro.device.kind is DeviceKind.CPU and not cpu.batched and cpu.regime.label == "batch1"
     configs = cpu.drafter_configs()
     assert configs["draft_model:smollm2-135m-l6"].drafter is DrafterKind.DRAFT_MODEL
     assert cpu.ar_config().drafter is DrafterKind.NONE and cpu.ar_config().dtype is DType.BF16
@@ -95,6 +100,43 @@ def test_bad_yaml_errors_name_the_file_and_field(tmp_path, field, mutate):
         load_deployment(path)
     assert info.value.field == field, str(info.value)
     assert str(info.value).startswith(f"{path}: {field}: ")
+
+
+BAD_BATCH = [  # mutations of the batch-regime deployment micro-batch-cpu
+    ("regime.arrival", lambda d: d["regime"].update(arrival="bursty")),
+    ("regime.rate", lambda d: d["regime"].update(rate=4.0)),  # a rate paces poisson arrivals only
+    ("regime.rate", lambda d: d["regime"].update(arrival="poisson", rate=-1)),
+    ("regime.concurrency", lambda d: d["regime"].update(concurrency=[2, 2])),
+    ("regime.concurrency", lambda d: d["regime"].update(concurrency=[1])),
+    ("regime.arrival", lambda d: d.update(regime={"kind": "single", "arrival": "all"})),
+    ("regime.extra", lambda d: d["regime"].update(extra=1)),
+    ("engine.kernel_backend", lambda d: d["engine"].update(kernel_backend="torch")),
+    ("drafters[0].engine.verify", lambda d: d["drafters"][0].update(engine={"verify": "tree"})),
+    ("drafters[1].kind", lambda d: d["drafters"].append({"kind": "draft_model", "model": {"testbed": "smollm2-135m-l6"}})),
+    ("regime.kind", lambda d: d.update(target={"random": "qwen3-next-tiny", "seed": 0})),
+]
+
+
+@pytest.mark.parametrize("field,mutate", BAD_BATCH, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD_BATCH)])
+def test_bad_batch_regimes_name_the_field(tmp_path, field, mutate):
+    data = yaml.safe_load((DEPLOYMENTS_DIR / "micro-batch-cpu.yaml").read_text())
+    mutate(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(DeploymentError) as info:
+        load_deployment(path)
+    assert info.value.field == field, str(info.value)
+
+
+def test_batch_regime_arrivals_round_trip(tmp_path):
+    data = yaml.safe_load((DEPLOYMENTS_DIR / "micro-batch-cpu.yaml").read_text())
+    data["regime"].update(arrival="poisson", rate=6)
+    path = tmp_path / "poisson.yaml"
+    path.write_text(yaml.safe_dump(data))
+    dep = load_deployment(path)
+    assert dep.regime.arrival is Arrival.POISSON and dep.regime.rate == 6.0 and dep.regime.label == "batch2-3-poisson@6"
+    assert Deployment.from_dict(dep.to_dict()) == dep
+    assert dep.fingerprint_digest() != load_deployment("micro-batch-cpu").fingerprint_digest()
 
 
 def test_unloadable_files_and_unknown_names(tmp_path):

@@ -206,10 +206,11 @@ def test_trial_parameters_reproduce_configs_and_deltas_merge():
                       "ngram_window.ngram_min": 1}
     trial = optuna.trial.FixedTrial({**params, "ngram_draft_length.draft_len": 9, "ngram_window.ngram_min": 4,
                                      "ngram_window.ngram_max": 2})
-    config, label = search_params.suggest(trial, dep, stock, space)
+    config, label, batch = search_params.suggest(trial, dep, stock, space)
     assert (config.draft_len, config.ngram_max, config.ngram_min, label) == (9, 2, 2, "ngram")  # min pulled <= max
+    assert batch is None  # a single-regime deployment has no BatchConfig to turn
     assert catalog.mechanisms_in(stock, config, label) == ("ngram_draft_length", "ngram_window")
-    draft, draft_label = search_params.suggest(optuna.trial.FixedTrial(
+    draft, draft_label, _ = search_params.suggest(optuna.trial.FixedTrial(
         {"drafter_label": "draft_model:smollm2-135m-l6", "draft_model_length.draft_len": 3}), dep, stock, space)
     assert draft.drafter.value == "draft_model" and draft.draft_len == 3 and draft.dtype == stock.config.dtype
     assert search_params.params_of(stock.config.replace(draft_len=30), "ngram", dep, stock, space) is None  # out of range

@@ -48,6 +48,7 @@ class AgentStatus(str, Enum):
     ON = "on"
     NO_KEY = "off_no_key"  # the configured environment variable is unset or empty
     DISABLED = "off_disabled"  # no key variable configured: the agent is switched off for this run
+    REGIME = "off_regime"  # a batch-regime deployment: the agent's trials and sandbox decode single requests
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ def plan_proposers(session: "DeploymentSession", workdir: str | Path, settings: 
     """Memory and search always; the agent too when a client can be made. `workdir`: scratch for the agent's
     transcripts and sandbox (outside the stage's flat output directory)."""
     proposers: tuple[Proposer, ...] = (MemoryProposer(), SearchProposer())
+    if session.deployment.batched:
+        return ProposerPlan(proposers, AgentStatus.REGIME, "agent proposer off: its trials and sandbox decode single "
+                            "requests, and this deployment is served batched; exploring with the search and memory "
+                            "proposers only")
     if client_factory is None:
         if not settings.key_env:
             return ProposerPlan(proposers, AgentStatus.DISABLED, "agent proposer off: no API key variable configured "

@@ -15,24 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from specpilot.deployments.spec import Arrival  # a deployment's batch regime names its arrival process
 from specpilot.engines.batch import (MECHANISMS, BatchConfig, BatchEngine, BatchRunner, CostCurve, RequestSpec,
                                      block_width, measure_cost_curve)
 from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend
 from specpilot.engines.llama import LlamaModel
 
 AR_LABEL, STOCK_LABEL, ALL_LABEL = "ar", "stock", "all"
-
-
-class Arrival(str, Enum):
-    ALL = "all"
-    POISSON = "poisson"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,11 @@ YAML schema (fields marked * are required):
       - kind: draft_model
         model: {testbed: smollm2-135m-l6}   # first 6 layers of the target; or {path: DIR}
     device*: {kind: cuda, gpu: H200, count: 1}   # or {kind: cpu}
-    regime: {kind: single}             # or {kind: batch, concurrency: [16, 20, 24]}
+    regime: {kind: single}             # or {kind: batch, concurrency: [16, 20, 24], arrival: all}
+                                       # (arrival: all | poisson; poisson takes an optional rate, requests/s).
+                                       # The batch regime is served by the batched engine: n-gram drafters,
+                                       # chain verification, kernel_backend: triton (on cpu: the Triton
+                                       # interpreter, TRITON_INTERPRET=1)
     workload*:
       benchmarks: [gsm8k, humaneval, math500, mbpp, mt_bench]   # default: all five
       prompts_per_benchmark*: 2        # tune prompts per benchmark, and as many validate prompts
@@ -33,9 +37,9 @@ from typing import Any
 import yaml
 
 import specpilot
-from specpilot.deployments.spec import (_NAME, DeploymentError, DeviceKind, DeviceSpec, DrafterSpec, ModelRef,
-                                        ModelRefKind, RegimeKind, RegimeSpec, _engine_config, _mapping, _no_extra,
-                                        workload_from_yaml)
+from specpilot.deployments.spec import (_NAME, Arrival, DeploymentError, DeviceKind, DeviceSpec, DrafterSpec,
+                                        ModelRef, ModelRefKind, RegimeKind, RegimeSpec, _engine_config, _mapping,
+                                        _no_extra, workload_from_yaml)
 from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend, VerifyMode
 from specpilot.engines.family import FamilyLookupError, TargetFamily, family_of_dir
 from specpilot.engines.shapes import UnsupportedModelError
@@ -47,9 +51,9 @@ from specpilot.workload import WorkloadSpec
 DEPLOYMENTS_DIR = Path(__file__).resolve().parent
 _CODE_DIRS = ("engines", "kernels")  # the code whose change invalidates measurements
 
-__all__ = ["DEPLOYMENTS_DIR", "Deployment", "DeploymentError", "DeviceKind", "DeviceSpec", "DrafterSpec", "ModelRef",
-           "ModelRefKind", "RegimeKind", "RegimeSpec", "WorkloadSpec", "engine_code_version", "list_deployments",
-           "load_deployment", "model_fingerprint", "resolve_model"]
+__all__ = ["DEPLOYMENTS_DIR", "Arrival", "Deployment", "DeploymentError", "DeviceKind", "DeviceSpec", "DrafterSpec",
+           "ModelRef", "ModelRefKind", "RegimeKind", "RegimeSpec", "WorkloadSpec", "engine_code_version",
+           "list_deployments", "load_deployment", "model_fingerprint", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,10 @@ class Deployment:
             if label in labels[:i]:
                 raise DeploymentError(f"drafters[{i}]", f"drafter {label} is listed twice")
         if self.device.kind is DeviceKind.CPU:
+            # The batched engine runs only the Triton kernels; on cpu, under the Triton interpreter (development).
+            triton_on_cpu = self.engine.kernel_backend is KernelBackend.TRITON and not self.batched
             for name, bad in (("cuda_graphs", self.engine.cuda_graphs), ("compile", self.engine.compile),
-                              ("kernel_backend", self.engine.kernel_backend is KernelBackend.TRITON)):
+                              ("kernel_backend", triton_on_cpu)):
                 if bad:
                     raise DeploymentError(f"engine.{name}", f"{getattr(self.engine, name)!r} needs a cuda device "
                                           "(this deployment runs on cpu)")
@@ -89,6 +95,34 @@ class Deployment:
             except ValueError as e:
                 raise DeploymentError(f"drafters[{i}].engine", f"conflicts with the base engine config: {e}") from None
         self._check_family()
+        if self.batched:
+            self._check_batched()
+
+    @property
+    def batched(self) -> bool:
+        """Served by the batched engine (specpilot.engines.batch): the batch regime."""
+        return self.regime.kind is RegimeKind.BATCH
+
+    def _check_batched(self) -> None:
+        """What the batched engine serves: Llama targets, n-gram drafters verified as chains, Triton kernels (its
+        batch-invariant kernels are what makes every request equal its single-request AR output)."""
+        if self.engine.kernel_backend is not KernelBackend.TRITON:
+            raise DeploymentError("engine.kernel_backend", "the batch regime is served by the batched engine, whose "
+                                  "batch-invariant kernels are Triton's: set kernel_backend: triton (on cpu they run "
+                                  "under the Triton interpreter, TRITON_INTERPRET=1)")
+        for i, (d, cfg) in enumerate(zip(self.drafters, self.drafter_configs().values())):
+            if d.kind is not DrafterKind.NGRAM:
+                raise DeploymentError(f"drafters[{i}].kind", f"the batched engine drafts by n-gram lookup only; "
+                                      f"{d.kind.value} drafters serve the single regime")
+            if cfg.verify is not VerifyMode.CHAIN:
+                raise DeploymentError(f"drafters[{i}].engine.verify", "the batched engine verifies chains only")
+        try:
+            family = self.target_family()
+        except (FamilyLookupError, UnsupportedModelError, OSError):
+            return  # a directory that cannot be read yet: the session checks it when it loads the model
+        if family is not TargetFamily.LLAMA:
+            raise DeploymentError("regime.kind", f"the batched engine serves Llama-family targets; this target is "
+                                  f"{family.value}")
 
     def target_family(self) -> TargetFamily:
         """The target's family without loading it: random shapes and testbed bases know theirs; a model directory

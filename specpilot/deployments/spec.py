@@ -49,7 +49,13 @@ class DeviceKind(str, Enum):
 
 class RegimeKind(str, Enum):
     SINGLE = "single"  # one request at a time
-    BATCH = "batch"  # concurrent requests at each listed concurrency
+    BATCH = "batch"  # concurrent requests at each listed concurrency, served by the batched engine
+
+
+class Arrival(str, Enum):
+    """How a batch regime's requests arrive (specpilot.bench.batched reads it too)."""
+    ALL = "all"  # every request at t=0; the scheduler keeps `concurrency` of them running
+    POISSON = "poisson"  # exponential inter-arrival times at `rate` requests per second
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,8 @@ class DeviceSpec:
 class RegimeSpec:
     kind: RegimeKind = RegimeKind.SINGLE
     concurrency: tuple[int, ...] = ()  # batch only: the concurrencies measured
+    arrival: Arrival | None = None  # batch only (default all): how requests arrive at each concurrency
+    rate: float | None = None  # poisson only: requests per second (None: Little's law under AR, see bench.batched)
 
     def __post_init__(self) -> None:
         kind = _enum(RegimeKind, self.kind, "kind")
@@ -190,22 +198,49 @@ class RegimeSpec:
             raise DeploymentError("concurrency", f"expected a list of integers, got {self.concurrency!r}")
         conc = tuple(self.concurrency)
         object.__setattr__(self, "concurrency", conc)
-        if kind is RegimeKind.SINGLE and conc:
-            raise DeploymentError("concurrency", "the single regime runs one request at a time; drop concurrency")
-        if kind is RegimeKind.BATCH:
-            if not conc or any(isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= 4096 for c in conc):
-                raise DeploymentError("concurrency", f"the batch regime needs a list of integers in 2..4096, got {list(conc)}")
-            if len(set(conc)) != len(conc):
-                raise DeploymentError("concurrency", f"repeated values in {list(conc)}")
+        if kind is RegimeKind.SINGLE:
+            for name in ("concurrency", "arrival", "rate"):
+                if getattr(self, name) not in ((), None):
+                    raise DeploymentError(name, f"the single regime runs one request at a time; drop {name} "
+                                          "(or use kind: batch)")
+            return
+        if not conc or any(isinstance(c, bool) or not isinstance(c, int) or not 2 <= c <= 1024 for c in conc):
+            raise DeploymentError("concurrency", f"the batch regime needs a list of integers in 2..1024 (the batched "
+                                  f"engine's max_batch range), got {list(conc)}")
+        if len(set(conc)) != len(conc):
+            raise DeploymentError("concurrency", f"repeated values in {list(conc)}")
+        arrival = Arrival.ALL if self.arrival is None else _enum(Arrival, self.arrival, "arrival")
+        object.__setattr__(self, "arrival", arrival)
+        if self.rate is not None:
+            if arrival is not Arrival.POISSON:
+                raise DeploymentError("rate", f"a rate paces poisson arrivals; arrival is {arrival.value!r}")
+            if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not 0 < self.rate < 1e6:
+                raise DeploymentError("rate", f"expected requests per second in (0, 1e6), got {self.rate!r}")
+            object.__setattr__(self, "rate", float(self.rate))
+
+    @property
+    def label(self) -> str:
+        """The regime as memory scopes name it: batch1 (one request at a time), batch16-20-24 (all at once),
+        batch16-20-24-poisson[@rate]: measurements under other arrivals are not the same evidence."""
+        if self.kind is RegimeKind.SINGLE:
+            return "batch1"
+        label = "batch" + "-".join(map(str, self.concurrency))
+        if self.arrival is Arrival.POISSON:
+            label += "-poisson" + ("" if self.rate is None else f"@{self.rate:g}")
+        return label
 
     @classmethod
     def from_yaml(cls, data: Any) -> "RegimeSpec":
-        m = _mapping(data, "", "a regime like {kind: single} or {kind: batch, concurrency: [16, 20, 24]}")
-        _no_extra(m, {"kind", "concurrency"})
-        return cls(m.get("kind", RegimeKind.SINGLE), m.get("concurrency", ()))
+        m = _mapping(data, "", "a regime like {kind: single} or {kind: batch, concurrency: [16, 20, 24], "
+                     "arrival: poisson, rate: 8}")
+        _no_extra(m, {"kind", "concurrency", "arrival", "rate"})
+        return cls(m.get("kind", RegimeKind.SINGLE), m.get("concurrency", ()), m.get("arrival"), m.get("rate"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "concurrency": list(self.concurrency)}
+        if self.kind is RegimeKind.SINGLE:  # no arrival keys: single deployments keep their fingerprints
+            return {"kind": self.kind.value, "concurrency": []}
+        return {"kind": self.kind.value, "concurrency": list(self.concurrency), "arrival": self.arrival.value,
+                "rate": self.rate}
 
 
 def workload_from_yaml(data: Any) -> WorkloadSpec:

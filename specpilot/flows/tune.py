@@ -77,7 +77,7 @@ def pick_candidates(explores: list[StageOutcome], limit: int) -> list[Candidate]
     out: dict[tuple[str, str | None], Candidate] = {}
     for m in ranked:
         c = Candidate.from_dict(m["candidate"])
-        out.setdefault((c.config.digest(), c.drafter_label), c)
+        out.setdefault((c.build_digest, c.drafter_label), c)
     return list(out.values())[:limit]
 
 

@@ -1,4 +1,5 @@
-"""A candidate engine build: an EngineConfig plus, optionally, policy code at the engine's extension points."""
+"""A candidate engine build: an EngineConfig plus, optionally, policy code at the engine's extension points, and,
+for a batch-regime deployment, the BatchConfig of the batched engine that serves it."""
 from __future__ import annotations
 
 import importlib
@@ -9,6 +10,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from specpilot.engines.batch.config import BatchConfig
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.policy import STOCK, EnginePolicy
 
@@ -30,14 +32,26 @@ class Candidate:
     mechanisms: tuple[str, ...] = ()  # catalog mechanism names this candidate embodies
     source: CandidateSource = CandidateSource.SEARCH
     drafter_label: str | None = None  # which deployment drafter (model) the config's drafter kind refers to
+    batch_config: BatchConfig | None = None  # batch regime: the batched engine's mechanisms (None: single regime)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a candidate needs a name")
+        if self.batch_config is not None and not isinstance(self.batch_config, BatchConfig):
+            raise ValueError(f"candidate {self.name}: batch_config must be a BatchConfig, got {self.batch_config!r}")
+        if self.batch_config is not None and self.policy is not None:
+            raise ValueError(f"candidate {self.name}: the batched engine runs no policy code")
         object.__setattr__(self, "source", CandidateSource(self.source))
         object.__setattr__(self, "mechanisms", tuple(self.mechanisms))
         if self.policy is not None and ":" not in self.policy:
             raise ValueError(f"candidate {self.name}: policy {self.policy!r} must look like 'module:Class' or 'file.py:Class'")
+
+    @property
+    def build_digest(self) -> str:
+        """What decodes: the engine config and, in the batch regime, the batching config too (two candidates that
+        differ only in their BatchConfig are different builds)."""
+        config = self.config.digest()
+        return config if self.batch_config is None else f"{config}+{self.batch_config.digest()}"
 
     @property
     def runs_isolated(self) -> bool:
@@ -70,10 +84,12 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "config": self.config.to_dict(), "policy": self.policy,
-                "mechanisms": list(self.mechanisms), "source": self.source.value, "drafter_label": self.drafter_label}
+                "mechanisms": list(self.mechanisms), "source": self.source.value, "drafter_label": self.drafter_label,
+                "batch_config": None if self.batch_config is None else self.batch_config.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Candidate":
         return cls(name=d["name"], config=EngineConfig.from_dict(d["config"]), policy=d.get("policy"),
                    mechanisms=tuple(d.get("mechanisms", ())), source=d.get("source", "search"),
-                   drafter_label=d.get("drafter_label"))
+                   drafter_label=d.get("drafter_label"),
+                   batch_config=None if d.get("batch_config") is None else BatchConfig.from_dict(d["batch_config"]))

@@ -1,11 +1,13 @@
-"""The mechanism catalog: named mechanisms, the EngineConfig knobs each turns (with ranges), where each applies,
-and which cost-model directions it addresses. The search proposer optimises over the knobs of a round's space
-(as Optuna parameters: stages/search_params.py).
+"""The mechanism catalog: named mechanisms, the knobs each turns (with ranges), where each applies, and which
+cost-model directions it addresses. The search proposer optimises over the knobs of a round's space (as Optuna
+parameters: stages/search_params.py).
 
-Only EngineConfig fields are turned (the drafter choice picks one of the deployment's drafters, whose model the
-session loads). Stock is the deployment's first listed drafter with its published defaults. Mechanisms name the
-target families they apply to: hybrid recurrent targets have knobs of their own (tree or chain verification with
-per-branch recurrent state, state checkpoint spacing) and none of the Llama runner's torch.compile.
+Knobs turn EngineConfig fields, or, for the batched engine, BatchConfig fields (the drafter choice picks one of
+the deployment's drafters, whose model the session loads). Stock is the deployment's first listed drafter with its
+published defaults (and, in the batch regime, every batching mechanism off). Mechanisms name the target families
+and serving regimes they apply to: hybrid recurrent targets have knobs of their own (tree or chain verification
+with per-branch recurrent state, state checkpoint spacing) and none of the Llama runner's torch.compile; the batch
+regime's engine reads the n-gram knobs and its three batching mechanisms, and the single regime never sees those.
 """
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from enum import Enum
 from typing import Any
 
 from specpilot.costmodel import DirectionName
-from specpilot.deployments import Deployment, DeviceKind
+from specpilot.deployments import Deployment, DeviceKind, RegimeKind
+from specpilot.engines.batch.config import MECHANISMS as BATCH_MECHANISMS
+from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
 from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend, VerifyMode
 from specpilot.engines.family import TargetFamily
 from specpilot.memory import MechanismCategory
+from specpilot.stages.batch_catalog import BATCH_DELTA, batch_delta, stock_batch
 from specpilot.stages.candidate import Candidate, CandidateSource
 
 DRAFTER_PARAM = "drafter_label"  # the one search parameter that is not an EngineConfig field
@@ -28,18 +33,30 @@ class KnobDomain(str, Enum):
     CHOICE = "choice"  # one of `choices`
 
 
+class KnobTarget(str, Enum):
+    """Which config a knob turns."""
+    ENGINE = "engine"  # an EngineConfig field
+    BATCH = "batch"  # a BatchConfig field (the batched engine; batch-regime deployments only)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return (EngineConfig if self is KnobTarget.ENGINE else BatchConfig).__dataclass_fields__
+
+
 @dataclass(frozen=True)
 class Knob:
-    field: str  # EngineConfig field (or DRAFTER_PARAM)
+    field: str  # a field of the target's config (or DRAFTER_PARAM)
     domain: KnobDomain
     low: int = 0
     high: int = 0
     choices: tuple[Any, ...] = ()
+    target: KnobTarget = KnobTarget.ENGINE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domain", KnobDomain(self.domain))
-        if self.field != DRAFTER_PARAM and self.field not in EngineConfig.__dataclass_fields__:
-            raise ValueError(f"knob {self.field!r} is not an EngineConfig field")
+        object.__setattr__(self, "target", KnobTarget(self.target))
+        if self.field != DRAFTER_PARAM and self.field not in self.target.fields:
+            raise ValueError(f"knob {self.field!r} is not a {self.target.value} config field")
         if self.domain is KnobDomain.INT and not self.low <= self.high:
             raise ValueError(f"knob {self.field}: empty range {self.low}..{self.high}")
         if self.domain is KnobDomain.CHOICE and not self.choices:
@@ -59,15 +76,25 @@ class CatalogMechanism:
     drafters: frozenset[DrafterKind] = frozenset()  # applies when the build drafts with one of these (empty: any)
     devices: frozenset[DeviceKind] = frozenset(DeviceKind)
     families: frozenset[TargetFamily] = frozenset(TargetFamily)  # target families whose engines read the knobs
+    regimes: frozenset[RegimeKind] = frozenset({RegimeKind.SINGLE})  # serving regimes whose engines read the knobs
 
     def __post_init__(self) -> None:
-        for name, enum in (("drafters", DrafterKind), ("devices", DeviceKind), ("families", TargetFamily)):
+        for name, enum in (("drafters", DrafterKind), ("devices", DeviceKind), ("families", TargetFamily),
+                           ("regimes", RegimeKind)):
             object.__setattr__(self, name, frozenset(enum(v) for v in getattr(self, name)))
-        if not self.families or not self.devices:
-            raise ValueError(f"mechanism {self.name}: applies to no target family or device")
+        if not self.families or not self.devices or not self.regimes:
+            raise ValueError(f"mechanism {self.name}: applies to no target family, device or regime")
+        if RegimeKind.SINGLE in self.regimes and any(k.target is KnobTarget.BATCH for k in self.knobs):
+            raise ValueError(f"mechanism {self.name}: BatchConfig knobs mean nothing to the single regime")
 
-    def applies(self, build: EngineConfig, device: DeviceKind, family: TargetFamily = TargetFamily.LLAMA) -> bool:
-        if device not in self.devices or family not in self.families:
+    @property
+    def batched(self) -> bool:
+        """Turns the batched engine's BatchConfig."""
+        return any(k.target is KnobTarget.BATCH for k in self.knobs)
+
+    def applies(self, build: EngineConfig, device: DeviceKind, family: TargetFamily = TargetFamily.LLAMA,
+                regime: RegimeKind = RegimeKind.SINGLE) -> bool:
+        if device not in self.devices or family not in self.families or regime not in self.regimes:
             return False
         if self.drafters and build.drafter not in self.drafters:
             return False
@@ -83,14 +110,35 @@ _CUDA = frozenset({DeviceKind.CUDA})
 _ANY_DEVICE = frozenset(DeviceKind)
 _LLAMA, _HYBRID = frozenset({TargetFamily.LLAMA}), frozenset({TargetFamily.HYBRID})
 _CHAIN_DRAFTERS = frozenset({DrafterKind.NGRAM, DrafterKind.DRAFT_MODEL})
-_INT, _CHOICE = KnobDomain.INT, KnobDomain.CHOICE
+_INT, _CHOICE, _BATCH = KnobDomain.INT, KnobDomain.CHOICE, KnobTarget.BATCH
+_NGRAM = frozenset({DrafterKind.NGRAM})
+_BOTH_REGIMES, _BATCHED = frozenset(RegimeKind), frozenset({RegimeKind.BATCH})
 CATALOG: tuple[CatalogMechanism, ...] = (
+    # The batched engine drafts by n-gram lookup too (its fixed draft length is stock's), so these two serve both.
     CatalogMechanism("ngram_draft_length", MechanismCategory.ALGORITHM, "n-gram lookup: draft tokens per step",
                      (Knob("draft_len", _INT, 1, 12),), frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}),
-                     frozenset({DrafterKind.NGRAM})),
+                     _NGRAM, regimes=_BOTH_REGIMES),
     CatalogMechanism("ngram_window", MechanismCategory.ALGORITHM, "n-gram lookup: longest and shortest suffix matched",
                      (Knob("ngram_max", _INT, 1, 8), Knob("ngram_min", _INT, 1, 4)),
-                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.NGRAM})),
+                     frozenset({DirectionName.TREE_SHAPE}), _NGRAM, regimes=_BOTH_REGIMES),
+    # The batched engine's three mechanisms (engines/batch/config.py), batch regime only. A fixed draft length
+    # ignores max_draft_len and an unbudgeted verify ignores verify_budget_max: search_params pins those.
+    CatalogMechanism("goodput_draft", MechanismCategory.SCHEDULING,
+                     "batched engine: each request's draft length re-chosen every step from its recent acceptance "
+                     "(maximising expected tokens per second of step cost), up to a longest draft",
+                     (Knob("draft_length", _CHOICE, choices=tuple(d.value for d in DraftLength), target=_BATCH),
+                      Knob("max_draft_len", _INT, 2, 16, target=_BATCH)),
+                     frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}), _NGRAM, regimes=_BATCHED),
+    CatalogMechanism("verify_budget", MechanismCategory.SCHEDULING,
+                     "batched engine: one verify-token budget per step, sized from the target forward's cost curve and "
+                     "handed to the (request, position) slots most likely to be accepted",
+                     (Knob("verify_budget", _CHOICE, choices=tuple(v.value for v in VerifyBudget), target=_BATCH),
+                      Knob("verify_budget_max", _CHOICE, choices=(0, 16, 32, 64), target=_BATCH)),
+                     frozenset({DirectionName.TREE_SHAPE, DirectionName.KERNELS}), _NGRAM, regimes=_BATCHED),
+    CatalogMechanism("overlap_draft", MechanismCategory.SCHEDULING,
+                     "batched engine: draft the next step on the host while the device verifies this one",
+                     (Knob("overlap_draft", _CHOICE, choices=(False, True), target=_BATCH),),
+                     frozenset({DirectionName.OVERHEAD}), _NGRAM, regimes=_BATCHED),
     CatalogMechanism("draft_model_length", MechanismCategory.ALGORITHM, "draft model: draft tokens per step",
                      (Knob("draft_len", _INT, 1, 12),), frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}),
                      frozenset({DrafterKind.DRAFT_MODEL})),
@@ -137,12 +185,17 @@ KERNEL_TABLE = CatalogMechanism("kernel_table", MechanismCategory.KERNEL,
                                 "tuned Triton launch parameters per kernel, shape and token count", (),
                                 frozenset({DirectionName.KERNELS}), devices=_CUDA)
 BY_NAME: dict[str, CatalogMechanism] = {m.name: m for m in (*CATALOG, DRAFTER_CHOICE, KERNEL_TABLE)}
+for _name, _delta in BATCH_MECHANISMS.items():  # each batching mechanism's entry turns its engine-side switch
+    if not set(_delta) <= {k.field for k in BY_NAME[_name].knobs if k.target is KnobTarget.BATCH}:
+        raise RuntimeError(f"catalog entry {_name} does not turn {sorted(_delta)} (engines/batch/config.py MECHANISMS)")
 
 
 def stock_candidate(dep: Deployment) -> Candidate:
-    """The deployment's first drafter with its published defaults on the default kernels."""
+    """The deployment's first drafter with its published defaults on the default kernels; batch regime: served by
+    the batched engine with every batching mechanism off (a fixed draft length for every request, every step)."""
     first = dep.drafters[0]
-    return Candidate("stock", first.engine_config(dep.engine), source=CandidateSource.STOCK, drafter_label=first.label)
+    return Candidate("stock", first.engine_config(dep.engine), source=CandidateSource.STOCK, drafter_label=first.label,
+                     batch_config=stock_batch(dep))
 
 
 def drafter_config(dep: Deployment, label: str) -> EngineConfig:
@@ -164,8 +217,8 @@ class SearchSpace:
     def to_dict(self) -> dict[str, Any]:
         return {"direction": self.direction.value, "drafter_labels": list(self.drafter_labels), "widened": self.widened,
                 "mechanisms": {label: [{"name": m.name, "category": m.category.value, "knobs": [
-                    {"field": k.field, "domain": k.domain.value, "low": k.low, "high": k.high, "choices": list(k.choices)}
-                    for k in m.knobs]} for m in ms] for label, ms in self.mechanisms.items()}}
+                    {"field": k.field, "target": k.target.value, "domain": k.domain.value, "low": k.low, "high": k.high,
+                     "choices": list(k.choices)} for k in m.knobs]} for m in ms] for label, ms in self.mechanisms.items()}}
 
 
 def search_space(dep: Deployment, build: Candidate, direction: DirectionName, min_settings: int) -> SearchSpace:
@@ -179,7 +232,7 @@ def search_space(dep: Deployment, build: Candidate, direction: DirectionName, mi
         for label in labels:
             base = build.config if label == build.drafter_label else drafter_config(dep, label)
             base = base.replace(**{k: getattr(build.config, k) for k in _SHARED_FIELDS})
-            out[label] = tuple(m for m in CATALOG if m.applies(base, dep.device.kind, family)
+            out[label] = tuple(m for m in CATALOG if m.applies(base, dep.device.kind, family, dep.regime.kind)
                                and (not only_direction or direction in m.addresses))
         return out
 
@@ -210,17 +263,18 @@ def config_delta(base: EngineConfig, config: EngineConfig) -> dict[str, Any]:
 
 
 def mechanisms_in(base: Candidate, config: EngineConfig, drafter_label: str | None, *,
-                  family: TargetFamily | None = None) -> tuple[str, ...]:
-    """Catalog mechanisms whose knobs `config` turns relative to `base` (and the drafter choice); with `family`,
-    only mechanisms of that target family (two may share a field, e.g. verify)."""
-    delta = config_delta(base.config, config)
+                  family: TargetFamily | None = None, batch: BatchConfig | None = None) -> tuple[str, ...]:
+    """Catalog mechanisms whose knobs `config` (and `batch`, the batch regime's BatchConfig) turn relative to `base`
+    (and the drafter choice); with `family`, only mechanisms of that target family (two may share a field)."""
+    delta = {KnobTarget.ENGINE: config_delta(base.config, config),
+             KnobTarget.BATCH: batch_delta(base.batch_config, batch) if batch is not None else {}}
     names = [DRAFTER_CHOICE.name] if drafter_label != base.drafter_label else []
     for m in CATALOG:
         if (m.drafters and config.drafter not in m.drafters) or (family is not None and family not in m.families):
             continue
-        if any(k.field in delta for k in m.knobs):
+        if any(k.field in delta[k.target] for k in m.knobs):
             names.append(m.name)
-    if "kernel_table" in delta:
+    if "kernel_table" in delta[KnobTarget.ENGINE]:
         names.append(KERNEL_TABLE.name)
     return tuple(dict.fromkeys(names))
 
@@ -230,7 +284,7 @@ def with_kernel_table(candidate: Candidate, pairs: tuple[tuple[str, str], ...]) 
     merged = tuple(sorted((dict(candidate.config.kernel_table) | dict(pairs)).items()))
     return Candidate(f"{candidate.name}+kernels", candidate.config.replace(kernel_table=merged), candidate.policy,
                      tuple(dict.fromkeys((*candidate.mechanisms, KERNEL_TABLE.name))), CandidateSource.SEARCH,
-                     candidate.drafter_label)
+                     candidate.drafter_label, candidate.batch_config)
 
 
 def mechanism_category(names: tuple[str, ...]) -> MechanismCategory:
@@ -239,8 +293,11 @@ def mechanism_category(names: tuple[str, ...]) -> MechanismCategory:
 
 def apply_delta(dep: Deployment, base: Candidate, delta: dict[str, Any],
                 drafter_label: str | None) -> tuple[EngineConfig, str]:
-    """`base` with `delta` applied; a delta that switches drafter starts from that drafter's stock config and
-    keeps the build's shared (kernel/scheduling) fields. ConfigError/ValueError when it does not fit."""
+    """`base` with `delta` (EngineConfig fields) applied; a delta that switches drafter starts from that drafter's
+    stock config and keeps the build's shared (kernel/scheduling) fields. ConfigError/ValueError when it does not
+    fit. BatchConfig fields are applied apart (batch_catalog.apply_batch_delta), and refused here."""
+    if BATCH_DELTA in delta:
+        raise ValueError(f"{BATCH_DELTA!r}: BatchConfig fields are applied by batch_catalog.apply_batch_delta")
     label = drafter_label or base.drafter_label
     if "drafter" in delta and delta["drafter"] != base.config.drafter.value:
         label = drafter_label or next((d.label for d in dep.drafters if d.kind.value == delta["drafter"]), None)

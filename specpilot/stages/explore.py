@@ -3,7 +3,8 @@
 Proposers (stages/proposers.py) turn the direction and context into candidates: memory's first (decoded in
 the first batch, warm-starting the search), then the search, then the agent when an API key exists
 (agents/plan.py decides, and the stage records why it is on or off). Every candidate becomes a Measurement
-in the QuickBench log (stages/quickbench.py); agent code only ever runs in the sandbox, whose outcomes join
+in the QuickBench log (stages/quickbench.py; batch-regime deployments: stages/batch_quickbench.py, batched
+throughput at the deployment's concurrencies); agent code only ever runs in the sandbox, whose outcomes join
 the same log. Selected for validation: the candidates that beat the build in their own bench run without
 differing from AR, plus every candidate owed a verdict that ran: memory's (a transfer to this scope needs
 one, carried over or not) and the agent's submissions (its tool hands them to validation).
@@ -24,8 +25,10 @@ from specpilot.agents.ledger import AgentBudget
 from specpilot.agents.plan import AgentSettings, plan_proposers, write_agent_outputs
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.costmodel import Attribution, Direction, DirectionName
+from specpilot.deployments import RegimeKind
 from specpilot.engines.traces import StepTrace
 from specpilot.stages import catalog
+from specpilot.stages.batch_quickbench import BatchQuickBench
 from specpilot.stages.candidate import Candidate, CandidateSource
 from specpilot.stages.io import SplitName, StageRun, exclusive, memory_scope
 from specpilot.stages.proposers import (ExploreContext, MemoryHit, MemoryProposer, Proposer, SearchProposer,
@@ -96,7 +99,9 @@ def explore(session: DeploymentSession, base: Candidate, direction: Direction, p
             proposers: tuple[Proposer, ...] = (MemoryProposer(), SearchProposer())) -> ExploreResult:
     """Memory's candidates first (decoded in the first batch), then the other proposers in order."""
     space = catalog.search_space(session.deployment, base, direction.name, min_settings=2 * params.trials)
-    bench = QuickBench(session, prompts, params.max_new_tokens, base, params.repeats)
+    # The batch regime measures builds as they serve: batched, at the deployment's concurrencies.
+    bench_type = BatchQuickBench if session.deployment.regime.kind is RegimeKind.BATCH else QuickBench
+    bench = bench_type(session, prompts, params.max_new_tokens, base, params.repeats)
     ctx = ExploreContext(session.deployment, base, attribution, space, tuple(memory_hits), bench, params)
     first = [c for pr in proposers if pr.source is CandidateSource.MEMORY
              for c in pr.propose(direction, ctx, params.memory_candidates)]

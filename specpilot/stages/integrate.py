@@ -8,6 +8,11 @@ current build and that result is fastest on the held-out prompts, so it is never
 when nothing beats stock the final build is stock and the decision says so. Agent code is validated in the
 sandbox (agents/forcing.py) and, passing, recorded but not built in. Memory is written only here
 (stages/remember.py), including whether memory's candidates carried over to this scope.
+
+A batch-regime deployment's builds carry a BatchConfig: validation checks every request the candidate serves
+batched against its single-request AR output (stages/batch_validate.py), combination merges BatchConfig deltas
+too, builds are compared batched at the deployment's concurrencies (stages/heldout.py), and the build stores
+its batch_config.json next to its engine_config.json (stages/io.py).
 """
 from __future__ import annotations
 
@@ -18,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from specpilot.agents.forcing import validate_isolated, write_sandboxed_verdict
-from specpilot.bench.harness import AR_LABEL, BenchReport, Variant, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.deployments import Deployment
 from specpilot.engines.config import ConfigError, DType
 from specpilot.memory import Failure, Memory, RunStatus
-from specpilot.stages import catalog
+from specpilot.stages import batch_catalog, catalog
+from specpilot.stages.batch_validate import validate_batched, write_batch_verdict
 from specpilot.stages.candidate import Candidate, CandidateSource
+from specpilot.stages.heldout import Heldout, heldout_batched, heldout_single
 from specpilot.stages.io import SplitName, StageRun, exclusive, write_build
 from specpilot.stages.remember import Explored, record_memory
 from specpilot.stages.validate import VerdictKind, validate, write_verdict
@@ -68,22 +74,32 @@ def run_validate(run: StageRun) -> dict[str, Any]:
     max_new = params.max_new_tokens or dep.workload.max_new_tokens
     eps = tie_epsilon(dep, params.tie_epsilon)
     with exclusive(run.device):
-        if candidate.runs_isolated:  # agent code: the candidate's half of token forcing runs in the sandbox
-            checked = validate_isolated(run.session(), stock, candidate, prompts, max_new, eps, run.scratch)
-            write_sandboxed_verdict(checked, run.out_dir)
-            verdict, kind, reasons = checked.verdict, checked.kind, checked.reasons
+        if dep.batched:  # served batched: every request against its single-request AR output
+            checked = validate_batched(run.session(), stock, candidate, prompts, max_new, eps)
+            write_batch_verdict(checked, run.out_dir)
+            kind, reasons, speedups = checked.kind, checked.reasons, checked.speedup
+            per_benchmark = checked.per_benchmark()
+        elif candidate.runs_isolated:  # agent code: the candidate's half of token forcing runs in the sandbox
+            sandboxed = validate_isolated(run.session(), stock, candidate, prompts, max_new, eps, run.scratch)
+            write_sandboxed_verdict(sandboxed, run.out_dir)
+            kind, reasons = sandboxed.kind, sandboxed.reasons
+            speedups = None if sandboxed.verdict is None else sandboxed.verdict.speedup
+            per_benchmark = {} if sandboxed.verdict is None else _per_benchmark(
+                [(p.prompt, p.speedup) for p in sandboxed.verdict.prompts])
         else:
             verdict = validate(run.session(), stock, candidate, prompts, max_new, eps)
             write_verdict(verdict, run.out_dir)
-            kind, reasons = verdict.kind, verdict.reasons
+            kind, reasons, speedups = verdict.kind, verdict.reasons, verdict.speedup
+            per_benchmark = _per_benchmark([(p.prompt, p.speedup) for p in verdict.prompts])
     (run.out_dir / "candidate.json").write_text(json.dumps(candidate.to_dict(), indent=1))
-    # A candidate the sandbox stopped before any verdict has no speed to report: 0, never accepted.
-    speedup = 0.0 if verdict is None else min(verdict.speedup.geomean,
-                                              verdict.speedup.remeasured_geomean or verdict.speedup.geomean)
-    per_benchmark = {} if verdict is None else _per_benchmark([(p.prompt, p.speedup) for p in verdict.prompts])
+    # A candidate stopped before any verdict (the sandbox, or a build the batched engine cannot serve) has no
+    # speed to report: 0, never accepted.
+    speedup = 0.0 if speedups is None or not speedups.first else min(
+        speedups.geomean, speedups.remeasured_geomean or speedups.geomean)
     return {"candidate": candidate.to_dict(), "verdict": kind.value, "speedup_vs_stock": speedup,
             "per_benchmark": per_benchmark, "reasons": list(reasons), "prompts": len(prompts),
-            "max_new_tokens": max_new, "sandboxed": candidate.runs_isolated}
+            "max_new_tokens": max_new, "sandboxed": candidate.runs_isolated and not dep.batched,
+            "regime": dep.regime.label}
 
 
 @dataclass(frozen=True)
@@ -135,8 +151,8 @@ class IntegrateResult:
     combined_from: tuple[str, ...]  # accepted candidates the integrated candidate applies
     candidate: Candidate | None  # the integrated candidate measured on held-out prompts (None: nothing accepted)
     decisions: tuple[str, ...]
-    heldout: BenchReport
-    final_vs_stock: float  # geomean over held-out requests of stock decode time / final decode time
+    heldout: Heldout
+    final_vs_stock: float  # held-out: geomean of stock decode time / final decode time (batch regime: throughputs)
     speedup_vs_ar: dict[str, float]  # label -> held-out geomean speedup vs AR
 
     @property
@@ -148,8 +164,8 @@ class IntegrateResult:
                 "combined_from": list(self.combined_from), "decisions": list(self.decisions),
                 "final_vs_stock": self.final_vs_stock, "final_vs_ar": self.speedup_vs_ar[self.final_label],
                 "stock_vs_ar": self.speedup_vs_ar["stock"], "speedup_vs_ar": self.speedup_vs_ar,
-                "heldout_prompts": len({r.prompt_id for r in self.heldout.requests}),
-                "heldout_max_new_tokens": self.heldout.max_new_tokens}
+                "heldout_prompts": self.heldout.prompts, "heldout_max_new_tokens": self.heldout.max_new_tokens,
+                "final_batch_config": None if self.final.batch_config is None else self.final.batch_config.to_dict()}
 
 
 def combine(dep: Deployment, current: Candidate, accepted: list[ValidatedCandidate],
@@ -157,41 +173,43 @@ def combine(dep: Deployment, current: Candidate, accepted: list[ValidatedCandida
     """The accepted deltas (relative to the current build) applied together, best first; returns the candidate,
     the accepted candidates it applies and a note for each one left out because it conflicts."""
     ranked = sorted(accepted, key=lambda v: -v.speedup_vs_stock)
-    deltas = [{**catalog.config_delta(current.config, v.candidate.config), catalog.DRAFTER_PARAM: v.candidate.drafter_label}
-              for v in ranked]
+    # One flat namespace (BatchConfig fields as batch.<field>) so a batching knob set two ways is a conflict too.
+    deltas = [{**batch_catalog.flat({**catalog.config_delta(current.config, v.candidate.config),
+                                     batch_catalog.BATCH_DELTA: batch_catalog.batch_delta(current.batch_config,
+                                                                                          v.candidate.batch_config)}),
+               catalog.DRAFTER_PARAM: v.candidate.drafter_label} for v in ranked]
     merged, used = catalog.merge_deltas(deltas)
     notes = tuple(f"{v.candidate.name} left out: sets {sorted(k for k in deltas[i] if merged.get(k) != deltas[i][k])} "
                   f"differently from {ranked[0].candidate.name}" for i, v in enumerate(ranked) if i not in used)
     label = merged.pop(catalog.DRAFTER_PARAM)
     if len(used) > 1:
         try:
-            config, label = catalog.apply_delta(dep, current, merged, label)
+            engine_delta, batch_delta = batch_catalog.split_delta(batch_catalog.nested(merged))
+            config, label = catalog.apply_delta(dep, current, engine_delta, label)
+            batch = batch_catalog.apply_batch_delta(dep, current.batch_config, batch_delta)
         except (ConfigError, ValueError) as e:
             return ranked[0].candidate, (ranked[0],), notes + (f"combination not buildable ({e})",)
         parts = tuple(ranked[i] for i in used)
         mechanisms = tuple(dict.fromkeys(m for v in parts for m in v.candidate.mechanisms))
         return Candidate(f"integrated-r{round_}", config, mechanisms=mechanisms, source=CandidateSource.INTEGRATED,
-                         drafter_label=label), parts, notes
+                         drafter_label=label, batch_config=batch), parts, notes
     return ranked[0].candidate, (ranked[0],), notes
-
-
-def _variant(label: str, c: Candidate) -> Variant:
-    return Variant(label, c.config, c.drafter_label)
 
 
 def _prove_combination(session: DeploymentSession, stock: Candidate, best: Candidate, combined: Candidate,
                        tune_prompts: list[TokenizedPrompt], heldout_prompts: list[TokenizedPrompt],
                        params: IntegrateParams, out_dir: Path) -> str:
     """'' when the combination still beats the best single candidate (decoded again on tune prompts) and passes
-    token forcing against stock; otherwise why it does not."""
+    token forcing against stock (batch regime: serves every held-out request equal to its single-request AR
+    output); otherwise why it does not."""
     dep = session.deployment
-    check, _, _ = run_bench(session, tune_prompts, [Variant(AR_LABEL, dep.ar_config()), _variant("best", best),
-                                                    _variant("combined", combined)],
-                            params.recheck_max_new_tokens, progress=False, warmup=True)
-    wins = check.all_match("combined") and (check.geomean("combined") or 0) >= (check.geomean("best") or 0)
-    verdict = validate(session, stock, combined, heldout_prompts, params.heldout_max_new_tokens or
-                       dep.workload.max_new_tokens, tie_epsilon(dep, params.tie_epsilon)) if wins else None
-    (out_dir / "combination.json").write_text(json.dumps({"recheck": check.to_dict(), "verdict": (
+    compare = heldout_batched if dep.batched else heldout_single
+    check = compare(session, {"best": best, "combined": combined}, tune_prompts, params.recheck_max_new_tokens)
+    wins = check.matches_ar["combined"] and check.speedup_vs_ar["combined"] >= check.speedup_vs_ar["best"]
+    max_new, eps = params.heldout_max_new_tokens or dep.workload.max_new_tokens, tie_epsilon(dep, params.tie_epsilon)
+    verdict = None if not wins else (validate_batched if dep.batched else validate)(
+        session, stock, combined, heldout_prompts, max_new, eps)
+    (out_dir / "combination.json").write_text(json.dumps({"recheck": check.report, "verdict": (
         verdict.to_dict() if verdict else None)}, indent=1))
     if verdict is None:
         return "slower than the best single candidate when decoded again"
@@ -224,24 +242,23 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
         else:
             decisions.append(f"combined {names} into {candidate.name}")
     builds = {"stock": stock}
-    if (current.config.digest(), current.drafter_label) != (stock.config.digest(), stock.drafter_label):
+    if (current.build_digest, current.drafter_label) != (stock.build_digest, stock.drafter_label):
         builds["current"] = current
     if candidate is not None:
         builds["candidate"] = candidate
-    variants = [Variant(AR_LABEL, dep.ar_config())] + [_variant(label, c) for label, c in builds.items()]
     max_new = params.heldout_max_new_tokens or dep.workload.max_new_tokens
-    report, _, _ = run_bench(session, heldout_prompts, variants, max_new, warmup=True)
-    speedups = {label: report.geomean(label) or 0.0 for label in builds}
-    eligible = [label for label in HELDOUT_LABELS if label in builds and (label == "stock" or report.all_match(label))]
+    # The batch regime compares builds as they serve: batched, at the deployment's concurrencies.
+    held = (heldout_batched if dep.batched else heldout_single)(session, builds, heldout_prompts, max_new)
+    speedups = held.speedup_vs_ar
+    eligible = [label for label in HELDOUT_LABELS if label in builds and (label == "stock" or held.matches_ar[label])]
     final_label = max(eligible, key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
-    decisions.append(f"held-out ({len(heldout_prompts)} prompts, {max_new} new tokens): " + ", ".join(
-        f"{label} {speedups[label]:.3f}x vs AR" for label in builds) + f"; final build = {final_label}"
-        + (" (no candidate beat stock: the final build IS stock)" if final_label == "stock" else ""))
-    decode = {(r.variant, r.prompt_id, r.benchmark): r.decode_s for r in report.requests}
-    ratios = [decode[("stock", p, b)] / max(decode[(final_label, p, b)], 1e-9)
-              for (v, p, b) in decode if v == "stock"]
+    decisions.append(f"held-out ({len(heldout_prompts)} prompts, {max_new} new tokens"
+                     + (f", batched at concurrency {list(dep.regime.concurrency)}" if dep.batched else "") + "): "
+                     + ", ".join(f"{label} {speedups[label]:.3f}x vs AR" for label in builds)
+                     + f"; final build = {final_label}"
+                     + (" (no candidate beat stock: the final build IS stock)" if final_label == "stock" else ""))
     return IntegrateResult(builds[final_label], final_label, tuple(p.candidate.name for p in parts), candidate,
-                           tuple(decisions), report, _geomean(ratios), speedups)
+                           tuple(decisions), held, held.final_vs_stock[final_label], speedups)
 
 
 def mark_run_failed(memory_path: str | None, run_id: str, reason: str) -> None:
@@ -262,7 +279,7 @@ def run(run: StageRun) -> dict[str, Any]:
     heldout_prompts = run.prompts(SplitName.VALIDATE, params.heldout_prompts)
     with exclusive(run.device):
         result = integrate(run.session(), stock, current, validated, tune_prompts, heldout_prompts, params, run.out_dir)
-    (run.out_dir / "heldout.json").write_text(json.dumps(result.heldout.to_dict(), indent=1))
+    (run.out_dir / "heldout.json").write_text(json.dumps(result.heldout.report, indent=1))
     build = write_build(run, result.final)
     heldout_uri = run.store.uri_for(f"{run.request.prefix}/heldout.json")
     rows = record_memory(run, stock, validated, explored, result, params, heldout_uri)

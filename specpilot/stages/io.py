@@ -30,8 +30,8 @@ from specpilot.artifacts import (
     write_manifest,
 )
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
-from specpilot.deployments import (Deployment, DeviceKind, ModelRefKind, RegimeKind, engine_code_version,
-                                  load_deployment, resolve_model)
+from specpilot.deployments import (Deployment, DeviceKind, ModelRefKind, engine_code_version, load_deployment,
+                                  resolve_model)
 from specpilot.engines.targets import read_target_shape
 from specpilot.memory import Scope
 from specpilot.stages.candidate import Candidate
@@ -292,8 +292,7 @@ def memory_scope(dep: Deployment, drafter_label: str | None, device: str) -> Sco
     shape = (ShapeName(target.value).shape if target.kind is ModelRefKind.RANDOM
              else read_target_shape(resolve_model(target)))
     model = Path(target.value).name if target.kind is ModelRefKind.PATH else target.value
-    regime = "batch1" if dep.regime.kind is RegimeKind.SINGLE else "batch" + "-".join(map(str, dep.regime.concurrency))
-    return Scope(shape.model_type, model, drafter_label or "none", device_name(device), regime)
+    return Scope(shape.model_type, model, drafter_label or "none", device_name(device), dep.regime.label)
 
 
 def select_prompts(dep: Deployment, split: SplitName, count: int) -> list[Prompt]:
@@ -315,26 +314,42 @@ def select_prompts(dep: Deployment, split: SplitName, count: int) -> list[Prompt
 
 @dataclass(frozen=True)
 class BuildRef:
-    """An engine build in the store: its EngineConfig JSON content-addressed, and the build's manifest."""
+    """An engine build in the store: its EngineConfig JSON content-addressed, and the build's manifest; a batch
+    regime build's BatchConfig JSON content-addressed too, next to it."""
 
     name: str
     config_uri: str
     config_sha256: str
     manifest_uri: str
+    batch_config_uri: str | None = None
+    batch_config_sha256: str | None = None
+
+
+def _config_json(config) -> bytes:
+    return (json.dumps(config.to_dict(), indent=1, sort_keys=True) + "\n").encode()
 
 
 def write_build(run: StageRun, candidate: Candidate) -> BuildRef:
-    """Store the build's engine_config.json as a sha256 blob and its manifest (config sha256, candidate, code
-    version, deployment fingerprint) under builds/<sha256 prefix>/; also keep both in the stage's outputs."""
+    """Store the build's engine_config.json (and, batch regime, batch_config.json: the batched engine's
+    mechanisms) as sha256 blobs and its manifest (config sha256s, candidate, code version, deployment fingerprint)
+    under builds/<sha256 prefix of the build>/; also keep them in the stage's outputs."""
     dep, store = run.deployment, run.store
-    config_bytes = (json.dumps(candidate.config.to_dict(), indent=1, sort_keys=True) + "\n").encode()
-    (run.out_dir / "engine_config.json").write_bytes(config_bytes)
+    (run.out_dir / "engine_config.json").write_bytes(_config_json(candidate.config))
     (run.out_dir / "build_candidate.json").write_text(json.dumps(candidate.to_dict(), indent=1))
     config = store_output(store, "engine_config.json", run.out_dir / "engine_config.json", key=None)
     described = store_output(store, "build_candidate.json", run.out_dir / "build_candidate.json", key=None)
+    outputs, batch = [config, described], None
+    if candidate.batch_config is not None:
+        (run.out_dir / "batch_config.json").write_bytes(_config_json(candidate.batch_config))
+        batch = store_output(store, "batch_config.json", run.out_dir / "batch_config.json", key=None)
+        outputs.append(batch)
+    # A build is both configs: the batched engine's mechanisms name it as much as the engine config does.
+    build_id = config.sha256 if batch is None else digest_bytes(f"{config.sha256}+{batch.sha256}".encode()).sha256
     manifest = Manifest.now("build", run.request.run_id, inputs=tuple(run.request.inputs.values()),
-                            outputs=(config, described),
+                            outputs=tuple(outputs),
                             meta={"deployment": dep.name, "fingerprint": dep.fingerprint_digest(),
-                                  "code_version": engine_code_version(), "candidate": candidate.to_dict()})
-    uri = write_manifest(store, manifest, key=f"builds/{config.sha256[:16]}/{MANIFEST_NAME}")
-    return BuildRef(candidate.name, config.uri, config.sha256, uri)
+                                  "code_version": engine_code_version(), "candidate": candidate.to_dict(),
+                                  "regime": dep.regime.label})
+    uri = write_manifest(store, manifest, key=f"builds/{build_id[:16]}/{MANIFEST_NAME}")
+    return BuildRef(candidate.name, config.uri, config.sha256, uri, batch.uri if batch else None,
+                    batch.sha256 if batch else None)

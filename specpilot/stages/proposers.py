@@ -22,6 +22,7 @@ from specpilot.engines.config import ConfigError
 from specpilot.memory import Memory, Scope, default_memory_path
 from specpilot.memory.transfer import failed_transfers
 from specpilot.stages import catalog, search_params
+from specpilot.stages.batch_catalog import apply_batch_delta, split_delta
 from specpilot.stages.candidate import Candidate, CandidateSource
 from specpilot.stages.quickbench import QuickBench
 
@@ -92,27 +93,31 @@ class Proposer(Protocol):
 
 class MemoryProposer:
     """Mechanisms proven on similar scopes, their config deltas (and our own policy code) applied to this
-    deployment's stock build."""
+    deployment's stock build. A batching mechanism (a delta with BatchConfig fields) applies to batch-regime
+    deployments only."""
 
     source = CandidateSource.MEMORY
 
     def propose(self, direction: Direction, context: ExploreContext, n: int) -> list[Candidate]:
         dep, p = context.deployment, context.params
         stock = catalog.stock_candidate(dep)
-        seen = {(context.base.config.digest(), context.base.drafter_label, context.base.policy)}
+        seen = {(context.base.build_digest, context.base.drafter_label, context.base.policy)}
         out = []
         for hit in context.memory_hits:
             if hit.agent_code:
                 continue  # the agent re-proposes its own code; memory never runs it
             try:
-                config, label = catalog.apply_delta(dep, stock, hit.config_delta, None)
+                engine_delta, batch_delta = split_delta(hit.config_delta)
+                config, label = catalog.apply_delta(dep, stock, engine_delta, None)
+                c = Candidate(f"memory-r{p.round}-d{p.device_index}-{len(out)}", config, hit.code_ref,
+                              mechanisms=(hit.name,), source=self.source, drafter_label=label,
+                              batch_config=apply_batch_delta(dep, stock.batch_config, batch_delta))
             except (ConfigError, ValueError):
-                continue  # needs a drafter or field this deployment does not have
-            if (config.digest(), label, hit.code_ref) in seen or len(out) >= n:
+                continue  # needs a drafter, field or serving regime this deployment does not have
+            if (c.build_digest, label, hit.code_ref) in seen or len(out) >= n:
                 continue
-            seen.add((config.digest(), label, hit.code_ref))
-            out.append(Candidate(f"memory-r{p.round}-d{p.device_index}-{len(out)}", config, hit.code_ref,
-                                 mechanisms=(hit.name,), source=self.source, drafter_label=label))
+            seen.add((c.build_digest, label, hit.code_ref))
+            out.append(c)
         return out
 
 
@@ -139,21 +144,22 @@ class SearchProposer:
             while asked < p.trials and len(pending) < p.batch:
                 trial, asked = study.ask(), asked + 1
                 try:
-                    config, label = search_params.suggest(trial, context.deployment, context.base, context.space)
+                    config, label, batch = search_params.suggest(trial, context.deployment, context.base, context.space)
                 except (ConfigError, ValueError):
                     study.tell(trial, state=optuna.trial.TrialState.FAIL)
                     bar.update()
                     continue
-                key = (config.digest(), label)
+                candidate = Candidate(f"search-r{p.round}-d{p.device_index}-t{trial.number}", config,
+                                      mechanisms=catalog.mechanisms_in(context.base, config, label, batch=batch),
+                                      source=self.source, drafter_label=label, batch_config=batch)
+                key = (candidate.build_digest, label)
                 if (earlier := bench.measured(*key)) is not None:
                     study.tell(trial, earlier.objective)
                     bar.update()
-                elif any((c.config.digest(), c.drafter_label) == key for _, c in pending):
+                elif any((c.build_digest, c.drafter_label) == key for _, c in pending):
                     repeats.append((trial, key))
                 else:
-                    pending.append((trial, Candidate(f"search-r{p.round}-d{p.device_index}-t{trial.number}", config,
-                                                     mechanisms=catalog.mechanisms_in(context.base, config, label),
-                                                     source=self.source, drafter_label=label)))
+                    pending.append((trial, candidate))
             for (trial, _), m in zip(pending, bench([c for _, c in pending]) if pending else []):
                 study.tell(trial, m.objective)
             for trial, key in repeats:
@@ -174,7 +180,8 @@ class SearchProposer:
                 continue
             told.add(m.candidate.name)
             label = m.candidate.drafter_label
-            params = search_params.params_of(m.candidate.config, label, context.deployment, context.base, context.space)
+            params = search_params.params_of(m.candidate.config, label, context.deployment, context.base, context.space,
+                                             m.candidate.batch_config)
             if params is not None:
                 study.add_trial(optuna.trial.create_trial(params=params, value=m.objective,
                                                           distributions=search_params.distributions(context.space, label)))

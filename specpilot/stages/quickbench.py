@@ -51,8 +51,8 @@ class Measurement:
 
     @property
     def key(self) -> tuple[str, str | None, str | None]:
-        """What makes two candidates the same build: config, drafter and policy code."""
-        return self.candidate.config.digest(), self.candidate.drafter_label, self.candidate.policy
+        """What makes two candidates the same build: config (and batching config), drafter and policy code."""
+        return self.candidate.build_digest, self.candidate.drafter_label, self.candidate.policy
 
     def to_dict(self) -> dict[str, Any]:
         return {"candidate": self.candidate.to_dict(), "objective": self.objective, "baseline": self.baseline,
@@ -162,8 +162,13 @@ class QuickBench:
             engine.generate(list(self.prompts[0].ids), 2)
             self._warmed.add(id(engine))
 
-    def measured(self, config_digest: str, label: str | None) -> Measurement | None:
-        """The build's or a logged candidate's measurement of this config without policy code (the search's
+    def measured(self, build_digest: str, label: str | None) -> Measurement | None:
+        """The build's or a logged candidate's measurement of this build without policy code (the search's
         configs), if any: the search tells it to its optimizer instead of decoding it again."""
-        return next((m for m in [*self.baselines[:1], *self.log] if m.candidate.policy is None
-                     and m.candidate.config.digest() == config_digest and m.candidate.drafter_label == label), None)
+        return measured_in([*self.baselines[:1], *self.log], build_digest, label)
+
+
+def measured_in(log: list[Measurement], build_digest: str, label: str | None) -> Measurement | None:
+    """The first measurement in `log` of this build (Candidate.build_digest) without policy code."""
+    return next((m for m in log if m.candidate.policy is None and m.candidate.build_digest == build_digest
+                 and m.candidate.drafter_label == label), None)

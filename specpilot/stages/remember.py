@@ -18,6 +18,7 @@ from specpilot.artifacts.manifest import Manifest, run_started
 from specpilot.memory import Evidence, Failure, Mechanism, MechanismCategory, Memory, RunStatus, Scope, Verdict
 from specpilot.memory.transfer import TRANSFER_STAGE, record_transfer
 from specpilot.stages import catalog
+from specpilot.stages.batch_catalog import BATCH_DELTA, batch_delta, flat
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.io import StageRun, memory_scope
 from specpilot.stages.proposers import MemoryHit
@@ -29,13 +30,19 @@ if TYPE_CHECKING:
 
 def memory_delta(stock: Candidate, candidate: Candidate) -> dict[str, Any]:
     """What memory stores for a candidate: its fields that differ from stock, and always its drafter kind (a draft
-    length means something else for another drafter), so another deployment applies it to that drafter."""
-    return {**catalog.config_delta(stock.config, candidate.config), "drafter": candidate.config.drafter.value}
+    length means something else for another drafter), so another deployment applies it to that drafter. A batch
+    regime build's BatchConfig fields that differ from stock nest under "batch" (batch_catalog.BATCH_DELTA): only
+    batch-regime deployments apply those."""
+    batch = batch_delta(stock.batch_config, candidate.batch_config)
+    return {**catalog.config_delta(stock.config, candidate.config), "drafter": candidate.config.drafter.value,
+            **({BATCH_DELTA: batch} if batch else {})}
 
 
 def mechanism_name(candidate: Candidate, delta: dict[str, Any]) -> str:
-    """A validated mechanism: the catalog mechanisms it turns and the exact delta over stock it was proven with."""
-    return "+".join(candidate.mechanisms or ("config",)) + ":" + ",".join(f"{k}={v}" for k, v in sorted(delta.items()))
+    """A validated mechanism: the catalog mechanisms it turns and the exact delta over stock it was proven with
+    (BatchConfig fields as batch.<field>)."""
+    named = ",".join(f"{k}={v}" for k, v in sorted(flat(delta).items()))
+    return "+".join(candidate.mechanisms or ("config",)) + ":" + named
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,17 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 # A tiny Llama with SmolLM2's vocabulary (so it can borrow SmolLM2's tokenizer) and an untied head.
 TINY = LlamaShape(vocab=49152, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
                   rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+# A micro Llama (64-token vocabulary, one layer) for CPU runs of the Triton kernels under the interpreter, where
+# every program instance costs: the batched engine steps in ~0.1 s. With weights this small a token's greedy
+# successor barely depends on context, so greedy outputs fall into short cycles within a few tokens: n-gram
+# drafts get accepted, which makes it a development target for the batch regime (no tokenizer: prompts are ids).
+MICRO = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64,
+                   rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
 
 
 class ShapeName(str, Enum):
     TINY = "tiny"
+    MICRO = "micro"
     SMOLLM2_135M = "smollm2-135m"
     LLAMA3_8B = "llama3-8b"
     # Hybrid recurrent targets (Qwen3-Next layout): generated in memory by the engine only (random_target).
@@ -45,8 +52,8 @@ class ShapeName(str, Enum):
 
     @property
     def shape(self) -> TargetShape:
-        return {ShapeName.TINY: TINY, ShapeName.SMOLLM2_135M: SMOLLM2_135M, ShapeName.LLAMA3_8B: LLAMA3_8B,
-                ShapeName.QWEN3_NEXT_TINY: QWEN3_NEXT_TINY,
+        return {ShapeName.TINY: TINY, ShapeName.MICRO: MICRO, ShapeName.SMOLLM2_135M: SMOLLM2_135M,
+                ShapeName.LLAMA3_8B: LLAMA3_8B, ShapeName.QWEN3_NEXT_TINY: QWEN3_NEXT_TINY,
                 ShapeName.QWEN3_NEXT_80B_LAYERS: QWEN3_NEXT_80B_LAYERS}[self]
 
     @property

@@ -1,0 +1,80 @@
+"""Integrate's held-out comparison of the builds (stock, the current build, the integrated candidate), per regime.
+
+Single regime: each build decodes the held-out prompts one request at a time next to AR (bench.harness); a
+build's speed is its geometric-mean per-request speedup over AR. Batch regime: each build serves the held-out
+prompts with the batched engine at every concurrency of the deployment under its arrival process, next to
+batched AR (stages/batch_bench.py); its speed is the geometric mean over concurrencies of its throughput over
+batched AR. Either way the result says, per build, its speedup over AR, overall and per benchmark (batch regime:
+per concurrency, `c<n>-<arrival>`, as memory's evidence rows name them), whether every token equalled AR's, and
+how much faster the final build is than stock.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpilot.bench.harness import AR_LABEL, Variant, run_bench
+from specpilot.bench.session import DeploymentSession, TokenizedPrompt
+from specpilot.stages.batch_bench import BatchBench, geomean
+from specpilot.stages.candidate import Candidate
+
+
+@dataclass(frozen=True)
+class Heldout:
+    speedup_vs_ar: dict[str, float]  # build label -> geomean speedup over AR (0: did not run)
+    per_benchmark: dict[str, dict[str, float | None]]  # build label -> benchmark (or c<n>-<arrival>) -> speedup
+    matches_ar: dict[str, bool]  # build label -> every token equal to AR's
+    final_vs_stock: dict[str, float]  # build label -> geomean of its speed over stock's, request by request
+    # (batch regime: concurrency by concurrency); empty when stock is not among the builds
+    prompts: int
+    max_new_tokens: int
+    report: dict[str, Any] = field(default_factory=dict, compare=False)  # heldout.json
+
+    def benchmarks(self) -> list[str]:
+        return sorted({b for per in self.per_benchmark.values() for b in per})
+
+    def geomean(self, label: str, benchmark: str | None = None) -> float | None:
+        """BenchReport's accessor: overall or one benchmark's speedup over AR (None when not measured)."""
+        if label not in self.speedup_vs_ar:
+            return None
+        return self.speedup_vs_ar[label] if benchmark is None else self.per_benchmark[label].get(benchmark)
+
+
+def heldout_single(session: DeploymentSession, builds: dict[str, Candidate], prompts: list[TokenizedPrompt],
+                   max_new_tokens: int) -> Heldout:
+    dep = session.deployment
+    variants = [Variant(AR_LABEL, dep.ar_config())] + [Variant(label, c.config, c.drafter_label)
+                                                       for label, c in builds.items()]
+    report, _, _ = run_bench(session, prompts, variants, max_new_tokens, warmup=True)
+    decode = {(r.variant, r.prompt_id, r.benchmark): r.decode_s for r in report.requests}
+
+    def vs_stock(label: str) -> float:
+        ratios = [decode[("stock", p, b)] / max(decode[(label, p, b)], 1e-9) for (v, p, b) in decode if v == "stock"]
+        return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+
+    return Heldout({label: report.geomean(label) or 0.0 for label in builds},
+                   {label: {b: report.geomean(label, b) for b in report.benchmarks()} for label in builds},
+                   {label: report.all_match(label) for label in builds},
+                   {label: vs_stock(label) for label in builds} if "stock" in builds else {},
+                   len({r.prompt_id for r in report.requests}), max_new_tokens, report.to_dict())
+
+
+def heldout_batched(session: DeploymentSession, builds: dict[str, Candidate], prompts: list[TokenizedPrompt],
+                    max_new_tokens: int) -> Heldout:
+    arrival = session.deployment.regime.arrival.value
+    result = BatchBench(session).measure(prompts, max_new_tokens, builds)
+    if "stock" in result.errors:
+        raise RuntimeError(f"stock does not run on the batched engine: {result.errors['stock']}")
+    ran = [label for label in builds if label not in result.errors]
+    speedups = {label: result.speedup(label) for label in ran}
+    report = {"regime": session.deployment.regime.label, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
+              "errors": result.errors, "levels": {label: {str(c): {k: v for k, v in vars(run).items() if k != "outputs"}
+                                                          for c, run in levels.items()}
+                                                  for label, levels in result.levels.items()}}
+    return Heldout({label: geomean(list(speedups[label].values())) if label in ran else 0.0 for label in builds},
+                   {label: {f"c{c}-{arrival}": s for c, s in speedups.get(label, {}).items()} for label in builds},
+                   {label: result.matches(label) for label in builds},
+                   {label: geomean(list(result.speedup(label, "stock").values())) if label in ran else 0.0
+                    for label in builds} if "stock" in builds else {}, len(prompts), max_new_tokens, report)
+
