@@ -90,16 +90,23 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("field,mutate", BAD, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD)])
-def test_bad_yaml_errors_name_the_file_and_field(tmp_path, field, mutate):
-    data = _base()
-    mutate(data)
+
+def _load_error(tmp_path, data) -> tuple[DeploymentError, object]:
+    """Write `data` as a deployment YAML and return (the DeploymentError loading it raises, its path)."""
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(DeploymentError) as info:
         load_deployment(path)
-    assert info.value.field == field, str(info.value)
-    assert str(info.value).startswith(f"{path}: {field}: ")
+    return info.value, path
+
+
+@pytest.mark.parametrize("field,mutate", BAD, ids=[f"{i}-{f}" for i, (f, _) in enumerate(BAD)])
+def test_bad_yaml_errors_name_the_file_and_field(tmp_path, field, mutate):
+    data = _base()
+    mutate(data)
+    error, path = _load_error(tmp_path, data)
+    assert error.field == field, str(error)
+    assert str(error).startswith(f"{path}: {field}: ")
 
 
 BAD_BATCH = [  # mutations of the batch-regime deployment micro-batch-cpu
@@ -121,11 +128,8 @@ BAD_BATCH = [  # mutations of the batch-regime deployment micro-batch-cpu
 def test_bad_batch_regimes_name_the_field(tmp_path, field, mutate):
     data = yaml.safe_load((DEPLOYMENTS_DIR / "micro-batch-cpu.yaml").read_text())
     mutate(data)
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(data))
-    with pytest.raises(DeploymentError) as info:
-        load_deployment(path)
-    assert info.value.field == field, str(info.value)
+    error, _ = _load_error(tmp_path, data)
+    assert error.field == field, str(error)
 
 
 def test_batch_regime_arrivals_round_trip(tmp_path):
