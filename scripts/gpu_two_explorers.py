@@ -105,20 +105,20 @@ class GpuSampler(threading.Thread):
 
     def __init__(self, gpus: int):
         super().__init__(daemon=True)
-        self.gpus, self.samples, self._stop = gpus, [], threading.Event()
+        self.gpus, self.samples, self._halt = gpus, [], threading.Event()
 
     def run(self) -> None:
         import torch
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 self.samples.append((time.time(), [torch.cuda.utilization(i) for i in range(self.gpus)]))
             except Exception as e:  # no NVML: the timeline still stands on its own
                 print(f"GPU sampling stopped: {type(e).__name__}: {e}", file=sys.stderr)
                 return
-            self._stop.wait(0.2)
+            self._halt.wait(0.2)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
 
     def mean(self, gpu: int, start: float, end: float) -> float | None:

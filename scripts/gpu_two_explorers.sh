@@ -30,7 +30,7 @@ unset PREFECT_API_URL
 export CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
 # Prompt sets: ../shared/benchmarks when present, else the two small ones carried with the wheels.
 if [ -z "${SPECPILOT_BENCHMARKS:-}" ] && [ ! -d ../shared/benchmarks ] && [ ! -d /work/shared/benchmarks ]; then
-  export SPECPILOT_BENCHMARKS="$PWD/$WHEELS/benchmarks"
+  export SPECPILOT_BENCHMARKS="$(cd "$WHEELS" && pwd)/benchmarks"
 fi
 export SPECPILOT_CACHE=${SPECPILOT_CACHE:-$(mktemp -d)}
 
