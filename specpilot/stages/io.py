@@ -211,7 +211,8 @@ def run_stage(request: StageRequest, out_dir: str | Path) -> StageOutcome:
     module, function = request.stage.entry.split(":")
     run = StageRun(request, out)
     started = datetime.now(timezone.utc)
-    meta = getattr(importlib.import_module(module), function)(run)
+    with on_device(run.device):
+        meta = getattr(importlib.import_module(module), function)(run)
     timing = StageTiming(started.isoformat(), datetime.now(timezone.utc).isoformat(), run.device, socket.gethostname())
     manifest_uri = publish(request, out, meta, timing)
     return StageOutcome(request.stage, request.qualifiers, manifest_uri, str(out), meta, timing)
@@ -250,6 +251,18 @@ def session_for(deployment: str, device: str) -> DeploymentSession:
         if key not in _SESSIONS:
             _SESSIONS[key] = DeploymentSession(load_deployment(deployment), device=device)
         return _SESSIONS[key]
+
+
+@contextmanager
+def on_device(device: str) -> Iterator[None]:
+    """Make `device` current for this thread: the CUDA current device is per thread, and Triton launches and
+    graph captures go to it, so a stage pinned to cuda:1 in a worker thread would otherwise launch on cuda:0."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    import torch
+    with torch.cuda.device(torch.device(device)):
+        yield
 
 
 @contextmanager
