@@ -89,7 +89,9 @@ def _capture(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3):
             body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+    # An explicit capture stream: torch.cuda.graph's default one is shared by the class and lives on whichever GPU
+    # captured first, so a second GPU's worker thread would capture (and launch Triton) on the first GPU.
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
         out = body()
     torch.cuda.synchronize()
     runner.kv[:, :, :, :scratch_slots] = saved

@@ -116,7 +116,7 @@ def time_graph(fns: list[Callable[[], Any]], reps: int) -> float:
             f()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
         for f in fns:
             f()
     graph.replay()

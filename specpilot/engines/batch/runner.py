@@ -230,7 +230,7 @@ class BatchRunner:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
             out = fn()
         return graph, out
 

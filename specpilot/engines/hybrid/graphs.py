@@ -140,7 +140,7 @@ class ChunkGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
                 out = forward()
         except Exception as e:  # noqa: BLE001 - any capture failure: this chunk shape stays eager, still exact
             torch.cuda.synchronize()
