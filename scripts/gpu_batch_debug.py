@@ -54,7 +54,8 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> str:
 def check_attention(page: int, block_n: int) -> None:
     g = torch.Generator(device=DEV).manual_seed(0)
     kvh, h, d = SHAPE.kv_heads, SHAPE.heads, SHAPE.head_dim
-    reqs = [(70, 1), (40, 5), (300, 16), (1500 if not CPU else 200, 1), (900 if not CPU else 150, 6)]
+    reqs = [(70, 1), (40, 5), (300, 16), (1500 if not CPU else 200, 1), (900 if not CPU else 150, 6), (197, 197),
+            (203, 6)]
     npages = sum(-(-kv // page) for kv, _ in reqs) + 3
     kc, vc = (torch.randn(kvh, npages * page, d, generator=g, device=DEV).to(DT) for _ in range(2))
     perm = torch.randperm(npages, generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -78,15 +79,16 @@ def check_attention(page: int, block_n: int) -> None:
     for i, (kv, ql) in enumerate(reqs):
         keys = torch.arange(kv, device=DEV)
         slots = pt[i, keys // page] * page + keys % page
-        cap = -(-kv // page) * page
-        kcc, vcc = (torch.zeros(kvh, cap, d, dtype=DT, device=DEV) for _ in range(2))
-        kcc[:, :kv], vcc[:, :kv] = kc[:, slots], vc[:, slots]
         qs = int(q_start[i])
         chain = torch.tril(torch.ones(ql, ql, dtype=torch.bool, device=DEV))
-        single = attention(q[qs:qs + ql].contiguous(), kcc, vcc, kv - ql, chain, block_n=block_n, split_keys=page)
-        same = torch.equal(single, out[qs:qs + ql])
-        report(f"paged attention page={page} block_n={block_n} kv={kv} q={ql}", same,
-               "" if same else diff(single, out[qs:qs + ql]))
+        # base as an int over a cache just long enough; base as a device tensor over the engine's MAX_SEQ cache
+        for cap, base in ((-(-kv // page) * page, kv - ql), (MAX_SEQ, torch.tensor([kv - ql], device=DEV))):
+            kcc, vcc = (torch.zeros(kvh, cap, d, dtype=DT, device=DEV) for _ in range(2))
+            kcc[:, :kv], vcc[:, :kv] = kc[:, slots], vc[:, slots]
+            single = attention(q[qs:qs + ql].contiguous(), kcc, vcc, base, chain, block_n=block_n, split_keys=page)
+            same = torch.equal(single, out[qs:qs + ql])
+            report(f"paged attention page={page} block_n={block_n} kv={kv} q={ql} base {type(base).__name__} "
+                   f"S={cap}", same, "" if same else diff(single, out[qs:qs + ql]))
 
 
 def check_projections(model) -> None:
@@ -132,6 +134,11 @@ def check_batch_forward(model) -> None:
                                        want_logits=True)
         same = torch.equal(logits[:n], ref)
         report(f"batch_forward == fused_forward rows [{lo}, {hi})", same, "" if same else diff(logits[:n], ref))
+        keys = torch.arange(hi, device=DEV)
+        logical = pages[0, keys // page] * page + keys % page
+        bad = [(kv, layer) for kv in range(2) for layer in range(sh.layers)
+               if not torch.equal(paged[kv, layer][:, logical], single[kv, layer][:, :hi])]
+        report(f"  KV after rows [{lo}, {hi}): (k/v, layer) that differ", not bad, str(bad[:6]))
 
 
 def check_engines(model) -> None:
