@@ -19,6 +19,10 @@ import torch
 BLOCK_M = 16  # token tile of every token-tiled kernel; part of the numerics, never tuned
 # CUDA-graph capture mode for graphs holding Triton launches: "global" aborts on the Triton launcher's driver
 # queries (seen on the H200 with triton 3.6); "thread_local" only forbids unsafe calls from other threads.
+# Launch option of kernels whose bits two different kernels must reproduce (single-request and paged attention):
+# without it the compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels
+# with the same arithmetic statements can round differently (seen on an H200: 1-ulp differences in a few rows).
+NO_FP_FUSION = {"enable_fp_fusion": False}
 CAPTURE_ERROR_MODE = "thread_local"
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)

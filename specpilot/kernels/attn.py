@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ACT_DTYPES, BLOCK_M, LaunchParams, check_int, check_launchable, check_out, check_tensor, \
-    dot_precision
+from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, LaunchParams, check_int, check_launchable, check_out,
+                      check_tensor, dot_precision)
 
 LOG2E = 1.4426950408889634
 
@@ -248,10 +248,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
         T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
-        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, num_warps=num_warps,
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, **NO_FP_FUSION, num_warps=num_warps,
         num_stages=num_stages)
     block_r = 16
     _attn_combine_kernel[(triton.cdiv(T * H, block_r),)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr, BLOCK_R=block_r,
-        SPLIT=params.split_keys, num_warps=4)
+        SPLIT=params.split_keys, num_warps=4, **NO_FP_FUSION)
     return out

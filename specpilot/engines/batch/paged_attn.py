@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.kernels._common import BLOCK_M, check_launchable, check_out, check_tensor, dot_precision
+from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
 from specpilot.kernels.attn import LOG2E, AttentionParams, check_qkv
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
@@ -219,8 +219,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q, k_cache, v_cache, meta.page_table, meta.tile_req, meta.tile_row, meta.q_start, meta.q_len,
             meta.kv_len, ws_m, ws_l, ws_o, NTOK, S, P, LOG2E / math.sqrt(D), H=H, G=H // KVH, D=D,
             DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M, BLOCK_N=params.block_n, SPLIT=page,
-            SPLITS_PER_PROGRAM=SPLITS_PER_PROGRAM, num_warps=params.num_warps, num_stages=params.num_stages)
+            SPLITS_PER_PROGRAM=SPLITS_PER_PROGRAM, num_warps=params.num_warps, num_stages=params.num_stages,
+            **NO_FP_FUSION)
     block_r = 16
     _paged_combine_kernel[(triton.cdiv(NTOK * H, block_r),)](
-        ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, BLOCK_R=block_r, SPLIT=page, num_warps=4)
+        ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, BLOCK_R=block_r, SPLIT=page, num_warps=4,
+        **NO_FP_FUSION)
     return out
