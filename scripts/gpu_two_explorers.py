@@ -223,21 +223,26 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, audit_ok = explore_timeline(report.store, report.run_id, sampler)
     table = format_timeline(rows)
-    starts, ends = [_epoch(r.started) for r in rows], [_epoch(r.finished) for r in rows]
-    overlap = min(ends) - max(starts)
-    devices = [r.device for r in rows]
-    checks = {"audit of every artifact": audit_ok,
-              f"{cfg.gpus} explore task(s)": len(rows) == cfg.gpus,
-              "one task per device, pinned to " + ", ".join(devices): len(set(devices)) == len(devices) == cfg.gpus
-              and (cfg.device == "cpu" or devices == [f"cuda:{i}" for i in range(cfg.gpus)])}
-    if cfg.gpus > 1:
-        checks[f"explore windows overlap ({overlap:.2f} s)"] = overlap > 0
+    checks = {"audit of every artifact": audit_ok}
+    rounds: dict[str, list[TimelineRow]] = {}
+    for r in rows:  # task labels are explore-round<N>-dev<i>
+        rounds.setdefault(r.task.rsplit("-", 1)[0], []).append(r)
+    checks[f"{a.rounds} round(s) of explore tasks"] = len(rounds) == a.rounds
+    overlaps = {}
+    for name, group in sorted(rounds.items()):
+        devices = [r.device for r in group]
+        checks[f"{name}: {cfg.gpus} task(s), one per device ({', '.join(devices)})"] = (
+            len(group) == cfg.gpus and len(set(devices)) == cfg.gpus
+            and (cfg.device == "cpu" or sorted(devices) == [f"cuda:{i}" for i in range(cfg.gpus)]))
+        if cfg.gpus > 1:
+            overlaps[name] = min(_epoch(r.finished) for r in group) - max(_epoch(r.started) for r in group)
+            checks[f"{name}: explore windows overlap ({overlaps[name]:.2f} s)"] = overlaps[name] > 0
     print("\n" + table + "\n")
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
     (cfg.out / "timeline.md").write_text(table + "\n")
     (cfg.out / "timeline.json").write_text(json.dumps({
-        "run_id": report.run_id, "rows": [asdict(r) for r in rows], "overlap_s": overlap, "checks": checks,
+        "run_id": report.run_id, "rows": [asdict(r) for r in rows], "overlap_s": overlaps, "checks": checks,
         "gpu_samples": sampler.samples if sampler else []}, indent=1))
     return 0 if all(checks.values()) else 1
 

@@ -234,3 +234,27 @@ def test_decode_graph_equals_one_token_verifies_on_gpu():
     runner = ModelRunner(model, c, "cuda", block_width=16)
     chained, singles = chained_and_single_steps(runner, prompt(model.shape.vocab, 9, 5), 8)
     assert chained == singles
+
+
+def test_warm_up_generates_and_captures_nothing_without_graphs():
+    model = tiny_model("mha_tied", 4)
+    eng = build_engine(cfg(drafter=DrafterKind.NONE), model, frozenset(), "cpu")
+    p = prompt(model.shape.vocab, 9, 4)
+    eng.warm_up(p, 3)
+    assert eng.target.capture_all(decode_steps=4) == 0
+    assert eng.generate(p, 12).tokens == build_engine(cfg(drafter=DrafterKind.NONE), model, frozenset(),
+                                                      "cpu").generate(p, 12).tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+def test_warm_up_captures_every_graph_a_generation_replays():
+    """After warm_up no generation captures a graph (nor compiles a kernel inside a timed step)."""
+    model = tiny_model("gqa", 5, dtype=torch.bfloat16).to("cuda")
+    for drafter in (DrafterKind.NONE, DrafterKind.NGRAM):
+        eng = build_engine(cfg(drafter=drafter, kernel_backend="triton", cuda_graphs=True), model, frozenset(),
+                           "cuda")
+        p = prompt(model.shape.vocab, 9, 5) * 3
+        eng.warm_up(p, 2)
+        before = set(eng.target._graphs)
+        eng.generate(p, 40)
+        assert set(eng.target._graphs) == before, drafter

@@ -47,7 +47,7 @@ def _load(request: ChildRequest):
         # the stock policy, so the locked-down run finds them in the cache instead of needing to spawn anything.
         warm = specpilot.engines.build.build_engine(request.config, target, frozenset(request.target.eos),
                                                     request.target.device, draft_model=draft)
-        warm.generate(list(request.prompts[0].ids), min(2, request.max_new_tokens))
+        warm.warm_up(list(request.prompts[0].ids), min(2, request.max_new_tokens))
     return target, draft
 
 

@@ -66,7 +66,7 @@ def validate_sandboxed(factory: EngineFactory, stock: Candidate, candidate: Cand
         raise ValueError(f"tie_epsilon={tie_epsilon} must be >= 0 and max_new_tokens={max_new_tokens} >= 1")
     ids = [PromptIds(p.key, tuple(p.ids)) for p in prompts]
     stock_engine = factory.engine(stock.config, stock.drafter_label, stock.load_policy())
-    stock_engine.generate(list(prompts[0].ids), min(2, max_new_tokens))  # warm-up, as the child does
+    stock_engine.warm_up(list(prompts[0].ids), min(2, max_new_tokens))  # as the child does
     stock_runs = [stock_engine.generate(list(p.ids), max_new_tokens, p.key) for p in prompts]
     outcomes: list[SandboxOutcome] = []
 

@@ -110,7 +110,7 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
     engines = {v.label: session.engine(v.config, v.drafter_label, v.policy) for v in variants}
     if warmup and prompts:  # graph capture, compilation and allocator warm-up stay out of the numbers
         for e in engines.values():
-            e.generate(list(prompts[0].ids), min(8, max_new_tokens))
+            e.warm_up(list(prompts[0].ids), min(8, max_new_tokens))
     steps: dict[str, list[StepTrace]] = defaultdict(list)
     req_traces: list[RequestTrace] = []
     bar = tqdm(total=len(prompts) * len(variants), desc=f"bench {session.deployment.name}", disable=not progress)

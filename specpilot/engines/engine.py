@@ -66,6 +66,14 @@ class SpecEngine:
         chains = getattr(target, "decode", None) is not None and type(policy).accept is EnginePolicy.accept
         self.ar_steps = max(1, min(ar_steps, target.block_width)) if drafter is None and chains else 1
 
+    def warm_up(self, prompt: list[int], max_new_tokens: int = 8) -> None:
+        """A short generation, then every graph this engine's target can replay: one-time costs (allocation,
+        kernel compilation, graph capture) stay out of the timed generations that follow."""
+        self.generate(prompt, max_new_tokens)
+        capture_all = getattr(self.target, "capture_all", None)
+        if capture_all is not None:
+            capture_all(decode_steps=self.ar_steps if self.ar_steps > 1 else 0)
+
     def generate(self, prompt: list[int], max_new_tokens: int, request_id: str = "") -> GenerationResult:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")

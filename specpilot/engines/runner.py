@@ -202,6 +202,25 @@ class ModelRunner:
         return g.host_argmax.numpy().tolist()
 
     @torch.no_grad()
+    def capture_all(self, decode_steps: int = 0) -> int:
+        """Captures every graph a request can replay: each verify width (powers of two up to block_width, or the
+        fixed tile) and the chained AR decodes of 2^i <= decode_steps steps. Kernel compilation and capture then
+        never land inside a timed generation (a build with a new kernel table would be billed for them). Call
+        between requests. Returns how many graphs it captured."""
+        if not self.use_graphs:
+            return 0
+        widths = [self.tile] if self.tile else [1 << i for i in range(self.block_width.bit_length())
+                                                if 1 << i <= self.block_width]
+        keys = [(self._graph_key(w), lambda w=w: capture_step(self, w)) for w in widths]
+        if self.fused is not None and self.topk == 0:
+            keys += [(("decode", k), lambda k=k: capture_decode(self, k))
+                     for k in (1 << i for i in range(decode_steps.bit_length())) if 2 <= k <= self.block_width]
+        todo = [(key, capture) for key, capture in keys if key not in self._graphs]
+        for key, capture in todo:
+            self._keep(key, capture())
+        return len(todo)
+
+    @torch.no_grad()
     def compact(self, base: int, path: list[int]) -> None:
         """Moves the accepted path's KV (block indices `path`, depth order) to slots base+0..base+len-1."""
         if all(node == d for d, node in enumerate(path)):

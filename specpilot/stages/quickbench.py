@@ -157,9 +157,9 @@ class QuickBench:
         return out[len(todo) - len(candidates):]
 
     def _warm(self, engine) -> None:
-        """One short generation per engine, once: one-time costs (allocation, graph capture) stay out of timings."""
+        """Once per engine: one-time costs (allocation, kernel compilation, graph capture) stay out of timings."""
         if id(engine) not in self._warmed:
-            engine.generate(list(self.prompts[0].ids), 2)
+            engine.warm_up(list(self.prompts[0].ids), 2)
             self._warmed.add(id(engine))
 
     def measured(self, build_digest: str, label: str | None) -> Measurement | None:

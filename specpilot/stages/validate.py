@@ -221,7 +221,7 @@ def validate(factory: EngineFactory, stock: Candidate, candidate: Candidate, pro
     cand_engine = factory.engine(candidate.config, candidate.drafter_label,
                                  candidate_policy if candidate_policy is not None else candidate.load_policy())
     for engine in (stock_engine, cand_engine):  # warm-up: one-time costs (graph capture, allocation) stay out of timing
-        engine.generate(list(prompts[0].ids), min(2, max_new_tokens))
+        engine.warm_up(list(prompts[0].ids), min(2, max_new_tokens))
     runs = _run_pairs(stock_engine, cand_engine, prompts, max_new_tokens)
     check = SpeedupCheck(speedup_threshold, tuple(_speedup(s, c) for s, c in runs))
     reruns = None  # suspiciously fast (a cache, a skipped check?): measure again, report both, check outputs again
