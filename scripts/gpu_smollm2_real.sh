@@ -36,7 +36,7 @@ case $stage in
     pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
     cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
     python3 "$ROOT/.tb/convert.py" $TB/smollm2.gguf $TB/hf 2>&1 | tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
-    python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes torch_graph_t1_fast,triton_graph \
+    python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes "${MODES:-torch_graph_t1_fast,triton_graph}" \
       --skip-checks 2>&1 | grep -v Warning | tail -8
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
       > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;

@@ -7,7 +7,8 @@ Only keys 0 .. base+T-1 are read.
 
 Algorithm (flash-decoding): pass 1 runs an online softmax over each fixed absolute key range
 [s*split_keys, (s+1)*split_keys) in key blocks of block_n, one program per (token-row tile, kv head, split),
-and stores (max, sum, unnormalised output); pass 2 combines the splits of each row in ascending split order.
+and stores (max, sum, unnormalised output); pass 2 combines the splits of each row (combine_splits: groups of
+SPLIT_GROUP splits read at once, a fixed order within and across groups).
 Rows are (token, query head of the group) pairs tiled by the fixed BLOCK_M.
 
 Invariance: key blocks and splits are absolute slot ranges (independent of T), the row max is exact in any
@@ -134,32 +135,48 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
 
 
+# Splits one combine program reads at once: within a group the weighted partials are summed lane-wise in
+# ascending group order and then by one fixed tree over the lanes. Part of the numerics (never tuned): one
+# group holds a 4096-key context at 64-key splits, so a row's combine costs a few loads, not two per split.
+SPLIT_GROUP = 64
+
+
+@triton.jit
+def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.constexpr, GROUP: tl.constexpr):
+    """(acc [D], l) of one row from its split partials (split sp's at ws_*[sp * stride + row]); shared by the
+    single-request and paged combines so both reduce with the same statements. A split with no visible key
+    (m = -inf) or past n_split adds an exact zero."""
+    sp = tl.arange(0, GROUP)
+    dd = tl.arange(0, D)
+    mx = tl.full([GROUP], float("-inf"), tl.float32)
+    for g0 in range(0, n_split, GROUP):
+        w = ((g0 + sp) * stride + row).to(tl.int64)
+        mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf")))
+    top = tl.max(mx, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)
+    lv = tl.zeros([GROUP], dtype=tl.float32)
+    accv = tl.zeros([GROUP, D], dtype=tl.float32)
+    for g0 in range(0, n_split, GROUP):
+        w = ((g0 + sp) * stride + row).to(tl.int64)
+        ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"))
+        use = ms > float("-inf")
+        scale = tl.where(use, tl.exp2(ms - top), 0.0)
+        lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0)
+        accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0)
+    return tl.sum(accv, axis=0), tl.sum(lv, axis=0)
+
+
 @triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S,
-                         H: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, BLOCK_R: tl.constexpr,
-                         SPLIT: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = t * H + h
-    ok = rows < T * H
-    dd = tl.arange(0, D)
+                         H: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, SPLIT: tl.constexpr,
+                         GROUP: tl.constexpr):
+    row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
-    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for sp in range(0, n_split):
-        mx = tl.maximum(mx, tl.load(ws_m_ptr + sp * (T * H) + rows, mask=ok, other=float("-inf")))
-    mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    for sp in range(0, n_split):
-        w = (sp * (T * H) + rows).to(tl.int64)
-        ms = tl.load(ws_m_ptr + w, mask=ok, other=float("-inf"))
-        use = ms > float("-inf")  # a split with no visible key for the row adds nothing, bit for bit
-        scale = tl.exp2(ms - mx_safe)
-        ls = tl.load(ws_l_ptr + w, mask=ok & use, other=0.0)
-        os = tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=(ok & use)[:, None], other=0.0)
-        acc = tl.where(use[:, None], acc + scale[:, None] * os, acc)
-        l = tl.where(use, l + scale * ls, l)
-    out = acc / tl.where(ok, l, 1.0)[:, None]  # padding rows divide by 1; a row that sees no key gives NaN
-    tl.store(o_ptr + rows.to(tl.int64)[:, None] * D + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)
+    out = acc / l  # a row that sees no key gives NaN
+    dd = tl.arange(0, D)
+    tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))
 
 
 def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
@@ -250,8 +267,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, **NO_FP_FUSION, num_warps=num_warps,
         num_stages=num_stages)
-    block_r = 16
-    _attn_combine_kernel[(triton.cdiv(T * H, block_r),)](
-        ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr, BLOCK_R=block_r,
-        SPLIT=params.split_keys, num_warps=4, **NO_FP_FUSION)
+    _attn_combine_kernel[(T * H,)](
+        ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
+        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION)
     return out

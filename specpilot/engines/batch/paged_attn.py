@@ -8,8 +8,8 @@ page_table[r, i // PAGE] * PAGE + i % PAGE of caches [kv_heads, S, D].
 Why the bits equal kernels.attn.attention's for the same keys: the page size is attn's split_keys, so one
 split is one page and a split covers the same absolute key range [s*PAGE, (s+1)*PAGE) as there; inside it the
 key blocks of block_n start at the same absolute offsets; the per-block update (dot, mask, online softmax,
-tl.dot row sums, where-guarded no-ops for blocks without a visible key) and the combine of splits in ascending
-order are copied statement for statement, so the compiler sees the same arithmetic (same FMA contraction).
+tl.dot row sums, where-guarded no-ops for blocks without a visible key) is copied statement for statement and
+the combine is the same function (attn.combine_splits); both launch without FP fusion (NO_FP_FUSION).
 Only addressing differs (a page lookup) and visibility is computed from positions instead of an anc matrix
 (the same boolean for chains). Rows are (token, query head of the group) pairs of ONE request tiled by the
 fixed BLOCK_M, and a row never depends on the other rows of its tile.
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
-from specpilot.kernels.attn import LOG2E, AttentionParams, check_qkv
+from specpilot.kernels.attn import LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
 PAGE = ATTN.split_keys  # default page size == split_keys: one split of the reduction is one page
@@ -102,31 +102,14 @@ def _paged_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, tile_req_ptr, tile_row_ptr,
 
 @triton.jit(do_not_specialize=["NTOK"])
 def _paged_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, tok_kvlen_ptr, NTOK, H: tl.constexpr,
-                          D: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = token * H + head
-    ok = rows < NTOK * H
+                          D: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
+    row = tl.program_id(0)  # row = token * H + head, one per program
+    kvlen = tl.load(tok_kvlen_ptr + row // H)  # 0: a padding token, no split
+    n_split = ((kvlen + SPLIT - 1) // SPLIT).to(tl.int32)
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, NTOK * H, n_split, D, GROUP)
+    out = acc / tl.where(l > 0, l, 1.0)  # padding tokens: 0 / 1
     dd = tl.arange(0, D)
-    kvlen = tl.load(tok_kvlen_ptr + rows // H, mask=ok, other=0)  # 0: a padding token, no split
-    n_split = ((kvlen + SPLIT - 1) // SPLIT).to(tl.int32)  # per row: rows of different requests share a program
-    n_max = tl.max(n_split, axis=0)
-    mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for sp in range(0, n_max):
-        mine = ok & (sp < n_split)
-        mx = tl.maximum(mx, tl.load(ws_m_ptr + sp * (NTOK * H) + rows, mask=mine, other=float("-inf")))
-    mx_safe = tl.where(mx > float("-inf"), mx, 0.0)
-    l = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    for sp in range(0, n_max):
-        w = (sp * (NTOK * H) + rows).to(tl.int64)
-        ms = tl.load(ws_m_ptr + w, mask=ok & (sp < n_split), other=float("-inf"))
-        use = ms > float("-inf")  # a split with no visible key (or past the row's keys) adds nothing
-        scale = tl.exp2(ms - mx_safe)
-        ls = tl.load(ws_l_ptr + w, mask=ok & use, other=0.0)
-        os = tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=(ok & use)[:, None], other=0.0)
-        acc = tl.where(use[:, None], acc + scale[:, None] * os, acc)
-        l = tl.where(use, l + scale * ls, l)
-    out = acc / tl.where(ok & (l > 0), l, 1.0)[:, None]  # padding tokens: 0 / 1
-    tl.store(o_ptr + rows.to(tl.int64)[:, None] * D + dd[None, :], out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -221,8 +204,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M, BLOCK_N=params.block_n, SPLIT=page,
             SPLITS_PER_PROGRAM=SPLITS_PER_PROGRAM, num_warps=params.num_warps, num_stages=params.num_stages,
             **NO_FP_FUSION)
-    block_r = 16
-    _paged_combine_kernel[(triton.cdiv(NTOK * H, block_r),)](
-        ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, BLOCK_R=block_r, SPLIT=page, num_warps=4,
+    _paged_combine_kernel[(NTOK * H,)](
+        ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, SPLIT=page, GROUP=SPLIT_GROUP, num_warps=4,
         **NO_FP_FUSION)
     return out
