@@ -80,13 +80,24 @@ def attention_table(shape, split_keys: int, block_n: int) -> tuple[tuple[str, st
     return ((table_key("attention", shape.q_dim, shape.kv_dim, 1), p),)
 
 
-def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True) -> dict:
+def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
+    """Kernel-table entries putting every projection on `row_tile`-row tiles (its default block_n) at every T."""
+    from specpilot.kernels.table import table_key
+    from specpilot.stages.tune_kernels import SPECS
+    if row_tile == 16:
+        return ()
+    return tuple((table_key(s.name, *s.dims(shape), 1), json.dumps({"row_tile": row_tile}))
+                 for s in SPECS if s.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
+
+
+def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
+                  row_tile: int = 16) -> dict:
     shape = SHAPES[name]
     torch.manual_seed(0)
     model = random_model(shape, torch.bfloat16, "cuda", seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = torch.randint(3, shape.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
-    table = attention_table(shape, *map(int, attn.split(":"))) if attn else ()
+    table = (attention_table(shape, *map(int, attn.split(":"))) if attn else ()) + row_tile_table(shape, row_tile)
     eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
                                     kernel_table=table), model, frozenset(), "cuda")
     eng.generate(prompt, tokens)  # same request size: the same graphs as the timed run
@@ -94,7 +105,8 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
     r = eng.generate(prompt, tokens)
     e2e_ms = 1e3 * r.decode_s / tokens
     runner = eng.target
-    out = {"shape": name, "backend": backend, "attn": attn, "weight_bytes": weight_bytes, "e2e_ar_ms": e2e_ms}
+    out = {"shape": name, "backend": backend, "attn": attn, "row_tile": row_tile, "weight_bytes": weight_bytes,
+           "e2e_ar_ms": e2e_ms}
     for width in (1, 2, 4, 8, 16):
         n = width
         runner.verify(150, list(range(3, 3 + n)), list(range(n)), np.tril(np.ones((n, n), bool)))
@@ -115,31 +127,39 @@ def main() -> None:
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--attn", default="", help="split_keys:block_n variants of attention, comma-separated")
+    ap.add_argument("--row-tiles", default="16", help="projection row tiles to profile (16: tensor cores, 1: CUDA "
+                                                       "cores, one row per program), comma-separated")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
     for name in a.shapes.split(","):
         for backend in a.backends.split(","):
             t0 = time.time()
-            r = profile_shape(name, a.tokens, backend)
+            tiles = [int(t) for t in a.row_tiles.split(",")]
+            r = profile_shape(name, a.tokens, backend, row_tile=tiles[0])
             r["wall_s"] = time.time() - t0
             print(f"\n## {name} {backend}: top kernels at width 1 (us)")
             for k in r["kernels_w1"][:14]:
                 print(f"  {k['total_us']:8.1f} {k['calls']:4d}x {k['mean_us']:6.2f}  {k['kernel']}")
             print(f"  sum {sum(k['total_us'] for k in r['kernels_w1']):.1f} us; launches "
                   f"{sum(k['calls'] for k in r['kernels_w1'])}", flush=True)
-            variants = [r] + [profile_shape(name, a.tokens, backend, attn, kernels=False)
-                              for attn in filter(None, a.attn.split(","))]
+            variants = [r] + [profile_shape(name, a.tokens, backend, row_tile=t) for t in tiles[1:]] + [
+                profile_shape(name, a.tokens, backend, attn, kernels=False) for attn in filter(None, a.attn.split(","))]
+            for v in variants[1:len(tiles)]:
+                print(f"\n## {name} {backend} row_tile={v['row_tile']}: top kernels at width 1 (us)")
+                for k in v["kernels_w1"][:8]:
+                    print(f"  {k['total_us']:8.1f} {k['calls']:4d}x {k['mean_us']:6.2f}  {k['kernel']}")
             for v in variants:
                 v["floor_ms"] = v["weight_bytes"] / res["hbm_read_gbs"] / 1e6
                 res["runs"].append(v)
             json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
     print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
-    print("| shape | backend | attn split:block | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | floor ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | backend | rows | attn split:block | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | floor ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
-        print(f"| {r['shape']} | {r['backend']} | {r['attn'] or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
+        print(f"| {r['shape']} | {r['backend']} | {r.get('row_tile', 16)} | {r['attn'] or 'default'} | "
+              f"{r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
               + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} |")
 
 

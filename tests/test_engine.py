@@ -258,3 +258,25 @@ def test_warm_up_captures_every_graph_a_generation_replays():
         before = set(eng.target._graphs)
         eng.generate(p, 40)
         assert set(eng.target._graphs) == before, drafter
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mqa"])
+def test_one_row_tiles_keep_speculative_output_equal_to_ar(shape):
+    """A build whose kernel table puts every projection on one-row CUDA-core tiles (row_tile=1): its n-gram
+    speculative output equals its own AR output token for token (the variant is invariant across T too)."""
+    import json
+
+    from specpilot.kernels.table import check_invariance, table_key
+    from specpilot.stages.tune_kernels import SPECS
+
+    model = tiny_model(shape, 6)
+    sh = model.shape
+    pairs = tuple((table_key(s.name, *s.dims(sh), 1), json.dumps({"row_tile": 1, "block_n": 16}))
+                  for s in SPECS if s.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
+    check_invariance(pairs)
+    p = prompt(sh.vocab, 12, 6) * 3  # repeats: the n-gram drafter gets accepted blocks
+    kw = {"kernel_backend": "triton", "kernel_table": pairs}
+    ar = build_engine(cfg(drafter=DrafterKind.NONE, **kw), model, frozenset(), "cpu").generate(p, 30)
+    spec = build_engine(cfg(drafter=DrafterKind.NGRAM, **kw), model, frozenset(), "cpu").generate(p, 30)
+    assert spec.tokens == ar.tokens
+    assert max(s.verify_tokens for s in spec.steps) > 1, "no verify block longer than one token ran"

@@ -73,14 +73,15 @@ ROW_AT = {1: 0, **dict(INVARIANCE_CALLS)}
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("N,Kd,extras", [(64, 64, ""), (96, 128, "res"), (97, 256, "res+bias"), (50, 96, "fp32out")])
-def test_linear_matches_ref(dtype, T, N, Kd, extras):
+@pytest.mark.parametrize("row_tile", K.ROW_TILES)
+def test_linear_matches_ref(dtype, T, N, Kd, extras, row_tile):
     g = torch.Generator().manual_seed(T * 1000 + N)
     x, W = rnd(g, T, Kd, dtype=dtype), rnd(g, N, Kd, dtype=dtype, scale=Kd ** -0.5)
     out_dtype = torch.float32 if extras == "fp32out" else dtype
     res = rnd(g, T, N, dtype=out_dtype) if "res" in extras else None
     bias = rnd(g, N, dtype=dtype) if "bias" in extras else None
     out = poisoned(T, N, dtype=out_dtype)
-    y = K.linear(x, W, res, bias=bias, out_dtype=out_dtype, out=out)
+    y = K.linear(x, W, res, bias=bias, out_dtype=out_dtype, out=out, row_tile=row_tile)
     assert y.data_ptr() == out.data_ptr()
     assert_close(y, K.linear_ref(x, W, res, bias=bias, out_dtype=out_dtype), dtype)
 
@@ -115,7 +116,8 @@ def test_swiglu_matches_ref(dtype, T, I):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("N,Kd,extras", [(96, 64, ""), (97, 192, "res"), (64, 128, "bias+fp32out")])
-def test_rmsnorm_linear_matches_ref(dtype, T, N, Kd, extras):
+@pytest.mark.parametrize("row_tile", K.ROW_TILES)
+def test_rmsnorm_linear_matches_ref(dtype, T, N, Kd, extras, row_tile):
     g = torch.Generator().manual_seed(T * 7 + N)
     x, nw = rnd(g, T, Kd, dtype=dtype, scale=3.0), (1 + rnd(g, Kd, scale=0.2)).to(dtype)
     W = rnd(g, N, Kd, dtype=dtype, scale=Kd ** -0.5)
@@ -124,11 +126,12 @@ def test_rmsnorm_linear_matches_ref(dtype, T, N, Kd, extras):
     out = poisoned(T, N, dtype=out_dtype)
     if "res" in extras:
         res = rnd(g, T, Kd, dtype=dtype)
-        y, h = K.rmsnorm_linear(x, nw, W, 1e-5, res, out=out, residual_out=poisoned(T, Kd, dtype=dtype))
+        y, h = K.rmsnorm_linear(x, nw, W, 1e-5, res, out=out, residual_out=poisoned(T, Kd, dtype=dtype),
+                                row_tile=row_tile)
         y_ref, h_ref = K.rmsnorm_linear_ref(x, nw, W, 1e-5, res)
         assert torch.equal(h, h_ref), "the new residual stream is x + residual rounded once"
     else:
-        y = K.rmsnorm_linear(x, nw, W, 1e-5, bias=bias, out_dtype=out_dtype, out=out)
+        y = K.rmsnorm_linear(x, nw, W, 1e-5, bias=bias, out_dtype=out_dtype, out=out, row_tile=row_tile)
         y_ref = K.rmsnorm_linear_ref(x, nw, W, 1e-5, bias=bias, out_dtype=out_dtype)
     assert y.data_ptr() == out.data_ptr()
     assert_close(y, y_ref, dtype)
@@ -249,7 +252,8 @@ def _check_rows(fn, make_row, make_other, extract=lambda out, i: out[i]):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", ["plain", "res+bias", "fp32out", "swiglu"])
-def test_linear_batch_invariant(dtype, variant):
+@pytest.mark.parametrize("row_tile", K.ROW_TILES)
+def test_linear_batch_invariant(dtype, variant, row_tile):
     g = torch.Generator().manual_seed(11)
     Kd, N = 256, 97
     W = rnd(g, N, Kd, dtype=dtype, scale=0.06)
@@ -260,18 +264,19 @@ def test_linear_batch_invariant(dtype, variant):
 
     def fn(x, n):
         if variant == "swiglu":
-            return K.swiglu_linear(x, W)
+            return K.swiglu_linear(x, W, row_tile=row_tile)
         if variant == "res+bias":
             res = rnd(g, n, N, dtype=dtype)
             res[ROW_AT[n]] = res_row
-            return K.linear(x, W, res, bias=bias)
-        return K.linear(x, W, out_dtype=out_dtype)
+            return K.linear(x, W, res, bias=bias, row_tile=row_tile)
+        return K.linear(x, W, out_dtype=out_dtype, row_tile=row_tile)
 
     _check_rows(fn, lambda: rnd(g, width, dtype=dtype), lambda n: rnd(g, n, width, dtype=dtype, scale=5.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rmsnorm_linear_batch_invariant(dtype):
+@pytest.mark.parametrize("row_tile", K.ROW_TILES)
+def test_rmsnorm_linear_batch_invariant(dtype, row_tile):
     g = torch.Generator().manual_seed(12)
     Kd, N = 192, 97
     nw, W = (1 + rnd(g, Kd, scale=0.2)).to(dtype), rnd(g, N, Kd, dtype=dtype, scale=0.07)
@@ -280,11 +285,11 @@ def test_rmsnorm_linear_batch_invariant(dtype):
     def fn(x, n):
         res = rnd(g, n, Kd, dtype=dtype, scale=4.0)
         res[ROW_AT[n]] = res_row
-        return K.rmsnorm_linear(x, nw, W, 1e-5, res)
+        return K.rmsnorm_linear(x, nw, W, 1e-5, res, row_tile=row_tile)
 
     _check_rows(fn, lambda: rnd(g, Kd, dtype=dtype), lambda n: rnd(g, n, Kd, dtype=dtype, scale=3.0),
                 extract=lambda out, i: (out[0][i], out[1][i]))
-    _check_rows(lambda x, n: K.rmsnorm_linear(x, nw, W, 1e-5, out_dtype=torch.float32),
+    _check_rows(lambda x, n: K.rmsnorm_linear(x, nw, W, 1e-5, out_dtype=torch.float32, row_tile=row_tile),
                 lambda: rnd(g, Kd, dtype=dtype), lambda n: rnd(g, n, Kd, dtype=dtype))
 
 

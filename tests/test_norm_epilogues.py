@@ -37,7 +37,8 @@ def rnd(g, *shape, scale=1.0, dtype=BF):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 32)])
 @pytest.mark.parametrize("T", [1, 5, 17])
-def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T):
+@pytest.mark.parametrize("row_tile", K.ROW_TILES)
+def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_tile):
     g = torch.Generator().manual_seed(T * 7 + heads)
     K_in = 64
     x, nw = rnd(g, T, K_in), rnd(g, K_in)
@@ -47,8 +48,9 @@ def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T):
     slots = torch.randperm(40, generator=g)[:T].to(DEV)
     kc, vc = rnd(g, kv_heads, 40, head_dim), rnd(g, kv_heads, 40, head_dim)
     kc2, vc2 = kc.clone(), vc.clone()
-    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, block_n=16)
-    q2 = K.rope_kv_write(K.rmsnorm_linear(x, nw, W, 1e-5), pos, slots, cos, sin, kc2, vc2, heads, kv_heads)
+    tile = {"block_n": 16, "row_tile": row_tile}  # with one row per program block_n shapes the sum: keep it
+    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, **tile)
+    q2 = K.rope_kv_write(K.rmsnorm_linear(x, nw, W, 1e-5, **tile), pos, slots, cos, sin, kc2, vc2, heads, kv_heads)
     assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
     kc3, vc3 = kc.clone(), vc.clone()  # the reference, to tolerance (it rounds through torch's ops)
     q3 = E.rmsnorm_qkv_rope_ref(x, nw, W, 1e-5, pos, slots, cos, sin, kc3, vc3, heads, kv_heads)
@@ -56,7 +58,7 @@ def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T):
     # rows are batch-invariant: token 0 alone gives the same q row and cache rows
     if T > 1:
         kc4, vc4 = kc.clone(), vc.clone()
-        q4 = E.rmsnorm_qkv_rope(x[:1], nw, W, 1e-5, pos[:1], slots[:1], cos, sin, kc4, vc4, heads, kv_heads)
+        q4 = E.rmsnorm_qkv_rope(x[:1], nw, W, 1e-5, pos[:1], slots[:1], cos, sin, kc4, vc4, heads, kv_heads, **tile)
         assert torch.equal(q4[0], q[0]) and torch.equal(kc4[:, slots[0]], kc[:, slots[0]])
 
 
@@ -73,12 +75,13 @@ def test_qkv_rope_out_of_range_position_writes_nothing():
 
 @pytest.mark.parametrize("T", [1, 6, 20])
 @pytest.mark.parametrize("residual", [False, True])
-def test_glu_equals_projection_then_swiglu(T, residual):
+@pytest.mark.parametrize("row_tile", K.ROW_TILES)
+def test_glu_equals_projection_then_swiglu(T, residual, row_tile):
     g = torch.Generator().manual_seed(T + 100 * residual)
     x, nw, W = rnd(g, T, 48), rnd(g, 48), rnd(g, 2 * 40, 48, scale=0.1)
     r = rnd(g, T, 48) if residual else None
-    got = E.rmsnorm_glu(x, nw, W, 1e-5, r, block_n=16)
-    want = K.rmsnorm_linear(x, nw, W, 1e-5, r)
+    got = E.rmsnorm_glu(x, nw, W, 1e-5, r, block_n=16, row_tile=row_tile)
+    want = K.rmsnorm_linear(x, nw, W, 1e-5, r, block_n=16, row_tile=row_tile)
     if residual:
         assert torch.equal(got[0], K.swiglu(want[0])) and torch.equal(got[1], want[1])
         ref = E.rmsnorm_glu_ref(x, nw, W, 1e-5, r)[0]

@@ -158,3 +158,19 @@ def test_engine_runs_with_its_kernel_table():
     bad = ((table_key("attention", sh.q_dim, sh.kv_dim, 1), json.dumps({"block_n": 48})),)
     with pytest.raises(KernelTableError, match="attention"):
         build_engine(base.replace(drafter=DrafterKind.NONE, kernel_table=bad), model, frozenset(), "cpu")
+
+
+def test_one_row_tiles_make_block_n_and_warps_numerics():
+    """With row_tile=1 the K chunk is summed by tl.sum, whose tree follows block_n and num_warps: a table may no
+    longer vary them across T (with 16-row tensor-core tiles it may)."""
+    from specpilot.kernels.table import InvarianceError, check_invariance
+
+    def pairs(row_tile, **t16):
+        one = {"row_tile": row_tile, "block_n": 16, "num_warps": 4}
+        return [("o_proj@64x64@T1", json.dumps(one)), ("o_proj@64x64@T16", json.dumps(one | t16))]
+
+    check_invariance(pairs(16, block_n=32, num_warps=8, num_stages=3))
+    check_invariance(pairs(1, num_stages=3))
+    for change in ({"block_n": 32}, {"num_warps": 8}):
+        with pytest.raises(InvarianceError):
+            check_invariance(pairs(1, **change))

@@ -97,8 +97,9 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     p_act = lt.get("swiglu", I, 2 * I, T)
     p_down = lt.get("down", H, I, T)
     p_head = lt.get("lm_head", sh.vocab, H, T)
-    if packed is not None:  # the W12 kernels take the projection params but keep the default K chunk of linear
-        p_o, p_down = ({k: v for k, v in p.items() if k != "block_k"} for p in (p_o, p_down))
+    if packed is not None:  # the W12 kernels: 16-row tensor-core tiles only, linear's default K chunk for o/down
+        p_qkv, p_gate_up, p_head = ({k: v for k, v in p.items() if k != "row_tile"} for p in (p_qkv, p_gate_up, p_head))
+        p_o, p_down = ({k: v for k, v in p.items() if k not in ("block_k", "row_tile")} for p in (p_o, p_down))
     stream = F.embedding(ids, model.embed_tokens.weight)
     captured = []
     for i, layer in enumerate(model.layers):

@@ -17,13 +17,16 @@ from typing import Any, ClassVar, Iterable, Sequence
 import torch
 
 BLOCK_M = 16  # token tile of every token-tiled kernel; part of the numerics, never tuned
+# Token tiles of the projections: BLOCK_M rows through tensor-core dots, or one row per program through
+# CUDA-core products (no 16-row MMA tile to fill at T=1). Part of the numerics: a build picks one for every T.
+ROW_TILES = (BLOCK_M, 1)
 # CUDA-graph capture mode for graphs holding Triton launches: "global" aborts on the Triton launcher's driver
 # queries (seen on the H200 with triton 3.6); "thread_local" only forbids unsafe calls from other threads.
+CAPTURE_ERROR_MODE = "thread_local"
 # Launch option of kernels whose bits two different kernels must reproduce (single-request and paged attention):
 # without it the compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels
 # with the same arithmetic statements can round differently (seen on an H200: 1-ulp differences in a few rows).
 NO_FP_FUSION = {"enable_fp_fusion": False}
-CAPTURE_ERROR_MODE = "thread_local"
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)
 
@@ -43,6 +46,13 @@ class LaunchParams:
     def as_kwargs(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def t_neutral(self) -> tuple[str, ...]:
+        """T_NEUTRAL for this setting. With one row per program (row_tile=1) a K chunk is reduced by tl.sum, whose
+        tree follows the tile's thread layout: the tile width and the warps then set the numerics too."""
+        if getattr(self, "row_tile", BLOCK_M) == 1:
+            return tuple(f for f in self.T_NEUTRAL if f not in ("block_n", "num_warps"))
+        return self.T_NEUTRAL
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -50,6 +60,8 @@ class LaunchParams:
                 raise ValueError(f"num_warps={v} must be one of {_POW2_WARPS}")
             if f.name == "num_stages" and v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"num_stages={v} must be a positive int (or None: a default)")
+            if f.name == "row_tile" and v not in ROW_TILES:
+                raise ValueError(f"row_tile={v!r} must be one of {ROW_TILES}")
             if f.name.startswith("block_") and v is not None and (not isinstance(v, int) or v < 16 or v & (v - 1)):
                 raise ValueError(f"{f.name}={v} must be a power of two >= 16")
 

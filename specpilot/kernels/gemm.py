@@ -4,7 +4,10 @@ Invariance: the token dimension is tiled by the fixed BLOCK_M (16, padding rows 
 other rows), and every output element accumulates its K-reduction as one `tl.dot` chain over fixed BLOCK_K
 (128) chunks in ascending order, in fp32. No split-K, no atomics. BLOCK_N only decides which output columns a
 program owns, and num_warps / num_stages only how a tile is spread over threads and pipelined: none of them
-changes any element's accumulation order (T-neutral). `swiglu_linear` is the same kernel with a prologue that
+changes any element's accumulation order (T-neutral). row_tile=1 (a reduction-order setting, the same for every
+T of a build) gives each program one row and sums each K chunk's fp32 products with tl.sum instead: no tensor-core
+tile padded from 1 to 16 rows, no shared-memory staging; block_n and num_warps then shape that sum's tree, so
+they too must hold for every T (LaunchParams.t_neutral). `swiglu_linear` is the same kernel with a prologue that
 computes silu(gate) * up for each x tile on the fly, with the same bits as `swiglu` (so it equals
 `linear(swiglu(gate_up), W)` bit for bit).
 
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, LaunchParams, check_launchable, check_out, check_tensor,
+from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
 
@@ -36,18 +39,32 @@ class LinearParams(LaunchParams):
     num_warps: int = 4
     num_stages: int | None = None
     block_k: int = BLOCK_K  # the K chunk of the accumulation chain: a reduction-order field (per shape, all T)
+    row_tile: int = BLOCK_M  # tokens per program (ROW_TILES): a reduction-order field
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
-                                                "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512)}
+                                                "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
+                                                "row_tile": ROW_TILES}
 
 
-def default_block_n(n: int, tokens: int, target_programs: int = 128) -> int:
+@triton.jit
+def tile_mac(a, w, acc, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc + a @ w for a [BLOCK_M, BLOCK_K], w [BLOCK_K, BLOCK_N]: a tensor-core dot chain for 16-row tiles; for
+    a one-row tile the chunk's exact fp32 products summed on CUDA cores (tl.sum: the tree follows the layout)."""
+    if BLOCK_M == 1:
+        acc = acc + tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    return acc
+
+
+def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: int = BLOCK_M) -> int:
     """Largest column tile that still gives `target_programs` programs (about one wave on a 132-SM GPU).
 
     It may depend on T because block_n is T-neutral (each output element's reduction is the same whatever
-    tile owns it; test_t_neutral_params_change_no_bit checks every block_n/num_warps/num_stages on the GPU).
+    tile owns it; test_t_neutral_params_change_no_bit checks every block_n/num_warps/num_stages on the GPU),
+    except with one row per program, where it shapes the reduction tree: then it depends on n alone.
     """
-    m_tiles = triton.cdiv(tokens, BLOCK_M)
+    m_tiles = 1 if row_tile == 1 else triton.cdiv(tokens, BLOCK_M)
     for bn in (128, 64, 32):
         if triton.cdiv(n, bn) * m_tiles >= target_programs:
             return bn
@@ -55,9 +72,9 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128) -> int:
 
 
 def default_num_stages(block_n: int, elem_size: int, a_tiles: int = 1, most: int = 5,
-                       smem_budget: int = 200 * 1024, block_k: int = BLOCK_K) -> int:
+                       smem_budget: int = 200 * 1024, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> int:
     """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget."""
-    per_stage = (a_tiles * BLOCK_M + block_n) * block_k * elem_size
+    per_stage = (a_tiles * row_tile + block_n) * block_k * elem_size
     return max(1, min(most, smem_budget // per_stage))
 
 
@@ -97,7 +114,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, stride_x,
         else:
             a = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
         w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
@@ -126,8 +143,8 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 
 def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, swiglu: bool,
-            block_n, num_warps: int, num_stages, block_k: int = BLOCK_K) -> torch.Tensor:
-    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
+            block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
+    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -148,13 +165,13 @@ def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, sw
         check_tensor("residual", residual, (T, N), out_dtype, dev)
     check_launchable(_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev)
-    bn = default_block_n(N, T) if block_n is None else block_n
-    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k) if num_stages is None
-              else num_stages)
-    grid = (triton.cdiv(T, BLOCK_M) * triton.cdiv(N, bn),)
+    bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
+    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
+              if num_stages is None else num_stages)
+    grid = (triton.cdiv(T, row_tile) * triton.cdiv(N, bn),)
     _linear_kernel[grid](x, W, x if bias is None else bias, x if residual is None else residual, out,
                          T, N, K, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
-                         HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
+                         HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), BLOCK_M=row_tile,
                          BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     return out
 
@@ -162,22 +179,23 @@ def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, sw
 def linear(x: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-           block_k: int = BLOCK_K) -> torch.Tensor:
+           block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous.
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
-    return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k)
+    return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int | None = None, block_k: int = BLOCK_K) -> torch.Tensor:
+                  num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
     its 16-row tile, N / block_n times the work of `swiglu`: on an H200 at Llama-3-8B's down_proj it took 199 us
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
-    return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k)
+    return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
+                   row_tile)

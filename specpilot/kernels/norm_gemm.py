@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, LaunchParams, check_launchable, check_out, check_tensor,
+from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul
-from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref
+from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref, tile_mac
 
 # What a norm + projection kernel does with its tile (constexpr: each kind compiles to its own kernel).
 EPI_STORE = tl.constexpr(0)  # store y (and/or the argmax partials)
@@ -41,9 +41,11 @@ class RMSNormLinearParams(LaunchParams):
     num_warps: int = 8
     num_stages: int | None = None
     block_k: int = BLOCK_K  # K chunk of the norm statistic and the accumulation chain: reduction order
+    row_tile: int = BLOCK_M  # tokens per program (ROW_TILES, see gemm.py): reduction order
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
-                                                "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512)}
+                                                "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
+                                                "row_tile": ROW_TILES}
 
 
 @triton.jit
@@ -71,8 +73,11 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, co
             tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & (pid_n == 0))
         hf = h.to(tl.float32)
         sq += hf * hf
-    ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
-    ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)  # 16 identical columns: max picks the value
+    if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout
+        ss = tl.sum(sq, axis=1)
+    else:
+        ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
+        ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)  # 16 identical columns: max picks the value
     rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
@@ -87,10 +92,10 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, co
         hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
         a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
         w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
         if PAIR:
             w2 = tl.load(w_cols2 + kk[:, None], mask=k_ok[:, None] & col_ok2[None, :], other=0.0)
-            acc2 = tl.dot(a, w2, acc2, input_precision=DOT_PREC)
+            acc2 = tile_mac(a, w2, acc2, DOT_PREC, BLOCK_M)
     return acc, acc2
 
 
@@ -206,9 +211,10 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
-                      w_rows_per_out: int = 1) -> tuple[int, int, int, torch.Tensor | None]:
+                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M) -> tuple[int, int, int, torch.Tensor | None]:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out)."""
-    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k)
+    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
+                        row_tile=row_tile)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -229,21 +235,23 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     return T, K, W.shape[0] // w_rows_per_out, residual_out
 
 
-def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int) -> tuple[int, int, tuple]:
+def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int,
+                      row_tile: int = BLOCK_M) -> tuple[int, int, tuple]:
     """(block_n, num_stages, grid) of a norm + projection launch with n output columns."""
     T = x.shape[0]
-    bn = fit_block_n(default_block_n(n, T, target_programs=64), block_k, x.element_size()) if block_n is None \
-        else block_n
-    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k) if num_stages is None else num_stages
-    return bn, stages, (triton.cdiv(T, BLOCK_M) * triton.cdiv(n, bn),)
+    bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size()) \
+        if block_n is None else block_n
+    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k, row_tile=row_tile) \
+        if num_stages is None else num_stages
+    return bn, stages, (triton.cdiv(T, row_tile) * triton.cdiv(n, bn),)
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
-                   num_stages: int | None = None, block_k: int = BLOCK_K, argmax: bool = False,
-                   store_y: bool = True):
+                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
+                   argmax: bool = False, store_y: bool = True):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype.
 
     Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
@@ -251,7 +259,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
     column of each row's maximum of y, found in the epilogue (the logits need not be written and re-read).
     """
     T, K, N, residual_out = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps,
-                                              num_stages, block_k)
+                                              num_stages, block_k, row_tile=row_tile)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
@@ -261,7 +269,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
     if (argmax and residual is not None) or not (store_y or argmax):
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
-    bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k)
+    bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile)
     has_res = residual is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1,), dtype=torch.float32, device=dev)
@@ -269,7 +277,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
     _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x if bias is None else bias, out,
                                  residual_out if has_res else out, pmax, pidx, *_NO_ROPE(x), T, N, K, float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt),
-                                 STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=BLOCK_M,
+                                 STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)

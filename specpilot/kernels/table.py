@@ -50,7 +50,8 @@ def parse_key(key: str) -> tuple[str, int, int, int]:
 
 def order_fields(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
     """The fields of `params` that set the reduction order (not T-neutral)."""
-    return {k: v for k, v in params.items() if k not in PARAMS[kernel].T_NEUTRAL}
+    neutral = PARAMS[kernel](**params).t_neutral()  # a setting may make more fields numerics (row_tile=1)
+    return {k: v for k, v in params.items() if k not in neutral}
 
 
 def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:

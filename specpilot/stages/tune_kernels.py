@@ -299,7 +299,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
         if base != default and total(default) / total(base) < budget.min_gain:  # re-profiled: not reproduced
             base = default
         # 2) T-neutral fields per T; each must keep every bit of the output
-        neutral = [f for f in fields if f in spec.params.T_NEUTRAL and f in spec.params.SEARCH_SPACE]
+        neutral = [f for f in fields if f in base.t_neutral() and f in spec.params.SEARCH_SPACE]
         for t, run in runs.items():
             reference, best = run(base), (timed(lambda: run(base)), base)
             for s in _settings(spec, neutral, budget.max_settings, rng)[1:]:
