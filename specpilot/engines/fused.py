@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from specpilot.engines.config import WeightFormat
 from specpilot.engines.llama import LlamaModel
+from specpilot.kernels.attn import AttentionParams
 from specpilot.kernels.table import LaunchTable
 from specpilot.weights.model import W12Weights
 
@@ -61,9 +62,9 @@ def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.
         raise ValueError(f"weight_format=w12 stores bf16 weights; this model runs in {dtype}")
 
 
-# Attention's reduction order for the fused forward: one 64-key block per split, so each program makes one pass
-# and the combine does the rest (H200, SmolLM2, ctx ~600: 1.867 vs 1.928 ms per step with 256-key splits).
-ATTENTION_ORDER = {"split_keys": 64, "block_n": 64}
+# Attention's reduction order for the fused forward (a kernel table may override it per model): AttentionParams'
+# defaults, which the kernel tuner also starts from.
+ATTENTION_ORDER = {"split_keys": AttentionParams.split_keys, "block_n": AttentionParams.block_n}
 
 
 def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, k_caches, v_caches,
