@@ -3,7 +3,9 @@
 1. paged_attention vs kernels.attn.attention on each request's contiguous keys, bitwise (engine launch params);
 2. batch_forward vs fused_forward on the same rows (a prompt chunk, a verify block, an AR token), bitwise;
 3. the projection kernels: one row alone vs the same row inside a T-row forward, bitwise;
-4. the engines: SpecEngine AR vs the batched engine's AR on a few prompts: first differing position.
+4. the engines: SpecEngine AR vs the batched engine's AR on a few prompts: first differing position;
+5. the split kernels alone, on identical contiguous keys (identity page table): which partials (max, sum,
+   output) differ, for which splits, and whether one split per program or other pipelining changes that.
 Prints one line per check; exit 1 when any differs. `--cpu` runs it under the Triton interpreter (micro shapes).
 
     PYTHONPATH=. python scripts/gpu_batch_debug.py [--cpu]
@@ -163,6 +165,51 @@ def check_engines(model) -> None:
                    first is None and len(toks) == len(ref), f"first difference at token {first}")
 
 
+def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int = 0) -> None:
+    """Both split kernels on the same keys (the paged one through an identity page table): their per-split
+    (m, l, acc) partials, bitwise, for several SPLITS_PER_PROGRAM and num_stages."""
+    import math
+
+    import triton
+
+    from specpilot.engines.batch import paged_attn as pa
+    from specpilot.kernels import attn as sa
+    from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, dot_precision
+    kvh, h, d = SHAPE.kv_heads, SHAPE.heads, SHAPE.head_dim
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    S = -(-kv // page) * page
+    kc, vc = (torch.randn(kvh, S, d, generator=g, device=DEV).to(DT) for _ in range(2))
+    q = torch.randn(q_len, h, d, generator=g, device=DEV).to(DT)
+    n_split, G, scale = -(-kv // page), h // kvh, sa.LOG2E / math.sqrt(d)
+
+    def ws():
+        return (torch.full((n_split * q_len * h,), 7.0, device=DEV), torch.full((n_split * q_len * h,), 7.0, device=DEV),
+                torch.full((n_split * q_len * h * d,), 7.0, device=DEV))
+    single = ws()
+    anc = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=DEV))
+    sa._attn_split_kernel[(triton.cdiv(q_len * G, BLOCK_M), kvh, n_split)](
+        q, kc, vc, anc.view(torch.uint8), single[0], *single, single[0], q_len, kv - q_len, S, 0, scale, H=h, G=G, D=d,
+        BASE_IS_PTR=False, DOT_PREC=dot_precision(DT), BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, HAS_SLOTS=False,
+        **NO_FP_FUSION, num_warps=4, num_stages=2)
+    t_req, t_row = tile_map(np.array([q_len]), G, max_tiles(q_len, G, 1))
+    meta = [torch.arange(n_split, device=DEV)[None], torch.from_numpy(t_req).to(DEV), torch.from_numpy(t_row).to(DEV),
+            torch.tensor([0], device=DEV), torch.tensor([q_len], device=DEV), torch.tensor([kv], device=DEV)]
+    for spp, stages in ((4, 2), (1, 2), (1, 1)):
+        paged = ws()
+        pa._paged_split_kernel[(len(t_req), kvh, triton.cdiv(n_split, spp))](
+            q, kc, vc, *meta, *paged, q_len, S, n_split, scale, H=h, G=G, D=d, DOT_PREC=dot_precision(DT),
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, SPLITS_PER_PROGRAM=spp, num_warps=4, num_stages=stages,
+            **NO_FP_FUSION)
+        parts = []
+        for name, a, b, per in (("m", single[0], paged[0], 1), ("l", single[1], paged[1], 1),
+                                ("acc", single[2], paged[2], d)):
+            split_of = torch.arange(a.numel(), device=DEV) // (q_len * h * per)
+            bad = split_of[a != b].unique().tolist()
+            if bad:
+                parts.append(f"{name} differs in splits {bad[:6]}")
+        report(f"split partials kv={kv} q={q_len} splits/program={spp} stages={stages}", not parts, "; ".join(parts))
+
+
 def main() -> int:
     model = random_model(SHAPE, DT, DEV, seed=0)
     with torch.no_grad():
@@ -174,6 +221,9 @@ def main() -> int:
                 check_attention(page, block_n, [(kv, q) for kv in (65, 127, 128, 129, 511, 513, 1023, 2047)
                                                 for q in (1, 2, 5, 9, 17)], seed=seed)
             check_attention(page, block_n, [(q, q) for q in (16, 17, 63, 64, 65, 130)])
+        if not CPU:
+            for kv, ql in ((511, 17), (513, 5), (2047, 17), (197, 197)):
+                check_split_partials(page, block_n, kv, ql)
         check_projections(model)
         check_batch_forward(model)
         check_engines(model)
