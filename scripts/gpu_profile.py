@@ -83,7 +83,7 @@ def attention_table(shape, split_keys: int, block_n: int) -> tuple[tuple[str, st
 def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
     """Kernel-table entries putting every projection on `row_tile`-row tiles (its default block_n) at every T."""
     from specpilot.kernels.table import table_key
-    from specpilot.stages.tune_kernels import SPECS
+    from specpilot.stages.kernel_specs import SPECS
     if row_tile == 16:
         return ()
     return tuple((table_key(s.name, *s.dims(shape), 1), json.dumps({"row_tile": row_tile}))

@@ -267,7 +267,7 @@ def test_one_row_tiles_keep_speculative_output_equal_to_ar(shape):
     import json
 
     from specpilot.kernels.table import check_invariance, table_key
-    from specpilot.stages.tune_kernels import SPECS
+    from specpilot.stages.kernel_specs import SPECS
 
     model = tiny_model(shape, 6)
     sh = model.shape
