@@ -134,7 +134,7 @@ def explore_timeline(store_uri: str, run_id: str, sampler: GpuSampler | None) ->
     """The run's explore stages from their manifests (timing recorded by the stage framework); also whether
     the whole run audits clean."""
     from specpilot.artifacts import audit_run, store_from_uri
-    from specpilot.stages.io import device_name
+    from specpilot.stages.devices import device_name
 
     report = audit_run(store_from_uri(store_uri), f"runs/{run_id}")
     rows = []

@@ -26,8 +26,9 @@ from specpilot.deployments import load_deployment
 from specpilot.memory import Evidence, Mechanism, MechanismCategory, Memory, Scope, Verdict
 from specpilot.memory.transfer import TRANSFER_SQL, transfer_history
 from specpilot.stages import catalog, explore
-from specpilot.stages.io import (REQUEST_NAME, StageName, StageOutcome, StageRequest, StageRun, device_name,
-                                 memory_scope, path_part, publish, run_stage)
+from specpilot.stages.devices import device_name
+from specpilot.stages.io import (REQUEST_NAME, StageName, StageOutcome, StageRequest, StageRun, memory_scope, path_part,
+                                 publish, run_stage)
 
 RUN_A, RUN_B = "20260102T000000Z-aaa111", "20260103T000000Z-bbb222"
 PROFILE = {"prompts": 2, "kernel_steps": 2, "cost_tokens": [1, 8, 16, 32], "cost_repeats": 2}
@@ -221,7 +222,8 @@ def test_agent_code_that_passes_is_recorded_but_never_built_in(tuned, tiny_deplo
     keeps it out of the build, and memory points at the code explore published, not at the sandbox's scratch."""
     from specpilot.stages.candidate import Candidate, CandidateSource
     from specpilot.stages.integrate import IntegrateParams, ValidatedCandidate, integrate
-    from specpilot.stages.io import SplitName, select_prompts, session_for
+    from specpilot.stages.devices import session_for
+    from specpilot.stages.io import SplitName, select_prompts
     from specpilot.stages.remember import Explored
     from specpilot.stages.validate import VerdictKind
 

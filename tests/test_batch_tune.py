@@ -181,7 +181,8 @@ def test_a_lossy_batched_build_is_rejected(monkeypatch):
     token of the candidate (and not stock) fails validation at that token."""
     from specpilot.engines.batch.engine import BatchEngine
     from specpilot.stages.batch_validate import validate_batched
-    from specpilot.stages.io import SplitName, select_prompts, session_for
+    from specpilot.stages.devices import session_for
+    from specpilot.stages.io import SplitName, select_prompts
 
     dep, session = load_deployment(DEP), session_for(DEP, "cpu")
     stock = catalog.stock_candidate(dep)

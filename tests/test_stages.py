@@ -23,7 +23,8 @@ from specpilot.stages.cli import main as stage_main
 from specpilot.stages.explore import ExploreParams
 from specpilot.stages.proposers import ExploreContext, MemoryHit, MemoryProposer
 from specpilot.stages.quickbench import QuickBench
-from specpilot.stages.io import StageName, StageRequest, path_part, run_stage, session_for
+from specpilot.stages.devices import session_for
+from specpilot.stages.io import StageName, StageRequest, path_part, run_stage
 from specpilot.stages.lossy import lossy_candidates
 
 RUN = "20260101T000000Z-abc123"

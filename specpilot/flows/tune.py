@@ -30,8 +30,8 @@ from specpilot.engines.config import KernelBackend  # noqa: E402
 from specpilot.engines.family import TargetFamily  # noqa: E402
 from specpilot.stages.catalog import stock_candidate, with_kernel_table  # noqa: E402
 from specpilot.stages.integrate import mark_run_failed  # noqa: E402
-from specpilot.stages.io import (StageName, StageOutcome, StageRequest, default_device, device_name,  # noqa: E402
-                                 path_part, run_stage)
+from specpilot.stages.devices import default_device, device_name  # noqa: E402
+from specpilot.stages.io import StageName, StageOutcome, StageRequest, path_part, run_stage  # noqa: E402
 
 
 def _task_run_name() -> str:

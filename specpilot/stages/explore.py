@@ -30,7 +30,8 @@ from specpilot.engines.traces import StepTrace
 from specpilot.stages import catalog
 from specpilot.stages.batch_quickbench import BatchQuickBench
 from specpilot.stages.candidate import Candidate, CandidateSource
-from specpilot.stages.io import SplitName, StageRun, exclusive, memory_scope
+from specpilot.stages.devices import exclusive
+from specpilot.stages.io import SplitName, StageRun, memory_scope
 from specpilot.stages.proposers import (ExploreContext, MemoryHit, MemoryProposer, Proposer, SearchProposer,
                                         recall_memory)
 from specpilot.stages.quickbench import Measurement, QuickBench, TrialStatus, geomean

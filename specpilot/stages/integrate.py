@@ -31,7 +31,8 @@ from specpilot.stages import batch_catalog, catalog
 from specpilot.stages.batch_validate import validate_batched, write_batch_verdict
 from specpilot.stages.candidate import Candidate, CandidateSource
 from specpilot.stages.heldout import Heldout, heldout_batched, heldout_single
-from specpilot.stages.io import SplitName, StageRun, exclusive, write_build
+from specpilot.stages.devices import exclusive
+from specpilot.stages.io import SplitName, StageRun, write_build
 from specpilot.stages.remember import Explored, record_memory
 from specpilot.stages.validate import VerdictKind, validate, write_verdict
 

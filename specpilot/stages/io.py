@@ -11,16 +11,13 @@ from __future__ import annotations
 import importlib
 import io
 import json
-import platform
 import re
 import socket
-import threading
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,11 +27,12 @@ from specpilot.artifacts import (
     write_manifest,
 )
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
-from specpilot.deployments import (Deployment, DeviceKind, ModelRefKind, engine_code_version, load_deployment,
+from specpilot.deployments import (Deployment, ModelRefKind, engine_code_version, load_deployment,
                                   resolve_model)
 from specpilot.engines.targets import read_target_shape
 from specpilot.memory import Scope
 from specpilot.stages.candidate import Candidate
+from specpilot.stages.devices import default_device, device_name, on_device, session_for
 from specpilot.testbed.synthetic import ShapeName
 from specpilot.workload import Prompt
 
@@ -234,69 +232,9 @@ def publish(request: StageRequest, out_dir: Path, meta: dict[str, Any], timing: 
     return write_manifest(store, manifest, key=f"{request.prefix}/{MANIFEST_NAME}")
 
 
-# ---- sessions: models load once per (deployment, device); one measurement per device at a time ----------------
-_SESSIONS: dict[tuple[str, str], DeploymentSession] = {}
-_DEVICE_LOCKS: dict[str, threading.Lock] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def _deployment_key(ref: str) -> str:
-    p = Path(ref).expanduser()
-    return str(p.resolve()) if p.suffix in (".yaml", ".yml") else ref
-
-
-def session_for(deployment: str, device: str) -> DeploymentSession:
-    key = (_deployment_key(deployment), device)
-    with _REGISTRY_LOCK:
-        if key not in _SESSIONS:
-            _SESSIONS[key] = DeploymentSession(load_deployment(deployment), device=device)
-        return _SESSIONS[key]
-
-
-@contextmanager
-def on_device(device: str) -> Iterator[None]:
-    """Make `device` current for this thread: the CUDA current device is per thread, and Triton launches and
-    graph captures go to it, so a stage pinned to cuda:1 in a worker thread would otherwise launch on cuda:0."""
-    if not device.startswith("cuda"):
-        yield
-        return
-    import torch
-    with torch.cuda.device(torch.device(device)):
-        yield
-
-
-@contextmanager
-def exclusive(device: str) -> Iterator[None]:
-    """Hold a device for a measurement: concurrent tasks on one device would time each other."""
-    with _REGISTRY_LOCK:
-        lock = _DEVICE_LOCKS.setdefault(device, threading.Lock())
-    with lock:
-        if device.startswith("cuda"):
-            import torch
-            torch.cuda.set_device(torch.device(device))
-        yield
-
-
 def path_part(name: str) -> str:
     """`name` usable as one segment of a store key (candidate names may contain ':')."""
     return re.sub(r"[^A-Za-z0-9_.-]", "-", name).lstrip("-_.") or "unnamed"
-
-
-def default_device(dep: Deployment, index: int = 0) -> str:
-    return f"cuda:{index}" if dep.device.kind is DeviceKind.CUDA else "cpu"
-
-
-def device_name(device: str) -> str:
-    """The accelerator's marketing name (GPU) or the CPU model, for memory scopes and reports."""
-    if device.startswith("cuda"):
-        import torch
-        return torch.cuda.get_device_name(torch.device(device))
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return "cpu:" + " ".join(line.split(":", 1)[1].split())
-    return "cpu:" + (platform.processor() or platform.machine() or "unknown")
 
 
 def memory_scope(dep: Deployment, drafter_label: str | None, device: str) -> Scope:

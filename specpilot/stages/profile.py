@@ -27,7 +27,8 @@ from specpilot.engines.shapes import OpClass
 from specpilot.engines.target_runner import TargetRunner, fresh_runner
 from specpilot.engines.traces import KERNEL_SCHEMA, REQUEST_SCHEMA, STEP_SCHEMA, KernelTrace, to_table
 from specpilot.stages.candidate import Candidate
-from specpilot.stages.io import SplitName, StageRun, device_name, exclusive
+from specpilot.stages.devices import device_name, exclusive
+from specpilot.stages.io import SplitName, StageRun
 
 BUILD_LABEL = "build"
 
