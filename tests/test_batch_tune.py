@@ -40,7 +40,8 @@ from specpilot.engines.batch import BatchConfig  # noqa: E402
 from specpilot.memory import Evidence, Mechanism, MechanismCategory, Memory, Scope, Verdict  # noqa: E402
 from specpilot.stages import catalog, search_params  # noqa: E402
 from specpilot.stages.candidate import Candidate  # noqa: E402
-from specpilot.stages.io import StageName, StageRequest, memory_scope, path_part, run_stage  # noqa: E402
+from specpilot.stages.io import StageName, memory_scope, path_part  # noqa: E402
+from _stage_chain import recall_to_explore, stage_runner  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEP, RUN, EARLIER = "micro-batch-cpu", "20260102T000000Z-batch1", "20250101T000000Z-seed01"
@@ -83,17 +84,9 @@ def run_pipeline(root: Path) -> dict:
     stock = catalog.stock_candidate(dep)
     seeded = seed_memory(memory, memory_scope(dep, stock.drafter_label, "cpu"))
 
-    def stage(name: StageName, qualifiers: tuple[str, ...], params: dict, inputs: dict | None = None):
-        return run_stage(StageRequest(name, RUN, DEP, store, inputs or {}, params, qualifiers),
-                         out.joinpath(name.value, *qualifiers))
-
-    runs = {"store": store, "memory": memory, "stock": stock, "seeded": seeded}
-    runs["recall"] = stage(StageName.RECALL, (), {"build": stock.to_dict(), "memory": memory})
-    runs["profile"] = stage(StageName.PROFILE, ("round0",), {**PROFILE, "build": stock.to_dict()})
-    runs["attribute"] = stage(StageName.ATTRIBUTE, ("round1",), {}, {"profile": runs["profile"].manifest_uri})
-    runs["explore"] = stage(StageName.EXPLORE, ("round1", "dev0"), EXPLORE, {
-        "profile": runs["profile"].manifest_uri, "attribute": runs["attribute"].manifest_uri,
-        "recall": runs["recall"].manifest_uri})
+    stage = stage_runner(RUN, DEP, store, out)
+    runs = {"store": store, "memory": memory, "stock": stock, "seeded": seeded,
+            **recall_to_explore(stage, stock, memory, PROFILE, EXPLORE)}
     # Memory's candidate is owed a verdict (selected whenever it ran): the one validated here, to keep the time.
     chosen = [m["candidate"] for m in runs["explore"].meta["selected"] if m["candidate"]["source"] == "memory"]
     runs["validate"] = [stage(StageName.VALIDATE, ("round1", path_part(c["name"])), {

@@ -24,8 +24,9 @@ from specpilot.stages.explore import ExploreParams
 from specpilot.stages.proposers import ExploreContext, MemoryHit, MemoryProposer
 from specpilot.stages.quickbench import QuickBench
 from specpilot.stages.devices import session_for
-from specpilot.stages.io import StageName, StageRequest, path_part, run_stage
+from specpilot.stages.io import StageName, path_part
 from specpilot.stages.lossy import lossy_candidates
+from _stage_chain import recall_to_explore, stage_runner
 
 RUN = "20260101T000000Z-abc123"
 PROFILE = {"prompts": 2, "kernel_steps": 2, "cost_tokens": [1, 8, 16, 32], "cost_repeats": 2}
@@ -41,17 +42,9 @@ def pipeline(tiny_deployment, tmp_path_factory):
     dep = load_deployment(tiny_deployment)
     stock = catalog.stock_candidate(dep)
 
-    def stage(name: StageName, qualifiers: tuple[str, ...], params: dict, inputs: dict | None = None):
-        request = StageRequest(name, RUN, str(tiny_deployment), store, inputs or {}, params, qualifiers)
-        return run_stage(request, out.joinpath(name.value, *qualifiers))
-
-    runs = {"store": store, "memory": memory, "out": out, "stock": stock}
-    runs["recall"] = stage(StageName.RECALL, (), {"build": stock.to_dict(), "memory": memory})
-    runs["profile"] = stage(StageName.PROFILE, ("round0",), {**PROFILE, "build": stock.to_dict()})
-    runs["attribute"] = stage(StageName.ATTRIBUTE, ("round1",), {}, {"profile": runs["profile"].manifest_uri})
-    runs["explore"] = stage(StageName.EXPLORE, ("round1", "dev0"), EXPLORE, {
-        "profile": runs["profile"].manifest_uri, "attribute": runs["attribute"].manifest_uri,
-        "recall": runs["recall"].manifest_uri})
+    stage = stage_runner(RUN, str(tiny_deployment), store, out)
+    runs = {"store": store, "memory": memory, "out": out, "stock": stock,
+            **recall_to_explore(stage, stock, memory, PROFILE, EXPLORE)}
     # The cycle model's drafts are always right, so the lossy policy must corrupt accepted tokens themselves.
     lossy = next(c for c in lossy_candidates(stock.config, stock.drafter_label) if c.mechanisms == ("drop_accepted_token",))
     chosen = [json.loads(json.dumps(m["candidate"])) for m in runs["explore"].meta["selected"]] + [lossy.to_dict()]
