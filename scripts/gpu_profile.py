@@ -82,12 +82,8 @@ def attention_table(shape, split_keys: int, block_n: int) -> tuple[tuple[str, st
 
 def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
     """Kernel-table entries putting every projection on `row_tile`-row tiles (its default block_n) at every T."""
-    from specpilot.kernels.table import table_key
-    from specpilot.stages.kernel_specs import SPECS
-    if row_tile == 16:
-        return ()
-    return tuple((table_key(s.name, *s.dims(shape), 1), json.dumps({"row_tile": row_tile}))
-                 for s in SPECS if s.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
+    from specpilot.stages.kernel_specs import projection_table
+    return () if row_tile == 16 else projection_table(shape, row_tile=row_tile)
 
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,

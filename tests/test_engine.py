@@ -264,15 +264,13 @@ def test_warm_up_captures_every_graph_a_generation_replays():
 def test_one_row_tiles_keep_speculative_output_equal_to_ar(shape):
     """A build whose kernel table puts every projection on one-row CUDA-core tiles (row_tile=1): its n-gram
     speculative output equals its own AR output token for token (the variant is invariant across T too)."""
-    import json
-
-    from specpilot.kernels.table import check_invariance, table_key
-    from specpilot.stages.kernel_specs import SPECS
+    from specpilot.kernels.table import check_invariance
+    from specpilot.stages.kernel_specs import projection_table
 
     model = tiny_model(shape, 6)
     sh = model.shape
-    pairs = tuple((table_key(s.name, *s.dims(sh), 1), json.dumps({"row_tile": 1, "block_n": 16}))
-                  for s in SPECS if s.name in ("qkv", "gate_up", "lm_head", "o_proj", "down"))
+    pairs = projection_table(sh, row_tile=1, block_n=16)
+    assert len(pairs) == 5
     check_invariance(pairs)
     p = prompt(sh.vocab, 12, 6) * 3  # repeats: the n-gram drafter gets accepted blocks
     kw = {"kernel_backend": "triton", "kernel_table": pairs}

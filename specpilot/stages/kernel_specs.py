@@ -86,3 +86,14 @@ SPECS: tuple[KernelSpec, ...] = (
     KernelSpec("greedy_accept", AcceptParams, (OpClass.ACCEPT,), lambda s: (1, 1), _accept),
 )
 BY_NAME = {s.name: s for s in SPECS}
+
+PROJECTIONS = ("qkv", "gate_up", "lm_head", "o_proj", "down")
+
+
+def projection_table(shape: LlamaShape, **params: Any) -> tuple[tuple[str, str], ...]:
+    """Kernel-table entries giving every projection of `shape` these launch params at every T (one T=1 entry
+    per kernel: its numerics-setting fields then hold for every T)."""
+    import json
+
+    from specpilot.kernels.table import table_key
+    return tuple((table_key(s.name, *s.dims(shape), 1), json.dumps(params)) for s in SPECS if s.name in PROJECTIONS)
