@@ -187,7 +187,7 @@ class ModelRunner:
         if base + self.block_width > self.view_slots:
             raise ValueError(f"sequence position {base} + block exceeds this request's attention view "
                              f"({self.view_slots} of {self.num_slots} slots; see begin_request)")
-        if not (self.use_graphs and self.fused is not None and self.topk == 0):
+        if not self._decodes_in_one_graph:
             out = []
             for i in range(steps):
                 token = self.verify(base + i, [token], [0], _ONE).argmax[0]
@@ -212,7 +212,7 @@ class ModelRunner:
         widths = [self.tile] if self.tile else [1 << i for i in range(self.block_width.bit_length())
                                                 if 1 << i <= self.block_width]
         keys = [(self._graph_key(w), lambda w=w: capture_step(self, w)) for w in widths]
-        if self.fused is not None and self.topk == 0:
+        if self._decodes_in_one_graph:
             keys += [(("decode", k), lambda k=k: capture_decode(self, k))
                      for k in (1 << i for i in range(decode_steps.bit_length())) if 2 <= k <= self.block_width]
         todo = [(key, capture) for key, capture in keys if key not in self._graphs]
@@ -251,6 +251,11 @@ class ModelRunner:
         g.graph.replay()
         g.staged.record()
         return g
+
+    @property
+    def _decodes_in_one_graph(self) -> bool:
+        # chained steps feed each argmax on the device: the fused kernels' epilogue argmax, no top-k to serve
+        return self.use_graphs and self.fused is not None and self.topk == 0
 
     def _keep(self, key: tuple, g: StepGraph) -> StepGraph:
         self._graphs[key] = g
