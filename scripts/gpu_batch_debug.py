@@ -187,7 +187,7 @@ def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int
                 torch.full((n_split * q_len * h * d,), 7.0, device=DEV))
     single = ws()
     anc = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=DEV))
-    sa._attn_split_kernel[(triton.cdiv(q_len * G, BLOCK_M), kvh, n_split)](
+    k_single = sa._attn_split_kernel[(triton.cdiv(q_len * G, BLOCK_M), kvh, n_split)](
         q, kc, vc, anc.view(torch.uint8), single[0], *single, single[0], q_len, kv - q_len, S, 0, scale, H=h, G=G, D=d,
         BASE_IS_PTR=False, DOT_PREC=dot_precision(DT), BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, HAS_SLOTS=False,
         **NO_FP_FUSION, num_warps=4, num_stages=2)
@@ -196,7 +196,7 @@ def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int
             torch.tensor([0], device=DEV), torch.tensor([q_len], device=DEV), torch.tensor([kv], device=DEV)]
     for spp, stages in ((4, 2), (1, 2), (1, 1)):
         paged = ws()
-        pa._paged_split_kernel[(len(t_req), kvh, triton.cdiv(n_split, spp))](
+        k_paged = pa._paged_split_kernel[(len(t_req), kvh, triton.cdiv(n_split, spp))](
             q, kc, vc, *meta, *paged, q_len, S, n_split, scale, H=h, G=G, D=d, DOT_PREC=dot_precision(DT),
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, SPLITS_PER_PROGRAM=spp, num_warps=4, num_stages=stages,
             **NO_FP_FUSION)
@@ -208,6 +208,20 @@ def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int
             if bad:
                 parts.append(f"{name} differs in splits {bad[:6]}")
         report(f"split partials kv={kv} q={q_len} splits/program={spp} stages={stages}", not parts, "; ".join(parts))
+        dump_dots(f"kv{kv}_q{q_len}_spp{spp}_st{stages}", k_single, k_paged)
+
+
+def dump_dots(tag: str, *kernels) -> None:
+    """Both kernels' TTGIR into $OUT (when set), and their dot ops on stdout: which MMA each uses, and with
+    what accumulator, is where their bits can part."""
+    out = os.environ.get("OUT")
+    for name, k in zip(("single", "paged"), kernels):
+        ir = k.asm.get("ttgir", "")
+        if out:
+            with open(os.path.join(out, f"ttgir_{name}_{tag}.mlir"), "w") as f:
+                f.write(ir)
+        dots = [ln.strip()[:160] for ln in ir.splitlines() if "dot" in ln and "=" in ln]
+        print(f"IR {tag} {name}: {len(dots)} dot ops", *dots, sep="\n  ")
 
 
 def main() -> int:

@@ -64,6 +64,28 @@ def _load_base(base_ptr, base_val, BASE_IS_PTR: tl.constexpr):
     return b
 
 
+@triton.jit
+def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.constexpr):
+    """One key block's online-softmax update of (m, l, acc), shared by the single-request and paged split
+    kernels so both compile the same statements. The p @ V product accumulates into acc * alpha inside the
+    tl.dot, written out: left as `acc * alpha + tl.dot(p, v)` the compiler folded the add into the MMA in one
+    kernel and not in the other (an H200 run: identical m and l, acc 1-2 ulp apart in every split)."""
+    s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    live = m_new > float("-inf")  # rows with a visible key so far
+    seen = tl.max(vis.to(tl.int32), axis=1) > 0  # rows with a visible key in this block
+    m_safe = tl.where(live, m_new, 0.0)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None]).to(v.dtype)
+    acc_new = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PREC)
+    psum = tl.max(tl.dot(p, ones, input_precision=DOT_PREC), axis=1)  # 16 identical columns
+    acc = tl.where(seen[:, None], acc_new, acc)
+    l = tl.where(seen, l * alpha + psum, l)
+    m = tl.where(seen, m_new, m)
+    return m, l, acc
+
+
 @triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                        T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -110,7 +132,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                 ks = kk
                 ld_ok = k_ok
             kt = tl.load(k_ptr + kv_base + ks.to(tl.int64)[None, :] * D + dd[:, None], mask=ld_ok[None, :], other=0.0)
-            s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
             if HAS_SLOTS:
                 vis = row_ok[:, None] & key_vis[None, :]
             else:
@@ -118,19 +139,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                 a = tl.load(anc_ptr + t.to(tl.int64)[:, None] * T + j[None, :],
                             mask=row_ok[:, None] & in_blk[None, :], other=0)
                 vis = row_ok[:, None] & (((kk < base) & k_ok)[None, :] | (a != 0))
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            live = m_new > float("-inf")  # rows with a visible key so far
-            seen = tl.max(vis.to(tl.int32), axis=1) > 0  # rows with a visible key in this block
-            m_safe = tl.where(live, m_new, 0.0)
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None]).to(dtype)
             v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=ld_ok[:, None], other=0.0)
-            pv = tl.dot(p, v, input_precision=DOT_PREC)
-            psum = tl.max(tl.dot(p, ones, input_precision=DOT_PREC), axis=1)  # 16 identical columns
-            acc = tl.where(seen[:, None], acc * alpha[:, None] + pv, acc)
-            l = tl.where(seen, l * alpha + psum, l)
-            m = tl.where(seen, m_new, m)
+            m, l, acc = online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
         w = (split * (T * H) + t * H + h).to(tl.int64)
         tl.store(ws_m_ptr + w, m, mask=row_ok)
         tl.store(ws_l_ptr + w, l, mask=row_ok)

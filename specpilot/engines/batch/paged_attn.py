@@ -8,8 +8,8 @@ page_table[r, i // PAGE] * PAGE + i % PAGE of caches [kv_heads, S, D].
 Why the bits equal kernels.attn.attention's for the same keys: the page size is attn's split_keys, so one
 split is one page and a split covers the same absolute key range [s*PAGE, (s+1)*PAGE) as there; inside it the
 key blocks of block_n start at the same absolute offsets; the per-block update (dot, mask, online softmax,
-tl.dot row sums, where-guarded no-ops for blocks without a visible key) is copied statement for statement and
-the combine is the same function (attn.combine_splits); both launch without FP fusion (NO_FP_FUSION).
+tl.dot row sums, where-guarded no-ops for blocks without a visible key) and the combine are the same functions
+(attn.online_softmax_block, attn.combine_splits); both launch without FP fusion (NO_FP_FUSION).
 Only addressing differs (a page lookup) and visibility is computed from positions instead of an anc matrix
 (the same boolean for chains). Rows are (token, query head of the group) pairs of ONE request tiled by the
 fixed BLOCK_M, and a row never depends on the other rows of its tile.
@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
-from specpilot.kernels.attn import LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits
+from specpilot.kernels.attn import (LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits,
+                                    online_softmax_block)
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
 PAGE = ATTN.split_keys  # default page size == split_keys: one split of the reduction is one page
@@ -78,22 +79,10 @@ def _paged_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, tile_req_ptr, tile_row_ptr,
                     ks = page * SPLIT + (kk - lo)  # physical slot of logical key kk
                     kt = tl.load(k_ptr + kv_base + ks.to(tl.int64)[None, :] * D + dd[:, None], mask=k_ok[None, :],
                                  other=0.0)
-                    s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
                     vis = row_ok[:, None] & (k_ok[None, :] & (kk[None, :] <= qpos[:, None]))
-                    s = tl.where(vis, s, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(s, axis=1))
-                    live = m_new > float("-inf")  # rows with a visible key so far
-                    seen = tl.max(vis.to(tl.int32), axis=1) > 0  # rows with a visible key in this block
-                    m_safe = tl.where(live, m_new, 0.0)
-                    alpha = tl.exp2(m - m_safe)
-                    p = tl.exp2(s - m_safe[:, None]).to(dtype)
                     v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=k_ok[:, None],
                                 other=0.0)
-                    pv = tl.dot(p, v, input_precision=DOT_PREC)
-                    psum = tl.max(tl.dot(p, ones, input_precision=DOT_PREC), axis=1)  # 16 identical columns
-                    acc = tl.where(seen[:, None], acc * alpha[:, None] + pv, acc)
-                    l = tl.where(seen, l * alpha + psum, l)
-                    m = tl.where(seen, m_new, m)
+                    m, l, acc = online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
                 w = (split * (NTOK * H) + tok * H + h).to(tl.int64)
                 tl.store(ws_m_ptr + w, m, mask=row_ok)
                 tl.store(ws_l_ptr + w, l, mask=row_ok)
