@@ -138,6 +138,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                 in_blk = (j >= 0) & (j < T) & k_ok
                 a = tl.load(anc_ptr + t.to(tl.int64)[:, None] * T + j[None, :],
                             mask=row_ok[:, None] & in_blk[None, :], other=0)
+                # The reduction (a no-op) hides this 8-bit load from Triton's operand-width heuristic: seen
+                # through the mask, it made the p @ V dot take kWidth=4 operands (a different K order inside
+                # the MMA) here but kWidth=2 in the paged kernel, and the two paths' rows parted by an ulp.
+                a = tl.max(a[:, :, None], axis=2)
                 vis = row_ok[:, None] & (((kk < base) & k_ok)[None, :] | (a != 0))
             v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=ld_ok[:, None], other=0.0)
             m, l, acc = online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
