@@ -6,6 +6,7 @@
 #                                                             n-gram bench, 5 benchmarks x 2048 tokens
 #   c: carry .gpu                                           -> train the block drafter (checkpoint to $OUT)
 #   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level
+#   e: as b's carry + .tb/drafter (a trained drafter)       -> convert, then d with that drafter (no c needed)
 # Run from a snapshot of HEAD (.gpu/src: `bash scripts/gpu_snapshot.sh`), so work in progress never travels.
 set -uo pipefail
 stage=$1
@@ -29,13 +30,23 @@ engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: 
 YAML
   echo "$TB/$1.yaml"
 }
+convert() {
+  pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
+  cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
+  python3 "$ROOT/.tb/convert.py" $TB/smollm2.gguf $TB/hf 2>&1 | tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
+}
+bench_block() {  # chain, tree and two-level with the drafter in $TB/drafter, 5 benchmarks x PPB prompts
+  local drafters="  - {kind: block, model: {path: $TB/drafter}, engine: {verify: chain}}
+  - {kind: block, model: {path: $TB/drafter}, engine: {verify: tree, tree_budget: 32, position_ordered_attention: true}}
+  - {kind: block, model: {path: $TB/drafter}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
+  python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
+    > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt"
+}
 case $stage in
   a)
     mkdir -p $TB && cp "$ROOT/.tb/gguf.part.aa" $TB/ && echo "part A parked" ;;
   b)
-    pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
-    cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
-    python3 "$ROOT/.tb/convert.py" $TB/smollm2.gguf $TB/hf 2>&1 | tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
+    convert
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes "${MODES:-torch_graph_t1_fast,triton_graph}" \
       --skip-checks 2>&1 | grep -v Warning | tail -8
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
@@ -44,10 +55,10 @@ case $stage in
     timeout 560 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda --no-progress \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tail -25 "$OUT/train.txt"
     mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
+  e)
+    convert
+    mkdir -p $TB/drafter && cp "$ROOT"/.tb/drafter/* $TB/drafter/
+    bench_block ;;
   d)
-    drafters="  - {kind: block, model: {path: $TB/drafter}, engine: {verify: chain}}
-  - {kind: block, model: {path: $TB/drafter}, engine: {verify: tree, tree_budget: 32, position_ordered_attention: true}}
-  - {kind: block, model: {path: $TB/drafter}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
-    python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
-      > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt" ;;
+    bench_block ;;
 esac

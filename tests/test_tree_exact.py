@@ -39,10 +39,11 @@ TOPK = 4
 CAPTURE = (0,)
 
 
-def runner_for(model, tile: int, backend: KernelBackend = KernelBackend.TORCH, ordered: bool = True) -> ModelRunner:
+def runner_for(model, tile: int, backend: KernelBackend = KernelBackend.TORCH, ordered: bool = True,
+               block_width: int = 32) -> ModelRunner:
     c = EngineConfig(dtype="float32", max_seq_len=160, token_tile=tile, drafter=DrafterKind.NGRAM,
                      kernel_backend=backend, position_ordered_attention=ordered)
-    return ModelRunner(model, c, "cpu", block_width=32, topk=TOPK, capture=CAPTURE)
+    return ModelRunner(model, c, "cpu", block_width=block_width, topk=TOPK, capture=CAPTURE)
 
 
 def row(out, i: int):
@@ -127,6 +128,29 @@ def check_tree_against_ar(shape, seed, tile, backend, n, ordered):
     committed = len(p) + n - 1  # AR never computed the KV of the last generated token
     assert torch.equal(r.kv[:, :, :, :committed], ar.kv[:, :, :, :committed])
     assert checked >= n - 1
+
+
+def test_a_block_past_the_last_power_of_two_below_block_width_fits():
+    """Tree budgets give block widths such as 48, and a 39-node tree pads to the 64-token bucket, which the runner
+    must hold (an H200 bench stopped there: 'anc must have shape [64, 64], got [64, 48]'); its rows stay AR's."""
+    model = tiny_model("gqa", 0)
+    vocab, depth = model.shape.vocab, 19
+    p = prompt(vocab, 13, 0)
+    seq, ar_rows, _ = ar_reference(model, p, depth + 2, 8, KernelBackend.TRITON)  # tile: unused by the fused path
+    r = runner_for(model, 8, KernelBackend.TRITON, block_width=48)
+    assert r.block_width == 64
+    pre = r.prefill(p)
+    base = len(p)
+    tokens, parents = decoy_tree(seq[base + 1:base + 1 + depth], depth, vocab)
+    block, parents = [pre.argmax[0]] + tokens, [-1] + parents
+    depths = [0] * len(block)
+    for j in range(1, len(block)):
+        depths[j] = depths[parents[j]] + 1
+    out = r.verify(base, block, depths, tree_anc(parents))
+    acc = greedy_accept(block, parents, out.argmax)
+    assert len(block) == 39 and len(acc.path) == depth + 1
+    for d, node in enumerate(acc.path):
+        assert_rows_equal(row(out, node), ar_rows[base + d], (d, node))
 
 
 def test_position_slots_matches_python_definition():

@@ -12,7 +12,7 @@ import torch
 from specpilot.drafting.data import DraftData
 from specpilot.drafting.objective import block_loss, sample_batch
 from specpilot.engines.build import build_engine
-from specpilot.engines.config import DrafterKind, DType, EngineConfig, VerifyMode
+from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.llama import LlamaModel
 
@@ -34,9 +34,13 @@ def engine_config(drafter: BlockDrafterModel, verify: VerifyMode, dtype: DType, 
     """Position-ordered attention by default, for the AR reference and every mode alike: with it a tree verify
     is bit-exact against AR. Without it (plain SDPA over the slots) a bf16 tree is token-exact only up to
     near-ties, and the report would flag a flip as a mismatch of a lossless configuration."""
-    knobs = {"position_ordered_attention": True, **knobs}
+    cuda = device.startswith("cuda")
+    # On a GPU the torch backend's cuBLAS GEMMs round a 16-node verify differently from a 1-token step (an H200
+    # run: tree and two-level parted from AR, the chain did not); the fused Triton kernels are batch-invariant.
+    knobs = {"position_ordered_attention": True, "kernel_backend": KernelBackend.TRITON if cuda else KernelBackend.TORCH,
+             **knobs}
     return EngineConfig(drafter=DrafterKind.BLOCK, verify=verify, block_size=drafter.config.block_size, dtype=dtype,
-                        max_seq_len=max(64, max_seq_len), cuda_graphs=device.startswith("cuda"), **knobs)
+                        max_seq_len=max(64, max_seq_len), cuda_graphs=cuda, **knobs)
 
 
 def measure_acceptance(target: LlamaModel, drafter: BlockDrafterModel, prompts: list[list[int]], new_tokens: int,

@@ -62,7 +62,8 @@ class ModelRunner:
                                          kernel_table=cfg.kernel_table)
         # Stock kernels are batch-invariant only at one fixed shape; the fused kernels are at any width.
         self.tile = cfg.token_tile if cfg.batch_invariant and self.fused is None else 0
-        self.block_width = max(block_width, self.tile)
+        # Blocks pad to the fixed tile, or else to a power of two (a graph per bucket): the widest bucket must fit.
+        self.block_width = max(block_width, self.tile) if self.tile else _bucket(block_width)
         self.num_slots = cfg.max_seq_len + self.block_width  # slack: a block may write past the last position
         dtype = next(model.parameters()).dtype
         self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
