@@ -88,6 +88,9 @@ drafters:
   - kind: block
     model: {{path: {tmp_path / 'drafter'}}}
     engine: {{block_size: 4, verify: tree, tree_budget: 6, level_one_keep: 4}}
+  - kind: block
+    model: {{path: {tmp_path / 'drafter'}}}
+    engine: {{block_size: 4, verify: tree, tree_budget: 6, level_one_keep: 4, position_ordered_attention: true}}
 device: {{kind: cpu}}
 workload: {{benchmarks: [gsm8k], prompts_per_benchmark: 1, max_new_tokens: 16, seed: 0}}
 engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 2048, token_tile: 8}}
@@ -96,3 +99,18 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 2048, token_tile: 8}}
     out = json.loads(capsys.readouterr().out)
     label = f"block:{tmp_path / 'drafter'}" + "{block_size=4,level_one_keep=4,tree_budget=6,verify=tree}"
     assert out["summary"][label]["all_match_ar"]
+    # position-ordered attention changes AR's own bits on the torch backend: that variant is held to the AR
+    # that has it (run alongside), the other to the deployment's AR
+    ordered = label.replace("keep=4,", "keep=4,position_ordered_attention=True,")
+    assert out["summary"][ordered]["all_match_ar"]
+    refs = {r["variant"]: r["reference"] for r in out["requests"]}
+    assert refs[label] == "ar" and refs[ordered] == "ar{position_ordered_attention=True}"
+
+
+def test_reference_label_names_only_numerics_knobs():
+    from specpilot.bench.harness import reference_label
+    from specpilot.engines.config import DrafterKind, EngineConfig
+    ar = EngineConfig(drafter=DrafterKind.NONE, token_tile=8)
+    assert reference_label(ar, EngineConfig(token_tile=8, draft_len=9, verify="chain")) == "ar"
+    assert reference_label(ar, EngineConfig(drafter="block", verify="tree", token_tile=8)) == "ar"
+    assert reference_label(ar, EngineConfig(token_tile=16, dtype="float32")) == "ar{dtype=float32,token_tile=16}"

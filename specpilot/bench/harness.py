@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from tqdm import tqdm
 
@@ -50,6 +50,7 @@ class RequestResult:
     first_divergence: int | None
     speedup: float | None  # fastest AR decode time / this decode time (None for the AR modes)
     speedup_vs_exact_ar: float | None = None
+    reference: str = AR_LABEL  # the AR run whose tokens this one must equal (its config's ar_twin)
 
     @property
     def tpot_ms(self) -> float:
@@ -100,6 +101,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def reference_label(ar: EngineConfig, cfg: EngineConfig) -> str:
+    """AR_LABEL when cfg's exact AR is the baseline's, else 'ar{knob=value,...}' naming the numerics it changes."""
+    base, twin = ar.ar_twin(), cfg.ar_twin()
+    delta = [f"{f.name}={_value(getattr(twin, f.name))}" for f in fields(twin)
+             if getattr(twin, f.name) != getattr(base, f.name)]
+    return AR_LABEL if not delta else f"{AR_LABEL}{{{','.join(delta)}}}"
+
+
+def _value(x) -> str:
+    return str(getattr(x, "value", x))
+
+
 def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], variants: list[Variant],
               max_new_tokens: int, progress: bool = True, warmup: bool = True,
               on_result=None) -> tuple[BenchReport, dict[str, list[StepTrace]], list[RequestTrace]]:
@@ -108,8 +121,13 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
         raise ValueError("the first variant must be the AR baseline labelled 'ar'")
     report = BenchReport(session.deployment.name, session.device, max_new_tokens, [v.label for v in variants])
     engines = {v.label: session.engine(v.config, v.drafter_label, v.policy) for v in variants}
+    # A variant whose knobs change AR's own numerics is held to the AR that has them (run once per prompt).
+    twins = {v.label: reference_label(variants[0].config, v.config) for v in variants
+             if v.label not in (AR_LABEL, AR_FAST_LABEL)}
+    twin_engines = {label: session.engine(v.config.ar_twin()) for v in variants
+                    if (label := twins.get(v.label, AR_LABEL)) != AR_LABEL}
     if warmup and prompts:  # graph capture, compilation and allocator warm-up stay out of the numbers
-        for e in engines.values():
+        for e in [*engines.values(), *twin_engines.values()]:
             e.warm_up(list(prompts[0].ids), min(8, max_new_tokens))
     steps: dict[str, list[StepTrace]] = defaultdict(list)
     req_traces: list[RequestTrace] = []
@@ -117,6 +135,7 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
     for tp in prompts:
         ar: GenerationResult | None = None
         fastest_ar_s = float("inf")
+        refs = {label: e.generate(list(tp.ids), max_new_tokens).tokens for label, e in twin_engines.items()}
         for v in variants:
             res = engines[v.label].generate(list(tp.ids), max_new_tokens, request_id=f"{tp.key}:{v.label}")
             is_ar = v.label in (AR_LABEL, AR_FAST_LABEL)
@@ -125,14 +144,15 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
             if is_ar:
                 fastest_ar_s = min(fastest_ar_s, res.decode_s)
             hist = Counter(s.committed for s in res.steps)
-            div = first_divergence(ar.tokens, res.tokens)
+            ref_label = twins.get(v.label, AR_LABEL)
+            div = first_divergence(refs.get(ref_label, ar.tokens), res.tokens)
             rr = RequestResult(
                 benchmark=tp.prompt.benchmark.value, prompt_id=tp.prompt.id, variant=v.label,
                 prompt_tokens=len(tp.ids), new_tokens=len(res.tokens), decode_s=res.decode_s, prefill_s=res.prefill_s,
                 steps=len(res.steps), stop_reason=res.stop_reason, tokens_per_step=res.accepted_per_step,
                 step_hist=dict(sorted(hist.items())), matches_ar=div is None, first_divergence=div,
                 speedup=None if is_ar else fastest_ar_s / max(res.decode_s, 1e-9),
-                speedup_vs_exact_ar=None if is_ar else ar.decode_s / max(res.decode_s, 1e-9))
+                speedup_vs_exact_ar=None if is_ar else ar.decode_s / max(res.decode_s, 1e-9), reference=ref_label)
             report.requests.append(rr)
             report.outputs.setdefault(v.label, {})[tp.key] = res.tokens
             steps[v.label].extend(res.steps)
@@ -161,8 +181,12 @@ def format_report(report: BenchReport) -> str:
         overall = report.geomean(v)
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {'-' if overall is None else f'{overall:.2f}x'} | "
                      f"{tps:.2f} | {tpot:.2f} | {'yes' if report.all_match(v) else 'NO'} |")
+    for ref in sorted({r.reference for r in report.requests} - {AR_LABEL}):
+        users = sorted({r.variant for r in report.requests if r.reference == ref})
+        lines.append(f"{', '.join(users)}: checked against {ref}, the AR with the numerics these variants change")
     for r in (r for r in report.requests if not r.matches_ar):
         what = ("differs from exact AR (fastest shapes: exactness not claimed)" if r.variant == AR_FAST_LABEL
                 else "MISMATCH")
-        lines.append(f"{r.variant} {r.benchmark}/{r.prompt_id}: {what}, first divergence at token {r.first_divergence}")
+        lines.append(f"{r.variant} {r.benchmark}/{r.prompt_id}: {what} (vs {r.reference}), first divergence at token "
+                     f"{r.first_divergence}")
     return "\n".join(lines)

@@ -183,6 +183,19 @@ class EngineConfig(ConfigOps):
     def speculative(self) -> bool:
         return self.drafter is not DrafterKind.NONE
 
+    # Fields that only shape what is drafted and verified, never how a row is computed.
+    DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size")
+
+    def ar_twin(self) -> "EngineConfig":
+        """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,
+        weights, kernels, tile, attention order, table), no drafter. Two configs with equal twins share one
+        exact AR reference; a knob such as position_ordered_attention changes AR's own bits on the torch backend,
+        so a variant that turns it is held to the AR that has it too."""
+        plain = EngineConfig(drafter=DrafterKind.NONE)
+        return self.replace(**{f: getattr(plain, f) for f in self.DRAFT_FIELDS})
+
 def knob_schema() -> list[dict[str, Any]]:
     """EngineConfig's fields with types, defaults and allowed values: what explorers may turn."""
     return config_schema(EngineConfig)
