@@ -49,10 +49,12 @@ class TrainConfig:
     anchors: int = 64  # anchors (blocks) per sequence per step
     decay: float = 7.0  # slot j's loss weight: exp(-(j-1)/decay)
     mbpp_prompts: int = 366  # MBPP train prompts (random prefixes for targets without a tokenizer)
-    free_prompts: int = 512  # free generations (BOS + sampled tokens, then greedy)
+    # free generations (BOS + sampled tokens, then greedy). With 512 (878 sequences, ~225k tokens in all) an H200
+    # run memorised its data: train loss 0.003, held-out 8.2, 1.61 tokens/step with a chain.
+    free_prompts: int = 3072
     free_sampled: int = 8  # sampled tokens at the start of each free generation
     gen_tokens: int = 256  # greedy tokens generated per prompt
-    gen_batch: int = 512  # sequences decoded together (GPU: launch-bound, so wide batches are nearly free)
+    gen_batch: int = 1536  # sequences decoded together (GPU: launch-bound, so wide batches are nearly free)
     held_out: int = 8  # prompts kept aside for the acceptance measurement
     eval_tokens: int = 128
     eval_anchors: int = 32
