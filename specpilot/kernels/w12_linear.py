@@ -42,6 +42,10 @@ def _w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, 
         esc_next += tl.sum(esc, axis=0)
     ex = tl.where(m, ex, 0)  # a masked element must be +0.0 (table[0] may be 255: 0 * inf would poison the dot)
     bits = ((lo & 0x80) << 8) | (ex << 7) | (lo & 0x7F)
+    # The reduction (a no-op) hides the 8-bit loads above from Triton's operand-width heuristic: seen through,
+    # they gave this kernel's dots kWidth=4 operands (another K order inside the MMA) where the bf16 kernels
+    # have kWidth=2, and on an H200 the W12 GEMM parted from the bf16 one at T=16 (tests/test_kernel_codegen.py).
+    bits = tl.max(bits[:, :, None], axis=2)
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), esc_next
 
 

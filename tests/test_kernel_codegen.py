@@ -1,0 +1,111 @@
+"""Kernels that must give the same bits must compile their dots identically for the GPU.
+
+The single-request and paged attention split kernels (batched output == single-request output), and the W12
+GEMMs against the bf16 ones (12-bit weights == bf16 weights). Same statements are not enough: Triton picks each
+dot's operand layout from heuristics over the whole kernel. An 8-bit load feeding a dot operand (the ancestor
+mask, the W12 bytes) made it take kWidth=4 operands, another K order inside the MMA, and on an H200 rows parted
+by an ulp (attention) and the W12 GEMM from the bf16 one at T=16. This cross-compiles the kernels for sm_90 on
+the CPU (Triton ships ptxas) and compares every dot's operand and result types, layout aliases resolved. No GPU
+needed; runs in a subprocess because other test modules switch Triton to the interpreter.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+COMPILE = r'''
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specpilot.kernels import attn as sa
+from specpilot.engines.batch import paged_attn as pa
+from specpilot.kernels import gemm, norm_gemm, w12_linear as w12
+
+P = "*bf16"
+COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
+SINGLE = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "anc_ptr": "*u8", "base_ptr": "*i32", "ws_m_ptr": "*fp32",
+          "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "bslot_ptr": "*i64", "T": "i32", "base_val": "i32", "S": "i32",
+          "A": "i32", "qk_scale": "fp32"}
+PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "*i64", "tile_row_ptr": "*i64",
+         "qstart_ptr": "*i64", "qlen_ptr": "*i64", "kvlen_ptr": "*i64", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
+         "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
+
+
+def dots(fn, sig, consts, num_warps=4):
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False})
+    ir = k.asm["ttgir"]
+    alias = dict(re.findall(r"^(#\w+) = (.*)$", ir, flags=re.M))
+    out = []
+    for line in ir.splitlines():
+        if "tt.dot " in line or "ttng.warp_group_dot " in line:
+            types = line.split(" : ", 1)[1].split(" loc(")[0]
+            out.append(re.sub(r"#\w+", lambda m: alias.get(m.group(0), m.group(0)), types))
+    return out
+
+
+W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32", "rowesc_ptr": "*i64",
+       "esc_ptr": "*u8"}
+TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+LINEAR = {"x_ptr": P, "w_ptr": P, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",
+          "stride_x": "i32"}
+W12_LINEAR = {"x_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",
+              "KC": "i32", "stride_x": "i32"}
+NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, "b_ptr": P, "y_ptr": P, "h_ptr": P, "pmax_ptr": "*fp32",
+        "pidx_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+        "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
+W12_NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P, "T": "i32",
+            "N": "i32", "K": "i32", "KC": "i32", "eps": "fp32"}
+FLAGS = {"HAS_BIAS": False, "HAS_RES": True}
+
+print(json.dumps({
+    "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
+    "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True}),
+    "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
+    "linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", **TILE}),
+    "w12_linear": dots(w12._w12_linear_kernel, W12_LINEAR, {**FLAGS, **TILE}),
+    "norm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM,
+                        {**FLAGS, "DOT_PREC": "tf32", "STORE_Y": True, "ARGMAX": False, "EPI": 0, "H": 9, "KVH": 3,
+                         "HALF": 32, **TILE}, num_warps=8),
+    "w12_norm_linear": dots(w12._w12_rmsnorm_linear_kernel, W12_NORM, {**FLAGS, **TILE}, num_warps=8),
+}))
+'''
+
+
+def _nvidia_backend() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no CUDA code generation here
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, list[str]]:
+    if not _nvidia_backend():
+        pytest.skip("this Triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
+    # three dots per key block: q @ K^T, p @ V, p @ ones (the row sums)
+    assert len(compiled["paged"]) == 3, compiled["paged"]
+    assert compiled["single_chain"] == compiled["paged"]
+    assert compiled["single_slots"] == compiled["paged"]
+
+
+def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
+    assert len(compiled["linear"]) == 1 and "kWidth = 2" in compiled["linear"][0]
+    assert compiled["w12_linear"] == compiled["linear"]
+    # the norm statistic's fp32 dot, then the projection
+    assert len(compiled["norm_linear"]) == 2, compiled["norm_linear"]
+    assert compiled["w12_norm_linear"] == compiled["norm_linear"]
