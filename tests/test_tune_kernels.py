@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 from specpilot.kernels import _common  # noqa: E402
 
 if not torch.cuda.is_available() and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
-    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "attn", "accept"):  # another module imported them compiled
-        importlib.reload(sys.modules[f"specpilot.kernels.{_name}"])
+    for _name in ("act", "gemm", "norm_gemm", "norm_epilogues", "rope_kv", "attn", "accept"):  # imported compiled
+        importlib.reload(importlib.import_module(f"specpilot.kernels.{_name}"))
     importlib.reload(sys.modules["specpilot.kernels"])
 
 from specpilot.costmodel import Ceilings, attribute, ideal_op_times  # noqa: E402
@@ -63,6 +63,20 @@ def test_selection_takes_the_largest_excess_time_first_and_maps_ops_to_kernels()
     assert tk.select_kernels(hand_attribution({}), max_kernels=4) == ()  # nothing above its ideal: nothing to tune
     norm_only = tk.select_kernels(hand_attribution({OpClass.NORM: 5.0}), max_kernels=4)  # norms run fused in GEMMs
     assert [c.kernel for c in norm_only] == ["qkv", "gate_up"]
+
+
+def test_projection_specs_launch_the_kernel_variants_the_engine_runs():
+    """qkv with the rotary + cache-write epilogue and gate_up with the GLU one, as engines/fused.py launches them:
+    the tuner once timed the plain store variants, whose best tiles are not those of the pair-loading ones."""
+    from specpilot.kernels import RMSNormLinearParams
+    from specpilot.stages.kernel_specs import BY_NAME
+    dev, g, t = torch.device(DEVICE), torch.Generator().manual_seed(0), 2
+    n, k = BY_NAME["qkv"].dims(SHAPE)
+    q, kc, vc = BY_NAME["qkv"].make(SHAPE, n, k, t, 8, torch.float32, dev, g)(RMSNormLinearParams())
+    assert q.shape == (t, SHAPE.heads, SHAPE.head_dim) and kc.shape == vc.shape == (SHAPE.kv_heads, 8 + t, 16)
+    n, k = BY_NAME["gate_up"].dims(SHAPE)
+    act = BY_NAME["gate_up"].make(SHAPE, n, k, t, 8, torch.float32, dev, g)(RMSNormLinearParams())
+    assert act.shape == (t, SHAPE.intermediate)  # silu(gate) * up, not the [t, 2I] projection
 
 
 def test_cpu_tuning_is_refused_unless_asked_for():

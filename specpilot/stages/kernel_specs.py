@@ -2,6 +2,7 @@
 (N, K) at a model shape, and a builder of fixed random inputs that launches it with a given setting."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,22 +20,53 @@ def _k():
     return kernels
 
 
+def _epilogues():
+    from specpilot.kernels import norm_epilogues  # at call time, as _k
+    return norm_epilogues
+
+
 def _rnd(g: torch.Generator, dtype, dev, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(dev)
 
 
-# Input builders: (shape, N, K, T, context, dtype, device, generator) -> Run over fixed inputs of that call.
-def _norm_linear(residual: bool, logits: bool) -> Callable[..., Run]:
-    def make(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-        x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _rnd(g, dtype, dev, n, k, scale=k ** -0.5)
-        r, out = _rnd(g, dtype, dev, t, k) if residual else None, torch.float32 if logits else None
-        return lambda p: _k().rmsnorm_linear(x, nw, w, sh.rms_eps, r, out_dtype=out, **p.as_kwargs())
-    return make
+# Bytes of identical weight copies a timed projection cycles through, about twice an H200's 50 MB L2. In a model
+# step every layer's weights come from HBM; one copy of a 1 MB SmolLM2 projection launched back to back would sit
+# in L2, and the tuner would time (and pick settings for) a regime the engine never runs in.
+COLD_BYTES = 96 << 20
+MAX_COPIES = 64
+
+
+def _weights(g: torch.Generator, dtype, dev, n: int, k: int) -> Callable[[], torch.Tensor]:
+    """A W [n, k] and a source cycling through identical copies of it (on a GPU: COLD_BYTES of them)."""
+    w = _rnd(g, dtype, dev, n, k, scale=k ** -0.5)
+    count = 1 if dev.type != "cuda" else max(1, min(MAX_COPIES, COLD_BYTES // (w.numel() * w.element_size())))
+    return itertools.cycle([w] + [w.clone() for _ in range(count - 1)]).__next__
+
+
+# Input builders: (shape, N, K, T, context, dtype, device, generator) -> Run over fixed inputs of that call, each
+# launching the kernel variant the engine's fused layers launch (tests/test_tune_kernels.py checks the match).
+def _qkv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
+    kc, vc = (_rnd(g, dtype, dev, sh.kv_heads, ctx + t, sh.head_dim) for _ in range(2))
+    cos, sin = _k().rope_tables(ctx + t, sh.head_dim, sh.rope_theta, dev)
+    pos = torch.arange(ctx, ctx + t, device=dev)
+    return lambda p: (_epilogues().rmsnorm_qkv_rope(x, nw, w(), sh.rms_eps, pos, pos, cos, sin, kc, vc, sh.heads,
+                                                    sh.kv_heads, **p.as_kwargs()), kc, vc)
+
+
+def _gate_up(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
+    return lambda p: _epilogues().rmsnorm_glu(x, nw, w(), sh.rms_eps, **p.as_kwargs())
+
+
+def _lm_head(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
+    return lambda p: _k().rmsnorm_linear(x, nw, w(), sh.rms_eps, out_dtype=torch.float32, **p.as_kwargs())
 
 
 def _linear(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-    x, w, r = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, n, k, scale=k ** -0.5), _rnd(g, dtype, dev, t, n)
-    return lambda p: _k().linear(x, w, r, **p.as_kwargs())
+    x, w, r = _rnd(g, dtype, dev, t, k), _weights(g, dtype, dev, n, k), _rnd(g, dtype, dev, t, n)
+    return lambda p: _k().linear(x, w(), r, **p.as_kwargs())
 
 
 def _swiglu(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
@@ -72,12 +104,10 @@ class KernelSpec:
 
 _QKV = lambda s: s.q_dim + 2 * s.kv_dim  # noqa: E731
 SPECS: tuple[KernelSpec, ...] = (
-    KernelSpec("qkv", RMSNormLinearParams, (OpClass.QKV, OpClass.NORM), lambda s: (_QKV(s), s.hidden),
-               _norm_linear(False, False)),
+    KernelSpec("qkv", RMSNormLinearParams, (OpClass.QKV, OpClass.NORM), lambda s: (_QKV(s), s.hidden), _qkv),
     KernelSpec("gate_up", RMSNormLinearParams, (OpClass.GATE_UP, OpClass.NORM),
-               lambda s: (2 * s.intermediate, s.hidden), _norm_linear(True, False)),
-    KernelSpec("lm_head", RMSNormLinearParams, (OpClass.LM_HEAD,), lambda s: (s.vocab, s.hidden),
-               _norm_linear(False, True)),
+               lambda s: (2 * s.intermediate, s.hidden), _gate_up),
+    KernelSpec("lm_head", RMSNormLinearParams, (OpClass.LM_HEAD,), lambda s: (s.vocab, s.hidden), _lm_head),
     KernelSpec("o_proj", LinearParams, (OpClass.O_PROJ,), lambda s: (s.hidden, s.q_dim), _linear),
     KernelSpec("down", LinearParams, (OpClass.DOWN,), lambda s: (s.hidden, s.intermediate), _linear),
     KernelSpec("swiglu", SwigluParams, (OpClass.ACT,), lambda s: (s.intermediate, 2 * s.intermediate), _swiglu),

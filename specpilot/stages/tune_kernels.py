@@ -34,6 +34,7 @@ from specpilot.kernels import table as _table
 from specpilot.kernels.table import launch_params, parse_key  # noqa: F401  (the tuner's table API, re-exported)
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.kernel_specs import BY_NAME, SPECS, KernelSpec, _k  # noqa: F401  (BY_NAME: re-exported)
+from specpilot.stages.kernel_specs import MAX_COPIES
 
 if TYPE_CHECKING:
     from specpilot.stages.io import StageRun
@@ -154,10 +155,11 @@ def _settings(spec: KernelSpec, fields: Sequence[str], limit: int, rng: random.R
 
 def _timer(dev: torch.device, reps: int) -> Callable[[Callable[[], Any]], float]:
     if dev.type == "cuda":
-        # Inside a CUDA graph, 20 launches back to back: these kernels run for a few us, less than a Python launch
-        # costs, so timing launches from the host (do_bench) would measure the launcher, not the kernel.
+        # Inside a CUDA graph, launches back to back: these kernels run for a few us, less than a Python launch
+        # costs, so timing launches from the host (do_bench) would measure the launcher, not the kernel. One
+        # launch per weight copy a Run cycles through (kernel_specs.MAX_COPIES), so the weights come from HBM.
         from specpilot.kernels.bench import time_graph
-        return lambda fn: time_graph([fn] * 20, max(10, reps))
+        return lambda fn: time_graph([fn] * MAX_COPIES, max(10, reps))
 
     def cpu(fn: Callable[[], Any]) -> float:
         times = []
