@@ -57,7 +57,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
             raise ConfigError("drafter=block needs a block drafter model (specpilot.drafting.checkpoint.load_drafter)")
         try:
             # The drafter reads the stock target's embedding and LM head: drafts are only proposals.
-            drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device)
+            drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device,
+                                       cuda_graphs=cfg.cuda_graphs)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     else:

@@ -19,6 +19,7 @@ from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.llama import LlamaModel
+from specpilot.kernels._common import CAPTURE_ERROR_MODE
 
 # Candidates recorded per depth for the cost model's exact replay: at least this many, whatever the width.
 TRACE_TOPK = 8
@@ -55,9 +56,19 @@ class TreeShape:
         return self.budget if self.tree else self.depth
 
 
+@dataclass
+class DraftGraph:
+    graph: "torch.cuda.CUDAGraph"
+    host_in: torch.Tensor  # pinned (pending token, position)
+    host_tokens: torch.Tensor  # pinned [B - 1, k]
+    host_probs: torch.Tensor
+    done: "torch.cuda.Event"
+    keep: tuple = ()  # device buffers the graph reads: they must live as long as it
+
+
 class BlockTreeDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, shape: TreeShape, max_len: int,
-                 device: str | torch.device):
+                 device: str | torch.device, cuda_graphs: bool = False):
         c = model.config
         c.check_target(target.shape)
         if shape.block_size > c.block_size:
@@ -73,6 +84,12 @@ class BlockTreeDrafter:
         # [layers, k/v, kv_heads, slots, head_dim]: projected context, rotated to each slot's position.
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, max_len, c.head_dim, dtype=dtype, device=self.device)
         self.topk = min(c.vocab, max(shape.width, TRACE_TOPK))
+        # Fixed shapes for every step (the whole cache, keys at or past the pending position masked): one CUDA
+        # graph serves all steps, and no attention backend meets a new key length each step.
+        self._key_ids = torch.arange(max_len, device=self.device)
+        self._slot_ids = torch.arange(shape.block_size, device=self.device)
+        self._graph: DraftGraph | None = None
+        self.use_graph = cuda_graphs and self.device.type == "cuda"
         self.reset()
 
     def reset(self) -> None:
@@ -98,16 +115,57 @@ class BlockTreeDrafter:
         if self.n_ctx != position:
             raise RuntimeError(f"block drafter: has features for {self.n_ctx} tokens but the pending token sits at "
                                f"position {position} (the engine must call observe after prefill and each verify)")
+        if self.use_graph:
+            g = self._graph or self._capture()
+            g.host_in[0], g.host_in[1] = pending, position
+            g.graph.replay()
+            g.done.record()
+            g.done.synchronize()  # the step's one host sync
+            tokens, probs = g.host_tokens, g.host_probs
+        else:
+            tokens, probs = self._draft(torch.tensor([pending, position], device=self.device))
+        return tokens[:depth].tolist(), probs[:depth].tolist()
+
+    def _draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k] of the
+        block slots after the pending one. Reads the whole cache with a mask, so every step has the same shapes."""
         width = self.shape.block_size
-        first = self.embed[torch.tensor([pending], device=self.device)]
-        x = self.model.block_inputs(first, width)  # [1, B, H]
-        pos = torch.arange(position, position + width, device=self.device)[None]
-        ctx = [(self.cache[i, 0, None, :, :position], self.cache[i, 1, None, :, :position])
-               for i in range(len(self.model.layers))]
-        hidden = self.model(x, pos, ctx)[0, 1:depth + 1]
+        x = self.model.block_inputs(self.embed[ints[:1]], width)  # [1, B, H]
+        pos = (ints[1] + self._slot_ids)[None]
+        ctx_ok = (self._key_ids < ints[1]).expand(width, -1)
+        mask = torch.cat([ctx_ok, torch.ones(width, width, dtype=torch.bool, device=self.device)], dim=1)[None]
+        ctx = [(self.cache[i, 0, None], self.cache[i, 1, None]) for i in range(len(self.model.layers))]
+        hidden = self.model(x, pos, ctx, mask)[0, 1:]
         logp = torch.log_softmax(self.model.logits(hidden, self.head).float(), dim=-1)
         top = torch.topk(logp, self.topk, dim=-1)
-        return top.indices.tolist(), top.values.exp().tolist()  # the step's one host sync
+        return top.indices, top.values.exp()
+
+    def _capture(self) -> "DraftGraph":
+        """The drafting step as one CUDA graph: it copies (pending, position) in from pinned memory and the top-k
+        out to pinned memory itself. It only reads the drafter cache, so warm-up and capture disturb nothing."""
+        ints = torch.zeros(2, dtype=torch.long, device=self.device)
+        host_in = torch.zeros(2, dtype=torch.long).pin_memory()
+        n = self.shape.block_size - 1
+        host_tokens = torch.zeros(n, self.topk, dtype=torch.long).pin_memory()
+        host_probs = torch.zeros(n, self.topk, dtype=torch.float32).pin_memory()
+
+        def body():
+            ints.copy_(host_in, non_blocking=True)
+            tokens, probs = self._draft(ints)
+            host_tokens.copy_(tokens, non_blocking=True)
+            host_probs.copy_(probs, non_blocking=True)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
+            body()
+        torch.cuda.synchronize(self.device)
+        self._graph = DraftGraph(graph, host_in, host_tokens, host_probs, torch.cuda.Event(), keep=(ints,))
+        return self._graph
 
     def propose(self, context: list[int], max_depth: int) -> DraftTree:
         depth = min(self.shape.depth, max_depth)
