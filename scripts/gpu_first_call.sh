@@ -1,19 +1,44 @@
 #!/usr/bin/env bash
-# One warm H200 call that measures what the last session changed without device time left to measure it:
-# the row_tile=1 projections against the tensor-core tiles (AR step, verify widths, per-kernel table), attention
-# against context length after the grouped combine, and whether batched rows equal single-request rows.
-# Run from a snapshot (bash scripts/gpu_snapshot.sh; carry .gpu):
-#   bash .gpu/src/scripts/gpu_first_call.sh          (results and logs under $OUT)
+# One warm H200 call, random weights, for what session 4 changed without device time left to measure it:
+#  1. W12: the GEMM table at Llama-3-8B shapes (bits equal to bf16? speed at 1 and 16 tokens) and the whole-model
+#     AR step with 12-bit weights next to bf16 (its tokens must equal bf16's);
+#  2. the kernel tuner's before/after attribution (now timing the engine's kernel variants with weights from HBM)
+#     on llama8b-shape-h200 and on a random SmolLM2-shaped deployment;
+#  3. batched == single-request rows (the regression check of the kWidth fix).
+# Run from a snapshot (bash scripts/gpu_snapshot.sh), carrying .gpu, .whl/prefect (the tuner's stages import the
+# memory package, which needs duckdb; the host has none) and .tb/benchmarks (the 8B deployment lists all five):
+#   WHEELS=$(cd .whl/prefect && pwd) SPECPILOT_BENCHMARKS=$(cd .tb/benchmarks && pwd) \
+#     bash .gpu/src/scripts/gpu_first_call.sh      (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/first-call}
+SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
-timeout 240 python3 scripts/gpu_profile.py "$OUT/profile" --shapes smollm2,llama8b --tokens 512 --row-tiles 16,1 \
-  > "$OUT/profile.txt" 2>&1; echo "profile rc=$?"
-timeout 120 python3 scripts/gpu_attn_context.py "$OUT/attn_context.json" --variants 64:64 --tokens 1900 \
-  > "$OUT/attn_context.txt" 2>&1; echo "attn_context rc=$?"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${WHEELS:-.whl/prefect}"/*.whl \
+  > "$OUT/pip.txt" 2>&1; echo "wheels rc=$?"
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 SPECPILOT_BENCHMARKS=${SPECPILOT_BENCHMARKS:?set it to the prompt sets}
+timeout 100 python3 -m specpilot.kernels.w12_linear 1 16 > "$OUT/w12_gemm.txt" 2>&1; echo "w12 gemm rc=$?"
+timeout 200 python3 scripts/gpu_profile.py "$OUT/profile" --shapes smollm2,llama8b --tokens 256 \
+  --weight-formats native,w12 > "$OUT/profile.txt" 2>&1; echo "profile rc=$?"
+cat > "$OUT/smollm2-random.yaml" <<YAML
+name: smollm2-random-h200
+description: random SmolLM2-135M weights, for kernels and cost only
+target: {random: smollm2-135m, seed: 0}
+drafters:
+  - kind: ngram
+device: {kind: cuda, gpu: H200, count: 1}
+regime: {kind: single}
+workload: {benchmarks: [humaneval, mt_bench], prompts_per_benchmark: 2, max_new_tokens: 64, seed: 0}
+engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 2048, kernel_backend: triton}
+YAML
+for dep in "$OUT/smollm2-random.yaml" llama8b-shape-h200; do
+  tag=$(basename "$dep" .yaml)
+  timeout 150 python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$tag" --deployment "$dep" > "$OUT/kt-$tag.txt" 2>&1
+  echo "kernel tuning $tag rc=$?"
+done
 timeout 90 python3 scripts/gpu_batch_debug.py > "$OUT/batch_debug.txt" 2>&1; echo "batch_debug rc=$?"
-grep -c "^ok" "$OUT/batch_debug.txt"; grep "^DIFF" "$OUT/batch_debug.txt" | cut -c1-110 | head -6
-tail -4 "$OUT/attn_context.txt"
+rm -rf "$OUT"/kt-*/store  # the stage artifacts stay; the store copies would only double them
+tail -1 "$OUT/batch_debug.txt"
+tail -12 "$OUT/w12_gemm.txt"
 grep "^|" "$OUT/profile.txt"
+for f in "$OUT"/kt-*.txt; do head -1 "$f"; grep "^|" "$f" | head -14; done

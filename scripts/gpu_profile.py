@@ -87,7 +87,7 @@ def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
 
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
-                  row_tile: int = 16) -> dict:
+                  row_tile: int = 16, weight_format: str = "native") -> dict:
     shape = SHAPES[name]
     torch.manual_seed(0)
     model = random_model(shape, torch.bfloat16, "cuda", seed=0)
@@ -95,14 +95,14 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
     prompt = torch.randint(3, shape.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
     table = (attention_table(shape, *map(int, attn.split(":"))) if attn else ()) + row_tile_table(shape, row_tile)
     eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
-                                    kernel_table=table), model, frozenset(), "cuda")
+                                    kernel_table=table, weight_format=weight_format), model, frozenset(), "cuda")
     eng.generate(prompt, tokens)  # same request size: the same graphs as the timed run
     torch.cuda.synchronize()
     r = eng.generate(prompt, tokens)
     e2e_ms = 1e3 * r.decode_s / tokens
     runner = eng.target
     out = {"shape": name, "backend": backend, "attn": attn, "row_tile": row_tile, "weight_bytes": weight_bytes,
-           "e2e_ar_ms": e2e_ms}
+           "weight_format": weight_format, "e2e_ar_ms": e2e_ms, "tokens": r.tokens}
     for width in (1, 2, 4, 8, 16):
         n = width
         runner.verify(150, list(range(3, 3 + n)), list(range(n)), np.tril(np.ones((n, n), bool)))
@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--attn", default="", help="split_keys:block_n variants of attention, comma-separated")
     ap.add_argument("--row-tiles", default="16", help="projection row tiles to profile (16: tensor cores, 1: CUDA "
                                                        "cores, one row per program), comma-separated")
+    ap.add_argument("--weight-formats", default="native", help="native,w12: also the 12-bit weights (same model; "
+                                                              "its AR tokens must equal native's)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
@@ -141,6 +143,10 @@ def main() -> None:
                   f"{sum(k['calls'] for k in r['kernels_w1'])}", flush=True)
             variants = [r] + [profile_shape(name, a.tokens, backend, row_tile=t) for t in tiles[1:]] + [
                 profile_shape(name, a.tokens, backend, attn, kernels=False) for attn in filter(None, a.attn.split(","))]
+            variants += [profile_shape(name, a.tokens, backend, weight_format=w)
+                         for w in a.weight_formats.split(",") if w != "native"]
+            for v in variants:
+                v["equal_to_native"] = v["tokens"] == r["tokens"]
             for v in variants[1:len(tiles)]:
                 print(f"\n## {name} {backend} row_tile={v['row_tile']}: top kernels at width 1 (us)")
                 for k in v["kernels_w1"][:8]:
@@ -150,13 +156,14 @@ def main() -> None:
                 res["runs"].append(v)
             json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
     print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
-    print("| shape | backend | rows | attn split:block | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | floor ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | backend | weights | rows | attn split:block | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
+          "floor ms | tokens = native |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
-        print(f"| {r['shape']} | {r['backend']} | {r.get('row_tile', 16)} | {r['attn'] or 'default'} | "
-              f"{r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
-              + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} |")
+        print(f"| {r['shape']} | {r['backend']} | {r['weight_format']} | {r.get('row_tile', 16)} | "
+              f"{r['attn'] or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
+              + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} | {'yes' if r['equal_to_native'] else 'NO'} |")
 
 
 if __name__ == "__main__":

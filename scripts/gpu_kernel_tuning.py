@@ -1,0 +1,93 @@
+"""The kernel tuner's proof on one GPU, without Prefect or a memory database (neither is on the H200 host):
+profile the stock build, attribute, tune the kernels furthest from their bound, profile the tuned build, attribute
+again. Prints the kernel factor and each op class's time and gap before and after, and the table's entries with
+their re-timed default and tuned times. Random-weight deployments are fine here: the tuner and the kernel factor
+are about kernels and cost, not acceptance. (--device cpu --allow-cpu under TRITON_INTERPRET=1 checks the logic
+on a tiny deployment; its timings mean nothing.)
+
+    python3 scripts/gpu_kernel_tuning.py OUT [--deployment llama8b-shape-h200] [--budget '{"max_settings": 16}']
+
+Writes OUT/<stage>/<round>/... (every stage's artifacts, as the flow would) and OUT/summary.json.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from specpilot.costmodel import Attribution
+from specpilot.deployments import load_deployment
+from specpilot.stages import catalog
+from specpilot.stages.candidate import Candidate
+from specpilot.stages.io import StageName, StageRequest, run_stage
+
+PROFILE = {"prompts": 2, "max_new_tokens": 64, "kernel_steps": 4, "cost_tokens": [1, 2, 4, 8, 16], "cost_repeats": 3}
+
+
+def op_rows(attr: Attribution) -> dict[str, dict[str, float | None]]:
+    return {g.op.value: {"us": g.measured_s * 1e6, "ideal_us": g.ideal_s * 1e6, "gap": g.gap}
+            for g in attr.kernel.op_gaps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--deployment", default="llama8b-shape-h200")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--budget", default="{}", help="TuneBudget fields as JSON")
+    ap.add_argument("--profile", default=json.dumps(PROFILE), help="profile stage params as JSON")
+    ap.add_argument("--allow-cpu", action="store_true", help="let the tuner run interpreted kernels (logic check)")
+    a = ap.parse_args(argv)
+    dep = load_deployment(a.deployment)
+    stock = catalog.stock_candidate(dep)
+    run_id = time.strftime("%Y%m%dT%H%M%SZ-kt", time.gmtime())
+    store = (a.out / "store").resolve().as_uri()
+    profile_params = json.loads(a.profile)
+
+    def stage(name: StageName, qualifiers: tuple[str, ...], params: dict, inputs: dict | None = None):
+        return run_stage(StageRequest(name, run_id, a.deployment, store, inputs or {}, params, qualifiers, a.device),
+                         a.out.joinpath(name.value, *qualifiers))
+
+    def profile_and_attribute(build: Candidate, q: str):
+        prof = stage(StageName.PROFILE, (q,), {**profile_params, "build": build.to_dict()})
+        attr = stage(StageName.ATTRIBUTE, (q,), {}, {"profile": prof.manifest_uri})
+        return prof, attr, Attribution.from_dict(json.loads(Path(attr.out_dir, "attribution.json").read_text()))
+
+    t0 = time.time()
+    prof0, attr0_run, before = profile_and_attribute(stock, "before")
+    tuned_run = stage(StageName.TUNE_KERNELS, ("round1",), {"budget": json.loads(a.budget), "allow_cpu": a.allow_cpu},
+                      {"profile": prof0.manifest_uri, "attribute": attr0_run.manifest_uri})
+    tuned = Candidate.from_dict(json.loads(Path(tuned_run.out_dir, "build.json").read_text()))
+    table = json.loads(Path(tuned_run.out_dir, "kernel_table.json").read_text())
+    _, _, after = profile_and_attribute(tuned, "after")
+
+    rows_b, rows_a = op_rows(before), op_rows(after)
+    summary = {"deployment": dep.name, "device": a.device, "seconds": round(time.time() - t0, 1),
+               "kernel_factor": {"before": before.kernel.factor, "after": after.kernel.factor},
+               "total_gap": {"before": before.total_gap, "after": after.total_gap},
+               "ops": {op: {"before": rows_b[op], "after": rows_a.get(op)} for op in rows_b},
+               "selected": [c["kernel"] for c in table["selected"]],
+               "entries": [{k: e[k] for k in ("kernel", "n", "k", "tokens", "params", "default_ms", "tuned_ms")}
+                           for e in table["entries"]],
+               "refused": len(table["refused"]), "kernel_table": [list(p) for p in tuned.config.kernel_table]}
+    (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"{dep.name} on {a.device}: kernel factor {before.kernel.factor:.3f}x -> {after.kernel.factor:.3f}x, "
+          f"total gap {before.total_gap:.2f}x -> {after.total_gap:.2f}x; tuned {summary['selected']}")
+    print("| op class | before us/step | after us/step | gap before | gap after |\n|---|---|---|---|---|")
+    for op, r in summary["ops"].items():
+        af = r["after"] or {}
+        gb, ga = r["before"]["gap"], af.get("gap")
+        print(f"| {op} | {r['before']['us']:.1f} | {af.get('us', float('nan')):.1f} | "
+              f"{'-' if gb is None else f'{gb:.2f}x'} | {'-' if ga is None else f'{ga:.2f}x'} |")
+    print("| kernel@shape@T | default ms | tuned ms | params |\n|---|---|---|---|")
+    for e in summary["entries"]:
+        print(f"| {e['kernel']}@{e['n']}x{e['k']}@T{e['tokens']} | {e['default_ms']:.4f} | {e['tuned_ms']:.4f} | "
+              f"{json.dumps(e['params'], sort_keys=True)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
