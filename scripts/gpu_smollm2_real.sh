@@ -52,8 +52,8 @@ case $stage in
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
       > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;
   c)
-    timeout 560 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda --no-progress \
-      > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tail -25 "$OUT/train.txt"
+    timeout 560 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
+      > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
     mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
   e)
     convert

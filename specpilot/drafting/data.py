@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
-from specpilot.engines.llama import LlamaModel, rotate_half
+from specpilot.engines.llama import VARYING_LENGTH_SDPA, LlamaModel, rotate_half
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ def _forward(model: LlamaModel, ids, positions, kv, start: int, visible, capture
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         kv[i, 0, :, :, start:start + t] = k.transpose(1, 2)
         kv[i, 1, :, :, start:start + t] = v.view(n, t, sh.kv_heads, sh.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[i, 0, :, :, :start + t], kv[i, 1, :, :, :start + t],
-                                           attn_mask=visible[:, None], enable_gqa=True)
+        with sdpa_kernel(VARYING_LENGTH_SDPA):  # every decode step attends over one key more
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[i, 0, :, :, :start + t],
+                                               kv[i, 1, :, :, :start + t], attn_mask=visible[:, None], enable_gqa=True)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, sh.q_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in capture:

@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
+
+# SDPA backends for attention whose key length changes call after call (the drafter's growing context, batched data
+# generation): not cuDNN, which builds an execution plan per new length. On an H200 the block variant benched first
+# on each prompt took 28-50 ms a step and those run after it, on lengths already planned, 5-11 ms (the suspected
+# cause; not yet re-measured with this setting). Flash and memory-efficient kernels take any length without a plan.
+VARYING_LENGTH_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 from specpilot.engines.shapes import LlamaShape
 

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
-from specpilot.engines.llama import RMSNorm, rotate_half
+from specpilot.engines.llama import VARYING_LENGTH_SDPA, RMSNorm, rotate_half
 from specpilot.engines.shapes import LlamaShape
 
 # How many target layers feed the drafter by default: three, spread over the depth (DFlash uses one per
@@ -112,13 +112,6 @@ class BlockDrafterConfig:
         return cls(**d)
 
 
-# Not cuDNN: it builds an execution plan per new key length, and the drafter's context grows every step. On an
-# H200 the block variant benched first on each prompt took 28-50 ms a step, those run after it on the same
-# lengths 5-11 ms (the suspected cause: plan builds; not yet re-measured with this setting). Flash and
-# memory-efficient kernels take any length without a plan.
-DRAFT_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 class DraftAttention(nn.Module):
     def __init__(self, c: BlockDrafterConfig):
         super().__init__()
@@ -149,7 +142,7 @@ class DraftAttention(nn.Module):
         q = (q * cos[:, :, None] + rotate_half(q) * sin[:, :, None]).transpose(1, 2)
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2)
-        with sdpa_kernel(DRAFT_SDPA):
+        with sdpa_kernel(VARYING_LENGTH_SDPA):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
                                                enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(n, t, -1))
