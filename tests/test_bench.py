@@ -107,6 +107,33 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 2048, token_tile: 8}}
     assert refs[label] == "ar" and refs[ordered] == "ar{position_ordered_attention=True}"
 
 
+def test_the_tuning_loop_keeps_stock_ar_as_every_variants_reference(tmp_path):
+    """run_bench's default (the stages' use): one reference for all, so no build may differ from stock's AR."""
+    from specpilot.bench.harness import AR_LABEL, Variant, run_bench
+    from specpilot.bench.session import DeploymentSession
+    from specpilot.deployments import load_deployment
+    from specpilot.engines.config import DrafterKind, EngineConfig
+    from specpilot.testbed import fetch_smollm2, make_random_model
+    target = make_random_model("tiny", tmp_path / "target", seed=4, dtype="float32", tokenizer_dir=fetch_smollm2())
+    yaml = tmp_path / "d.yaml"
+    yaml.write_text(f"""
+name: tiny-ref
+target: {{path: {target}}}
+drafters: [{{kind: ngram}}]
+device: {{kind: cpu}}
+workload: {{benchmarks: [gsm8k], prompts_per_benchmark: 1, max_new_tokens: 8, seed: 0}}
+engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
+""")
+    session = DeploymentSession(load_deployment(yaml), device="cpu")
+    prompts = session.tokenize(session.deployment.workload.select().validate[:1])
+    base = EngineConfig(dtype="float32", cuda_graphs=False, max_seq_len=512, token_tile=8)
+    variants = [Variant(AR_LABEL, base.replace(drafter=DrafterKind.NONE)),
+                Variant("ordered", base.replace(position_ordered_attention=True))]
+    for own, want in ((False, "ar"), (True, "ar{position_ordered_attention=True}")):
+        report, _, _ = run_bench(session, prompts, variants, 8, progress=False, warmup=False, own_ar=own)
+        assert {r.reference for r in report.requests if r.variant == "ordered"} == {want}
+
+
 def test_reference_label_names_only_numerics_knobs():
     from specpilot.bench.harness import reference_label
     from specpilot.engines.config import DrafterKind, EngineConfig

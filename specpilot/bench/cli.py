@@ -50,7 +50,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.concurrency:  # batched serving at fixed concurrency (specpilot.bench.batched)
         return bench_concurrency(args, session, prompts, wl.max_new_tokens)
     report, steps, _ = run_bench(session, prompts, variants_for(session, args.mode), wl.max_new_tokens,
-                                 progress=not args.json)
+                                 progress=not args.json, own_ar=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench.json").write_text(json.dumps(report.to_dict(), indent=1))

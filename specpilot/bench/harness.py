@@ -114,16 +114,20 @@ def _value(x) -> str:
 
 
 def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], variants: list[Variant],
-              max_new_tokens: int, progress: bool = True, warmup: bool = True,
-              on_result=None) -> tuple[BenchReport, dict[str, list[StepTrace]], list[RequestTrace]]:
-    """Runs every variant on every prompt, prompt by prompt (interleaved), AR first."""
+              max_new_tokens: int, progress: bool = True, warmup: bool = True, on_result=None,
+              own_ar: bool = False) -> tuple[BenchReport, dict[str, list[StepTrace]], list[RequestTrace]]:
+    """Runs every variant on every prompt, prompt by prompt (interleaved), AR first.
+
+    Every variant's tokens are checked against the baseline AR (variants[0]): the tuning loop's bar, where no
+    build may change stock's output. own_ar=True (`specpilot bench`) holds a variant whose knobs change AR's own
+    numerics to the AR with those knobs instead (DESIGN's losslessness: a configuration equals its own AR)."""
     if not variants or variants[0].label != AR_LABEL:
         raise ValueError("the first variant must be the AR baseline labelled 'ar'")
     report = BenchReport(session.deployment.name, session.device, max_new_tokens, [v.label for v in variants])
     engines = {v.label: session.engine(v.config, v.drafter_label, v.policy) for v in variants}
     # A variant whose knobs change AR's own numerics is held to the AR that has them (run once per prompt).
     twins = {v.label: reference_label(variants[0].config, v.config) for v in variants
-             if v.label not in (AR_LABEL, AR_FAST_LABEL)}
+             if own_ar and v.label not in (AR_LABEL, AR_FAST_LABEL)}
     twin_engines = {label: session.engine(v.config.ar_twin()) for v in variants
                     if (label := twins.get(v.label, AR_LABEL)) != AR_LABEL}
     if warmup and prompts:  # graph capture, compilation and allocator warm-up stay out of the numbers
