@@ -74,6 +74,10 @@ print(json.dumps({
                         {**FLAGS, "DOT_PREC": "tf32", "STORE_Y": True, "ARGMAX": False, "EPI": 0, "H": 9, "KVH": 3,
                          "HALF": 32, **TILE}, num_warps=8),
     "w12_norm_linear": dots(w12._w12_rmsnorm_linear_kernel, W12_NORM, {**FLAGS, **TILE}, num_warps=8),
+    **{f"norm_linear_epi{epi}": dots(norm_gemm._rmsnorm_linear_kernel, NORM,
+                                     {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "STORE_Y": True, "ARGMAX": False,
+                                      "EPI": epi, "H": 9, "KVH": 3, "HALF": 32, **TILE}, num_warps=8)
+       for epi in (1, 2)},  # gate_up's GLU and qkv's rotary epilogues (two projection dots per K chunk)
 }))
 '''
 
@@ -109,3 +113,7 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     # the norm statistic's fp32 dot, then the projection
     assert len(compiled["norm_linear"]) == 2, compiled["norm_linear"]
     assert compiled["w12_norm_linear"] == compiled["norm_linear"]
+    # the bf16 engine runs qkv and gate_up through the fused epilogues, the W12 one through the plain kernel: the
+    # same dots there too, so 12-bit and bf16 weights give the same bits through the whole layer
+    for epi in (1, 2):
+        assert compiled[f"norm_linear_epi{epi}"] == [compiled["norm_linear"][0]] + [compiled["norm_linear"][1]] * 2
