@@ -67,9 +67,9 @@ def _load_base(base_ptr, base_val, BASE_IS_PTR: tl.constexpr):
 @triton.jit
 def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.constexpr):
     """One key block's online-softmax update of (m, l, acc), shared by the single-request and paged split
-    kernels so both compile the same statements. The p @ V product accumulates into acc * alpha inside the
-    tl.dot, written out: left as `acc * alpha + tl.dot(p, v)` the compiler folded the add into the MMA in one
-    kernel and not in the other (an H200 run: identical m and l, acc 1-2 ulp apart in every split)."""
+    kernels so both run the same statements (the same statements are not enough on their own: the dots' operand
+    layouts must match too, see the ancestor-mask load in _attn_split_kernel and tests/test_kernel_codegen.py).
+    p @ V accumulates into acc * alpha inside the tl.dot, so the form of that sum is explicit, not the compiler's."""
     s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
