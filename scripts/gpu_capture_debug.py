@@ -5,7 +5,7 @@ import traceback
 
 import torch
 
-import specpilot.engines.graphs as runner_mod
+import specpilot.kernels._common as runner_mod  # capture_graph reads CAPTURE_ERROR_MODE from here at call time
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.loader import random_model

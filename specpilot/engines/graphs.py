@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specpilot.kernels._common import CAPTURE_ERROR_MODE  # also what the batch and hybrid runners capture with
+from specpilot.kernels._common import capture_graph
 
 if TYPE_CHECKING:
     from specpilot.engines.runner import ModelRunner
@@ -82,17 +82,7 @@ def _capture(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3):
     """(graph, body's outputs): warm-up on a side stream (compilation, cuBLAS handles), then capture. Both write
     only KV slots < scratch_slots, which are restored afterwards (a request's context may live there)."""
     saved = runner.kv[:, :, :, :scratch_slots].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # An explicit capture stream: torch.cuda.graph's default one is shared by the class and lives on whichever GPU
-    # captured first, so a second GPU's worker thread would capture (and launch Triton) on the first GPU.
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-        out = body()
+    graph, out = capture_graph(body, warmups)
     torch.cuda.synchronize()
     runner.kv[:, :, :, :scratch_slots] = saved
     return graph, out

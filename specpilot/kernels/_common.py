@@ -23,6 +23,23 @@ ROW_TILES = (BLOCK_M, 1)
 # CUDA-graph capture mode for graphs holding Triton launches: "global" aborts on the Triton launcher's driver
 # queries (seen on the H200 with triton 3.6); "thread_local" only forbids unsafe calls from other threads.
 CAPTURE_ERROR_MODE = "thread_local"
+
+
+def capture_graph(body, warmups: int = 2, pool=None):
+    """(graph, body's outputs): `body` run `warmups` times on a side stream (Triton compiles, cuBLAS picks its
+    kernels, the allocator warms: capture forbids all three), then captured on that same stream. Always an
+    explicit capture stream: torch.cuda.graph's default one is shared by the class and lives on whichever GPU
+    captured first, so a second GPU's worker thread would capture (and launch Triton) on the first GPU."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
+        out = body()
+    return graph, out
 # Launch option of kernels whose bits two different kernels must reproduce (single-request and paged attention):
 # without it the compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels
 # with the same arithmetic statements can round differently (seen on an H200: 1-ulp differences in a few rows).

@@ -17,7 +17,7 @@ from ..engines.shapes import LlamaShape, OpClass
 from . import _common
 from .accept import greedy_accept, greedy_accept_ref
 from .act import swiglu, swiglu_ref
-from ._common import CAPTURE_ERROR_MODE
+from ._common import capture_graph
 from .attn import attention, attention_ref
 from .gemm import _linear_kernel, linear, linear_ref, swiglu_linear, swiglu_linear_ref
 from .norm_gemm import rms_norm_ref, rmsnorm_linear, rmsnorm_linear_ref
@@ -109,16 +109,10 @@ def _make(name: str, shape: LlamaShape, T: int, context: int, dtype: torch.dtype
 
 def time_graph(fns: list[Callable[[], Any]], reps: int) -> float:
     """Median ms per call of `fns` run back to back in one CUDA graph (no host overhead, inputs rotated)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:  # compile and warm up outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
+    def all_fns():
         for f in fns:
             f()
+    graph, _ = capture_graph(all_fns, warmups=1)
     graph.replay()
     times = []
     for _ in range(reps):

@@ -29,7 +29,7 @@ from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache, pages_
 from specpilot.engines.config import ConfigError, EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, rope_tables_for
 from specpilot.engines.llama import LlamaModel
-from specpilot.engines.graphs import CAPTURE_ERROR_MODE
+from specpilot.kernels._common import capture_graph
 
 
 @dataclass(frozen=True)
@@ -223,16 +223,7 @@ class BatchRunner:
             return _EmulatedGraph(fn)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile the kernels, warm the allocator, outside the capture
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-            out = fn()
-        return graph, out
+        return capture_graph(fn, 2, self._pool)
 
     def capture_all(self) -> int:
         """Captures every token bucket up front, largest first (they share one memory pool); returns the count."""

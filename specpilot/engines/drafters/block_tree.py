@@ -19,7 +19,7 @@ from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.llama import LlamaModel
-from specpilot.kernels._common import CAPTURE_ERROR_MODE
+from specpilot.kernels._common import capture_graph
 
 # Candidates recorded per depth for the cost model's exact replay: at least this many, whatever the width.
 TRACE_TOPK = 8
@@ -154,15 +154,7 @@ class BlockTreeDrafter:
             tokens, probs = self._draft(ints)
             host_tokens.copy_(tokens, non_blocking=True)
             host_probs.copy_(probs, non_blocking=True)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                body()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-            body()
+        graph, _ = capture_graph(body)
         torch.cuda.synchronize(self.device)
         self._graph = DraftGraph(graph, host_in, host_tokens, host_probs, torch.cuda.Event(), keep=(ints,))
         return self._graph

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specpilot.engines.hybrid.state import BlockSchedule
-from specpilot.engines.graphs import CAPTURE_ERROR_MODE
+from specpilot.kernels._common import capture_graph
 
 # Per row: greedy token, top-1 minus top-2 logit; with a runner's topk > 0 also its top-k tokens and probabilities.
 ChunkOut = tuple[torch.Tensor, ...]
@@ -129,19 +129,10 @@ class ChunkGraphs:
         return out
 
     def _capture(self, key: tuple[int, int], forward: Callable[[], ChunkOut]):
-        # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels) as capture forbids both.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-                out = forward()
+            graph, out = capture_graph(forward, 2, self._pool)
         except Exception as e:  # noqa: BLE001 - any capture failure: this chunk shape stays eager, still exact
             torch.cuda.synchronize()
             warnings.warn(f"hybrid runner: CUDA graph capture of chunk (width, offset)={key} failed ({e!r}); "
