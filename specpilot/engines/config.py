@@ -196,6 +196,7 @@ class EngineConfig(ConfigOps):
         plain = EngineConfig(drafter=DrafterKind.NONE)
         return self.replace(**{f: getattr(plain, f) for f in self.DRAFT_FIELDS})
 
+
 def knob_schema() -> list[dict[str, Any]]:
     """EngineConfig's fields with types, defaults and allowed values: what explorers may turn."""
     return config_schema(EngineConfig)

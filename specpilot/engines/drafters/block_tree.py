@@ -88,6 +88,7 @@ class BlockTreeDrafter:
         # graph serves all steps, and no attention backend meets a new key length each step.
         self._key_ids = torch.arange(max_len, device=self.device)
         self._slot_ids = torch.arange(shape.block_size, device=self.device)
+        self._block_ok = torch.ones(shape.block_size, shape.block_size, dtype=torch.bool, device=self.device)
         self._graph: DraftGraph | None = None
         self.use_graph = cuda_graphs and self.device.type == "cuda"
         self.reset()
@@ -133,7 +134,7 @@ class BlockTreeDrafter:
         x = self.model.block_inputs(self.embed[ints[:1]], width)  # [1, B, H]
         pos = (ints[1] + self._slot_ids)[None]
         ctx_ok = (self._key_ids < ints[1]).expand(width, -1)
-        mask = torch.cat([ctx_ok, torch.ones(width, width, dtype=torch.bool, device=self.device)], dim=1)[None]
+        mask = torch.cat([ctx_ok, self._block_ok], dim=1)[None]  # block slots see each other (non-causal)
         ctx = [(self.cache[i, 0, None], self.cache[i, 1, None]) for i in range(len(self.model.layers))]
         hidden = self.model(x, pos, ctx, mask)[0, 1:]
         logp = torch.log_softmax(self.model.logits(hidden, self.head).float(), dim=-1)
