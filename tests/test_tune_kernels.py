@@ -188,3 +188,28 @@ def test_one_row_tiles_make_block_n_and_warps_numerics():
     for change in ({"block_n": 32}, {"num_warps": 8}):
         with pytest.raises(InvarianceError):
             check_invariance(pairs(1, **change))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the interpreter path")
+def test_a_setting_the_device_cannot_launch_is_refused_and_the_search_goes_on():
+    """On an H200 an rmsnorm_glu setting asked for 276 KiB of shared memory and Triton raised OutOfResources at
+    launch, which ended the whole stage. Such a setting is now one refusal among the others."""
+    from triton.runtime.errors import OutOfResources
+
+    real = tk.BY_NAME["o_proj"]
+
+    def make(*args):
+        run = real.make(*args)
+
+        def launch(p):
+            if p.num_stages == 5:
+                raise OutOfResources(282624, 232448, "shared memory")
+            return run(p)
+        return launch
+
+    spec = dataclasses.replace(real, make=make)
+    budget = dataclasses.replace(TINY, max_kernels=1, max_settings=64)
+    table = tk.tune_kernels(hand_attribution({OpClass.O_PROJ: 6.0}), SHAPE, DEVICE, [4], budget, allow_cpu=True,
+                            specs=(spec,))
+    assert any("num_stages': 5" in r and "shared memory" in r for r in table.refused)
+    assert all(e.params.get("num_stages") != 5 for e in table.entries)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from specpilot.costmodel import Attribution
 from specpilot.engines.config import EngineConfig
@@ -38,6 +39,10 @@ from specpilot.stages.kernel_specs import MAX_COPIES
 
 if TYPE_CHECKING:
     from specpilot.stages.io import StageRun
+
+# A setting is refused, not fatal, when its params are invalid for the shape (ValueError from the wrappers) or
+# its compiled kernel does not fit the device (Triton raises OutOfResources at launch: shared memory, registers).
+UNLAUNCHABLE = (ValueError, OutOfResources)
 
 
 
@@ -222,7 +227,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
             try:
                 p = dataclasses.replace(default, **s)
                 scored.append((total(p), p))
-            except ValueError as e:
+            except UNLAUNCHABLE as e:
                 refused.append(f"{spec.name}@{n}x{k} {s}: {e}")
         base = min(scored, key=lambda x: x[0])[1]
         if base != default and total(default) / total(base) < budget.min_gain:  # re-profiled: not reproduced
@@ -238,7 +243,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
                         refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: output differs from {dataclasses.asdict(base)}")
                         continue
                     best = min(best, (timed(lambda: run(p)), p), key=lambda x: x[0])
-                except ValueError as e:
+                except UNLAUNCHABLE as e:
                     refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: {e}")
             # 3) re-profile default, shape setting and winner afresh, interleaved; keep what reproduces
             rounds = [(timed(lambda: run(default)), timed(lambda: run(base)), timed(lambda: run(best[1])))
