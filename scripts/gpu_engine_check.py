@@ -63,6 +63,7 @@ def main():
         "torch_graph_t1_fast": base.replace(batch_invariant=False),
         "triton_eager": base.replace(kernel_backend="triton", cuda_graphs=False),
         "triton_graph": base.replace(kernel_backend="triton"),
+        "triton_graph_w12": base.replace(kernel_backend="triton", weight_format="w12"),  # tokens must equal triton_graph's
     }
     outs = {}
     modes = {k: v for k, v in modes.items() if k in a.modes.split(",")}
@@ -73,6 +74,10 @@ def main():
         r = timed_generate(eng, prompts[0], n)
         outs[name] = r.tokens
         rows.append({"mode": name, "tok_s": n / r.decode_s, "ms_per_tok": 1e3 * r.decode_s / n})
+        if name.endswith("_w12") and "triton_graph" in outs:
+            same = next((i for i, (x, y) in enumerate(zip(r.tokens, outs["triton_graph"])) if x != y), None)
+            rows[-1]["equal_to_triton_graph"] = same is None and len(r.tokens) == len(outs["triton_graph"])
+            rows[-1]["first_difference"] = same
         print(rows[-1], flush=True)
     if not a.skip_hf:
         try:
@@ -96,7 +101,9 @@ def main():
     (out / "engine_check.json").write_text(json.dumps({"rows": rows, "checks": checks}, indent=1))
     print("\n| mode | tok/s | ms/tok |\n|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['tok_s']:.0f} | {r['ms_per_tok']:.3f} |")
+        print(f"| {r['mode']} | {r['tok_s']:.0f} | {r['ms_per_tok']:.3f} |"
+              + (f" tokens equal to triton_graph: {r['equal_to_triton_graph']} (first difference at "
+                 f"{r['first_difference']})" if "equal_to_triton_graph" in r else ""))
     print("| backend | draft_len | prompt | equal | AR tok/s | spec tok/s | tokens/step |")
     for c in checks:
         print(f"| {c['tile']} | {c['compile']} | {c['prompt']} | {c['equal']} | {c['ar_tok_s']:.0f} | {c['spec_tok_s']:.0f} | {c['acc']:.2f} |")

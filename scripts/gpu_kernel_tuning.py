@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_stage(StageRequest(name, run_id, a.deployment, store, inputs or {}, params, qualifiers, a.device),
                          a.out.joinpath(name.value, *qualifiers))
 
-    def profile_and_attribute(build: Candidate, q: str):
+    def profile_and_attribute(build: Candidate, q: str, ceilings_from=None):
         prof = stage(StageName.PROFILE, (q,), {**profile_params, "build": build.to_dict()})
-        attr = stage(StageName.ATTRIBUTE, (q,), {}, {"profile": prof.manifest_uri})
+        attr = stage(StageName.ATTRIBUTE, (q,), {}, {"profile": prof.manifest_uri,
+                                                     "ceilings": (ceilings_from or prof).manifest_uri})
         return prof, attr, Attribution.from_dict(json.loads(Path(attr.out_dir, "attribution.json").read_text()))
 
     t0 = time.time()
@@ -62,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                       {"profile": prof0.manifest_uri, "attribute": attr0_run.manifest_uri})
     tuned = Candidate.from_dict(json.loads(Path(tuned_run.out_dir, "build.json").read_text()))
     table = json.loads(Path(tuned_run.out_dir, "kernel_table.json").read_text())
-    _, _, after = profile_and_attribute(tuned, "after")
+    _, _, after = profile_and_attribute(tuned, "after", ceilings_from=prof0)  # one yardstick for both
 
     rows_b, rows_a = op_rows(before), op_rows(after)
     summary = {"deployment": dep.name, "device": a.device, "seconds": round(time.time() - t0, 1),
                "kernel_factor": {"before": before.kernel.factor, "after": after.kernel.factor},
                "total_gap": {"before": before.total_gap, "after": after.total_gap},
+               # the kernels' own time per step: what the table changed, whatever the ceilings
+               "kernel_us_per_step": {"before": sum(r["us"] for r in rows_b.values()),
+                                      "after": sum(r["us"] for r in rows_a.values())},
                "ops": {op: {"before": rows_b[op], "after": rows_a.get(op)} for op in rows_b},
                "selected": [c["kernel"] for c in table["selected"]],
                "entries": [{k: e[k] for k in ("kernel", "n", "k", "tokens", "params", "default_ms", "tuned_ms")}
@@ -75,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                "refused": len(table["refused"]), "kernel_table": [list(p) for p in tuned.config.kernel_table]}
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{dep.name} on {a.device}: kernel factor {before.kernel.factor:.3f}x -> {after.kernel.factor:.3f}x, "
-          f"total gap {before.total_gap:.2f}x -> {after.total_gap:.2f}x; tuned {summary['selected']}")
+          f"total gap {before.total_gap:.2f}x -> {after.total_gap:.2f}x; kernels "
+          f"{summary['kernel_us_per_step']['before']:.1f} -> {summary['kernel_us_per_step']['after']:.1f} us/step; "
+          f"tuned {summary['selected']}")
     print("| op class | before us/step | after us/step | gap before | gap after |\n|---|---|---|---|---|")
     for op, r in summary["ops"].items():
         af = r["after"] or {}

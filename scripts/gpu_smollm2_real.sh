@@ -6,7 +6,8 @@
 #                                                             n-gram bench, 5 benchmarks x 2048 tokens
 #   c: carry .gpu                                           -> train the block drafter (checkpoint to $OUT)
 #   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level
-#   e: as b's carry + .tb/drafter (a trained drafter)       -> convert, then d with that drafter (no c needed)
+#   e: as b's carry + .tb/drafter (a trained drafter)       -> convert, W12 vs bf16 AR (tokens, speed), then d
+#                                                             with that drafter (no c needed)
 # Run from a snapshot of HEAD (.gpu/src: `bash scripts/gpu_snapshot.sh`), so work in progress never travels.
 set -uo pipefail
 stage=$1
@@ -57,7 +58,9 @@ case $stage in
     mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
   e)
     convert
-    mkdir -p $TB/drafter && cp "$ROOT"/.tb/drafter/* $TB/drafter/
+    python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 512 --modes triton_graph,triton_graph_w12 \
+      --skip-checks --skip-hf 2>&1 | grep -v Warning | tail -4  # W12 on real weights: the same tokens?
+    [ -d "$ROOT/.tb/drafter" ] && mkdir -p $TB/drafter && cp "$ROOT"/.tb/drafter/* $TB/drafter/  # or parked by a
     bench_block ;;
   d)
     bench_block ;;

@@ -104,6 +104,22 @@ def test_attribution_has_three_factors_report_and_plot(pipeline):
     assert (out / "attribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_later_attribution_can_be_judged_by_an_earlier_profiles_ceilings(pipeline, tiny_deployment):
+    """Before/after comparisons (kernel tuning, later rounds) share one yardstick: the ceilings measured at profile
+    time move between runs, and every ideal time with them."""
+    stage = stage_runner(RUN, str(tiny_deployment), pipeline["store"], pipeline["out"])
+    again = stage(StageName.PROFILE, ("again",), {**PROFILE, "build": pipeline["stock"].to_dict()})
+    first = json.loads((Path(pipeline["profile"].out_dir) / "ceilings.json").read_text())
+    mine = json.loads((Path(again.out_dir) / "ceilings.json").read_text())
+    own = stage(StageName.ATTRIBUTE, ("again", "own"), {}, {"profile": again.manifest_uri})
+    shared = stage(StageName.ATTRIBUTE, ("again", "shared"), {}, {"profile": again.manifest_uri,
+                                                                   "ceilings": pipeline["profile"].manifest_uri})
+    for run, c in ((own, mine), (shared, first)):
+        report = (Path(run.out_dir) / "report.md").read_text()
+        assert f"{c['peak_bandwidth'] / 1e9:.1f} GB/s (copy" in report and f"{c['peak_flops'] / 1e9:.1f} GFLOP/s" in report
+    assert pipeline["profile"].manifest_uri in read_manifest(store_from_uri(pipeline["store"]), shared.manifest_uri).inputs
+
+
 def test_explore_measures_trials_and_selects_what_beats_the_build(pipeline):
     out, meta = Path(pipeline["explore"].out_dir), pipeline["explore"].meta
     measured = json.loads((out / "measurements.json").read_text())

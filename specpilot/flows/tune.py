@@ -128,11 +128,13 @@ def tune(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = No
     try:
         recall = recall_task(request(StageName.RECALL, (), {"build": stock.to_dict(), "memory": memory_path}), work)
         logger.info("memory: %d mechanism(s) proven on similar scopes: %s", len(recall.meta["hits"]), recall.meta["hits"])
-        profile = profile_task(request(StageName.PROFILE, ("round0",),
-                                       {**asdict(settings.profile), "build": build.to_dict()}), work)
+        profile = first_profile = profile_task(request(StageName.PROFILE, ("round0",),
+                                                       {**asdict(settings.profile), "build": build.to_dict()}), work)
         for r in range(1, rounds + 1):
             q = f"round{r}"
-            attribution = attribute_task(request(StageName.ATTRIBUTE, (q,), {}, {"profile": profile.manifest_uri}), work)
+            # every round judged by round 0's measured ceilings: factors comparable across rounds
+            attribution = attribute_task(request(StageName.ATTRIBUTE, (q,), {}, {
+                "profile": profile.manifest_uri, "ceilings": first_profile.manifest_uri}), work)
             publish_attribution(dep.name, r, attribution)
             inputs = {"profile": profile.manifest_uri, "attribute": attribution.manifest_uri, "recall": recall.manifest_uri}
             explores = explore_task.map(request=[
