@@ -148,20 +148,50 @@ def gemm_times(shapes, tmp: Path) -> list[dict]:
     return rows
 
 
+def forward_layers(model, T: int) -> str:
+    """fused_forward native vs W12 on T prompt tokens, every layer captured: the first layer whose output differs."""
+    from specpilot.engines.fused import fused_forward
+    sh = model.shape
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, sh.vocab, (T,), generator=g).to(DEV)
+    pos = torch.arange(T, device=DEV)
+    anc = torch.tril(torch.ones(T, T, dtype=torch.bool, device=DEV))
+    outs = []
+    for fmt in (WeightFormat.NATIVE, WeightFormat.W12):
+        kv = torch.zeros(2, sh.layers, sh.kv_heads, 256, sh.head_dim, dtype=torch.bfloat16, device=DEV)
+        outs.append(fused_forward(model, rope_tables_for(model, 256, DEV, fmt), ids, pos, pos,
+                                  torch.zeros(1, dtype=torch.long, device=DEV), anc, kv[0], kv[1],
+                                  capture=tuple(range(sh.layers))))
+    (l0, a0, c0), (l1, a1, c1) = outs
+    first = next((i for i, (x, y) in enumerate(zip(c0, c1)) if same(x, y) != "equal"), None)
+    return (f"first differing layer {first} ({same(c0[first], c1[first])})" if first is not None else "layers equal") + \
+        f"; logits {same(l0, l1)}; argmax {'equal' if torch.equal(a0, a1) else 'differs'}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
+    ap.add_argument("--tokens", default="1,16", help="token counts of the per-op and whole-forward comparisons")
+    ap.add_argument("--shapes", default="smollm2,llama8b")
+    ap.add_argument("--skip-gemm", action="store_true")
     a = ap.parse_args()
-    result = {"ops": {}}
+    result = {"ops": {}, "forward": {}}
     for label, shape in (("smollm2", SMOLLM2_135M), ("llama8b", LLAMA3_8B)):
+        if label not in a.shapes.split(","):
+            continue
         model = random_model(shape, torch.bfloat16, DEV, seed=0)
-        for T in (1, 16):
+        for T in map(int, a.tokens.split(",")):
             result["ops"][f"{label} T={T}"] = ops_layer0(model, T)
+            result["forward"][f"{label} T={T}"] = forward_layers(model, T)
+            print(f"forward {label} T={T}: {result['forward'][f'{label} T={T}']}", flush=True)
         del model
     for case, ops in result["ops"].items():
         print(f"## {case}")
         for op, verdict in ops.items():
             print(f"  {op}: {verdict}")
+    if a.skip_gemm:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         result["gemm"] = gemm_times(((4096, 4096), (14336, 4096), (4096, 14336)), Path(tmp))
     Path(a.out).write_text(json.dumps(result, indent=1))
