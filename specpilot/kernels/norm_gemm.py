@@ -25,6 +25,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
                       dot_precision)
 from .act import silu_mul
 from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref, tile_mac
+from .rope_kv import rotate
 
 # What a norm + projection kernel does with its tile (constexpr: each kind compiles to its own kernel).
 EPI_STORE = tl.constexpr(0)  # store y (and/or the argmax partials)
@@ -117,7 +118,7 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, pos_ptr, slot_p
     tm = ok[:, None] & col_ok[None, :]
     c = tl.load(cos_ptr + tab, mask=tm, other=0.0)
     s = tl.load(sin_ptr + tab, mask=tm, other=0.0)
-    rot = tl.where(first[None, :], x * c - xp * s, x * c + xp * s).to(dtype)  # [x1 c - x2 s, x2 c + x1 s]
+    rot = rotate(x, c, tl.where(first[None, :], -(xp * s), xp * s)).to(dtype)  # [x1 c - x2 s, x2 c + x1 s]
     is_q = col_ok & (cols < H * D)
     is_k = col_ok & (cols >= H * D) & (cols < (H + KVH) * D)
     is_v = col_ok & (cols >= (H + KVH) * D)

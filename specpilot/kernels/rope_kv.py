@@ -2,7 +2,8 @@
 
 qkv [T, (heads + 2 kv_heads) * D] holds per token [q heads ; k heads ; v heads]. Each token's q and k heads are
 rotated with HF Llama's rotate_half convention at positions[t] (x1 = x[:D/2], x2 = x[D/2:],
-out = [x1 cos - x2 sin, x2 cos + x1 sin], computed in fp32 from fp32 tables and rounded once to the dtype);
+out = [x1 cos - x2 sin, x2 cos + x1 sin], computed in fp32 from fp32 tables (`rotate`: one fma over the rounded
+partner product) and rounded once to the dtype);
 rotated k and plain v go to k_cache/v_cache[kv_head, slots[t]], rotated q is returned as [T, heads, D].
 
 Elementwise per token, so trivially batch-invariant. An out-of-range position or slot cannot be reported from
@@ -37,6 +38,15 @@ def rope_tables(max_positions: int, head_dim: int, theta: float, device: torch.d
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
+@triton.jit
+def rotate(x, c, signed_partner_sin):
+    """One rotate_half output in fp32: x cos -+ partner sin, as one explicit fma over the rounded partner product.
+    Written out as a fma so no compiler decides it: left as x * c - p * s, a kernel contracts it where its
+    surrounding code lets it, and two kernels with the same statements round differently (an H200 gave the QKV
+    epilogue's q and k 1-ulp differences from this kernel's, which parted W12 greedy text from bf16's)."""
+    return tl.fma(x, c, signed_partner_sin)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _rope_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, T, S, max_pos,
                     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr):
@@ -52,8 +62,8 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, 
     src = qkv_ptr + t.to(tl.int64) * ((H + 2 * KVH) * D) + hh * D
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + HALF + i).to(tl.float32)
-    o1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
-    o2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
+    o1 = rotate(x1, c, -(x2 * s)).to(q_ptr.dtype.element_ty)
+    o2 = rotate(x2, c, x1 * s).to(q_ptr.dtype.element_ty)
     if hh < H:
         nan = tl.full([HALF], float("nan"), tl.float32).to(q_ptr.dtype.element_ty)
         dst = q_ptr + (t.to(tl.int64) * H + hh) * D
