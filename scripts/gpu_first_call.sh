@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${WHEELS:-.whl/prefect}"/*.whl \
   > "$OUT/pip.txt" 2>&1; echo "wheels rc=$?"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 SPECPILOT_BENCHMARKS=${SPECPILOT_BENCHMARKS:?set it to the prompt sets}
-timeout 100 python3 -m specpilot.kernels.w12_linear 1 16 > "$OUT/w12_gemm.txt" 2>&1; echo "w12 gemm rc=$?"
+timeout 100 python3 -m specpilot.kernels.w12_tile 1 16 > "$OUT/w12_gemm.txt" 2>&1; echo "w12 gemm rc=$?"
 timeout 200 python3 scripts/gpu_profile.py "$OUT/profile" --shapes smollm2,llama8b --tokens 256 \
   --weight-formats native,w12 > "$OUT/profile.txt" 2>&1; echo "profile rc=$?"
 cat > "$OUT/smollm2-random.yaml" <<YAML

@@ -10,11 +10,18 @@ as its draft length allows: a longer draft than stock's 5 wins measurably, as on
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without CUDA the Triton kernels run under the interpreter. It must be on before triton is first imported:
+    # whatever was decorated earlier (triton.language's own jit functions included) stays compiled for good.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from specpilot.engines.loader import random_model, save_model
 from specpilot.engines.shapes import LlamaShape

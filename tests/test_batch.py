@@ -3,7 +3,7 @@
 Every request served by the batched engine (joining and leaving at different steps, ragged acceptance, EOS and
 token limits inside a verify block, chunked prefill, CUDA-graph buckets emulated on CPU) must equal its
 single-request AR output from SpecEngine with kernel_backend=triton. Without CUDA the Triton kernels run
-under the interpreter (scripts/test.sh sets TRITON_INTERPRET=1; set here too, as in test_kernels.py), on
+under the interpreter (tests/conftest.py turns it on), on
 micro Llama models (one or two layers) so the whole file stays within a few minutes on two cores.
 """
 from __future__ import annotations
@@ -12,9 +12,7 @@ import functools
 import importlib
 import importlib.util
 import json
-import os
 import random
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,23 +20,8 @@ import numpy as np
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-
-from specpilot.kernels import _common  # noqa: E402
-
-if not CUDA and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
-    # Another module built the kernels before TRITON_INTERPRET was set: rebuild them (and ours) interpreted.
-    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "attn", "accept", "w12_linear", "table", ""):
-        _mod = f"specpilot.kernels.{_name}".rstrip(".")
-        if _mod in sys.modules:
-            importlib.reload(sys.modules[_mod])
-    for _name in ("fused", "batch.paged_attn", "batch.paged_cache", "batch.model", "batch.runner", "batch.cost",
-                  "batch.engine", "batch"):
-        if f"specpilot.engines.{_name}" in sys.modules:
-            importlib.reload(sys.modules[f"specpilot.engines.{_name}"])
 
 from specpilot.engines.batch import (BatchConfig, BatchEngine, BatchRunner, CostCurve, DraftLength,  # noqa: E402
                                      RequestSpec, StepClock, VerifyBudget, batch_knob_schema, block_width,

@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specpilot.kernels import attn as sa
 from specpilot.engines.batch import paged_attn as pa
-from specpilot.kernels import gemm, norm_gemm, w12_linear as w12
+from specpilot.kernels import gemm, norm_gemm
 
 P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
@@ -51,33 +51,28 @@ def dots(fn, sig, consts, num_warps=4):
 
 
 W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32", "rowesc_ptr": "*i64",
-       "esc_ptr": "*u8"}
+       "esc_ptr": "*u8", "KC": "i32"}  # a W12 W's arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
-LINEAR = {"x_ptr": P, "w_ptr": P, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",
+LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",
           "stride_x": "i32"}
-W12_LINEAR = {"x_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",
-              "KC": "i32", "stride_x": "i32"}
-NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, "b_ptr": P, "y_ptr": P, "h_ptr": P, "pmax_ptr": "*fp32",
-        "pidx_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-        "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32", "eps": "fp32"}
-W12_NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P, "T": "i32",
-            "N": "i32", "K": "i32", "KC": "i32", "eps": "fp32"}
+NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P,
+        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
+        "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
+        "eps": "fp32"}
 FLAGS = {"HAS_BIAS": False, "HAS_RES": True}
 
 print(json.dumps({
     "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
     "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True}),
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
-    "linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", **TILE}),
-    "w12_linear": dots(w12._w12_linear_kernel, W12_LINEAR, {**FLAGS, **TILE}),
-    "norm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM,
-                        {**FLAGS, "DOT_PREC": "tf32", "STORE_Y": True, "ARGMAX": False, "EPI": 0, "H": 9, "KVH": 3,
-                         "HALF": 32, **TILE}, num_warps=8),
-    "w12_norm_linear": dots(w12._w12_rmsnorm_linear_kernel, W12_NORM, {**FLAGS, **TILE}, num_warps=8),
-    **{f"norm_linear_epi{epi}": dots(norm_gemm._rmsnorm_linear_kernel, NORM,
-                                     {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "STORE_Y": True, "ARGMAX": False,
-                                      "EPI": epi, "H": 9, "KVH": 3, "HALF": 32, **TILE}, num_warps=8)
-       for epi in (1, 2)},  # gate_up's GLU and qkv's rotary epilogues (two projection dots per K chunk)
+    **{f"{'w12_' if w12 else ''}linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
+                                                                          "W12": w12, **TILE})
+       for w12 in (False, True)},
+    **{f"{'w12_' if w12 else ''}norm_linear{f'_epi{epi}' if epi else ''}": dots(
+        norm_gemm._rmsnorm_linear_kernel, NORM, {**FLAGS, "HAS_RES": epi == 0, "DOT_PREC": "tf32", "W12": w12,
+                                                 "STORE_Y": True, "ARGMAX": False, "EPI": epi, "H": 9, "KVH": 3,
+                                                 "HALF": 32, **TILE}, num_warps=8)
+       for w12 in (False, True) for epi in (0, 1, 2)},  # gate_up's GLU and qkv's rotary epilogues: two dots a chunk
 }))
 '''
 
@@ -110,10 +105,9 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     assert len(compiled["linear"]) == 1 and "kWidth = 2" in compiled["linear"][0]
     assert compiled["w12_linear"] == compiled["linear"]
-    # the norm statistic's fp32 dot, then the projection
+    # the norm statistic's fp32 dot, then the projection (the epilogues: two projection dots per K chunk)
     assert len(compiled["norm_linear"]) == 2, compiled["norm_linear"]
-    assert compiled["w12_norm_linear"] == compiled["norm_linear"]
-    # the bf16 engine runs qkv and gate_up through the fused epilogues, the W12 one through the plain kernel: the
-    # same dots there too, so 12-bit and bf16 weights give the same bits through the whole layer
     for epi in (1, 2):
         assert compiled[f"norm_linear_epi{epi}"] == [compiled["norm_linear"][0]] + [compiled["norm_linear"][1]] * 2
+    for name in ("norm_linear", "norm_linear_epi1", "norm_linear_epi2"):
+        assert compiled[f"w12_{name}"] == compiled[name], name

@@ -1,31 +1,21 @@
 """Tests of specpilot.kernels: each kernel against its torch reference, batch invariance, wrapper errors, acceptance.
 
-Without CUDA the kernels run under the Triton interpreter: TRITON_INTERPRET=1 is set here before the kernels
-are imported (and they are rebuilt if another test module imported them first). With CUDA the same tests run
+Without CUDA the kernels run under the Triton interpreter (tests/conftest.py turns it on before triton is first
+imported). With CUDA the same tests run
 the compiled kernels, plus GPU-only checks that the launch parameters declared T-neutral change no bit.
 """
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
 import specpilot.kernels as K  # noqa: E402
-from specpilot.kernels import _common  # noqa: E402
 
-if not CUDA and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
-    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "attn", "accept"):
-        importlib.reload(sys.modules[f"specpilot.kernels.{_name}"])
-    K = importlib.reload(K)
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]

@@ -5,26 +5,13 @@ swiglu (and the residual stream). Under the Triton interpreter on CPU; compiled 
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
 import specpilot.kernels as K  # noqa: E402
-from specpilot.kernels import _common  # noqa: E402
-
-if not CUDA and not _common.is_interpreted(sys.modules["specpilot.kernels.norm_gemm"]._rmsnorm_linear_kernel):
-    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "norm_epilogues"):
-        importlib.import_module(f"specpilot.kernels.{_name}")
-        importlib.reload(sys.modules[f"specpilot.kernels.{_name}"])
-    K = importlib.reload(K)
 from specpilot.kernels import norm_epilogues as E  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")

@@ -8,17 +8,12 @@ the latter under the Triton interpreter without CUDA (set up as in test_kernels.
 """
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 
 import numpy as np
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 from _tiny import prompt, tiny_model  # noqa: E402
@@ -28,12 +23,7 @@ from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend  #
 from specpilot.engines.engine import greedy_accept  # noqa: E402
 from specpilot.engines.llama import ancestor_slots, position_slots  # noqa: E402
 from specpilot.engines.runner import ModelRunner, chain_anc, tree_anc  # noqa: E402
-from specpilot.kernels import _common  # noqa: E402
 
-if not CUDA and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
-    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "attn", "accept"):
-        importlib.reload(sys.modules[f"specpilot.kernels.{_name}"])
-    K = importlib.reload(K)
 
 TOPK = 4
 CAPTURE = (0,)

@@ -4,7 +4,6 @@ through EngineConfig."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -12,17 +11,10 @@ from typing import ClassVar
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
-from specpilot.kernels import _common  # noqa: E402
 
-if not torch.cuda.is_available() and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
-    for _name in ("act", "gemm", "norm_gemm", "norm_epilogues", "rope_kv", "attn", "accept"):  # imported compiled
-        importlib.reload(importlib.import_module(f"specpilot.kernels.{_name}"))
-    importlib.reload(sys.modules["specpilot.kernels"])
 
 from specpilot.costmodel import Ceilings, attribute, ideal_op_times  # noqa: E402
 from specpilot.engines.config import EngineConfig  # noqa: E402

@@ -2,31 +2,18 @@
 the decode-in-matmul kernels (bit-identical to the bf16 kernels on the decoded weights, batch-invariant), the
 fused forward with weight_format=W12, and (slow) every tensor of SmolLM2-135M and Llama-3-8B-shape tensors.
 
-Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set before they are imported).
+Without CUDA the kernels run under the Triton interpreter (tests/conftest.py).
 """
 from __future__ import annotations
-
-import importlib
-import os
-import sys
 
 import torch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
 import specpilot.kernels as K  # noqa: E402
-from specpilot.kernels import _common  # noqa: E402
-from specpilot.kernels import w12_linear as W12K  # noqa: E402
 
-if not CUDA and not _common.is_interpreted(W12K._w12_linear_kernel):
-    for _name in ("act", "gemm", "norm_gemm", "rope_kv", "attn", "accept"):
-        importlib.reload(sys.modules[f"specpilot.kernels.{_name}"])
-    K = importlib.reload(K)
-    W12K = importlib.reload(W12K)
 
 from specpilot.engines.config import WeightFormat  # noqa: E402
 from specpilot.engines.fused import fused_forward, rope_tables_for  # noqa: E402
@@ -276,7 +263,7 @@ def test_w12_linear_equals_linear_on_decoded(T, N, Kd, table, extras):
     out_dtype = torch.float32 if extras == "fp32out" else torch.bfloat16
     res = torch.randn(T, N, generator=g).to(out_dtype).to(DEV) if "res" in extras else None
     bias = torch.randn(N, generator=g).to(torch.bfloat16).to(DEV) if "bias" in extras else None
-    assert_same(W12K.w12_linear(x, Q, res, bias=bias, out_dtype=out_dtype),
+    assert_same(K.linear(x, Q, res, bias=bias, out_dtype=out_dtype),
                 K.linear(x, decode(Q), res, bias=bias, out_dtype=out_dtype))
 
 
@@ -291,8 +278,36 @@ def test_w12_rmsnorm_linear_equals_rmsnorm_linear_on_decoded(T, N, Kd, table, ex
     res = torch.randn(T, Kd, generator=g).to(torch.bfloat16).to(DEV) if "res" in extras else None
     bias = torch.randn(N, generator=g).to(torch.bfloat16).to(DEV) if "bias" in extras else None
     out_dtype = torch.float32 if "fp32out" in extras else None
-    assert_same(W12K.w12_rmsnorm_linear(x, nw, Q, 1e-5, res, bias=bias, out_dtype=out_dtype),
+    assert_same(K.rmsnorm_linear(x, nw, Q, 1e-5, res, bias=bias, out_dtype=out_dtype),
                 K.rmsnorm_linear(x, nw, decode(Q), 1e-5, res, bias=bias, out_dtype=out_dtype))
+
+
+@pytest.mark.parametrize("row_tile", [16, 1])
+@pytest.mark.parametrize("T", [1, 5, 17])
+def test_every_projection_launch_takes_w12_with_the_same_bits(T, row_tile):
+    """One kernel body for both formats: the fused QKV + rotary + cache write, norm + gate_up + SwiGLU, the LM
+    head's argmax epilogue and the SwiGLU-prologue GEMM give on W12 weights the bits they give on decode(W)."""
+    from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
+    g = torch.Generator().manual_seed(T * 10 + row_tile)
+    heads, kv_heads, D, Kd, I = 2, 1, 16, 96, 40
+    x = torch.randn(T, Kd, generator=g).to(torch.bfloat16).to(DEV)
+    nw = (1 + 0.2 * torch.randn(Kd, generator=g)).to(torch.bfloat16).to(DEV)
+    q_qkv, q_gu, q_head, q_down = (encode_as(weights("plain", n, k, seed=n), table) for n, k, table in
+                                   (((heads + 2 * kv_heads) * D, Kd, "heavy"), (2 * I, Kd, "natural"), (77, Kd, "heavy"),
+                                    (Kd, I, "natural")))
+    cos, sin = (t.to(DEV) for t in K.rope_tables(64, D, 10000.0))
+    pos = torch.arange(3, 3 + T, device=DEV)
+    outs = []
+    for w_qkv, w_gu, w_head, w_down in ((q_qkv, q_gu, q_head, q_down), tuple(map(decode, (q_qkv, q_gu, q_head, q_down)))):
+        kc, vc = (torch.zeros(kv_heads, 64, D, dtype=torch.bfloat16, device=DEV) for _ in "kv")
+        q = rmsnorm_qkv_rope(x, nw, w_qkv, 1e-5, pos, pos, cos, sin, kc, vc, heads, kv_heads, row_tile=row_tile)
+        act = rmsnorm_glu(x, nw, w_gu, 1e-5, row_tile=row_tile)
+        logits, best = K.rmsnorm_linear(x, nw, w_head, 1e-5, out_dtype=torch.float32, argmax=True, row_tile=row_tile)
+        gate_up = torch.cat([act, act], dim=1)
+        down = K.swiglu_linear(gate_up, w_down, row_tile=row_tile)
+        outs.append((q, kc, vc, act, logits, best, down))
+    for w12_out, bf16_out in zip(*outs):
+        assert_same(w12_out, bf16_out)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 * inf
@@ -301,11 +316,11 @@ def test_edge_value_weights_give_the_same_bits_including_inf_and_nan_outputs():
     Q = encode(W)
     assert int((Q.escapes == 255).sum()) == 2 and same_bits(decode(Q), W), "the two infinities escape"
     x = torch.randn(5, 160, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(DEV)
-    y = W12K.w12_linear(x, Q, out_dtype=torch.float32)
+    y = K.linear(x, Q, out_dtype=torch.float32)
     assert not torch.isfinite(y).all(), "the ±inf weights should reach the output"
     assert_same(y, K.linear(x, decode(Q), out_dtype=torch.float32))
     nw = torch.ones(160, dtype=torch.bfloat16, device=DEV)
-    assert_same(W12K.w12_rmsnorm_linear(x, nw, Q, 1e-6), K.rmsnorm_linear(x, nw, decode(Q), 1e-6))
+    assert_same(K.rmsnorm_linear(x, nw, Q, 1e-6), K.rmsnorm_linear(x, nw, decode(Q), 1e-6))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -316,8 +331,8 @@ def test_w12_kernels_are_batch_invariant(table):
     Q = encode_as(weights("edge", N, Kd, seed=10), table)
     nw = (1 + 0.2 * torch.randn(Kd, generator=g)).to(torch.bfloat16).to(DEV)
     row = torch.randn(Kd, generator=g).to(torch.bfloat16).to(DEV)
-    calls = {"linear": lambda x: W12K.w12_linear(x, Q),
-             "rmsnorm_linear": lambda x: W12K.w12_rmsnorm_linear(x, nw, Q, 1e-5, out_dtype=torch.float32)}
+    calls = {"linear": lambda x: K.linear(x, Q),
+             "rmsnorm_linear": lambda x: K.rmsnorm_linear(x, nw, Q, 1e-5, out_dtype=torch.float32)}
     for name, fn in calls.items():
         alone = fn(row[None])[0]
         for T, p in ((5, 3), (16, 15), (40, 21)):
@@ -330,22 +345,22 @@ def test_w12_wrapper_errors():
     Q = encode(weights("plain", 16, 64, seed=11))
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="bfloat16"):
-        W12K.w12_linear(x.float(), Q)
-    with pytest.raises(ValueError, match="W12Tensor"):
-        W12K.w12_linear(x, decode(Q))
+        K.linear(x.float(), Q)
     with pytest.raises(ValueError, match=r"\[N, 32\]"):
-        W12K.w12_linear(x[:, :32].contiguous(), Q)
+        K.linear(x[:, :32].contiguous(), Q)
     with pytest.raises(ValueError, match="residual"):
-        W12K.w12_linear(x, Q, torch.zeros(2, 15, dtype=torch.bfloat16, device=DEV))
+        K.linear(x, Q, torch.zeros(2, 15, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(ValueError, match="eps"):
-        W12K.w12_rmsnorm_linear(x, x[0], Q, 0.0)
+        K.rmsnorm_linear(x, x[0], Q, 0.0)
     with pytest.raises(ValueError, match="block_n"):
-        W12K.w12_linear(x, Q, block_n=24)
+        K.linear(x, Q, block_n=24)
 
 
 def test_bench_w12_refuses_cpu():
+    from specpilot.kernels.w12_tile import bench_w12
+
     with pytest.raises(RuntimeError, match="CUDA GPU|TRITON_INTERPRET"):
-        W12K.bench_w12(((64, 64),), (1,), device="cpu")
+        bench_w12(((64, 64),), (1,), device="cpu")
 
 
 # ---------------------------------------------------------------- the fused forward with weight_format=W12

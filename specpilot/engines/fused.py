@@ -1,13 +1,14 @@
 """The Llama forward through SpecPilot's fused, batch-invariant Triton kernels (KernelBackend.TRITON).
 
 Six launches per layer instead of ~15 stock ops: norm+QKV+rotary+KV write, attention (split + combine),
-o_proj+residual, norm+gate_up+SwiGLU, down+residual (W12 weights: eight, rotary and SwiGLU separate). Every
-kernel tiles tokens by a fixed BLOCK_M and reduces in a fixed order, so a token's row is bit-identical whatever the forward's width: AR (1 token) and verify
-(k tokens) agree without padding to a common shape. Same weights as the torch path (the LlamaModel's).
+o_proj+residual, norm+gate_up+SwiGLU, down+residual. Every kernel tiles tokens by a fixed BLOCK_M and reduces in
+a fixed order, so a token's row is bit-identical whatever the forward's width: AR (1 token) and verify (k tokens)
+agree without padding to a common shape. Same weights as the torch path (the LlamaModel's).
 
-weight_format=W12: the projections read W12 weights (specpilot.weights), decoded inside the matmul by the
-w12_* kernels, which give the bf16 kernels' bits on the decoded weights; the W12 weights are built once, with
-the tables, and checked bit for bit against the model, so W12 changes no output, only the bytes read per step.
+weight_format=W12: the same launches read the projections as W12 weights (specpilot.weights), decoded in each
+kernel's W tile load (kernels/w12_tile.py), which gives the bf16 bits on the decoded weights; the W12 weights are
+built once, with the tables, and checked bit for bit against the model, so W12 changes no output, only the bytes
+read per step.
 """
 from __future__ import annotations
 
@@ -75,58 +76,41 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     argmax in its epilogue and never writes the logits (the AR/verify hot path needs only the argmax).
     block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
     slots (then anc is not read)."""
-    from specpilot.kernels import attention, linear, rmsnorm_linear, rope_kv_write, swiglu
+    from specpilot.kernels import attention, linear, rmsnorm_linear
     from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
     sh = model.shape
     packed = tables.w12
     if packed is None:  # the model's bf16 (or fp32) weights
-        proj, norm_proj = linear, rmsnorm_linear
         ws = [(a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight)
               for a, m in ((layer.self_attn, layer.mlp) for layer in model.layers)]
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    else:
-        from specpilot.kernels.w12_linear import w12_linear as proj, w12_rmsnorm_linear as norm_proj
+    else:  # W12Tensors: the same kernels decode them in the W tile load (kernels/w12_tile.py)
         ws = [(p.qkv, p.o, p.gate_up, p.down) for p in packed.layers]
         head = packed.head
     T, lt = ids.shape[0], tables.launch
     H, I, qkv_n = sh.hidden, sh.intermediate, sh.q_dim + 2 * sh.kv_dim
     p_qkv = lt.get("qkv", qkv_n, H, T)
-    p_rope = lt.get("rope_kv", qkv_n, sh.head_dim, T)
     p_attn = lt.get("attention", sh.q_dim, sh.kv_dim, T, **ATTENTION_ORDER)
     p_o = lt.get("o_proj", H, sh.q_dim, T)
     p_gate_up = lt.get("gate_up", 2 * I, H, T)
-    p_act = lt.get("swiglu", I, 2 * I, T)
     p_down = lt.get("down", H, I, T)
     p_head = lt.get("lm_head", sh.vocab, H, T)
-    if packed is not None:  # the W12 kernels: 16-row tensor-core tiles only, linear's default K chunk for o/down
-        p_qkv, p_gate_up, p_head = ({k: v for k, v in p.items() if k != "row_tile"} for p in (p_qkv, p_gate_up, p_head))
-        p_o, p_down = ({k: v for k, v in p.items() if k not in ("block_k", "row_tile")} for p in (p_o, p_down))
     stream = F.embedding(ids, model.embed_tokens.weight)
     captured = []
     for i, layer in enumerate(model.layers):
         w_qkv, w_o, w_gate_up, w_down = ws[i]
         ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        if packed is None:  # rotary + cache write in the QKV kernel's epilogue: the same bits, one launch fewer
-            q = rmsnorm_qkv_rope(stream, ln1, w_qkv, sh.rms_eps, positions, slots, tables.cos, tables.sin,
-                                 k_caches[i], v_caches[i], sh.heads, sh.kv_heads, **p_qkv)
-        else:
-            q = rope_kv_write(norm_proj(stream, ln1, w_qkv, sh.rms_eps, **p_qkv), positions, slots, tables.cos,
-                              tables.sin, k_caches[i], v_caches[i], sh.heads, sh.kv_heads, **p_rope)
+        # rotary + cache write in the QKV kernel's epilogue: the same bits as rope_kv_write, one launch fewer
+        q = rmsnorm_qkv_rope(stream, ln1, w_qkv, sh.rms_eps, positions, slots, tables.cos, tables.sin,
+                             k_caches[i], v_caches[i], sh.heads, sh.kv_heads, **p_qkv)
         o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots, **p_attn)
-        stream = proj(o, w_o, residual=stream, **p_o)
+        stream = linear(o, w_o, residual=stream, **p_o)
         # The activation goes in gate_up's epilogue (each output column owns its gate and up pair), not in the down
         # GEMM's prologue, where every column tile recomputes it (H200: 5x slower at 8B, 19.8 vs 4 + 1 us at SmolLM2).
-        if packed is None:
-            act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up)
-        else:
-            act = swiglu(norm_proj(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up), **p_act)
-        stream = proj(act, w_down, residual=stream, **p_down)
+        act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up)
+        stream = linear(act, w_down, residual=stream, **p_down)
         if i in capture:
             captured.append(stream)
-    if packed is None:
-        logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
-                                        argmax=True, store_y=want_logits, **p_head)
-    else:
-        logits = norm_proj(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32, **p_head)
-        argmax = logits.argmax(-1)
+    logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
+                                    argmax=True, store_y=want_logits, **p_head)
     return logits, argmax, captured

@@ -23,9 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
+from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
 
@@ -87,9 +89,10 @@ def fit_block_n(block_n: int, block_k: int, elem_size: int, smem_budget: int = 1
 
 
 @triton.jit(do_not_specialize=["T"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, stride_x,
-                   SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
+                   T, N, K, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                   DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -102,6 +105,8 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, stride_x,
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+    if W12:  # W12 weights (w12_tile.py): the W tile load below is the only other difference
+        lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
@@ -113,7 +118,11 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, T, N, K, stride_x,
             a = silu_mul(g, u)
         else:
             a = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-        w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        wm = k_ok[:, None] & col_ok[None, :]
+        if W12:
+            w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk, wm)
+        else:
+            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -142,7 +151,7 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
     return linear_ref(swiglu_ref(gate_up), W, residual, bias=bias, out_dtype=out_dtype)
 
 
-def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, swiglu: bool,
+def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile)
     xname = "gate_up" if swiglu else "x"
@@ -152,10 +161,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, sw
     K = x.shape[1] // 2 if swiglu else x.shape[1]
     if T < 1 or K < 1 or (swiglu and x.shape[1] % 2):
         raise ValueError(f"{xname} must be [T >= 1, {'2*I' if swiglu else 'K'}], got {list(x.shape)}")
-    check_tensor("W", W, (None, K), dt, dev)
-    N = W.shape[0]
-    if N < 1:
-        raise ValueError("W must have at least one row")
+    w_args, w12, N = weight_operand(W, K, dt, dev)
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
         raise ValueError(f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
@@ -169,25 +175,26 @@ def _launch(x: torch.Tensor, W: torch.Tensor, residual, bias, out_dtype, out, sw
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
     grid = (triton.cdiv(T, row_tile) * triton.cdiv(N, bn),)
-    _linear_kernel[grid](x, W, x if bias is None else bias, x if residual is None else residual, out,
+    _linear_kernel[grid](x, *w_args, x if bias is None else bias, x if residual is None else residual, out,
                          T, N, K, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
-                         HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), BLOCK_M=row_tile,
+                         HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile,
                          BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     return out
 
 
-def linear(x: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
+def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
-    """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous.
+    """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
+    W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile)
 
 
-def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
+def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:

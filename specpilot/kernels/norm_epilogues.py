@@ -43,8 +43,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps
     [max_pos, D/2]. A token with an out-of-range position or slot writes no cache row and gets a NaN q row
     (no host sync can report it), as in rope_kv_write.
     """
-    T, K, N, _ = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages, block_k,
-                                   row_tile=row_tile)
+    T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
+                                                block_k, row_tile=row_tile)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
     check_int("kv_heads", kv_heads, 1)
@@ -64,9 +64,9 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
     out = check_out("out", out, (T, heads, D), dt, dev)
     bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile)
-    _rmsnorm_linear_kernel[grid](x, x, norm_w, W, x, out, out, x, x, positions, slots, cos, sin, k_cache, v_cache,
-                                 S, cos.shape[0], T, N, K, float(eps), HAS_RES=False, HAS_BIAS=False,
-                                 DOT_PREC=dot_precision(dt), STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
+    _rmsnorm_linear_kernel[grid](x, x, norm_w, *w_args, x, out, out, x, x, positions, slots, cos, sin, k_cache,
+                                 v_cache, S, cos.shape[0], T, N, K, float(eps), HAS_RES=False, HAS_BIAS=False,
+                                 DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                  KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                  num_warps=num_warps, num_stages=stages)
     return out
@@ -78,15 +78,16 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: flo
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
-    T, K, N, residual_out = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps,
-                                              num_stages, block_k, w_rows_per_out=2, row_tile=row_tile)
+    T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
+                                                           num_warps, num_stages, block_k, w_rows_per_out=2,
+                                                           row_tile=row_tile)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile)
     has_res = residual is not None
-    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x, out, residual_out if has_res else out,
-                                 x, x, x, x, x, x, x, x, 1, 1, T, N, K, float(eps), HAS_RES=has_res, HAS_BIAS=False,
-                                 DOT_PREC=dot_precision(dt), STORE_Y=True, ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1,
+    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, *w_args, x, out,
+                                 residual_out if has_res else out, x, x, x, x, x, x, x, x, 1, 1, T, N, K, float(eps),
+                                 HAS_RES=has_res, HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1,
                                  BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps,
                                  num_stages=stages)
     return out if residual is None else (out, residual_out)

@@ -26,6 +26,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
 from .act import silu_mul
 from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref, tile_mac
 from .rope_kv import rotate
+from .w12_tile import w12_cols, w12_tile, weight_operand
 
 # What a norm + projection kernel does with its tile (constexpr: each kind compiles to its own kernel).
 EPI_STORE = tl.constexpr(0)  # store y (and/or the argmax partials)
@@ -59,10 +60,12 @@ def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, col_ok, col_ok2, ks, pid_n, K, eps,
-              HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
+def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr,
+              KC, cols, cols2, row_offs, row_ok, col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES: tl.constexpr,
+              DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """-> (acc over w_cols, acc over w_cols2 when PAIR: a second W row set fed by the same normalised tile)."""
+    """-> (acc over W rows `cols`, acc over W rows `cols2` when PAIR: a second W row set fed by the same normalised
+    tile). bf16 W: read through w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays."""
     dtype = x_ptr.dtype.element_ty
     # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -82,6 +85,10 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, co
     rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
+    if W12:
+        lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
+        if PAIR:
+            lo_cols2, code_cols2, tab_base2, esc_next2 = w12_cols(rowtab_ptr, rowesc_ptr, cols2, col_ok2, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -92,10 +99,19 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, row_offs, row_ok, co
         nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
         a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
-        w = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wm = k_ok[:, None] & col_ok[None, :]
+        if W12:
+            w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk, wm)
+        else:
+            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
         acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
         if PAIR:
-            w2 = tl.load(w_cols2 + kk[:, None], mask=k_ok[:, None] & col_ok2[None, :], other=0.0)
+            wm2 = k_ok[:, None] & col_ok2[None, :]
+            if W12:
+                w2, esc_next2 = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols2, code_cols2, tab_base2, esc_next2,
+                                         kk, wm2)
+            else:
+                w2 = tl.load(w_cols2 + kk[:, None], mask=wm2, other=0.0)
             acc2 = tile_mac(a, w2, acc2, DOT_PREC, BLOCK_M)
     return acc, acc2
 
@@ -132,9 +148,10 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, pos_ptr, slot_p
 
 
 @triton.jit(do_not_specialize=["T"])
-def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr,
+def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC,
+                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr,
                            pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, eps,
-                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -159,8 +176,9 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pma
         col_ok2 = col_ok & (cols < (H + KVH) * 2 * HALF)
     else:
         cols2, col_ok2 = cols, col_ok
-    acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, row_offs,
-                          row_ok, col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, BLOCK_M,
+    acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
+                          code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
+                          col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M,
                           BLOCK_N, BLOCK_K)
     if EPI == EPI_GLU:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], silu_mul(acc.to(dtype), acc2.to(dtype)),
@@ -212,8 +230,9 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
-                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M) -> tuple[int, int, int, torch.Tensor | None]:
-    """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out)."""
+                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M) -> tuple:
+    """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
+    W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
                         row_tile=row_tile)
     check_tensor("x", x, (None, None), ACT_DTYPES)
@@ -222,9 +241,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     if T < 1 or K < 1:
         raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
     check_tensor("norm_w", norm_w, (K,), dt, dev)
-    check_tensor("W", W, (None, K), dt, dev)
-    if W.shape[0] < 1 or W.shape[0] % w_rows_per_out:
-        raise ValueError(f"W must have a positive multiple of {w_rows_per_out} rows, got {W.shape[0]}")
+    w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     if residual is not None:
@@ -233,7 +250,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     elif residual_out is not None:
         raise ValueError("residual_out is only written when residual is given")
     check_launchable(_rmsnorm_linear_kernel, dev)
-    return T, K, W.shape[0] // w_rows_per_out, residual_out
+    return T, K, rows // w_rows_per_out, residual_out, w_args, w12
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int,
@@ -259,8 +276,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
     argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
     column of each row's maximum of y, found in the epilogue (the logits need not be written and re-read).
     """
-    T, K, N, residual_out = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps,
-                                              num_stages, block_k, row_tile=row_tile)
+    T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
+                                                           num_warps, num_stages, block_k, row_tile=row_tile)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
@@ -275,9 +292,9 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: 
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1,), dtype=torch.float32, device=dev)
     pidx = torch.empty((T, tiles) if argmax else (1,), dtype=torch.int32, device=dev)
-    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, W, x if bias is None else bias, out,
+    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, *w_args, x if bias is None else bias, out,
                                  residual_out if has_res else out, pmax, pidx, *_NO_ROPE(x), T, N, K, float(eps),
-                                 HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt),
+                                 HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
     if argmax:
