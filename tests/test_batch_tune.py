@@ -7,31 +7,17 @@ another machine, so explore tries it first; the search turns the catalog's batch
 measures batched throughput next to batched AR and stock batched spec; validation checks every request's output
 against its single-request AR output; integrate stores the winner's BatchConfig beside its EngineConfig and memory
 records the batching delta. Single-request deployments never see a batching knob. On CPU the Triton kernels run
-under the interpreter (scripts/test.sh sets TRITON_INTERPRET=1; set here too); the micro target keeps a step near
-0.1 s.
+under the interpreter (tests/conftest.py); the micro target keeps a step near 0.1 s.
 """
 from __future__ import annotations
 
 import json
-import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import optuna  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import pytest  # noqa: E402
-
-from specpilot.kernels import _common  # noqa: E402
-
-if not torch.cuda.is_available() and not _common.is_interpreted(sys.modules["specpilot.kernels.gemm"]._linear_kernel):
-    pytest.skip("the Triton kernels were built before TRITON_INTERPRET=1 was set: run through scripts/test.sh",
-                allow_module_level=True)
+import optuna
+import pyarrow.parquet as pq
+import pytest
 
 from specpilot.artifacts import read_manifest, store_from_uri  # noqa: E402
 from specpilot.costmodel import DirectionName  # noqa: E402

@@ -6,21 +6,13 @@ Tiny random Qwen3NextForCausalLM models (float32, CPU) are saved with save_pretr
 """
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built (see tests/test_kernels.py)
+CUDA = torch.cuda.is_available()  # without it, the kernels run under the interpreter (tests/conftest.py)
 
-from specpilot.kernels import _common  # noqa: E402
 from specpilot.kernels import gdn as gdn_kernels  # noqa: E402
-
-if not CUDA and not _common.is_interpreted(gdn_kernels._tree_gdn_kernel):
-    gdn_kernels = importlib.reload(gdn_kernels)  # the engine calls through the module: it sees the reload
 
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig  # noqa: E402
 from specpilot.engines.drafters.base import DraftTree  # noqa: E402

@@ -4,7 +4,6 @@ tiny shapes through the Triton kernels on a host without prefect, duckdb, boto3 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -14,15 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are built (see tests/test_kernels.py)
-
-from specpilot.kernels import _common  # noqa: E402
-from specpilot.kernels import gdn as gdn_kernels  # noqa: E402
-
-if not CUDA and not _common.is_interpreted(gdn_kernels._tree_gdn_kernel):
-    gdn_kernels = importlib.reload(gdn_kernels)  # the engine calls through the module: it sees the reload
+CUDA = torch.cuda.is_available()  # without it, the kernels run under the interpreter (tests/conftest.py)
 
 from specpilot.engines.build import build_engine  # noqa: E402
 from specpilot.engines.config import EngineConfig  # noqa: E402

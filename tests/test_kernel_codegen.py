@@ -6,7 +6,7 @@ dot's operand layout from heuristics over the whole kernel. An 8-bit load feedin
 mask, the W12 bytes) made it take kWidth=4 operands, another K order inside the MMA, and on an H200 rows parted
 by an ulp (attention) and the W12 GEMM from the bf16 one at T=16. This cross-compiles the kernels for sm_90 on
 the CPU (Triton ships ptxas) and compares every dot's operand and result types, layout aliases resolved. No GPU
-needed; runs in a subprocess because other test modules switch Triton to the interpreter.
+needed; runs in a subprocess because the test session runs Triton under the interpreter (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def dots(fn, sig, consts, num_warps=4):
     return out
 
 
-W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32", "rowesc_ptr": "*i64",
+W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32", "rowesc_ptr": "*i32",
        "esc_ptr": "*u8", "KC": "i32"}  # a W12 W's arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
 LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",

@@ -1,8 +1,8 @@
 """Tests of specpilot.kernels: each kernel against its torch reference, batch invariance, wrapper errors, acceptance.
 
 Without CUDA the kernels run under the Triton interpreter (tests/conftest.py turns it on before triton is first
-imported). With CUDA the same tests run
-the compiled kernels, plus GPU-only checks that the launch parameters declared T-neutral change no bit.
+imported). With CUDA the same tests run the compiled kernels, plus GPU-only checks that the launch parameters
+declared T-neutral change no bit.
 """
 from __future__ import annotations
 

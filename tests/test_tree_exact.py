@@ -4,7 +4,7 @@ A tree node at depth d sits at slot base + i (i != d once decoy siblings come fi
 token at slot base + d. Each query reads its keys in position order (position_slots), so the committed path's
 KV, hidden states, logits and margins equal AR's bit for bit, and compaction leaves AR's exact cache behind.
 Both backends: the torch path (per-row gathered keys) and the Triton one (the attention kernel's block_slots),
-the latter under the Triton interpreter without CUDA (set up as in test_kernels.py).
+the latter under the Triton interpreter without CUDA (tests/conftest.py).
 """
 from __future__ import annotations
 

@@ -9,12 +9,8 @@ import os
 import sys
 from typing import ClassVar
 
+import pytest
 import torch
-
-
-import pytest  # noqa: E402
-
-
 
 from specpilot.costmodel import Ceilings, attribute, ideal_op_times  # noqa: E402
 from specpilot.engines.config import EngineConfig  # noqa: E402

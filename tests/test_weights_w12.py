@@ -293,8 +293,9 @@ def test_every_projection_launch_takes_w12_with_the_same_bits(T, row_tile):
     x = torch.randn(T, Kd, generator=g).to(torch.bfloat16).to(DEV)
     nw = (1 + 0.2 * torch.randn(Kd, generator=g)).to(torch.bfloat16).to(DEV)
     q_qkv, q_gu, q_head, q_down = (encode_as(weights("plain", n, k, seed=n), table) for n, k, table in
-                                   (((heads + 2 * kv_heads) * D, Kd, "heavy"), (2 * I, Kd, "natural"), (77, Kd, "heavy"),
-                                    (Kd, I, "natural")))
+                                   (((heads + 2 * kv_heads) * D, Kd, "heavy"), (2 * I, Kd, "heavy"), (77, Kd, "heavy"),
+                                    (Kd, I, "heavy")))  # about half the weights escape: both row sets' bookkeeping
+    assert all(0.3 < q.stats.escape_rate < 0.8 for q in (q_qkv, q_gu, q_head, q_down))
     cos, sin = (t.to(DEV) for t in K.rope_tables(64, D, 10000.0))
     pos = torch.arange(3, 3 + T, device=DEV)
     outs = []

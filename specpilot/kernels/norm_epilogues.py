@@ -9,11 +9,13 @@ Same kernel as rmsnorm_linear (norm_gemm.py): a program owning output columns j 
 set (the rotate_half partner j -+ D/2, or the up row I + j) from the same normalised tile, in the same fixed K
 order, so every value equals the unfused pair's: the projection rounded to the dtype, then the rotation (fp32,
 from the fp32 tables) or silu_mul. Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
+W may be a W12Tensor (bf16 x), decoded in the kernel's W tile loads as in rmsnorm_linear (w12_tile.py).
 """
 from __future__ import annotations
 
 import torch
 
+from ..weights.format import W12Tensor
 from ._common import check_int, check_out, check_tensor, dot_precision
 from .act import swiglu_ref
 from .gemm import BLOCK_K
@@ -32,11 +34,11 @@ def rmsnorm_glu_ref(x, norm_w, W, eps, residual=None):
     return swiglu_ref(y) if residual is None else (swiglu_ref(y[0]), y[1])
 
 
-def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float, positions: torch.Tensor,
-                     slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, heads: int, kv_heads: int, *, out: torch.Tensor | None = None,
-                     block_n: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-                     block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
+def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
+                     positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, *,
+                     out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
+                     num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -72,7 +74,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps
     return out
 
 
-def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
+def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M):
@@ -87,7 +89,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: flo
     has_res = residual is not None
     _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, *w_args, x, out,
                                  residual_out if has_res else out, x, x, x, x, x, x, x, x, 1, 1, T, N, K, float(eps),
-                                 HAS_RES=has_res, HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1,
-                                 BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps,
-                                 num_stages=stages)
+                                 HAS_RES=has_res, HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True,
+                                 ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
+                                 num_warps=num_warps, num_stages=stages)
     return out if residual is None else (out, residual_out)

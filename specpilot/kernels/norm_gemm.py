@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul
@@ -264,13 +265,14 @@ def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int
     return bn, stages, (triton.cdiv(T, row_tile) * triton.cdiv(n, bn),)
 
 
-def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
+def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
                    residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True):
-    """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype.
+    """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
+    W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
     Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
     argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
