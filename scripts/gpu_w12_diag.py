@@ -40,9 +40,8 @@ def ops_layer0(model, T: int) -> dict[str, str]:
     tabs = rope_tables_for(model, 256, DEV)
     lt, cos, sin = tabs.launch, tabs.cos, tabs.sin
     H, I, qkv_n = sh.hidden, sh.intermediate, sh.q_dim + 2 * sh.kv_dim
-    p_qkv, p_rope = lt.get("qkv", qkv_n, H, T), lt.get("rope_kv", qkv_n, sh.head_dim, T)
-    p_o, p_gu = lt.get("o_proj", H, sh.q_dim, T), lt.get("gate_up", 2 * I, H, T)
-    p_act, p_down = lt.get("swiglu", I, 2 * I, T), lt.get("down", H, I, T)
+    p_qkv, p_o = lt.get("qkv", qkv_n, H, T), lt.get("o_proj", H, sh.q_dim, T)
+    p_gu, p_down = lt.get("gate_up", 2 * I, H, T), lt.get("down", H, I, T)
     p_head = lt.get("lm_head", sh.vocab, H, T)
     g = torch.Generator(device=DEV).manual_seed(T)
     x = torch.randn(T, H, generator=g, device=DEV).to(torch.bfloat16)
@@ -64,13 +63,13 @@ def ops_layer0(model, T: int) -> dict[str, str]:
     out["qkv+rope: bf16 vs W12 (q, k, v)"] = ", ".join(same(a, b) for a, b in zip(native, qkv(q_qkv)))
     kc, vc = (torch.zeros_like(native[1]) for _ in "kv")
     q_sep = rope_kv_write(rmsnorm_linear(x, ln1, w_qkv, sh.rms_eps, **p_qkv), pos, pos, cos, sin, kc, vc,
-                          sh.heads, sh.kv_heads, **p_rope)
+                          sh.heads, sh.kv_heads)
     out["qkv: rotary epilogue vs rmsnorm_linear + rope_kv_write (q, k)"] = f"{same(native[0], q_sep)}, {same(native[1], kc)}"
     out["o: bf16 vs W12"] = same(linear(o_in, w_o, x, **p_o), linear(o_in, q_o, x, **p_o))
     glu = rmsnorm_glu(x, ln2, w_gu, sh.rms_eps, **p_gu)
     out["gate_up+glu: bf16 vs W12"] = same(glu, rmsnorm_glu(x, ln2, q_gu, sh.rms_eps, **p_gu))
     out["gate_up: rmsnorm_glu vs swiglu(rmsnorm_linear)"] = same(
-        glu, swiglu(rmsnorm_linear(x, ln2, w_gu, sh.rms_eps, **p_gu), **p_act))
+        glu, swiglu(rmsnorm_linear(x, ln2, w_gu, sh.rms_eps, **p_gu)))
     out["down: bf16 vs W12"] = same(linear(act_in, w_down, x, **p_down), linear(act_in, q_down, x, **p_down))
     (l0, a0), (l1, a1) = (rmsnorm_linear(x, model.norm.weight, w, sh.rms_eps, out_dtype=torch.float32, argmax=True,
                                          **p_head) for w in (head, q_head))

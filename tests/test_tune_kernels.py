@@ -54,8 +54,9 @@ def test_selection_takes_the_largest_excess_time_first_and_maps_ops_to_kernels()
 
 
 def test_projection_specs_launch_the_kernel_variants_the_engine_runs():
-    """qkv with the rotary + cache-write epilogue and gate_up with the GLU one, as engines/fused.py launches them:
-    the tuner once timed the plain store variants, whose best tiles are not those of the pair-loading ones."""
+    """qkv with the rotary + cache-write epilogue, gate_up with the GLU one and the LM head with the argmax one, as
+    engines/fused.py launches them: the tuner once timed the plain store variants, whose best tiles are not those
+    of the pair-loading ones."""
     from specpilot.kernels import RMSNormLinearParams
     from specpilot.stages.kernel_specs import BY_NAME
     dev, g, t = torch.device(DEVICE), torch.Generator().manual_seed(0), 2
@@ -65,6 +66,9 @@ def test_projection_specs_launch_the_kernel_variants_the_engine_runs():
     n, k = BY_NAME["gate_up"].dims(SHAPE)
     act = BY_NAME["gate_up"].make(SHAPE, n, k, t, 8, torch.float32, dev, g)(RMSNormLinearParams())
     assert act.shape == (t, SHAPE.intermediate)  # silu(gate) * up, not the [t, 2I] projection
+    n, k = BY_NAME["lm_head"].dims(SHAPE)
+    logits, best = BY_NAME["lm_head"].make(SHAPE, n, k, t, 8, torch.float32, dev, g)(RMSNormLinearParams())
+    assert logits.shape == (t, SHAPE.vocab) and torch.equal(best, logits.argmax(-1))  # the argmax epilogue ran
 
 
 def test_cpu_tuning_is_refused_unless_asked_for():

@@ -13,17 +13,15 @@ import json
 from typing import Any, Sequence
 
 from .accept import AcceptParams
-from .act import SwigluParams
 from .attn import AttentionParams
 from .gemm import LinearParams
 from .norm_gemm import RMSNormLinearParams
-from .rope_kv import RopeKVParams
 
-# The fused forward's kernels by the names tables use, and the params class each one takes.
+# The fused forward's kernels by the names tables use, and the params class each one takes (rotary and SwiGLU run
+# in the qkv and gate_up epilogues: no launch of their own to tune).
 PARAMS: dict[str, type] = {
     "qkv": RMSNormLinearParams, "gate_up": RMSNormLinearParams, "lm_head": RMSNormLinearParams,
-    "o_proj": LinearParams, "down": LinearParams, "swiglu": SwigluParams, "rope_kv": RopeKVParams,
-    "attention": AttentionParams, "greedy_accept": AcceptParams,
+    "o_proj": LinearParams, "down": LinearParams, "attention": AttentionParams, "greedy_accept": AcceptParams,
 }
 
 

@@ -9,8 +9,7 @@ from typing import Any, Callable
 import torch
 
 from specpilot.engines.shapes import LlamaShape, OpClass
-from specpilot.kernels import (AcceptParams, AttentionParams, LaunchParams, LinearParams, RMSNormLinearParams,
-                               RopeKVParams, SwigluParams)
+from specpilot.kernels import AcceptParams, AttentionParams, LaunchParams, LinearParams, RMSNormLinearParams
 
 Run = Callable[[LaunchParams], Any]  # launches the kernel on fixed inputs with these params, returns its outputs
 
@@ -60,26 +59,16 @@ def _gate_up(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) ->
 
 
 def _lm_head(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+    # with the argmax epilogue and its combine launch, as fused_forward launches the head; the logits are kept
+    # (the engine's hot path skips them) so every bit of them is still compared between settings
     x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
-    return lambda p: _k().rmsnorm_linear(x, nw, w(), sh.rms_eps, out_dtype=torch.float32, **p.as_kwargs())
+    return lambda p: _k().rmsnorm_linear(x, nw, w(), sh.rms_eps, out_dtype=torch.float32, argmax=True,
+                                         **p.as_kwargs())
 
 
 def _linear(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
     x, w, r = _rnd(g, dtype, dev, t, k), _weights(g, dtype, dev, n, k), _rnd(g, dtype, dev, t, n)
     return lambda p: _k().linear(x, w(), r, **p.as_kwargs())
-
-
-def _swiglu(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-    gu = _rnd(g, dtype, dev, t, k)
-    return lambda p: _k().swiglu(gu, **p.as_kwargs())
-
-
-def _rope_kv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-    kc, vc = (_rnd(g, dtype, dev, sh.kv_heads, ctx + t, sh.head_dim) for _ in range(2))
-    cos, sin = _k().rope_tables(ctx + t, sh.head_dim, sh.rope_theta, dev)
-    qkv, pos = _rnd(g, dtype, dev, t, n), torch.arange(ctx, ctx + t, device=dev)
-    return lambda p: (_k().rope_kv_write(qkv, pos, pos, cos, sin, kc, vc, sh.heads, sh.kv_heads, **p.as_kwargs()),
-                      kc, vc)
 
 
 def _attention(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
@@ -110,8 +99,6 @@ SPECS: tuple[KernelSpec, ...] = (
     KernelSpec("lm_head", RMSNormLinearParams, (OpClass.LM_HEAD,), lambda s: (s.vocab, s.hidden), _lm_head),
     KernelSpec("o_proj", LinearParams, (OpClass.O_PROJ,), lambda s: (s.hidden, s.q_dim), _linear),
     KernelSpec("down", LinearParams, (OpClass.DOWN,), lambda s: (s.hidden, s.intermediate), _linear),
-    KernelSpec("swiglu", SwigluParams, (OpClass.ACT,), lambda s: (s.intermediate, 2 * s.intermediate), _swiglu),
-    KernelSpec("rope_kv", RopeKVParams, (OpClass.ROPE_KV,), lambda s: (_QKV(s), s.head_dim), _rope_kv),
     KernelSpec("attention", AttentionParams, (OpClass.ATTN,), lambda s: (s.q_dim, s.kv_dim), _attention),
     KernelSpec("greedy_accept", AcceptParams, (OpClass.ACCEPT,), lambda s: (1, 1), _accept),
 )
