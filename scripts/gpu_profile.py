@@ -87,7 +87,12 @@ def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
 
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
-                  row_tile: int = 16, weight_format: str = "native") -> dict:
+                  row_tile: int = 16, weight_format: str = "native", pdl: str = "") -> dict:
+    """One engine's numbers; pdl names a kernels.pdl.GridDependency its graphs are captured with ("": default)."""
+    from specpilot.kernels.pdl import GridDependency, grid_dependency
+    if pdl:
+        with grid_dependency(GridDependency[pdl.upper()]):
+            return {**profile_shape(name, tokens, backend, attn, kernels, row_tile, weight_format), "pdl": pdl}
     shape = SHAPES[name]
     torch.manual_seed(0)
     model = random_model(shape, torch.bfloat16, "cuda", seed=0)
@@ -127,6 +132,8 @@ def main() -> None:
                                                        "cores, one row per program), comma-separated")
     ap.add_argument("--weight-formats", default="native", help="native,w12: also the 12-bit weights (same model; "
                                                               "its AR tokens must equal native's)")
+    ap.add_argument("--grid-dependency", default="", help="kernels.pdl.GridDependency modes after the default one, "
+                                                          "e.g. off,trigger_first (graph times only)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
@@ -145,6 +152,8 @@ def main() -> None:
                 profile_shape(name, a.tokens, backend, attn, kernels=False) for attn in filter(None, a.attn.split(","))]
             variants += [profile_shape(name, a.tokens, backend, weight_format=w)
                          for w in a.weight_formats.split(",") if w != "native"]
+            variants += [profile_shape(name, a.tokens, backend, kernels=False, pdl=m)
+                         for m in filter(None, a.grid_dependency.split(","))]
             for v in variants:
                 v["equal_to_native"] = v["tokens"] == r["tokens"]
             for v in variants[1:len(tiles)]:
@@ -156,13 +165,13 @@ def main() -> None:
                 res["runs"].append(v)
             json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
     print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
-    print("| shape | backend | weights | rows | attn split:block | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
+    print("| shape | backend | weights | rows | attn split:block | PDL | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
           "floor ms | tokens = native |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
         print(f"| {r['shape']} | {r['backend']} | {r['weight_format']} | {r.get('row_tile', 16)} | "
-              f"{r['attn'] or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
+              f"{r['attn'] or 'default'} | {r.get('pdl') or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
               + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} | {'yes' if r['equal_to_native'] else 'NO'} |")
 
 

@@ -4,7 +4,8 @@
 #   a: carry .gpu + .tb/gguf.part.aa                       -> parks part A in /root/tb, host-overhead profile
 #   b: carry .gpu + .tb/gguf.part.ab,ac + tok + benchmarks  -> convert; AR speed (engine vs transformers);
 #                                                             n-gram bench, 5 benchmarks x 2048 tokens
-#   c: carry .gpu                                           -> train the block drafter (checkpoint to $OUT)
+#   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
+#                                                             checkpoint to $OUT)
 #   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level
 #   e: as b's carry + .tb/drafter (a trained drafter)       -> convert, W12 vs bf16 AR (tokens, speed), then d
 #                                                             with that drafter (no c needed)
@@ -53,7 +54,9 @@ case $stage in
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
       > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;
   c)
-    timeout 560 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
+    [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
+    timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
+      --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
     mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
   e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -182,6 +183,24 @@ def test_bf16_target_trains_under_cpu_autocast():
     curve = fit(drafter, model, data, c)
     assert all(p.dtype == torch.float32 for p in drafter.parameters())  # master weights stay float32
     assert all(math.isfinite(r["loss"]) for r in curve) and curve[-1]["loss"] < 0.8 * curve[0]["loss"]
+
+
+def test_training_against_the_clock_stops_in_time_and_decays_over_it():
+    """deadline_s (a GPU call's hard limit): fit(seconds=...) stops on time whatever `steps` says, with the cosine
+    schedule spent by then; a non-positive deadline is a config error."""
+    from specpilot.drafting.train import lr_at
+    model = damped("gqa", 6)
+    c = TrainConfig(**{**QUICK, "steps": 10**6, "warmup": 2, "seed": 6})
+    drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), c)
+    data = generate(model, [prompt(model.shape.vocab, 8, 600 + i) for i in range(8)], 24,
+                    drafter.config.target_layers, NO_EOS)
+    t0 = time.perf_counter()
+    curve = fit(drafter, model, data, c, seconds=2.0)
+    assert 2.0 <= time.perf_counter() - t0 < 10.0
+    assert curve[-1]["stopped"] == "time budget" and curve[-1]["step"] > 2
+    assert lr_at(10, c, done=0.0) == pytest.approx(c.lr) and lr_at(10, c, done=1.0) == pytest.approx(0.1 * c.lr)
+    with pytest.raises(ValueError, match="deadline_s"):
+        TrainConfig(deadline_s=0)
 
 
 def test_acceptance_reference_and_modes_share_position_ordered_attention(monkeypatch):

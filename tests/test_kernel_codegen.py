@@ -36,11 +36,17 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
          "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
 
 
-def dots(fn, sig, consts, num_warps=4):
+def build(fn, sig, consts, num_warps=4, pdl=False):
+    # a direct compile takes no parameter defaults: the launch keywords of kernels/pdl.py, off unless given
+    consts = {**{k: v for k, v in (("PDL", 0), ("PF_LINES", 16)) if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False})
-    ir = k.asm["ttgir"]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
+                                   "launch_pdl": pdl})
+
+
+def dots(fn, sig, consts, num_warps=4, pdl=False):
+    ir = build(fn, sig, consts, num_warps, pdl).asm["ttgir"]
     alias = dict(re.findall(r"^(#\w+) = (.*)$", ir, flags=re.M))
     out = []
     for line in ir.splitlines():
@@ -60,6 +66,12 @@ NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_p
         "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
         "eps": "fp32"}
 FLAGS = {"HAS_BIAS": False, "HAS_RES": True}
+PDL_KERNELS = [("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
+                                                         **TILE}, 4),
+               ("norm_linear_epi1", norm_gemm._rmsnorm_linear_kernel, NORM,
+                {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False,
+                 "EPI": 1, "H": 9, "KVH": 3, "HALF": 32, **TILE}, 8)]
+PDL_OPS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")
 
 print(json.dumps({
     "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
@@ -73,7 +85,14 @@ print(json.dumps({
                                                  "STORE_Y": True, "ARGMAX": False, "EPI": epi, "H": 9, "KVH": 3,
                                                  "HALF": 32, **TILE}, num_warps=8)
        for w12 in (False, True) for epi in (0, 1, 2)},  # gate_up's GLU and qkv's rotary epilogues: two dots a chunk
+    # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
+    **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
+       for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
+    "pdl_ptx": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=mode > 0).asm["ptx"]
+                                   for op in PDL_OPS]
+                for mode in (0, 1) for name, fn, sig, consts, nw in PDL_KERNELS},
 }))
+
 '''
 
 
@@ -111,3 +130,12 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
         assert compiled[f"norm_linear_epi{epi}"] == [compiled["norm_linear"][0]] + [compiled["norm_linear"][1]] * 2
     for name in ("norm_linear", "norm_linear_epi1", "norm_linear_epi2"):
         assert compiled[f"w12_{name}"] == compiled[name], name
+
+
+def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):
+    for mode in (1, 2):
+        assert compiled[f"pdl{mode}_linear"] == compiled["linear"]
+        assert compiled[f"pdl{mode}_norm_linear_epi1"] == compiled["norm_linear_epi1"]
+    for name in ("linear", "norm_linear_epi1"):
+        assert compiled["pdl_ptx"][f"{name}_1"] == [True, True, True], name  # wait, trigger, weight prefetch
+        assert compiled["pdl_ptx"][f"{name}_0"] == [False, False, False], name

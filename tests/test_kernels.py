@@ -547,3 +547,19 @@ def test_bench_runs_on_gpu():
     rows = bench_kernels(tiny, [1, 5], context=300, warmup_ms=1, rep_ms=5)
     assert [r["kernel"] for r in rows] == list(KERNELS) * 2
     assert all(r["ms"] > 0 and r["ref_ms"] > 0 and r["gbps"] > 0 for r in rows)
+
+
+def test_pdl_launch_keywords_are_off_on_cpu_and_the_mode_switch_restores():
+    from specpilot.kernels.pdl import GridDependency, grid_dependency, pdl_launch, prefetch_lines
+    cpu = torch.device("cpu")
+    assert pdl_launch(cpu) == {"PDL": 0}  # the interpreter never sees the attribute or the PTX
+    with grid_dependency(GridDependency.TRIGGER_FIRST):
+        assert pdl_launch(cpu) == {"PDL": 0}
+        import specpilot.kernels.pdl as pdl
+        assert pdl._mode[0] is GridDependency.TRIGGER_FIRST
+    assert pdl._mode[0] is GridDependency.WAIT_THEN_TRIGGER
+    with pytest.raises(ValueError, match="GridDependency"):
+        with grid_dependency(1):
+            pass
+    # SmolLM2 rows: 576 bf16 = 9 lines -> 16; 1536 -> 24 -> 32; Llama-3-8B's 4096 (64 lines) capped at 32
+    assert [prefetch_lines(k, 2) for k in (576, 1536, 4096, 64)] == [16, 32, 32, 1]

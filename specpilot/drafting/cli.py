@@ -37,6 +37,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--target-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="comma-separated target layers the drafter reads (default: 3 spread layers)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="wall budget of the whole run: training stops in time to evaluate and save")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -45,7 +47,7 @@ def run_train(args: argparse.Namespace) -> int:
     from specpilot.drafting.train import TrainConfig, train_drafter
 
     bundle = load_target(args.target, args.device, _dtype(args))
-    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers")}
+    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s")}
     cfg = replace(TrainConfig(), **knobs, device=args.device, progress=not args.no_progress)
     result = train_drafter(bundle, cfg, args.out)
     base = {r["mode"]: r for r in result.report["untrained"]["engine"]}

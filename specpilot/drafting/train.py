@@ -63,12 +63,17 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     progress: bool = True
+    # Wall budget of the whole run in seconds (a GPU call has a hard limit): training then ends in time for the
+    # final evaluation and save, and its cosine schedule follows the clock instead of `steps` (the cap).
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "block_size", "layers", "batch_seqs", "anchors", "gen_tokens", "gen_batch",
                      "eval_tokens", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"deadline_s={self.deadline_s}: must be > 0 (or None)")
         if self.block_size < 2:
             raise ValueError("block_size must be >= 2 (the pending token plus at least one draft)")
 
@@ -80,11 +85,12 @@ class TrainResult:
     checkpoint: Path | None = None
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
+def lr_at(step: int, cfg: TrainConfig, done: float | None = None) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak over the steps, or over `done` (the fraction of a time
+    budget spent) when training runs against the clock."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup) if done is None else done
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
@@ -132,9 +138,10 @@ def train_autocast(device: str, target_dtype: torch.dtype) -> torch.autocast:
 
 
 def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: TrainConfig,
-        out: Path | None = None) -> list[dict]:
+        out: Path | None = None, seconds: float | None = None) -> list[dict]:
     """The training loop (AdamW, warmup + cosine, gradient clipping, bf16 autocast: train_autocast); returns the loss
-    curve. With `out`, writes a checkpoint every cfg.ckpt_every steps under out/checkpoints/."""
+    curve. With `out`, writes a checkpoint every cfg.ckpt_every steps under out/checkpoints/. With `seconds`,
+    stops after that long (or cfg.steps), the schedule decaying over the time."""
     embed, head = target.embed_tokens.weight, lm_head_weight(target)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -142,8 +149,13 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
     curve: list[dict] = []
     model.train()
     bar = tqdm(range(cfg.steps), desc="train", disable=not cfg.progress, file=sys.stderr)
+    start = time.perf_counter()
     for step in bar:
-        lr = lr_at(step, cfg)
+        done = None if seconds is None else (time.perf_counter() - start) / seconds
+        if done is not None and done >= 1.0:
+            curve.append({"step": step, "stopped": "time budget"})
+            break
+        lr = lr_at(step, cfg, done)
         for group in opt.param_groups:
             group["lr"] = lr
         rows = torch.randint(len(data), (cfg.batch_seqs,), generator=gen)
@@ -172,15 +184,19 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     data, held, prompts, provenance = collect(bundle, cfg, model.config.target_layers)
     t_data = time.perf_counter() - t0
     before = evaluate_all(model, bundle, cfg, held, prompts)
+    t_eval = time.perf_counter() - t0 - t_data
     out = Path(out_dir) if out_dir is not None else None
     t1 = time.perf_counter()
-    curve = fit(model, bundle.model, data, cfg, out)
+    seconds = None
+    if cfg.deadline_s is not None:  # leave the final evaluation (as long as the first, plus margin) and the save
+        seconds = max(1.0, cfg.deadline_s - (t1 - t0) - 1.5 * t_eval - 20.0)
+    curve = fit(model, bundle.model, data, cfg, out, seconds)
     t_train = time.perf_counter() - t1
     model.eval()
     after = evaluate_all(model, bundle, cfg, held, prompts)
     report = {"target": bundle.name, "config": _jsonable(asdict(cfg)), "drafter": model.config.to_dict(),
               "data": provenance, "loss_curve": curve, "untrained": before, "trained": after,
-              "seconds": {"data": round(t_data, 2), "train": round(t_train, 2),
+              "seconds": {"data": round(t_data, 2), "eval": round(t_eval, 2), "train": round(t_train, 2),
                           "total": round(time.perf_counter() - t0, 2)}}
     result = TrainResult(model, report)
     if out is not None:

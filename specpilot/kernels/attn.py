@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, LaunchParams, check_int, check_launchable, check_out,
                       check_tensor, dot_precision)
+from .pdl import pdl_launch, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
 
@@ -90,7 +91,9 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                        T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                       PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -185,7 +188,8 @@ def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.con
 @triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S,
                          H: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, SPLIT: tl.constexpr,
-                         GROUP: tl.constexpr):
+                         GROUP: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
@@ -282,8 +286,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, **NO_FP_FUSION, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
-        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION)
+        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION, **pdl_launch(dev))
     return out

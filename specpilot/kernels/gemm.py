@@ -27,6 +27,7 @@ from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
+from .pdl import pdl_launch, prefetch_lines, prefetch_rows, wait_for_predecessor
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
@@ -92,7 +93,7 @@ def fit_block_n(block_n: int, block_k: int, elem_size: int, smem_budget: int = 1
 def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
                    T, N, K, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 16):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -105,6 +106,9 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+    if not W12:
+        prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
+    wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
     if W12:  # W12 weights (w12_tile.py): the W tile load below is the only other difference
         lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -178,7 +182,8 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     _linear_kernel[grid](x, *w_args, x if bias is None else bias, x if residual is None else residual, out,
                          T, N, K, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
                          HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile,
-                         BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
+                         BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
+                         PF_LINES=prefetch_lines(K, x.element_size()), **pdl_launch(dev))
     return out
 
 

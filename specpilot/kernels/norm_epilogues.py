@@ -19,7 +19,8 @@ from ..weights.format import W12Tensor
 from ._common import check_int, check_out, check_tensor, dot_precision
 from .act import swiglu_ref
 from .gemm import BLOCK_K
-from .norm_gemm import BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, rmsnorm_linear_ref
+from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_pdl,
+                        rmsnorm_linear_ref)
 from .rope_kv import rope_kv_write_ref
 
 
@@ -70,7 +71,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                  v_cache, S, cos.shape[0], T, N, K, float(eps), HAS_RES=False, HAS_BIAS=False,
                                  DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                  KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                 num_warps=num_warps, num_stages=stages)
+                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, K))
     return out
 
 
@@ -91,5 +92,5 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                  residual_out if has_res else out, x, x, x, x, x, x, x, x, 1, 1, T, N, K, float(eps),
                                  HAS_RES=has_res, HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True,
                                  ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                 num_warps=num_warps, num_stages=stages)
+                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, K))
     return out if residual is None else (out, residual_out)

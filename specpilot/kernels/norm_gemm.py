@@ -26,6 +26,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
                       dot_precision)
 from .act import silu_mul
 from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref, tile_mac
+from .pdl import pdl_launch, prefetch_lines, prefetch_rows, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -155,7 +156,8 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 16):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     pid_m = pid % num_m
@@ -177,6 +179,12 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         col_ok2 = col_ok & (cols < (H + KVH) * 2 * HALF)
     else:
         cols2, col_ok2 = cols, col_ok
+    if not W12:  # and the pair's second rows (gate_up's up rows, the rotary partners)
+        prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
+        if EPI != EPI_STORE:
+            last2 = 2 * N - 1 if EPI == EPI_GLU else N - 1
+            prefetch_rows(w_ptr + tl.minimum(cols2, last2).to(tl.int64) * K, K, PDL, PF_LINES)
+    wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
                           code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
                           col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M,
@@ -202,9 +210,10 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
 
 
 @triton.jit
-def _argmax_combine_kernel(pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexpr):
+def _argmax_combine_kernel(pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0):
     # One row per program: the max over tiles is exact in any order and the winner is the lowest column holding
     # it, which is torch.argmax's first occurrence.
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     ok = t < NT
@@ -298,12 +307,19 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  residual_out if has_res else out, pmax, pidx, *_NO_ROPE(x), T, N, K, float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
-                                 BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages)
+                                 BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
+                                 **norm_pdl(x, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
-        _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4)
+        _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
+                                     **pdl_launch(dev))
         return (out if store_y else None), best
     return out if residual is None else (out, residual_out)
+
+
+def norm_pdl(x: torch.Tensor, k: int) -> dict:
+    """The PDL launch keywords of a norm + projection launch (kernels/pdl.py) over rows of k weights."""
+    return {"PF_LINES": prefetch_lines(k, x.element_size()), **pdl_launch(x.device)}
 
 
 def _NO_ROPE(x: torch.Tensor) -> tuple:

@@ -1,0 +1,88 @@
+"""Programmatic dependent launch (PDL, sm_90+): a kernel starts while its predecessor is still running.
+
+In a decode step every kernel waits for the previous one to finish and then pays its own launch and first-load
+latency: at SmolLM2 shapes that is most of a 2-7 us kernel. With PDL (the launch attribute plus the PTX
+griddepcontrol instructions) the next kernel's programs are scheduled while the current one runs; they ask L2 for
+their weight rows (weights are never written during a step, so reading them early is safe), then block in
+`griddepcontrol.wait` until the predecessor has completed and its writes are visible, and only then read
+activations or write anything. Arithmetic is untouched: the same bits either way.
+
+Every kernel launched with the attribute executes the wait unconditionally, before any early exit: a PDL kernel
+that completed without waiting could let a later, ordinary launch start before an earlier kernel finished.
+Kernels launched without it (torch ops, the paged kernels) keep plain stream order.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+class GridDependency(enum.IntEnum):
+    """How the fused kernels overlap their predecessor (the kernels' PDL constexpr)."""
+
+    OFF = 0  # plain stream order
+    WAIT_THEN_TRIGGER = 1  # wait for the predecessor, then let the successor launch: two kernels in flight
+    TRIGGER_FIRST = 2  # let the successor launch at once: a chain of kernels may be resident, all prefetching
+
+
+_mode = [GridDependency.WAIT_THEN_TRIGGER]
+
+
+@contextlib.contextmanager
+def grid_dependency(mode: GridDependency):
+    """Launches (and graph captures) inside the block use `mode` on GPUs that support it."""
+    if not isinstance(mode, GridDependency):
+        raise ValueError(f"mode must be a GridDependency, got {mode!r}")
+    saved = _mode[0]
+    _mode[0] = mode
+    try:
+        yield
+    finally:
+        _mode[0] = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keywords of a PDL-aware kernel on `device`: its PDL constexpr, and the launch attribute when on.
+    CPU tensors (the interpreter) and GPUs before sm_90 get OFF."""
+    mode = _mode[0]
+    if mode is GridDependency.OFF or device.type != "cuda" or not _supports_pdl(device.index or 0):
+        return {"PDL": 0}
+    return {"PDL": int(mode), "launch_pdl": True}
+
+
+@triton.jit
+def wait_for_predecessor(PDL: tl.constexpr):
+    """Blocks until the previous kernel in the stream has completed (its writes visible); lets the next launch."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL != 0:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows(row_ptrs, K, PDL: tl.constexpr, LINES: tl.constexpr):
+    """Asks L2 for the first LINES 128-byte lines of each row (row_ptrs [R] -> rows of K elements); only under
+    PDL, where it overlaps the predecessor. A prefetch is a hint: it changes no value."""
+    if PDL != 0:
+        step: tl.constexpr = 128 // (row_ptrs.dtype.element_ty.primitive_bitwidth // 8)
+        offs = tl.minimum(tl.arange(0, LINES) * step, K - 1)
+        ptrs = row_ptrs[:, None] + offs[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+def prefetch_lines(k: int, elem_size: int, most: int = 32) -> int:
+    """LINES for rows of k elements: all of a row up to `most` lines (4 KiB), a power of two."""
+    return min(most, triton.next_power_of_2(triton.cdiv(k * elem_size, 128)))
