@@ -88,10 +88,12 @@ def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
                   row_tile: int = 16, weight_format: str = "native", pdl: str = "") -> dict:
-    """One engine's numbers; pdl names a kernels.pdl.GridDependency its graphs are captured with ("": default)."""
-    from specpilot.kernels.pdl import GridDependency, grid_dependency
+    """One engine's numbers; pdl = MODE[:PREFETCH_MIB] names the kernels.pdl.GridDependency its graphs are captured
+    with and the largest weight matrix its launches prefetch ("": the defaults)."""
+    from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, grid_dependency
     if pdl:
-        with grid_dependency(GridDependency[pdl.upper()]):
+        mode, _, mib = pdl.partition(":")
+        with grid_dependency(GridDependency[mode.upper()], int(mib) << 20 if mib else PREFETCH_MAX_BYTES):
             return {**profile_shape(name, tokens, backend, attn, kernels, row_tile, weight_format), "pdl": pdl}
     shape = SHAPES[name]
     torch.manual_seed(0)
@@ -132,8 +134,8 @@ def main() -> None:
                                                        "cores, one row per program), comma-separated")
     ap.add_argument("--weight-formats", default="native", help="native,w12: also the 12-bit weights (same model; "
                                                               "its AR tokens must equal native's)")
-    ap.add_argument("--grid-dependency", default="", help="kernels.pdl.GridDependency modes after the default one, "
-                                                          "e.g. off,trigger_first (graph times only)")
+    ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB] variants after the default, e.g. "
+                                                          "off,wait_then_trigger:1024 (graph times only)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}

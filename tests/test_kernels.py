@@ -550,16 +550,20 @@ def test_bench_runs_on_gpu():
 
 
 def test_pdl_launch_keywords_are_off_on_cpu_and_the_mode_switch_restores():
+    import specpilot.kernels.pdl as pdl
     from specpilot.kernels.pdl import GridDependency, grid_dependency, pdl_launch, prefetch_lines
     cpu = torch.device("cpu")
     assert pdl_launch(cpu) == {"PDL": 0}  # the interpreter never sees the attribute or the PTX
-    with grid_dependency(GridDependency.TRIGGER_FIRST):
-        assert pdl_launch(cpu) == {"PDL": 0}
-        import specpilot.kernels.pdl as pdl
-        assert pdl._mode[0] is GridDependency.TRIGGER_FIRST
-    assert pdl._mode[0] is GridDependency.WAIT_THEN_TRIGGER
-    with pytest.raises(ValueError, match="GridDependency"):
-        with grid_dependency(1):
-            pass
+    # weights prefetched only when the whole matrix fits the budget: SmolLM2's gate_up yes, its LM head not
+    assert pdl_launch(cpu, 3072, 576) == {"PDL": 0, "PF_LINES": 16}
+    assert pdl_launch(cpu, 49152, 576) == {"PDL": 0, "PF_LINES": 0}
+    with grid_dependency(GridDependency.OFF, prefetch_max_bytes=0):
+        assert pdl._state == {"mode": GridDependency.OFF, "prefetch_max_bytes": 0}
+        assert pdl_launch(cpu, 3072, 576)["PF_LINES"] == 0
+    assert pdl._state == {"mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": pdl.PREFETCH_MAX_BYTES}
+    for bad in ({"mode": 1}, {"mode": GridDependency.OFF, "prefetch_max_bytes": -1}):
+        with pytest.raises(ValueError):
+            with grid_dependency(**bad):
+                pass
     # SmolLM2 rows: 576 bf16 = 9 lines -> 16; 1536 -> 24 -> 32; Llama-3-8B's 4096 (64 lines) capped at 32
     assert [prefetch_lines(k, 2) for k in (576, 1536, 4096, 64)] == [16, 32, 32, 1]

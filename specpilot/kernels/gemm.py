@@ -27,7 +27,7 @@ from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
-from .pdl import pdl_launch, prefetch_lines, prefetch_rows, wait_for_predecessor
+from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
@@ -183,7 +183,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
                          T, N, K, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
                          HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile,
                          BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
-                         PF_LINES=prefetch_lines(K, x.element_size()), **pdl_launch(dev))
+                         **pdl_launch(dev, N, K, x.element_size()))
     return out
 
 

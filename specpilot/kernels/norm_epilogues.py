@@ -71,7 +71,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                  v_cache, S, cos.shape[0], T, N, K, float(eps), HAS_RES=False, HAS_BIAS=False,
                                  DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                  KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, K))
+                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
     return out
 
 
@@ -92,5 +92,5 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                  residual_out if has_res else out, x, x, x, x, x, x, x, x, 1, 1, T, N, K, float(eps),
                                  HAS_RES=has_res, HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True,
                                  ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, K))
+                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
     return out if residual is None else (out, residual_out)

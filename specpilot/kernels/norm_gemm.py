@@ -26,7 +26,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
                       dot_precision)
 from .act import silu_mul
 from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref, tile_mac
-from .pdl import pdl_launch, prefetch_lines, prefetch_rows, wait_for_predecessor
+from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -308,7 +308,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
-                                 **norm_pdl(x, K))
+                                 **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
@@ -317,9 +317,9 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     return out if residual is None else (out, residual_out)
 
 
-def norm_pdl(x: torch.Tensor, k: int) -> dict:
-    """The PDL launch keywords of a norm + projection launch (kernels/pdl.py) over rows of k weights."""
-    return {"PF_LINES": prefetch_lines(k, x.element_size()), **pdl_launch(x.device)}
+def norm_pdl(x: torch.Tensor, w_rows: int, k: int) -> dict:
+    """The PDL launch keywords of a norm + projection launch (kernels/pdl.py) reading W [w_rows, k]."""
+    return pdl_launch(x.device, w_rows, k, x.element_size())
 
 
 def _NO_ROPE(x: torch.Tensor) -> tuple:
