@@ -37,8 +37,8 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 
 
 def build(fn, sig, consts, num_warps=4, pdl=False):
-    # a direct compile takes no parameter defaults: the launch keywords of kernels/pdl.py, off unless given
-    consts = {**{k: v for k, v in (("PDL", 0), ("PF_LINES", 16)) if k in fn.arg_names}, **consts}
+    # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
+    consts = {**{k: v for k, v in (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1)) if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
@@ -59,12 +59,13 @@ def dots(fn, sig, consts, num_warps=4, pdl=False):
 W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32", "rowesc_ptr": "*i32",
        "esc_ptr": "*u8", "KC": "i32"}  # a W12 W's arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
-LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, "T": "i32", "N": "i32", "K": "i32",
-          "stride_x": "i32"}
+SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}  # split-K partials and arrival counters (gemm.split_k_combine)
+LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "T": "i32", "N": "i32",
+          "K": "i32", "K_SPLIT": "i32", "stride_x": "i32"}
 NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P,
-        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
+        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", **SPLIT, "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
         "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
-        "eps": "fp32"}
+        "K_SPLIT": "i32", "eps": "fp32"}
 FLAGS = {"HAS_BIAS": False, "HAS_RES": True}
 PDL_KERNELS = [("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
                                                          **TILE}, 4),
@@ -88,6 +89,8 @@ print(json.dumps({
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1,) for name, fn, sig, consts, nw in PDL_KERNELS},
+    # split-K (gemm.split_k_combine): the same dots over fewer chunks, then the partials added in split order
+    **{f"split4_{name}": dots(fn, sig, {**consts, "SPLIT_K": 4}, nw) for name, fn, sig, consts, nw in PDL_KERNELS},
     "pdl_ptx": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=mode > 0).asm["ptx"]
                                    for op in PDL_OPS]
                 for mode in (0, 1) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -138,3 +141,8 @@ def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compile
     for name in ("linear", "norm_linear_epi1"):
         assert compiled["pdl_ptx"][f"{name}_1"] == [True, True, True], name  # wait, trigger, weight prefetch
         assert compiled["pdl_ptx"][f"{name}_0"] == [False, False, False], name
+
+
+def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
+    assert compiled["split4_linear"] == compiled["linear"]
+    assert compiled["split4_norm_linear_epi1"] == compiled["norm_linear_epi1"]

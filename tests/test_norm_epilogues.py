@@ -91,3 +91,47 @@ def test_wrappers_refuse_bad_shapes():
         E.rmsnorm_qkv_rope(x, nw, rnd(g, 60, 32), 1e-5, pos, pos, cos, sin, kc, kc.clone(), 2, 1)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         E.rmsnorm_qkv_rope(x, nw, rnd(g, 64, 32), 1e-5, pos, pos, cos, sin, kc, kc.clone(), 3, 2)
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_launches_keep_the_epilogues_rows_and_counters(split_k):
+    """split_k (gemm.split_k_combine): each fused epilogue still equals its unfused pair at the same split, a token's
+    row is the same alone or among 17, results are near the unsplit ones, and the arrival counters end at zero."""
+    from specpilot.kernels import gemm
+    g = torch.Generator().manual_seed(split_k)
+    T, K_in, heads, kv_heads, hd = 17, 256, 4, 2, 16
+    sk = {"block_n": 16, "block_k": 64, "split_k": split_k}
+    x, nw, res = rnd(g, T, K_in), rnd(g, K_in), rnd(g, T, K_in)
+    W = rnd(g, (heads + 2 * kv_heads) * hd, K_in, scale=0.1)
+    cos, sin = (t.to(DEV) for t in K.rope_tables(128, hd, 10000.0))
+    pos, slots = torch.randint(0, 100, (T,), generator=g).to(DEV), torch.randperm(40, generator=g)[:T].to(DEV)
+    kc, vc = rnd(g, kv_heads, 40, hd), rnd(g, kv_heads, 40, hd)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, **sk)
+    q2 = K.rope_kv_write(K.rmsnorm_linear(x, nw, W, 1e-5, **sk), pos, slots, cos, sin, kc2, vc2, heads, kv_heads)
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    act, h = E.rmsnorm_glu(x, nw, W, 1e-5, res, **sk)
+    y, h2 = K.rmsnorm_linear(x, nw, W, 1e-5, res, **sk)
+    assert torch.equal(act, K.swiglu(y)) and torch.equal(h, h2) and torch.equal(h, x + res)
+    act1, _ = E.rmsnorm_glu(x[5:6], nw, W, 1e-5, res[5:6], **sk)
+    assert torch.equal(act1[0], act[5])
+    logits, best = K.rmsnorm_linear(x, nw, W, 1e-5, out_dtype=torch.float32, argmax=True, **sk)
+    assert torch.equal(best, logits.argmax(-1))
+    torch.testing.assert_close(logits, K.rmsnorm_linear(x, nw, W, 1e-5, out_dtype=torch.float32), atol=1e-2, rtol=1e-2)
+    W2, r2 = rnd(g, 48, K_in, scale=0.1), rnd(g, T, 48)
+    o, o1 = K.linear(x, W2, r2, **sk), K.linear(x[5:6], W2, r2[5:6], **sk)
+    assert torch.equal(o1[0], o[5])
+    torch.testing.assert_close(o.float(), K.linear_ref(x, W2, r2).float(), atol=3e-2, rtol=2e-2)
+    assert int(gemm._counters(DEV).abs().sum()) == 0
+
+
+def test_split_k_is_refused_when_it_cannot_run():
+    g = torch.Generator().manual_seed(0)
+    x, nw, W = rnd(g, 2, 128), rnd(g, 128), rnd(g, 32, 128)
+    with pytest.raises(ValueError, match="exceeds the 2 K chunks"):
+        K.linear(x, W, block_k=64, split_k=4)
+    with pytest.raises(ValueError, match="split_k=3"):
+        K.rmsnorm_linear(x, nw, W, 1e-5, split_k=3)
+    from specpilot.weights.format import encode
+    with pytest.raises(ValueError, match="W12"):
+        K.linear(x, encode(W), split_k=2)

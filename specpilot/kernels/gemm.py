@@ -2,7 +2,10 @@
 
 Invariance: the token dimension is tiled by the fixed BLOCK_M (16, padding rows are zero and never mix into
 other rows), and every output element accumulates its K-reduction as one `tl.dot` chain over fixed BLOCK_K
-(128) chunks in ascending order, in fp32. No split-K, no atomics. BLOCK_N only decides which output columns a
+(128) chunks in ascending order, in fp32. split_k > 1 (a reduction-order setting, one per shape) cuts that chain
+into split_k runs of whole chunks, each program summing one from zero; the last program of a tile to finish adds
+the runs' partials in split order (split_k_combine): the order is fixed, only who adds them varies, so the bits do
+not depend on T or on scheduling (an atomic counts arrivals; no atomic touches a value). BLOCK_N only decides which output columns a
 program owns, and num_warps / num_stages only how a tile is spread over threads and pipelined: none of them
 changes any element's accumulation order (T-neutral). row_tile=1 (a reduction-order setting, the same for every
 T of a build) gives each program one row and sums each K chunk's fp32 products with tl.sum instead: no tensor-core
@@ -31,6 +34,14 @@ from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
+SPLIT_KS = (1, 2, 4, 8)  # split-K factors a launch may use (split_k_combine unrolls the sum)
+
+
+def check_split(split_k: int, w12: bool) -> None:
+    if split_k not in SPLIT_KS:
+        raise ValueError(f"split_k={split_k!r} must be one of {SPLIT_KS}")
+    if w12 and split_k > 1:  # a W12 row's escape cursor walks K from its start (w12_tile.py)
+        raise ValueError("split_k > 1 is not supported with W12 weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +54,11 @@ class LinearParams(LaunchParams):
     num_stages: int | None = None
     block_k: int = BLOCK_K  # the K chunk of the accumulation chain: a reduction-order field (per shape, all T)
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES): a reduction-order field
+    split_k: int = 1  # K runs per output tile, added in a fixed order: a reduction-order field (more programs)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
-                                                "row_tile": ROW_TILES}
+                                                "row_tile": ROW_TILES, "split_k": SPLIT_KS}
 
 
 @triton.jit
@@ -58,6 +70,60 @@ def tile_mac(a, w, acc, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
     else:
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
     return acc
+
+
+@triton.jit
+def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constexpr, PAIR: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(acc, acc2, last): in the last of a tile's SPLIT_K programs to arrive, the sums of the tile's partials in
+    split order 0, 1, ... (acc2 too when PAIR) and last=True; elsewhere last=False (the caller masks its stores).
+    The arrival counter cnt_ptr[tile] is back at 0 when the kernel ends (graph replays reuse it)."""
+    last = tile >= 0  # true
+    if SPLIT_K > 1:
+        SZ: tl.constexpr = BLOCK_M * BLOCK_N
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        base = ws_ptr + tile.to(tl.int64) * (SPLIT_K * SZ * (1 + PAIR))
+        tl.store(base + pid_k * SZ + offs, acc)
+        if PAIR:
+            tl.store(base + (SPLIT_K + pid_k) * SZ + offs, acc2)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+        last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:  # .cg: read the other programs' partials from L2, never a stale L1 line
+            acc = tl.load(base + offs, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(base + s * SZ + offs, cache_modifier=".cg")
+            if PAIR:
+                acc2 = tl.load(base + SPLIT_K * SZ + offs, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    acc2 += tl.load(base + (SPLIT_K + s) * SZ + offs, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    return acc, acc2, last
+
+
+def split_k_args(device: torch.device, split_k: int, k: int, block_k: int, tiles: int, block_m: int, block_n: int,
+                 pair: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(partials workspace, arrival counters, K elements per split) of a launch with `tiles` output tiles."""
+    chunks = triton.cdiv(k, block_k)
+    if split_k > chunks:
+        raise ValueError(f"split_k={split_k} exceeds the {chunks} K chunks of {block_k} (K={k})")
+    per_split = triton.cdiv(chunks, split_k) * block_k
+    if split_k == 1:
+        return _counters(device), _counters(device), per_split
+    if tiles > SPLIT_COUNTERS:
+        raise ValueError(f"{tiles} output tiles exceed the {SPLIT_COUNTERS} split-K counters")
+    ws = torch.empty(tiles * split_k * block_m * block_n * (2 if pair else 1), dtype=torch.float32, device=device)
+    return ws, _counters(device), per_split
+
+
+SPLIT_COUNTERS = 1 << 18  # arrival counters per device, shared by every split-K launch (each leaves them at 0)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed arrival counters, made on first use (warm-up runs before any graph capture)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: int = BLOCK_M) -> int:
@@ -91,14 +157,18 @@ def fit_block_n(block_n: int, block_k: int, elem_size: int, smem_budget: int = 1
 
 @triton.jit(do_not_specialize=["T"])
 def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
-                   T, N, K, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                   DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 16):
+                   ws_ptr, cnt_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = 0,
+                   PF_LINES: tl.constexpr = 16):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    tiles = num_m * tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_k = pid // tiles  # split-K run (0 without split-K)
+    pid_m = tile % num_m
+    pid_n = tile // num_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < T
@@ -112,7 +182,8 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     if W12:  # W12 weights (w12_tile.py): the W tile load below is the only other difference
         lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         xm = row_ok[:, None] & k_ok[None, :]
@@ -128,11 +199,12 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
         else:
             w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
+    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, BLOCK_M, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    om = row_ok[:, None] & col_ok[None, :]
+    om = row_ok[:, None] & col_ok[None, :] & last
     if HAS_RES:
         r = tl.load(r_ptr + offs, mask=om, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -156,8 +228,10 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
-            block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
-    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile)
+            block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
+            split_k: int = 1) -> torch.Tensor:
+    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
+                 split_k=split_k)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -166,6 +240,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     if T < 1 or K < 1 or (swiglu and x.shape[1] % 2):
         raise ValueError(f"{xname} must be [T >= 1, {'2*I' if swiglu else 'K'}], got {list(x.shape)}")
     w_args, w12, N = weight_operand(W, K, dt, dev)
+    check_split(split_k, w12)
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
         raise ValueError(f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
@@ -178,11 +253,12 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
-    grid = (triton.cdiv(T, row_tile) * triton.cdiv(N, bn),)
-    _linear_kernel[grid](x, *w_args, x if bias is None else bias, x if residual is None else residual, out,
-                         T, N, K, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
+    tiles = triton.cdiv(T, row_tile) * triton.cdiv(N, bn)
+    ws, counters, per_split = split_k_args(dev, split_k, K, block_k, tiles, row_tile, bn)
+    _linear_kernel[(tiles * split_k,)](x, *w_args, x if bias is None else bias, x if residual is None else residual,
+                         out, ws, counters, T, N, K, per_split, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
                          HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile,
-                         BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
+                         BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=stages,
                          **pdl_launch(dev, N, K, x.element_size()))
     return out
 
@@ -190,19 +266,21 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
 def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-           block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
+           block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
-    return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile)
+    return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
+                   split_k)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
-                  num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> torch.Tensor:
+                  num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
+                  split_k: int = 1) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -210,4 +288,4 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
-                   row_tile)
+                   row_tile, split_k)

@@ -25,7 +25,8 @@ from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul
-from .gemm import BLOCK_K, default_block_n, default_num_stages, fit_block_n, linear_ref, tile_mac
+from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
+                   split_k_args, split_k_combine, tile_mac)
 from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
@@ -46,10 +47,11 @@ class RMSNormLinearParams(LaunchParams):
     num_stages: int | None = None
     block_k: int = BLOCK_K  # K chunk of the norm statistic and the accumulation chain: reduction order
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES, see gemm.py): reduction order
+    split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
-                                                "row_tile": ROW_TILES}
+                                                "row_tile": ROW_TILES, "split_k": SPLIT_KS}
 
 
 @triton.jit
@@ -63,11 +65,12 @@ def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
 
 @triton.jit
 def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr,
-              KC, cols, cols2, row_offs, row_ok, col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES: tl.constexpr,
+              KC, cols, cols2, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps, HAS_RES: tl.constexpr,
               DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """-> (acc over W rows `cols`, acc over W rows `cols2` when PAIR: a second W row set fed by the same normalised
-    tile). bf16 W: read through w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays."""
+    tile), over K range [k_lo, k_hi) (the statistic always over all of K; h_owner stores h). bf16 W: read through
+    w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays."""
     dtype = x_ptr.dtype.element_ty
     # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -76,7 +79,7 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
         xm = row_ok[:, None] & (kk < K)[None, :]
         h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
         if HAS_RES:
-            tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & (pid_n == 0))
+            tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & h_owner)
         hf = h.to(tl.float32)
         sq += hf * hf
     if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout
@@ -93,7 +96,7 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
             lo_cols2, code_cols2, tab_base2, esc_next2 = w12_cols(rowtab_ptr, rowesc_ptr, cols2, col_ok2, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
         xm = row_ok[:, None] & k_ok[None, :]
@@ -151,17 +154,20 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, pos_ptr, slot_p
 
 @triton.jit(do_not_specialize=["T"])
 def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC,
-                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr,
-                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, eps,
+                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr,
+                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 16):
+                           SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 16):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    tiles = num_m * tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_k = pid // tiles  # split-K run (gemm.split_k_combine; 0 without split-K)
+    pid_m = tile % num_m
+    pid_n = tile // num_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < T
@@ -185,10 +191,14 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
             last2 = 2 * N - 1 if EPI == EPI_GLU else N - 1
             prefetch_rows(w_ptr + tl.minimum(cols2, last2).to(tl.int64) * K, K, PDL, PF_LINES)
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
+    k_lo = pid_k * K_SPLIT
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
                           code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
-                          col_ok, col_ok2, ks, pid_n, K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M,
-                          BLOCK_N, BLOCK_K)
+                          col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), K,
+                          eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI != EPI_STORE, BLOCK_M,
+                                      BLOCK_N)
+    row_ok = row_ok & last  # only the tile's last split-K program stores (all of them without split-K)
     if EPI == EPI_GLU:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], silu_mul(acc.to(dtype), acc2.to(dtype)),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -240,11 +250,11 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
-                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M) -> tuple:
+                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
-                        row_tile=row_tile)
+                        row_tile=row_tile, split_k=split_k)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -252,6 +262,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
         raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
     check_tensor("norm_w", norm_w, (K,), dt, dev)
     w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
+    check_split(split_k, w12)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     if residual is not None:
@@ -263,15 +274,18 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     return T, K, rows // w_rows_per_out, residual_out, w_args, w12
 
 
-def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int,
-                      row_tile: int = BLOCK_M) -> tuple[int, int, tuple]:
-    """(block_n, num_stages, grid) of a norm + projection launch with n output columns."""
+def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
+                      split_k: int = 1, pair: bool = False) -> tuple[int, int, tuple, tuple]:
+    """(block_n, num_stages, grid, split-K kernel arguments) of a norm + projection launch with n output columns
+    (pair: two W row sets per column, whose partials split-K keeps too)."""
     T = x.shape[0]
     bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size()) \
         if block_n is None else block_n
     stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k, row_tile=row_tile) \
         if num_stages is None else num_stages
-    return bn, stages, (triton.cdiv(T, row_tile) * triton.cdiv(n, bn),)
+    tiles = triton.cdiv(T, row_tile) * triton.cdiv(n, bn)
+    ws, counters, per_split = split_k_args(x.device, split_k, x.shape[1], block_k, tiles, row_tile, bn, pair)
+    return bn, stages, (tiles * split_k,), (ws, counters, per_split)
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
@@ -279,7 +293,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                   argmax: bool = False, store_y: bool = True):
+                   argmax: bool = False, store_y: bool = True, split_k: int = 1):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
@@ -288,7 +302,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     column of each row's maximum of y, found in the epilogue (the logits need not be written and re-read).
     """
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
-                                                           num_warps, num_stages, block_k, row_tile=row_tile)
+                                                           num_warps, num_stages, block_k, row_tile=row_tile,
+                                                           split_k=split_k)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
@@ -298,16 +313,17 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     if (argmax and residual is not None) or not (store_y or argmax):
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
-    bn, stages, grid = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile)
+    bn, stages, grid, split = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
     has_res = residual is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1,), dtype=torch.float32, device=dev)
     pidx = torch.empty((T, tiles) if argmax else (1,), dtype=torch.int32, device=dev)
     _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, *w_args, x if bias is None else bias, out,
-                                 residual_out if has_res else out, pmax, pidx, *_NO_ROPE(x), T, N, K, float(eps),
+                                 residual_out if has_res else out, pmax, pidx, split[0], split[1], *_NO_ROPE(x), T, N,
+                                 K, split[2], float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
-                                 BLOCK_N=bn, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
+                                 BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=stages,
                                  **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
