@@ -80,27 +80,30 @@ def attention_table(shape, split_keys: int, block_n: int) -> tuple[tuple[str, st
     return ((table_key("attention", shape.q_dim, shape.kv_dim, 1), p),)
 
 
-def row_tile_table(shape, row_tile: int) -> tuple[tuple[str, str], ...]:
-    """Kernel-table entries putting every projection on `row_tile`-row tiles (its default block_n) at every T."""
+def row_tile_table(shape, row_tile: int, split_k: int = 1) -> tuple[tuple[str, str], ...]:
+    """Kernel-table entries putting every projection on `row_tile`-row tiles (its default block_n) and `split_k`
+    K runs at every T."""
     from specpilot.stages.kernel_specs import projection_table
-    return () if row_tile == 16 else projection_table(shape, row_tile=row_tile)
+    return () if (row_tile, split_k) == (16, 1) else projection_table(shape, row_tile=row_tile, split_k=split_k)
 
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
-                  row_tile: int = 16, weight_format: str = "native", pdl: str = "") -> dict:
+                  row_tile: int = 16, weight_format: str = "native", pdl: str = "", split_k: int = 1) -> dict:
     """One engine's numbers; pdl = MODE[:PREFETCH_MIB] names the kernels.pdl.GridDependency its graphs are captured
     with and the largest weight matrix its launches prefetch ("": the defaults)."""
     from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, grid_dependency
     if pdl:
         mode, _, mib = pdl.partition(":")
         with grid_dependency(GridDependency[mode.upper()], int(mib) << 20 if mib else PREFETCH_MAX_BYTES):
-            return {**profile_shape(name, tokens, backend, attn, kernels, row_tile, weight_format), "pdl": pdl}
+            return {**profile_shape(name, tokens, backend, attn, kernels, row_tile, weight_format, split_k=split_k),
+                    "pdl": pdl}
     shape = SHAPES[name]
     torch.manual_seed(0)
     model = random_model(shape, torch.bfloat16, "cuda", seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = torch.randint(3, shape.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
-    table = (attention_table(shape, *map(int, attn.split(":"))) if attn else ()) + row_tile_table(shape, row_tile)
+    table = (attention_table(shape, *map(int, attn.split(":"))) if attn else ()) + row_tile_table(shape, row_tile,
+                                                                                                   split_k)
     eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
                                     kernel_table=table, weight_format=weight_format), model, frozenset(), "cuda")
     eng.generate(prompt, tokens)  # same request size: the same graphs as the timed run
@@ -108,7 +111,8 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
     r = eng.generate(prompt, tokens)
     e2e_ms = 1e3 * r.decode_s / tokens
     runner = eng.target
-    out = {"shape": name, "backend": backend, "attn": attn, "row_tile": row_tile, "weight_bytes": weight_bytes,
+    out = {"shape": name, "backend": backend, "attn": attn, "row_tile": row_tile, "split_k": split_k,
+           "weight_bytes": weight_bytes,
            "weight_format": weight_format, "e2e_ar_ms": e2e_ms, "tokens": r.tokens}
     for width in (1, 2, 4, 8, 16):
         n = width
@@ -136,6 +140,7 @@ def main() -> None:
                                                               "its AR tokens must equal native's)")
     ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB] variants after the default, e.g. "
                                                           "off,wait_then_trigger:1024 (graph times only)")
+    ap.add_argument("--split-k", default="", help="split-K factors of every projection to compare, e.g. 2,4")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
@@ -156,6 +161,8 @@ def main() -> None:
                          for w in a.weight_formats.split(",") if w != "native"]
             variants += [profile_shape(name, a.tokens, backend, kernels=False, pdl=m)
                          for m in filter(None, a.grid_dependency.split(","))]
+            variants += [profile_shape(name, a.tokens, backend, kernels=False, split_k=int(sk))
+                         for sk in filter(None, a.split_k.split(","))]
             for v in variants:
                 v["equal_to_native"] = v["tokens"] == r["tokens"]
             for v in variants[1:len(tiles)]:
@@ -167,12 +174,12 @@ def main() -> None:
                 res["runs"].append(v)
             json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
     print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
-    print("| shape | backend | weights | rows | attn split:block | PDL | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
+    print("| shape | backend | weights | rows | split-K | attn split:block | PDL | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
           "floor ms | tokens = native |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
-        print(f"| {r['shape']} | {r['backend']} | {r['weight_format']} | {r.get('row_tile', 16)} | "
+        print(f"| {r['shape']} | {r['backend']} | {r['weight_format']} | {r.get('row_tile', 16)} | {r['split_k']} | "
               f"{r['attn'] or 'default'} | {r.get('pdl') or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
               + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} | {'yes' if r['equal_to_native'] else 'NO'} |")
 

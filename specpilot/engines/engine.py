@@ -73,6 +73,9 @@ class SpecEngine:
         capture_all = getattr(self.target, "capture_all", None)
         if capture_all is not None:
             capture_all(decode_steps=self.ar_steps if self.ar_steps > 1 else 0)
+        capture_drafter = getattr(self.drafter, "capture_all", None)  # graph-captured drafters (block drafter)
+        if capture_drafter is not None:
+            capture_drafter()
 
     def generate(self, prompt: list[int], max_new_tokens: int, request_id: str = "") -> GenerationResult:
         if max_new_tokens < 1:

@@ -107,6 +107,8 @@ class TwoLevelDrafter:
         self.inner, self.level_one = inner, level_one
         if hasattr(inner, "observe"):  # the engine feeds target features only to drafters that observe
             self.observe = inner.observe
+        if hasattr(inner, "capture_all"):  # and captures the graphs of drafters that have them
+            self.capture_all = inner.capture_all
 
     def reset(self) -> None:
         self.inner.reset()

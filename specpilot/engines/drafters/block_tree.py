@@ -6,6 +6,9 @@ The engine feeds features through `observe(start, features)`: all prompt tokens 
 and accepted nodes after each verify (positions start, start+1, ...). Each call truncates the cache at
 `start` (dropping anything a rejected path left) and appends, so the cache always holds one projected
 key/value per committed token except the pending last one, which enters the block as its first slot.
+With CUDA graphs both calls are replays: the draft step one graph, an observe of n <= block_size tokens one
+graph per n (same shapes as the eager call, so the same kernels); longer observes (the prompt) run eagerly.
+The forward itself is block_step.BlockStep.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.llama import LlamaModel
 from specpilot.kernels._common import capture_graph
 
@@ -57,12 +61,14 @@ class TreeShape:
 
 
 @dataclass
-class DraftGraph:
+class DrafterGraph:
+    """A captured drafter call: it copies its pinned host ints in (and, for the draft, its top-k out) itself."""
     graph: "torch.cuda.CUDAGraph"
-    host_in: torch.Tensor  # pinned (pending token, position)
-    host_tokens: torch.Tensor  # pinned [B - 1, k]
-    host_probs: torch.Tensor
-    done: "torch.cuda.Event"
+    host_in: torch.Tensor  # pinned: (pending token, position) for the draft; (first position,) for observe
+    staged: "torch.cuda.Event"  # recorded after each replay: the host may refill host_in once it has passed
+    inputs: torch.Tensor | None = None  # observe: the static features buffer [n, feature_dim]
+    host_tokens: torch.Tensor | None = None  # draft: pinned [B - 1, k]
+    host_probs: torch.Tensor | None = None
     keep: tuple = ()  # device buffers the graph reads: they must live as long as it
 
 
@@ -76,20 +82,15 @@ class BlockTreeDrafter:
         self.device = torch.device(device)
         dtype = target.embed_tokens.weight.dtype
         # A private copy at the target's dtype: the caller's model (a trainer's float32 one) stays untouched.
-        self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        self.model.inv_freq = self.model._inv_freq().to(self.device)  # rotary frequencies stay float32
-        self.embed, self.head = target.embed_tokens.weight, lm_head_weight(target)
+        runtime = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        runtime.inv_freq = runtime._inv_freq().to(self.device)  # rotary frequencies stay float32
         self.shape, self.capture = shape, c.target_layers
         self.capacity = max_len
-        # [layers, k/v, kv_heads, slots, head_dim]: projected context, rotated to each slot's position.
-        self.cache = torch.zeros(c.layers, 2, c.kv_heads, max_len, c.head_dim, dtype=dtype, device=self.device)
         self.topk = min(c.vocab, max(shape.width, TRACE_TOPK))
-        # Fixed shapes for every step (the whole cache, keys at or past the pending position masked): one CUDA
-        # graph serves all steps, and no attention backend meets a new key length each step.
-        self._key_ids = torch.arange(max_len, device=self.device)
-        self._slot_ids = torch.arange(shape.block_size, device=self.device)
-        self._block_ok = torch.ones(shape.block_size, shape.block_size, dtype=torch.bool, device=self.device)
-        self._graph: DraftGraph | None = None
+        self.step = BlockStep(runtime, target.embed_tokens.weight, lm_head_weight(target), max_len,
+                              shape.block_size, self.topk)
+        self._graph: DrafterGraph | None = None
+        self._observe_graphs: dict[int, DrafterGraph] = {}  # per observed count n <= block_size
         self.use_graph = cuda_graphs and self.device.type == "cuda"
         self.reset()
 
@@ -104,10 +105,17 @@ class BlockTreeDrafter:
             raise RuntimeError(f"block drafter: features for positions {self.n_ctx}..{start - 1} were never observed")
         if start + n > self.capacity:
             raise ValueError(f"block drafter: context of {start + n} tokens exceeds its cache ({self.capacity})")
-        pos = torch.arange(start, start + n, device=self.device)[None]
-        for i, (k, v) in enumerate(self.model.context_kv(features.to(self.device)[None], pos)):
-            self.cache[i, 0, :, start:start + n] = k[0]
-            self.cache[i, 1, :, start:start + n] = v[0]
+        if self.use_graph and n <= self.shape.block_size:  # after each verify: one replay, not ~50 launches
+            g = self._observe_graphs.get(n)
+            if g is None:  # capture with the real inputs: warm-up and capture write exactly this call's values
+                g = self._observe_graphs[n] = self._capture_observe(n, start, features)
+            g.staged.synchronize()
+            g.inputs.copy_(features)
+            g.host_in[0] = start
+            g.graph.replay()
+            g.staged.record()
+        else:
+            self.step.project(features.to(self.device), torch.arange(start, start + n, device=self.device))
         self.n_ctx = start + n
 
     @torch.no_grad()
@@ -117,33 +125,53 @@ class BlockTreeDrafter:
             raise RuntimeError(f"block drafter: has features for {self.n_ctx} tokens but the pending token sits at "
                                f"position {position} (the engine must call observe after prefill and each verify)")
         if self.use_graph:
-            g = self._graph or self._capture()
+            g = self._graph or self._capture_draft()
             g.host_in[0], g.host_in[1] = pending, position
             g.graph.replay()
-            g.done.record()
-            g.done.synchronize()  # the step's one host sync
+            g.staged.record()
+            g.staged.synchronize()  # the step's one host sync
             tokens, probs = g.host_tokens, g.host_probs
         else:
-            tokens, probs = self._draft(torch.tensor([pending, position], device=self.device))
+            tokens, probs = self.step.draft(torch.tensor([pending, position], device=self.device))
         return tokens[:depth].tolist(), probs[:depth].tolist()
 
-    def _draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k] of the
-        block slots after the pending one. Reads the whole cache with a mask, so every step has the same shapes."""
-        width = self.shape.block_size
-        x = self.model.block_inputs(self.embed[ints[:1]], width)  # [1, B, H]
-        pos = (ints[1] + self._slot_ids)[None]
-        ctx_ok = (self._key_ids < ints[1]).expand(width, -1)
-        mask = torch.cat([ctx_ok, self._block_ok], dim=1)[None]  # block slots see each other (non-causal)
-        ctx = [(self.cache[i, 0, None], self.cache[i, 1, None]) for i in range(len(self.model.layers))]
-        hidden = self.model(x, pos, ctx, mask)[0, 1:]
-        logp = torch.log_softmax(self.model.logits(hidden, self.head).float(), dim=-1)
-        top = torch.topk(logp, self.topk, dim=-1)
-        return top.indices, top.values.exp()
+    @torch.no_grad()
+    def capture_all(self) -> int:
+        """Captures the draft graph and the observe graph of every count 1..block_size, so no capture lands in a
+        timed generation. The observe captures write cache slots 0..n-1 from zero features: restored afterwards."""
+        if not self.use_graph:
+            return 0
+        saved = self.step.cache.clone()
+        todo = [n for n in range(1, self.shape.block_size + 1) if n not in self._observe_graphs]
+        zeros = torch.zeros(self.shape.block_size, self.step.config.feature_dim, dtype=self.step.cache.dtype,
+                            device=self.device)
+        for n in todo:
+            self._observe_graphs[n] = self._capture_observe(n, 0, zeros[:n])
+        captured = len(todo) + (self._graph is None)
+        if self._graph is None:
+            self._capture_draft()
+        torch.cuda.synchronize(self.device)
+        self.step.cache.copy_(saved)
+        return captured
 
-    def _capture(self) -> "DraftGraph":
+    def _capture_observe(self, n: int, start: int, features: torch.Tensor) -> DrafterGraph:
+        ints = torch.zeros(1, dtype=torch.long, device=self.device)
+        offsets = torch.arange(n, device=self.device)
+        inputs = features.to(device=self.device, dtype=self.step.cache.dtype).clone()
+        host_in = torch.tensor([start], dtype=torch.long).pin_memory()
+
+        def body():
+            ints.copy_(host_in, non_blocking=True)
+            self.step.project(inputs, ints + offsets)
+        graph, _ = capture_graph(body)
+        torch.cuda.synchronize(self.device)
+        g = DrafterGraph(graph, host_in, torch.cuda.Event(), inputs=inputs, keep=(ints, offsets))
+        g.staged.record()
+        return g
+
+    def _capture_draft(self) -> DrafterGraph:
         """The drafting step as one CUDA graph: it copies (pending, position) in from pinned memory and the top-k
-        out to pinned memory itself. It only reads the drafter cache, so warm-up and capture disturb nothing."""
+        out to pinned memory itself. It writes only the cache's block tail, so warm-up and capture disturb nothing."""
         ints = torch.zeros(2, dtype=torch.long, device=self.device)
         host_in = torch.zeros(2, dtype=torch.long).pin_memory()
         n = self.shape.block_size - 1
@@ -152,12 +180,13 @@ class BlockTreeDrafter:
 
         def body():
             ints.copy_(host_in, non_blocking=True)
-            tokens, probs = self._draft(ints)
+            tokens, probs = self.step.draft(ints)
             host_tokens.copy_(tokens, non_blocking=True)
             host_probs.copy_(probs, non_blocking=True)
         graph, _ = capture_graph(body)
         torch.cuda.synchronize(self.device)
-        self._graph = DraftGraph(graph, host_in, host_tokens, host_probs, torch.cuda.Event(), keep=(ints,))
+        self._graph = DrafterGraph(graph, host_in, torch.cuda.Event(), host_tokens=host_tokens, host_probs=host_probs,
+                                keep=(ints,))
         return self._graph
 
     def propose(self, context: list[int], max_depth: int) -> DraftTree:
