@@ -13,7 +13,6 @@ until the full verify rewrites them, so it cannot leak into the committed contex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 

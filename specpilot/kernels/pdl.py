@@ -32,16 +32,19 @@ class GridDependency(enum.IntEnum):
     WAIT_THEN_TRIGGER = 1  # wait for the predecessor, then let the successor launch: two kernels in flight
 
 
-# Weights a launch prefetches before its wait only when the whole matrix fits this (L2 is 50 MB on an H200): a
-# larger one is streamed anyway, and prefetching every program's rows read them twice (Llama-3-8B: 6.78 ms a step
-# with every matrix prefetched vs 5.17 without PDL).
+# PDL only for launches whose weight matrix fits this (L2 is 50 MB on an H200), prefetched before their wait; a
+# launch reading a larger one runs in plain stream order. H200, the whole step: SmolLM2-135M (every matrix small
+# but the LM head) 0.79-0.82 ms with PDL vs 1.05-1.07 without; Llama-3-8B (every matrix large) 6.78 ms with PDL and
+# every matrix prefetched, 6.40-6.47 with PDL and none prefetched, 5.15-5.25 without PDL: the bandwidth-bound
+# multi-wave GEMMs lose from overlap, the launch-bound small ones gain.
 PREFETCH_MAX_BYTES = 16 << 20
 _state = {"mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": PREFETCH_MAX_BYTES}
 
 
 @contextlib.contextmanager
 def grid_dependency(mode: GridDependency, prefetch_max_bytes: int = PREFETCH_MAX_BYTES):
-    """Launches (and graph captures) inside the block use `mode` on GPUs that support it."""
+    """Launches (and graph captures) inside the block use `mode` on GPUs that support it, for weight matrices up to
+    prefetch_max_bytes."""
     if not isinstance(mode, GridDependency):
         raise ValueError(f"mode must be a GridDependency, got {mode!r}")
     if isinstance(prefetch_max_bytes, bool) or not isinstance(prefetch_max_bytes, int) or prefetch_max_bytes < 0:
@@ -61,14 +64,14 @@ def _supports_pdl(device_index: int) -> bool:
 
 def pdl_launch(device: torch.device, weight_rows: int = 0, k: int = 0, elem_size: int = 2) -> dict:
     """Launch keywords of a PDL-aware kernel on `device`: its PDL constexpr, the launch attribute when on, and for
-    a kernel reading a weight matrix ([weight_rows, k] elements of elem_size bytes) its PF_LINES. CPU tensors (the
-    interpreter) and GPUs before sm_90 get OFF."""
+    a kernel reading a weight matrix ([weight_rows, k] elements of elem_size bytes) its PF_LINES; a matrix over the
+    prefetch budget turns PDL off for that launch. CPU tensors (the interpreter) and GPUs before sm_90 get OFF."""
     mode = _state["mode"]
-    on = mode is not GridDependency.OFF and device.type == "cuda" and _supports_pdl(device.index or 0)
+    small = weight_rows * k * elem_size <= _state["prefetch_max_bytes"]
+    on = small and mode is not GridDependency.OFF and device.type == "cuda" and _supports_pdl(device.index or 0)
     kw = {"PDL": int(mode), "launch_pdl": True} if on else {"PDL": 0}
     if weight_rows:
-        kw["PF_LINES"] = prefetch_lines(k, elem_size) if weight_rows * k * elem_size <= _state[
-            "prefetch_max_bytes"] else 0
+        kw["PF_LINES"] = prefetch_lines(k, elem_size) if small else 0
     return kw
 
 

@@ -138,7 +138,11 @@ class BlockStep:
         rotate(qk, cos, sin)
         cache[0, :, self.capacity:] = qk[:, qh:].transpose(0, 1)
         cache[1, :, self.capacity:] = v.transpose(0, 1)
+        keys, values = cache[0], cache[1]
+        if qh != c.kv_heads:  # GQA spelled out: with enable_gqa and a mask, an H200 ran SDPA's fp32 math fallback
+            # (cuBLAS batched GEMVs, ~107 us a layer over 4112 keys); the copies cost a few us
+            keys, values = (t.repeat_interleave(qh // c.kv_heads, dim=0) for t in (keys, values))
         with sdpa_kernel(VARYING_LENGTH_SDPA):
-            o = F.scaled_dot_product_attention(qk[None, :, :qh].transpose(1, 2), cache[None, 0], cache[None, 1],
-                                               attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qk[None, :, :qh].transpose(1, 2), keys[None], values[None],
+                                               attn_mask=mask)
         return linear(o[0].transpose(0, 1).reshape(width, -1), a.o_proj)
