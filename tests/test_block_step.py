@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,3 +116,22 @@ def test_one_drafting_step_launches_a_pinned_number_of_ops(verify, monkeypatch):
     assert all(ops == DRAFT_OPS for ops in seen["draft"]), seen["draft"][0]
     assert all(ops == PROJECT_OPS for ops in seen["project"]), seen["project"][0]
     assert sum(DRAFT_OPS.values()) == 112 and sum(PROJECT_OPS.values()) == 34
+
+
+def test_triton_attention_step_matches_the_sdpa_step():
+    """On CUDA the draft's attention is the engine's Triton kernel (block keys at their own positions): other bits
+    than SDPA's, the same distributions up to rounding. Run here under the interpreter on a float32 drafter."""
+    target = tiny_model("gqa", 3, torch.float32)
+    model = drafter_for(target, 3, 8).eval()
+    head = target.lm_head.weight if target.lm_head is not None else target.embed_tokens.weight
+    steps = [BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=t) for t in (False, True)]
+    g = torch.Generator().manual_seed(3)
+    features = torch.randn(20, model.config.feature_dim, generator=g)
+    for s in steps:
+        s.project(features, torch.arange(20))
+    ints = torch.tensor([7, 20])
+    (tok_a, p_a), (tok_b, p_b) = (s.draft(ints) for s in steps)
+    torch.testing.assert_close(p_b, p_a, atol=1e-4, rtol=1e-3)
+    assert torch.equal(tok_a[:, 0], tok_b[:, 0])
+    # the Triton path wrote the block's keys at positions 20..27, past the context, which stays untouched
+    assert torch.equal(steps[1].cache[:, :, :, :20], steps[0].cache[:, :, :, :20])
