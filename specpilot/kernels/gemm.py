@@ -115,7 +115,9 @@ def split_k_args(device: torch.device, split_k: int, k: int, block_k: int, tiles
     return ws, _counters(device), per_split
 
 
-SPLIT_COUNTERS = 1 << 18  # arrival counters per device, shared by every split-K launch (each leaves them at 0)
+# Arrival counters per device, shared by every split-K launch: each leaves them at 0, and launches on one stream
+# never overlap on them (a PDL launch touches them only after its wait). Concurrent streams must not split-K.
+SPLIT_COUNTERS = 1 << 18
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
