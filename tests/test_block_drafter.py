@@ -203,6 +203,28 @@ def test_training_against_the_clock_stops_in_time_and_decays_over_it():
         TrainConfig(deadline_s=0)
 
 
+def test_training_keeps_the_state_with_the_best_held_out_acceptance():
+    """fit(held=...) scores held-out data every eval_every steps and at the end, and leaves the model in the best
+    scoring state: re-scoring the returned model gives the kept step's number."""
+    from specpilot.drafting.evaluate import teacher_forced
+    model = damped("gqa", 7)
+    c = TrainConfig(**{**QUICK, "steps": 40, "eval_every": 10, "seed": 7})
+    drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), c)
+    data = generate(model, [prompt(model.shape.vocab, 8, 700 + i) for i in range(16)], 24,
+                    drafter.config.target_layers, NO_EOS)
+    held = generate(model, [prompt(model.shape.vocab, 8, 800 + i) for i in range(4)], 24,
+                    drafter.config.target_layers, NO_EOS)
+    curve = fit(drafter, model, data, c, held=held)
+    scored = {r["step"]: r["held_out"]["accepted"] for r in curve if "held_out" in r}
+    assert sorted(scored) == [10, 20, 30, 40]
+    kept = curve[-1]["kept_step"]
+    assert scored[kept] == max(scored.values())
+    again = teacher_forced(drafter, model, held, c.eval_anchors, c.decay, c.seed)["accepted"]
+    assert round(again, 4) == scored[kept]
+    with pytest.raises(ValueError, match="eval_every"):
+        TrainConfig(eval_every=-1)
+
+
 def test_acceptance_reference_and_modes_share_position_ordered_attention(monkeypatch):
     """The AR reference and every mode run position-ordered attention (a bf16 tree is then bit-exact vs AR, not
     only up to near-ties); a knob can still turn it off for all of them together."""

@@ -60,6 +60,9 @@ class TrainConfig:
     eval_tokens: int = 128
     eval_anchors: int = 32
     ckpt_every: int = 1000
+    # Held-out teacher-forced accepted length every this many steps; the best state is the one kept (an H200 run
+    # memorised its data while the held-out numbers stopped improving). 0: never, the last state is kept.
+    eval_every: int = 500
     log_every: int = 10
     seed: int = 0
     device: str = "cpu"
@@ -73,6 +76,8 @@ class TrainConfig:
                      "eval_tokens", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every={self.eval_every}: must be >= 0")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ValueError(f"deadline_s={self.deadline_s}: must be > 0 (or None)")
         if self.block_size < 2:
@@ -139,10 +144,12 @@ def train_autocast(device: str, target_dtype: torch.dtype) -> torch.autocast:
 
 
 def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: TrainConfig,
-        out: Path | None = None, seconds: float | None = None) -> list[dict]:
+        out: Path | None = None, seconds: float | None = None, held: DraftData | None = None) -> list[dict]:
     """The training loop (AdamW, warmup + cosine, gradient clipping, bf16 autocast: train_autocast); returns the loss
     curve. With `out`, writes a checkpoint every cfg.ckpt_every steps under out/checkpoints/. With `seconds`,
-    stops after that long (or cfg.steps), the schedule decaying over the time."""
+    stops after that long (or cfg.steps), the schedule decaying over the time. With `held`, scores the held-out
+    teacher-forced accepted length every cfg.eval_every steps and at the end, and leaves the model in its best
+    state (curve rows with "held_out"; the last row names the step kept)."""
     embed, head = target.embed_tokens.weight, lm_head_weight(target)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -151,11 +158,15 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
     model.train()
     bar = tqdm(range(cfg.steps), desc="train", disable=not cfg.progress, file=sys.stderr)
     start = time.perf_counter()
+    best = _HeldOutBest(model, target, held, cfg) if held is not None and cfg.eval_every else None
+    trained = 0  # steps taken
     for step in bar:
         done = None if seconds is None else (time.perf_counter() - start) / seconds
         if done is not None and done >= 1.0:
             curve.append({"step": step, "stopped": "time budget"})
             break
+        if best is not None and step > 0 and step % cfg.eval_every == 0:
+            curve.append(best.score(step))
         lr = lr_at(step, cfg, done)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -173,8 +184,32 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
             bar.set_postfix(loss=row["loss"], acc_len=row["accepted_tf"])
         if out is not None and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
             save_drafter(model, out / "checkpoints" / f"step-{step + 1:06d}", target, {"step": step + 1})
+        trained = step + 1
     bar.close()
+    if best is not None:
+        curve.append(best.score(trained))
+        curve.append({"kept_step": best.restore()})
     return curve
+
+
+class _HeldOutBest:
+    """The model state with the best held-out teacher-forced accepted length so far (a copy on its device)."""
+
+    def __init__(self, model: BlockDrafterModel, target: LlamaModel, held: DraftData, cfg: TrainConfig):
+        self.model, self.target, self.held, self.cfg = model, target, held, cfg
+        self.best, self.step, self.state = float("-inf"), 0, None
+
+    def score(self, step: int) -> dict:
+        tf = teacher_forced(self.model, self.target, self.held, self.cfg.eval_anchors, self.cfg.decay, self.cfg.seed)
+        if tf["accepted"] > self.best:
+            self.best, self.step = tf["accepted"], step
+            self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return {"step": step, "held_out": {"loss": round(tf["loss"], 5), "accepted": round(tf["accepted"], 4)}}
+
+    def restore(self) -> int:
+        if self.state is not None:
+            self.model.load_state_dict(self.state)
+        return self.step
 
 
 def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | None = None) -> TrainResult:
@@ -191,12 +226,15 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     seconds = None
     if cfg.deadline_s is not None:  # leave the final evaluation (as long as the first, plus margin) and the save
         seconds = max(1.0, cfg.deadline_s - (t1 - t0) - 1.5 * t_eval - 20.0)
-    curve = fit(model, bundle.model, data, cfg, out, seconds)
+    curve = fit(model, bundle.model, data, cfg, out, seconds, held)
     t_train = time.perf_counter() - t1
     model.eval()
     after = evaluate_all(model, bundle, cfg, held, prompts)
     report = {"target": bundle.name, "config": _jsonable(asdict(cfg)), "drafter": model.config.to_dict(),
-              "data": provenance, "loss_curve": curve, "untrained": before, "trained": after,
+              "data": provenance, "loss_curve": [r for r in curve if "held_out" not in r and "kept_step" not in r],
+              "held_out_curve": [r for r in curve if "held_out" in r],
+              "kept_step": next((r["kept_step"] for r in curve if "kept_step" in r), None),
+              "untrained": before, "trained": after,
               "seconds": {"data": round(t_data, 2), "eval": round(t_eval, 2), "train": round(t_train, 2),
                           "total": round(time.perf_counter() - t0, 2)}}
     result = TrainResult(model, report)
