@@ -225,6 +225,37 @@ def test_training_keeps_the_state_with_the_best_held_out_acceptance():
         TrainConfig(eval_every=-1)
 
 
+def test_chat_free_generations_answer_a_user_turn_the_target_sampled():
+    """With a chat template, free generations are a user turn the target samples inside the template's user slot,
+    closed by the template, then the target's greedy answer; only the answer is a training target."""
+    from transformers import AutoTokenizer
+
+    from specpilot.drafting.sources import chat_frame
+    from specpilot.drafting.train import collect
+    from specpilot.engines.loader import random_model
+    from specpilot.engines.shapes import LlamaShape
+    from specpilot.testbed import fetch_smollm2
+    tok = AutoTokenizer.from_pretrained(str(fetch_smollm2()))
+    head, tail = chat_frame(tok)
+    assert tok.decode(head).endswith("<|im_start|>user\n") and tok.decode(tail) == "<|im_end|>\n<|im_start|>assistant\n"
+    shape = LlamaShape(vocab=49152, hidden=16, layers=1, heads=2, kv_heads=1, head_dim=8, intermediate=32,
+                       rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+    model = random_model(shape, torch.float32, "cpu", seed=9)
+    c = TrainConfig(**{**QUICK, "mbpp_prompts": 4, "free_prompts": 6, "user_tokens": 5, "gen_tokens": 6})
+    data, _, _, provenance = collect(TargetBundle("tiny-chat", model, tok, frozenset({tok.eos_token_id})), c, (0,))
+    assert provenance["free_start"] == "chat-user-turn"
+    # every row is framed by the template; MBPP's user turns are long, the sampled ones at most user_tokens
+    assert all(data.tokens[i, :len(head)].tolist() == list(head) for i in range(len(data)))
+    free = [i for i in range(len(data)) if int(data.prompt_len[i]) <= len(head) + 5 + len(tail)]
+    assert 1 <= len(free) < len(data)
+    for i in free:
+        p = int(data.prompt_len[i])
+        assert data.tokens[i, p - len(tail):p].tolist() == list(tail)  # the turn closed, the answer opened
+        user = data.tokens[i, len(head):p - len(tail)].tolist()
+        assert len(user) >= 1 and tail[0] not in user
+    assert TrainConfig(chat_free=False).chat_free is False
+
+
 def test_acceptance_reference_and_modes_share_position_ordered_attention(monkeypatch):
     """The AR reference and every mode run position-ordered attention (a bf16 tree is then bit-exact vs AR, not
     only up to near-ties); a knob can still turn it off for all of them together."""

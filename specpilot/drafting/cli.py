@@ -17,7 +17,7 @@ from specpilot.engines.config import DType, VerifyMode
 # Every TrainConfig field the command line can set (as --kebab-case), besides --lr and --target-layers.
 _INT_KNOBS = ("steps", "block_size", "layers", "intermediate", "batch_seqs", "anchors", "mbpp_prompts",
               "free_prompts", "free_sampled", "gen_tokens", "gen_batch", "held_out", "eval_tokens", "ckpt_every",
-              "warmup", "seed", "eval_every")
+              "warmup", "seed", "eval_every", "user_tokens")
 
 
 def _dtype(args: argparse.Namespace) -> DType:
@@ -39,6 +39,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated target layers the drafter reads (default: 3 spread layers)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="wall budget of the whole run: training stops in time to evaluate and save")
+    p.add_argument("--no-chat-free", dest="chat_free", action="store_false",
+                   help="free generations from BOS, not a sampled user turn answered through the chat template")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -47,7 +49,7 @@ def run_train(args: argparse.Namespace) -> int:
     from specpilot.drafting.train import TrainConfig, train_drafter
 
     bundle = load_target(args.target, args.device, _dtype(args))
-    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s")}
+    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s", "chat_free")}
     cfg = replace(TrainConfig(), **knobs, device=args.device, progress=not args.no_progress)
     result = train_drafter(bundle, cfg, args.out)
     base = {r["mode"]: r for r in result.report["untrained"]["engine"]}

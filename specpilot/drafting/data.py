@@ -116,6 +116,39 @@ def generate(model: LlamaModel, prompts: list[list[int]], new_tokens: int, captu
     return _assemble(prompts, gen.cpu().tolist(), features, pad.cpu().tolist(), sampled, eos, store)
 
 
+@torch.no_grad()
+def sample_turns(model: LlamaModel, prefix: list[int], count: int, max_tokens: int, stop: frozenset[int],
+                 seed: int = 0, batch: int = 1024, temperature: float = 1.0) -> list[list[int]]:
+    """`count` texts the target samples after `prefix` (e.g. a chat template's user slot), each cut before its
+    first `stop` token (or at max_tokens); the ones that stop at once are dropped."""
+    dev = model.embed_tokens.weight.device
+    sh, out = model.shape, []
+    slots = len(prefix) + max_tokens
+    for b, s in enumerate(range(0, count, batch)):
+        n = min(batch, count - s)
+        ids = torch.tensor([prefix] * n, device=dev)
+        positions = torch.arange(slots, device=dev).expand(n, -1)
+        kv = torch.zeros(sh.layers, 2, n, sh.kv_heads, slots, sh.head_dim, dtype=model.embed_tokens.weight.dtype,
+                         device=dev)
+        p = len(prefix)
+        visible = torch.tril(torch.ones(p, p, dtype=torch.bool, device=dev)).expand(n, -1, -1)
+        logits, _ = _forward(model, ids, positions[:, :p], kv, 0, visible, (0,))
+        g = torch.Generator(device=dev).manual_seed(seed + b)
+        toks = []
+        for t in range(max_tokens):
+            tok = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=g)[:, 0]
+            toks.append(tok)
+            if t + 1 < max_tokens:
+                at = p + t
+                logits, _ = _forward(model, tok[:, None], positions[:, at:at + 1], kv, at,
+                                     torch.ones(n, 1, at + 1, dtype=torch.bool, device=dev), (0,))
+        for row in torch.stack(toks, dim=1).cpu().tolist():
+            end = next((j for j, tk in enumerate(row) if tk in stop), len(row))
+            if end > 0:
+                out.append(row[:end])
+    return out
+
+
 def _assemble(prompts, gen, features, pad, sampled, eos, store) -> DraftData:
     seqs, rows, plens = [], [], []
     for i, (p, g) in enumerate(zip(prompts, gen)):

@@ -2,9 +2,11 @@
 free generation. Never test prompts.
 
 MBPP task ids 601-974 are its train split (11-510 test, 511-600 validation, 1-10 few-shot prompts); the
-benchmarks use the test split only, so train prompts can never leak into a measurement. Free generation
-starts from BOS (or, for targets without a tokenizer, a random token) and samples a few tokens before the
-greedy continuation, which gives diverse text in the target's own distribution.
+benchmarks use the test split only, so train prompts can never leak into a measurement. Free generation, with a
+chat template, has the target invent a user turn (sampled inside the template's user slot) and then answer it
+greedily as the assistant: the kind of text the benchmarks, which prompt through the template, make it write.
+Without a template it starts from BOS (or, for targets without a tokenizer, a random token) and samples a few
+tokens before the greedy continuation. Either way: diverse text in the target's own distribution.
 """
 from __future__ import annotations
 
@@ -88,15 +90,32 @@ class PromptSet:
     each free-generation prompt are sampled rather than greedy."""
 
     train: tuple[tuple[int, ...], ...]
-    free: tuple[tuple[int, ...], ...]  # free-generation starts (BOS or a random token)
+    free: tuple[tuple[int, ...], ...]  # free-generation starts: the chat frame's prefix, BOS or a random token
     held_out: tuple[tuple[int, ...], ...]
     sources: dict[str, Any]
+    user_turn_end: tuple[int, ...] = ()  # chat frame: ids closing a sampled user turn and opening the answer
+
+
+def chat_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(ids up to a user turn's text, ids from its end through the assistant's generation prompt) of the chat
+    template, or None without one. The turn's end token is the first id of the second part."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    mark = "\u2063SPLIT\u2063"  # invisible separators: no template rewrites them
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                         tokenize=False)
+    head, sep, tail = text.partition(mark)
+    if not sep:
+        raise ValueError("the chat template does not render the user message verbatim")
+    encode = lambda t: tuple(tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
+    return encode(head), encode(tail)
 
 
 def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_out: int, seed: int,
-                  random_len: int = 8, directory: str | Path | None = None) -> PromptSet:
+                  random_len: int = 8, directory: str | Path | None = None, chat: bool = True) -> PromptSet:
     """MBPP train prompts (when the target has a tokenizer) else random token prefixes, shuffled with `seed`;
-    the last `held_out` of them are kept aside. Plus `free` free-generation starts."""
+    the last `held_out` of them are kept aside. Plus `free` free-generation starts: the chat frame's (chat=True and
+    a template) or BOS / a random token."""
     rng = random.Random(seed)
     if tokenizer is not None and mbpp > 0:
         texts = mbpp_train_texts(directory)
@@ -111,7 +130,12 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
         source = {"kind": "random-prefixes", "count": n, "length": random_len}
     if len(prompts) <= held_out:
         raise ValueError(f"{len(prompts)} prompts cannot leave {held_out} held out and still train")
+    frame = chat_frame(tokenizer) if chat else None
+    train, held = tuple(prompts[:len(prompts) - held_out]), tuple(prompts[len(prompts) - held_out:])
+    if frame is not None:
+        return PromptSet(train, (frame[0],) * free, held, {**source, "free_generations": free,
+                                                            "free_start": "chat-user-turn"}, frame[1])
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     starts = tuple((bos,) if bos is not None else (rng.randrange(3, vocab),) for _ in range(free))
-    return PromptSet(tuple(prompts[:len(prompts) - held_out]), starts, tuple(prompts[len(prompts) - held_out:]),
+    return PromptSet(train, starts, held,
                      {**source, "free_generations": free, "free_start": "bos" if bos is not None else "random-token"})
