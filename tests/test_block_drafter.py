@@ -112,6 +112,9 @@ def test_briefly_trained_drafter_learns(tmp_path):
     assert tf["slot_accuracy"][0] > 0.3 > rep["untrained"]["teacher_forced"]["slot_accuracy"][0]
     assert rep["data"]["kind"] == "random-prefixes" and rep["checkpoint_bytes"] > 0
     assert load_drafter(result.checkpoint, model).config == result.model.config
+    # the checkpoint says what it is: steps taken and the held-out-best step kept (QUICK: eval every 500 > 300)
+    training = json.loads((tmp_path / "out" / "config.json").read_text())["training"]
+    assert training["steps"] == 300 and training["kept_step"] == rep["kept_step"] == 300
 
 
 def _observed(model, drafter, shape: TreeShape, ctx):

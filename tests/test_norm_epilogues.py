@@ -135,3 +135,33 @@ def test_split_k_is_refused_when_it_cannot_run():
     from specpilot.weights.format import encode
     with pytest.raises(ValueError, match="W12"):
         K.linear(x, encode(W), split_k=2)
+
+
+def test_split_k_launches_chunk_long_token_counts_without_changing_a_bit(monkeypatch):
+    """A split-K launch covers at most SPLIT_K_ROWS rows (prefill widths would otherwise need a workspace and
+    counters per row tile): a long T runs in row chunks, and every row equals that row computed alone."""
+    from specpilot.kernels import gemm
+    monkeypatch.setattr(gemm, "SPLIT_K_ROWS", 8)
+    g = torch.Generator().manual_seed(11)
+    T, K_in, heads, kv_heads, hd = 21, 128, 2, 1, 16
+    sk = {"block_n": 16, "block_k": 64, "split_k": 2}
+    x, nw, res = rnd(g, T, K_in), rnd(g, K_in), rnd(g, T, K_in)
+    W = rnd(g, (heads + 2 * kv_heads) * hd, K_in, scale=0.1)
+    cos, sin = (t.to(DEV) for t in K.rope_tables(64, hd, 10000.0))
+    pos, slots = torch.arange(T).to(DEV), torch.arange(T).to(DEV)
+    kc, vc = torch.zeros(kv_heads, 32, hd, dtype=BF, device=DEV), torch.zeros(kv_heads, 32, hd, dtype=BF, device=DEV)
+    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, **sk)
+    act, h = E.rmsnorm_glu(x, nw, W, 1e-5, res, **sk)
+    logits, best = K.rmsnorm_linear(x, nw, W, 1e-5, out_dtype=torch.float32, argmax=True, **sk)
+    o = K.linear(x, W, res[:, :W.shape[0]].contiguous(), **sk)
+    for r in (0, 9, 20):  # first, middle and last chunk
+        kc1, vc1 = torch.zeros_like(kc), torch.zeros_like(vc)
+        q1 = E.rmsnorm_qkv_rope(x[r:r + 1], nw, W, 1e-5, pos[r:r + 1], slots[r:r + 1], cos, sin, kc1, vc1, heads,
+                                kv_heads, **sk)
+        assert torch.equal(q1[0], q[r]) and torch.equal(kc1[:, r], kc[:, r]) and torch.equal(vc1[:, r], vc[:, r])
+        a1, h1 = E.rmsnorm_glu(x[r:r + 1], nw, W, 1e-5, res[r:r + 1], **sk)
+        assert torch.equal(a1[0], act[r]) and torch.equal(h1[0], h[r])
+        l1, b1 = K.rmsnorm_linear(x[r:r + 1], nw, W, 1e-5, out_dtype=torch.float32, argmax=True, **sk)
+        assert torch.equal(l1[0], logits[r]) and int(b1[0]) == int(best[r])
+        assert torch.equal(K.linear(x[r:r + 1], W, res[r:r + 1, :W.shape[0]].contiguous(), **sk)[0], o[r])
+    assert torch.equal(best, logits.argmax(-1))

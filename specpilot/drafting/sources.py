@@ -98,7 +98,8 @@ class PromptSet:
 
 def chat_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(ids up to a user turn's text, ids from its end through the assistant's generation prompt) of the chat
-    template, or None without one. The turn's end token is the first id of the second part."""
+    template, or None without one (or when the turn's end, the first id of the second part, is not a special
+    token)."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         return None
     mark = "\u2063SPLIT\u2063"  # invisible separators: no template rewrites them
@@ -108,7 +109,10 @@ def chat_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None
     if not sep:
         raise ValueError("the chat template does not render the user message verbatim")
     encode = lambda t: tuple(tokenizer.encode(t, add_special_tokens=False))  # noqa: E731
-    return encode(head), encode(tail)
+    head_ids, tail_ids = encode(head), encode(tail)
+    if not tail_ids or tail_ids[0] not in set(getattr(tokenizer, "all_special_ids", ())):
+        return None  # the turn does not end in a special token ([INST]-style templates): no reliable stop to sample to
+    return head_ids, tail_ids
 
 
 def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_out: int, seed: int,

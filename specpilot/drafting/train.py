@@ -250,7 +250,9 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
                           "total": round(time.perf_counter() - t0, 2)}}
     result = TrainResult(model, report)
     if out is not None:
-        result.checkpoint = save_drafter(model, out, bundle.model, {"steps": cfg.steps, "target": bundle.name})
+        trained = max([r["step"] + 1 for r in curve if "loss" in r] + [r["step"] for r in curve if "stopped" in r])
+        meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name}
+        result.checkpoint = save_drafter(model, out, bundle.model, meta)
         report["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
         (out / "report.json").write_text(json.dumps(report, indent=2))
     return result

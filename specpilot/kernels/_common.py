@@ -7,7 +7,8 @@ tokens the call holds or on what the other rows contain. Every kernel here gets 
   never by T; reductions over a tile go through `tl.dot`, whose per-element accumulation order is fixed by
   the instruction and the K loop and so does not depend on num_warps (unlike `tl.sum`, whose tree follows
   the thread layout); `tl.max` is exact in any order;
-- no atomics, no split whose boundaries depend on T.
+- no atomic on a value (split-K counts arrivals; its partials are added in a fixed order), no split whose
+  boundaries depend on T.
 """
 from __future__ import annotations
 

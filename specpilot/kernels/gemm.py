@@ -100,6 +100,17 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
     return acc, acc2, last
 
 
+# A split-K launch covers at most this many token rows (a longer T, e.g. a prefill, is launched in row chunks):
+# workspace and counters stay small. Rows are batch-invariant, so chunking changes no bit.
+SPLIT_K_ROWS = 64
+
+
+def row_chunks(tokens: int, split_k: int) -> list[tuple[int, int]]:
+    """[(first row, end row)] of the launches covering `tokens` rows: one without split-K."""
+    step = tokens if split_k == 1 else SPLIT_K_ROWS
+    return [(r, min(tokens, r + step)) for r in range(0, tokens, step)]
+
+
 def split_k_args(device: torch.device, split_k: int, k: int, block_k: int, tiles: int, block_m: int, block_n: int,
                  pair: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(partials workspace, arrival counters, K elements per split) of a launch with `tiles` output tiles."""
@@ -255,13 +266,16 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
-    tiles = triton.cdiv(T, row_tile) * triton.cdiv(N, bn)
-    ws, counters, per_split = split_k_args(dev, split_k, K, block_k, tiles, row_tile, bn)
-    _linear_kernel[(tiles * split_k,)](x, *w_args, x if bias is None else bias, x if residual is None else residual,
-                         out, ws, counters, T, N, K, per_split, x.shape[1], SWIGLU=swiglu, HAS_BIAS=bias is not None,
-                         HAS_RES=residual is not None, DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile,
-                         BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=stages,
-                         **pdl_launch(dev, N, K, x.element_size()))
+    for r0, r1 in row_chunks(T, split_k):
+        t, res = r1 - r0, x if residual is None else residual[r0:r1]
+        tiles = triton.cdiv(t, row_tile) * triton.cdiv(N, bn)
+        ws, counters, per_split = split_k_args(dev, split_k, K, block_k, tiles, row_tile, bn)
+        _linear_kernel[(tiles * split_k,)](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws,
+                                           counters, t, N, K, per_split, x.shape[1], SWIGLU=swiglu,
+                                           HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                                           DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile, BLOCK_N=bn,
+                                           BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=stages,
+                                           **pdl_launch(dev, N, K, x.element_size()))
     return out
 
 

@@ -67,13 +67,14 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
     out = check_out("out", out, (T, heads, D), dt, dev)
-    bn, stages, grid, split = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
-    _rmsnorm_linear_kernel[grid](x, x, norm_w, *w_args, x, out, out, x, x, *split[:2], positions, slots, cos, sin,
-                                 k_cache, v_cache, S, cos.shape[0], T, N, K, split[2], float(eps), HAS_RES=False,
-                                 HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False,
-                                 EPI=2, H=heads, KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn,
-                                 BLOCK_K=block_k, SPLIT_K=split_k,
-                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
+    for r0, r1, grid, split in launches:
+        _rmsnorm_linear_kernel[grid](x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, *split[:2],
+                                     positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
+                                     r1 - r0, N, K, split[2], float(eps), HAS_RES=False, HAS_BIAS=False,
+                                     DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
+                                     KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
+                                     SPLIT_K=split_k, num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
     return out
 
 
@@ -88,13 +89,13 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                                            row_tile=row_tile, split_k=split_k)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
-    bn, stages, grid, split = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
     has_res = residual is not None
-    _rmsnorm_linear_kernel[grid](x, residual if has_res else x, norm_w, *w_args, x, out,
-                                 residual_out if has_res else out, x, x, *split[:2], x, x, x, x, x, x, 1, 1, T, N, K,
-                                 split[2], float(eps),
-                                 HAS_RES=has_res, HAS_BIAS=False, DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True,
-                                 ARGMAX=False, EPI=1, H=1, KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                 SPLIT_K=split_k,
-                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
+    for r0, r1, grid, split in launches:
+        _rmsnorm_linear_kernel[grid](x[r0:r1], residual[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
+                                     residual_out[r0:r1] if has_res else out, x, x, *split[:2], x, x, x, x, x, x, 1, 1,
+                                     r1 - r0, N, K, split[2], float(eps), HAS_RES=has_res, HAS_BIAS=False,
+                                     DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
+                                     KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
+                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
     return out if residual is None else (out, residual_out)

@@ -78,7 +78,8 @@ class BlockStep:
         # On CUDA attention runs the engine's split-key Triton kernel (kernels.attn): 16 queries over a 4112-slot
         # cache leave SDPA latency-bound on an H200 (fp32 math fallback 107 us a layer, memory-efficient kernel 210
         # us: 9 programs walk every key tile). Other bits than SDPA's: proposals only, verification decides.
-        self.triton_attention = dev.type == "cuda" if triton_attention is None else triton_attention
+        pow2_head = c.head_dim >= 16 and c.head_dim & (c.head_dim - 1) == 0  # what kernels.attention takes
+        self.triton_attention = dev.type == "cuda" and pow2_head if triton_attention is None else triton_attention
         self.block_offsets = torch.arange(block_size, device=dev)
         self.block_visible = torch.ones(block_size, block_size, dtype=torch.bool, device=dev)  # non-causal block
 
