@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy
-from specpilot.engines.runner import ModelRunner, tree_anc
+from specpilot.engines.layout import draft_layout
+from specpilot.engines.runner import ModelRunner
 from specpilot.engines.traces import StepTrace
 
 
@@ -22,18 +23,22 @@ def greedy_accept(block_tokens: list[int], parents: list[int], argmax: list[int]
     block_tokens[0] is the root (last committed token); parents index into the block (parents[0] = -1).
     Children are tried in block order, so among equal-depth candidates the earliest node wins.
     """
-    children: dict[int, list[int]] = {}
+    # One pass in block order: a node's children all follow it, so the first later node that hangs off the current
+    # one and matches its argmax is its earliest matching child (no children lists to build each step).
+    path, node, want = [0], 0, argmax[0]
     for i in range(1, len(parents)):
-        children.setdefault(parents[i], []).append(i)
-    path, node = [0], 0
-    while True:
-        want = argmax[node]
-        nxt = next((c for c in children.get(node, ()) if block_tokens[c] == want), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        node = nxt
-    return Acceptance(path, [block_tokens[i] for i in path[1:]] + [argmax[node]])
+        if parents[i] == node and block_tokens[i] == want:
+            path.append(i)
+            node, want = i, argmax[i]
+    return Acceptance(path, [block_tokens[i] for i in path[1:]] + [want])
+
+
+def _path_rows(features, path: list[int]):
+    """features' rows `path`: a slice when the path is the block's first rows (a chain's accepted prefix), so no
+    index tensor is built and, on CUDA, copied from pageable host memory with a stream sync every step."""
+    if path[-1] == len(path) - 1 and path == list(range(len(path))):
+        return features[:len(path)]
+    return features[path]
 
 
 @dataclass
@@ -121,13 +126,12 @@ class SpecEngine:
             tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()
             tv = time.perf_counter()
             block = [seq[-1]] + tree.tokens
-            parents = [-1] + [p + 1 for p in tree.parents]
-            depths = [0] + tree.depths()
-            result = self.target.verify(base, block, depths, tree_anc(parents))
-            acc = self.policy.accept(block, parents, result.argmax)
+            layout = draft_layout(tuple(tree.parents))  # parents, depths, ancestors: once per tree shape
+            result = self.target.verify(base, block, list(layout.depths), layout.anc)
+            acc = self.policy.accept(block, list(layout.parents), result.argmax)
             self.target.compact(base, acc.path)
             if observe is not None:  # features of the root and the accepted nodes, now at slots base..
-                observe(base, result.features[acc.path])
+                observe(base, _path_rows(result.features, acc.path))
             new, stopped = self.policy.commit(acc.tokens, self.eos, remaining)
             stop = "eos" if stopped else ""
             seq.extend(new)
@@ -137,8 +141,9 @@ class SpecEngine:
             te = time.perf_counter()
             steps.append(StepTrace(
                 request_id=request_id, step=len(steps), position=base + 1, drafted=len(tree),
-                depth=max(depths), accepted=len(acc.path) - 1, committed=len(new), verify_tokens=len(block),
+                depth=layout.max_depth, accepted=len(acc.path) - 1, committed=len(new), verify_tokens=len(block),
                 draft_s=tv - ts, verify_s=te - tv, topk_tokens=tree.topk_tokens, topk_probs=tree.topk_probs))
         for s in steps:  # the target's actual continuation from each step, for exact replay
-            s.target_tokens = out[s.position - len(prompt):][:self.max_depth + 1]
+            start = s.position - len(prompt)
+            s.target_tokens = out[start:start + self.max_depth + 1]  # not out[start:][:k]: O(steps * len(out))
         return GenerationResult(out, stop, t1 - t0, time.perf_counter() - t1, steps)

@@ -15,6 +15,7 @@ import torch
 from specpilot.engines.config import EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_for
 from specpilot.engines.graphs import StepGraph, capture_decode, capture_step
+from specpilot.engines.layout import bucket as _bucket, verify_layout
 from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, visibility_mask
 
 
@@ -145,21 +146,11 @@ class ModelRunner:
         if base + self.block_width > self.view_slots:
             raise ValueError(f"sequence position {base} + block exceeds this request's attention view "
                              f"({self.view_slots} of {self.num_slots} slots; see begin_request)")
-        anc = np.asarray(anc, dtype=bool)
-        if anc.shape != (n, n) or np.triu(anc, 1).any() or not anc.diagonal().all() or \
-                not np.array_equal(anc.sum(1) - 1, np.asarray(depths)):
-            # position_slots reads row i's ancestor at depth e as its (e+1)-th ancestor in block order
-            raise ValueError("anc must be ancestor-or-self of a block whose parents precede their children, "
-                             "with depths[j] = (ancestors of j) - 1")
-        width = self.tile or _bucket(n)
-        padded = -(-n // width) * width
+        lay = verify_layout(n, anc, depths, self.tile, self.block_width)  # validated + padded once per shape
+        width, padded, anc_full = lay.width, lay.padded, lay.anc
         ids = np.zeros(padded, dtype=np.int64)
         ids[:n] = tokens
-        slots = base + np.arange(padded)
-        pos = slots.copy()
-        pos[:n] = base + np.asarray(depths)
-        anc_full = np.eye(padded, self.block_width, dtype=bool)  # pad rows see the context and themselves
-        anc_full[:n, :n] = anc
+        slots, pos = base + lay.slots, base + lay.positions
         if self.use_graphs and padded == width:  # the common case: one replay, its argmax already on the host
             g = self._replay(width, ids, pos, slots, base, anc_full)
             self._fetched.record()
@@ -236,7 +227,7 @@ class ModelRunner:
             d = self.device
             host = [torch.from_numpy(np.ascontiguousarray(a)).to(d) for a in (ids, pos, slots)]
             return self._step_fn(*host, torch.tensor(base, dtype=torch.long, device=d),
-                                 torch.from_numpy(np.ascontiguousarray(anc)).to(d))
+                                 torch.from_numpy(np.array(anc)).to(d))  # a copy: cached layouts are read-only
         return self._replay(width, ids, pos, slots, base, anc).out
 
     def _replay(self, width, ids, pos, slots, base, anc) -> StepGraph:
@@ -293,10 +284,3 @@ class ModelRunner:
 
 
 _ONE = np.ones((1, 1), dtype=bool)
-
-
-def _bucket(n: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return b

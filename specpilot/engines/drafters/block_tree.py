@@ -111,7 +111,7 @@ class BlockTreeDrafter:
                 g = self._observe_graphs[n] = self._capture_observe(n, start, features)
             g.staged.synchronize()
             g.inputs.copy_(features)
-            g.host_in[0] = start
+            g.host_in.numpy()[0] = start  # through numpy: a tensor __setitem__ is a dispatched op (~5 us of host)
             g.graph.replay()
             g.staged.record()
         else:
@@ -126,7 +126,7 @@ class BlockTreeDrafter:
                                f"position {position} (the engine must call observe after prefill and each verify)")
         if self.use_graph:
             g = self._graph or self._capture_draft()
-            g.host_in[0], g.host_in[1] = pending, position
+            g.host_in.numpy()[:] = pending, position  # one numpy write, not two dispatched tensor __setitem__
             g.graph.replay()
             g.staged.record()
             g.staged.synchronize()  # the step's one host sync
