@@ -171,7 +171,10 @@ class BlockTreeDrafter:
 
     def _capture_draft(self) -> DrafterGraph:
         """The drafting step as one CUDA graph: it copies (pending, position) in from pinned memory and the top-k
-        out to pinned memory itself. It writes only the cache's block tail, so warm-up and capture disturb nothing."""
+        out to pinned memory itself. A draft writes the block's keys (the cache tail, or with Triton attention the
+        slots from the pending position on); warm-up and capture run at position 0, so the cache is restored after
+        them: a capture in the middle of a request (no warm_up) must not overwrite committed context."""
+        saved = self.step.cache.clone()
         ints = torch.zeros(2, dtype=torch.long, device=self.device)
         host_in = torch.zeros(2, dtype=torch.long).pin_memory()
         n = self.shape.block_size - 1
@@ -185,6 +188,7 @@ class BlockTreeDrafter:
             host_probs.copy_(probs, non_blocking=True)
         graph, _ = capture_graph(body)
         torch.cuda.synchronize(self.device)
+        self.step.cache.copy_(saved)
         self._graph = DrafterGraph(graph, host_in, torch.cuda.Event(), host_tokens=host_tokens, host_probs=host_probs,
                                 keep=(ints,))
         return self._graph
