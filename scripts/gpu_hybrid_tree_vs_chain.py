@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from specpilot.engines.hybrid.cost import block_parents, example_tree, verify_state_traffic
     from specpilot.engines.hybrid.model import random_hybrid_model
     from specpilot.engines.hybrid.runner import HybridRunner
-    from specpilot.engines.runner import tree_anc
+    from specpilot.engines.layout import tree_anc
     from specpilot.kernels import gdn
 
     cuda = not args.tiny

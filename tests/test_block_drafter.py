@@ -25,7 +25,8 @@ from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, default_target_layers
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import save_model
-from specpilot.engines.runner import ModelRunner, tree_anc
+from specpilot.engines.layout import tree_anc
+from specpilot.engines.runner import ModelRunner
 from specpilot.engines.config import LevelOneRule
 from specpilot.engines.two_level import prune, shallow_argmax
 from specpilot.workload import MBPP_TEST_IDS

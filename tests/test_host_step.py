@@ -15,7 +15,7 @@ from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.engine import greedy_accept
-from specpilot.engines.runner import tree_anc
+from specpilot.engines.layout import tree_anc
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NO_EOS: frozenset[int] = frozenset()

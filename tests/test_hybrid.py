@@ -24,7 +24,8 @@ from specpilot.engines.hybrid.cost import (block_parents, example_tree, state_co
                                            verify_state_traffic)
 from specpilot.engines.hybrid.state import dfs_order, parents_from_anc  # noqa: E402
 from specpilot.engines.loader import ModelLoadError  # noqa: E402
-from specpilot.engines.runner import chain_anc, tree_anc  # noqa: E402
+from specpilot.engines.layout import tree_anc  # noqa: E402
+from specpilot.engines.runner import chain_anc  # noqa: E402
 from specpilot.engines.shapes import UnsupportedModelError  # noqa: E402
 
 NO_EOS: frozenset[int] = frozenset()

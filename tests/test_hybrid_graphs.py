@@ -20,7 +20,7 @@ from specpilot.engines.config import EngineConfig  # noqa: E402
 from specpilot.engines.hybrid import GdnBackend, HybridConfig, HybridRunner  # noqa: E402
 from specpilot.engines.hybrid.config import QWEN3_NEXT_TINY, LayerKind  # noqa: E402
 from specpilot.engines.hybrid.model import random_hybrid_model  # noqa: E402
-from specpilot.engines.runner import tree_anc  # noqa: E402
+from specpilot.engines.layout import tree_anc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_hybrid_tree_vs_chain.py"

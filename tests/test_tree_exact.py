@@ -22,7 +22,8 @@ import specpilot.kernels as K  # noqa: E402
 from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend  # noqa: E402
 from specpilot.engines.engine import greedy_accept  # noqa: E402
 from specpilot.engines.llama import ancestor_slots, position_slots  # noqa: E402
-from specpilot.engines.runner import ModelRunner, chain_anc, tree_anc  # noqa: E402
+from specpilot.engines.layout import tree_anc  # noqa: E402
+from specpilot.engines.runner import ModelRunner, chain_anc  # noqa: E402
 
 
 TOPK = 4

@@ -40,23 +40,29 @@ class DraftLayout:
         return self.depths[-1] if self.chain else max(self.depths)
 
 
-@functools.lru_cache(maxsize=256)  # a 256-node tree's matrices are ~66 KB: bounded
-def draft_layout(draft_parents: tuple[int, ...]) -> DraftLayout:
-    """The block layout of a draft tree whose node i hangs off draft_parents[i] (-1: the root)."""
-    parents = (-1,) + tuple(p + 1 for p in draft_parents)
+def tree_anc(parents: list[int] | tuple[int, ...]) -> np.ndarray:
+    """parents[0] = -1 (root); parents[i] < i. anc[i, j] = j is an ancestor-or-self of i."""
     n = len(parents)
-    depths = [0] * n
     anc = np.zeros((n, n), dtype=bool)
     for i in range(n):
         anc[i, i] = True
         p = parents[i]
         if p >= 0:
-            if not p < i:
-                raise ValueError(f"draft node {i - 1} has parent {p - 1}: parents must precede their children")
             anc[i] |= anc[p]
-            depths[i] = depths[p] + 1
+    return anc
+
+
+@functools.lru_cache(maxsize=256)  # a 256-node tree's matrices are ~66 KB: bounded
+def draft_layout(draft_parents: tuple[int, ...]) -> DraftLayout:
+    """The block layout of a draft tree whose node i hangs off draft_parents[i] (-1: the root)."""
+    parents = (-1,) + tuple(p + 1 for p in draft_parents)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"draft node {i - 1} has parent {p - 1}: parents must precede their children")
+    anc = tree_anc(parents)
+    depths = tuple(int(d) - 1 for d in anc.sum(1))  # ancestors-or-self minus one
     chain = all(p == i - 1 for i, p in enumerate(parents))
-    return DraftLayout(parents, tuple(depths), _frozen(anc), chain)
+    return DraftLayout(parents, depths, _frozen(anc), chain)
 
 
 @dataclass(frozen=True)

@@ -35,18 +35,6 @@ def chain_anc(n: int) -> np.ndarray:
     return np.tril(np.ones((n, n), dtype=bool))
 
 
-def tree_anc(parents: list[int]) -> np.ndarray:
-    """parents[0] = -1 (root); parents[i] < i. anc[i, j] = j is an ancestor-or-self of i."""
-    n = len(parents)
-    anc = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        anc[i, i] = True
-        p = parents[i]
-        if p >= 0:
-            anc[i] |= anc[p]
-    return anc
-
-
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, device: torch.device | str, block_width: int = 64,
                  topk: int = 0, capture: tuple[int, ...] = ()):

@@ -20,7 +20,8 @@ from specpilot.engines.config import EngineConfig, LevelOneRule
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.engine import greedy_accept
 from specpilot.engines.llama import visibility_mask
-from specpilot.engines.runner import ModelRunner, tree_anc
+from specpilot.engines.layout import tree_anc
+from specpilot.engines.runner import ModelRunner
 
 
 SHALLOW_FRACTION = 4  # default shallow pass depth: target layers // 4, at least 1
