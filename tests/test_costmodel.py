@@ -273,3 +273,20 @@ def test_plot_writes_a_png(tmp_path):
     path = plot(attribution(kernel_multiple=2.0, overhead_multiple=1.5), tmp_path / "plots" / "attribution.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_fused_launches_are_labelled_by_their_role_in_launch_order():
+    """The fused forward runs its norm + projection kernel as QKV, gate_up (each layer), then the LM head, and its
+    projection kernel as o_proj, down: launch order splits their time, which their names cannot."""
+    from specpilot.costmodel.classify import label_fused_launches
+    layer = ["_rmsnorm_linear_kernel", "_attn_split_kernel", "_attn_combine_kernel", "_linear_kernel",
+             "_rmsnorm_linear_kernel", "_linear_kernel"]
+    forward = ["indexSelectSmallIndex"] + layer * 2 + ["_rmsnorm_linear_kernel", "_argmax_combine_kernel"]
+    labels = label_fused_launches(forward * 3, layers=2)  # three profiled forwards
+    Q, G, O, D, H = OpClass.QKV, OpClass.GATE_UP, OpClass.O_PROJ, OpClass.DOWN, OpClass.LM_HEAD
+    assert labels[:len(forward)] == [None, Q, None, None, O, G, D, Q, None, None, O, G, D, H, None]
+    assert labels == labels[:len(forward)] * 3
+    # launches that are not whole forwards of that depth: no labels, attribution by name
+    assert label_fused_launches(forward * 3, layers=3) is None
+    assert label_fused_launches(forward[:-3], layers=2) is None
+    assert label_fused_launches(["ampere_sgemm", "flash_fwd"], layers=2) is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from specpilot.engines.shapes import OpClass
 
@@ -92,3 +93,41 @@ def kernel_op_classes(name: str, recorded_op: str) -> tuple[OpClass, ...]:
     except ValueError:
         return classify_kernel(name)
     return classify_kernel(name) if op is OpClass.OTHER else (op,)
+
+
+# Kernels the fused Llama forward (engines/fused.py) launches in several roles, and their roles in launch order per
+# forward of `layers` layers: the norm + projection kernel runs QKV and gate_up in each layer, then the LM head; the
+# plain projection kernel o_proj and down. Names alone cannot split their time between those op classes.
+FUSED_ROLES: dict[str, Callable[[int], list[OpClass]]] = {
+    "rmsnorm_linear_kernel": lambda layers: [OpClass.QKV, OpClass.GATE_UP] * layers + [OpClass.LM_HEAD],
+    "linear_kernel": lambda layers: [OpClass.O_PROJ, OpClass.DOWN] * layers,
+}
+
+
+def _role_key(name: str) -> str | None:
+    lowered = name.lower()
+    return next((k for k in FUSED_ROLES if k in lowered and not (k == "linear_kernel" and "rmsnorm" in lowered)), None)
+
+
+def label_fused_launches(names: Sequence[str], layers: int) -> list[OpClass | None] | None:
+    """Per launch (kernel names in launch order over whole forwards): its op class for a kernel FUSED_ROLES names,
+    None for the others. None in all when some such kernel's launches are not whole forwards of `layers` layers
+    (another forward, a partial profile): the caller then attributes by name."""
+    if layers < 1:
+        return None
+    keys = [_role_key(n) for n in names]
+    counts = {k: keys.count(k) for k in FUSED_ROLES}
+    forwards = {k: counts[k] // len(FUSED_ROLES[k](layers)) for k in FUSED_ROLES}
+    if any(counts[k] % len(FUSED_ROLES[k](layers)) for k in FUSED_ROLES) or len(set(forwards.values())) != 1 \
+            or not next(iter(forwards.values())):
+        return None
+    seen = dict.fromkeys(FUSED_ROLES, 0)
+    labels: list[OpClass | None] = []
+    for k in keys:
+        if k is None:
+            labels.append(None)
+            continue
+        roles = FUSED_ROLES[k](layers)
+        labels.append(roles[seen[k] % len(roles)])
+        seen[k] += 1
+    return labels

@@ -21,6 +21,7 @@ from torch.autograd import DeviceType
 from specpilot.bench.harness import AR_LABEL, Variant, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.costmodel import Ceilings, classify_kernel
+from specpilot.costmodel.classify import label_fused_launches
 from specpilot.engines.runner import chain_anc
 from specpilot.engines.family import shape_to_dict
 from specpilot.engines.shapes import OpClass
@@ -130,8 +131,8 @@ def profile_kernels(runner: TargetRunner, prompt: list[int], width: int, steps: 
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             _chain(runner, len(prompt), tokens)
-    rows = []
-    for evt in prof.key_averages():
+    rows = _by_launch_role(prof, runner, steps, width) if gpu else []
+    for evt in prof.key_averages() if not rows else ():
         if gpu:
             if evt.device_type != DeviceType.CUDA:
                 continue
@@ -146,6 +147,27 @@ def profile_kernels(runner: TargetRunner, prompt: list[int], width: int, steps: 
     if not rows:
         raise RuntimeError("the profiler recorded no kernel time for the verify forwards")
     return sorted(rows, key=lambda k: -k.device_s)
+
+
+def _by_launch_role(prof, runner: TargetRunner, steps: int, width: int) -> list[KernelTrace]:
+    """GPU kernels per (name, op class), the fused forward's shared kernels split by their launch order
+    (costmodel.label_fused_launches: QKV / gate_up / LM head, o_proj / down); [] when the launches do not line up
+    with whole forwards (then the caller attributes by name)."""
+    shape = getattr(getattr(runner, "model", None), "shape", None)
+    launches = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name
+                       and not e.name.startswith(("ProfilerStep", "["))), key=lambda e: e.time_range.start)
+    labels = label_fused_launches([e.name for e in launches], getattr(shape, "layers", 0))
+    if labels is None or not any(labels):
+        return []
+    totals: dict[tuple[str, str], list[float]] = {}
+    for e, label in zip(launches, labels):
+        if label is None:
+            ops = classify_kernel(e.name)
+            label = ops[0] if len(ops) == 1 else OpClass.OTHER
+        acc = totals.setdefault((e.name, label.value), [0, 0.0])
+        acc[0] += 1
+        acc[1] += (e.time_range.end - e.time_range.start) * 1e-6
+    return [KernelTrace(name, op, int(n), secs, steps, width) for (name, op), (n, secs) in totals.items() if secs > 0]
 
 
 @dataclass(frozen=True)
