@@ -5,7 +5,8 @@ other rows), and every output element accumulates its K-reduction as one `tl.dot
 (128) chunks in ascending order, in fp32. split_k > 1 (a reduction-order setting, one per shape) cuts that chain
 into split_k runs of whole chunks, each program summing one from zero; the last program of a tile to finish adds
 the runs' partials in split order (split_k_combine): the order is fixed, only who adds them varies, so the bits do
-not depend on T or on scheduling (an atomic counts arrivals; no atomic touches a value). BLOCK_N only decides which output columns a
+not depend on T or on scheduling (an atomic counts arrivals; no atomic touches a value). BLOCK_N only decides which
+output columns a
 program owns, and num_warps / num_stages only how a tile is spread over threads and pipelined: none of them
 changes any element's accumulation order (T-neutral). row_tile=1 (a reduction-order setting, the same for every
 T of a build) gives each program one row and sums each K chunk's fp32 products with tl.sum instead: no tensor-core
@@ -105,25 +106,29 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
 SPLIT_K_ROWS = 64
 
 
-def row_chunks(tokens: int, split_k: int) -> list[tuple[int, int]]:
-    """[(first row, end row)] of the launches covering `tokens` rows: one without split-K."""
-    step = tokens if split_k == 1 else SPLIT_K_ROWS
-    return [(r, min(tokens, r + step)) for r in range(0, tokens, step)]
-
-
-def split_k_args(device: torch.device, split_k: int, k: int, block_k: int, tiles: int, block_m: int, block_n: int,
-                 pair: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(partials workspace, arrival counters, K elements per split) of a launch with `tiles` output tiles."""
+def split_launches(device: torch.device, tokens: int, n: int, k: int, block_k: int, row_tile: int, block_n: int,
+                   split_k: int, pair: bool = False) -> list[tuple]:
+    """The launches of a projection over `tokens` rows and n output columns: one without split-K, else one per
+    SPLIT_K_ROWS rows; each (first row, end row, grid, partials workspace, arrival counters, K elements per split).
+    pair: two W row sets per column, whose partials split-K keeps too."""
     chunks = triton.cdiv(k, block_k)
     if split_k > chunks:
         raise ValueError(f"split_k={split_k} exceeds the {chunks} K chunks of {block_k} (K={k})")
     per_split = triton.cdiv(chunks, split_k) * block_k
-    if split_k == 1:
-        return _counters(device), _counters(device), per_split
-    if tiles > SPLIT_COUNTERS:
-        raise ValueError(f"{tiles} output tiles exceed the {SPLIT_COUNTERS} split-K counters")
-    ws = torch.empty(tiles * split_k * block_m * block_n * (2 if pair else 1), dtype=torch.float32, device=device)
-    return ws, _counters(device), per_split
+    step = tokens if split_k == 1 else SPLIT_K_ROWS
+    launches = []
+    for r0 in range(0, tokens, step):
+        r1 = min(tokens, r0 + step)
+        tiles = triton.cdiv(r1 - r0, row_tile) * triton.cdiv(n, block_n)
+        if split_k == 1:  # no partials: the counters stand in for the unused workspace argument
+            ws = _counters(device)
+        elif tiles > SPLIT_COUNTERS:
+            raise ValueError(f"{tiles} output tiles exceed the {SPLIT_COUNTERS} split-K counters")
+        else:
+            ws = torch.empty(tiles * split_k * row_tile * block_n * (2 if pair else 1), dtype=torch.float32,
+                             device=device)
+        launches.append((r0, r1, (tiles * split_k,), ws, _counters(device), per_split))
+    return launches
 
 
 # Arrival counters per device, shared by every split-K launch: each leaves them at 0, and launches on one stream
@@ -266,16 +271,14 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
-    for r0, r1 in row_chunks(T, split_k):
-        t, res = r1 - r0, x if residual is None else residual[r0:r1]
-        tiles = triton.cdiv(t, row_tile) * triton.cdiv(N, bn)
-        ws, counters, per_split = split_k_args(dev, split_k, K, block_k, tiles, row_tile, bn)
-        _linear_kernel[(tiles * split_k,)](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws,
-                                           counters, t, N, K, per_split, x.shape[1], SWIGLU=swiglu,
-                                           HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                                           DOT_PREC=dot_precision(dt), W12=w12, BLOCK_M=row_tile, BLOCK_N=bn,
-                                           BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=stages,
-                                           **pdl_launch(dev, N, K, x.element_size()))
+    pdl = pdl_launch(dev, N, K, x.element_size())
+    for r0, r1, grid, ws, counters, per_split in split_launches(dev, T, N, K, block_k, row_tile, bn, split_k):
+        res = x if residual is None else residual[r0:r1]
+        _linear_kernel[grid](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws, counters, r1 - r0,
+                             N, K, per_split, x.shape[1], SWIGLU=swiglu,
+                             HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
+                             W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
+                             num_warps=num_warps, num_stages=stages, **pdl)
     return out
 
 

@@ -68,10 +68,10 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
     out = check_out("out", out, (T, heads, D), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
-    for r0, r1, grid, split in launches:
-        _rmsnorm_linear_kernel[grid](x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, *split[:2],
+    for r0, r1, grid, ws, counters, per_split in launches:
+        _rmsnorm_linear_kernel[grid](x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
                                      positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
-                                     r1 - r0, N, K, split[2], float(eps), HAS_RES=False, HAS_BIAS=False,
+                                     r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
@@ -91,10 +91,11 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
     has_res = residual is not None
-    for r0, r1, grid, split in launches:
+    for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](x[r0:r1], residual[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
-                                     residual_out[r0:r1] if has_res else out, x, x, *split[:2], x, x, x, x, x, x, 1, 1,
-                                     r1 - r0, N, K, split[2], float(eps), HAS_RES=has_res, HAS_BIAS=False,
+                                     residual_out[r0:r1] if has_res else out, x, x, ws, counters, x, x, x, x, x, x,
+                                     1, 1,
+                                     r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                                      num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))

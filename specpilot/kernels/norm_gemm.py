@@ -26,7 +26,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
                       dot_precision)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
-                   row_chunks, split_k_args, split_k_combine, tile_mac)
+                   split_k_combine, split_launches, tile_mac)
 from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
@@ -65,7 +65,8 @@ def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
 
 @triton.jit
 def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr,
-              KC, cols, cols2, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps, HAS_RES: tl.constexpr,
+              KC, cols, cols2, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
+              HAS_RES: tl.constexpr,
               DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """-> (acc over W rows `cols`, acc over W rows `cols2` when PAIR: a second W row set fed by the same normalised
@@ -276,20 +277,14 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
                       split_k: int = 1, pair: bool = False) -> tuple[int, int, list[tuple]]:
-    """(block_n, num_stages, launches) of a norm + projection with n output columns: one launch per row chunk
-    (gemm.row_chunks), each (first row, end row, grid, split-K kernel arguments); pair: two W row sets per column,
-    whose partials split-K keeps too."""
+    """(block_n, num_stages, launches) of a norm + projection with n output columns; launches: gemm.split_launches
+    (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets per column."""
     T = x.shape[0]
     bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size()) \
         if block_n is None else block_n
     stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k, row_tile=row_tile) \
         if num_stages is None else num_stages
-    launches = []
-    for r0, r1 in row_chunks(T, split_k):
-        tiles = triton.cdiv(r1 - r0, row_tile) * triton.cdiv(n, bn)
-        launches.append((r0, r1, (tiles * split_k,),
-                         split_k_args(x.device, split_k, x.shape[1], block_k, tiles, row_tile, bn, pair)))
-    return bn, stages, launches
+    return bn, stages, split_launches(x.device, T, n, x.shape[1], block_k, row_tile, bn, split_k, pair)
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
@@ -323,11 +318,11 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     pmax = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.float32, device=dev)
     pidx = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.int32, device=dev)
     rows = lambda t, r0, r1: t[r0:r1] if t.shape[0] == T else t  # noqa: E731 - per-row tensors, not placeholders
-    for r0, r1, grid, split in launches:
+    for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](x[r0:r1], rows(residual, r0, r1) if has_res else x, norm_w, *w_args,
                                  x if bias is None else bias, rows(out, r0, r1),
                                  rows(residual_out, r0, r1) if has_res else out, rows(pmax, r0, r1),
-                                 rows(pidx, r0, r1), split[0], split[1], *_NO_ROPE(x), r1 - r0, N, K, split[2],
+                                 rows(pidx, r0, r1), ws, counters, *_NO_ROPE(x), r1 - r0, N, K, per_split,
                                  float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,

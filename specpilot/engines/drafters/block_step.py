@@ -24,6 +24,7 @@ from torch.nn.attention import sdpa_kernel
 
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.llama import VARYING_LENGTH_SDPA
+from specpilot.kernels import attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,7 +146,6 @@ class BlockStep:
             torch.cat([q, k], dim=1, out=qk)
         rotate(qk, cos, sin)
         if self.triton_attention:  # the block's keys at its own positions (past the context, rewritten by observe)
-            from specpilot.kernels import attention
             slots = position + self.block_offsets
             cache[0].index_copy_(1, slots, qk[:, qh:].transpose(0, 1))
             cache[1].index_copy_(1, slots, v.transpose(0, 1))
