@@ -49,7 +49,8 @@ class TrainConfig:
     anchors: int = 64  # anchors (blocks) per sequence per step
     decay: float = 7.0  # slot j's loss weight: exp(-(j-1)/decay)
     mbpp_prompts: int = 366  # MBPP train prompts (random prefixes for targets without a tokenizer)
-    # free generations (BOS + sampled tokens, then greedy). H200 runs memorised their data: with 512 (878 sequences,
+    # free generations (a chat-framed user turn and its answer, or BOS + sampled tokens then greedy: see chat_free
+    # below). H200 runs, BOS-started, memorised their data: with 512 (878 sequences,
     # ~225k tokens) train loss 0.003, held-out 8.2, chain 1.61 tokens/step; with 3072 (3410 sequences, 740k tokens,
     # 51 s to generate, ~40 epochs in 400 s) train 0.7, held-out 4.4, chain 2.06. Data is cheap next to training.
     free_prompts: int = 12288
