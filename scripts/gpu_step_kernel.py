@@ -1,0 +1,108 @@
+"""The persistent decode step on the GPU: the launches' bits, and its time against the launches' graph.
+
+python3 scripts/gpu_step_kernel.py OUT_DIR [--shape smollm2] [--context 1024] [--variants 132:4:1,132:8:1,...]
+
+Random weights (step time does not depend on their values). For T = 1 and 16 after a `--context`-token prefill:
+(1) bit equality of logits, argmax and the KV cache between fused_forward (the launches) and the persistent step
+in one grid-synchronised launch and in one launch per stage; (2) the pure GPU time of a CUDA graph of each (median
+of replays, CUDA events) for variants programs:num_warps:prefetch. Prints a table last; JSON in OUT_DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_profile import SHAPES, events_ms  # noqa: E402
+
+from specpilot.engines.fused import (PERSISTENT_BLOCK_N, fused_forward, persistent_order,  # noqa: E402
+                                     rope_tables_for)
+from specpilot.engines.loader import random_model  # noqa: E402
+from specpilot.kernels._common import capture_graph  # noqa: E402
+from specpilot.kernels.step_kernel import persistent_step  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--variants", default="132:4:1,132:8:1,132:4:0,66:4:1")
+    ap.add_argument("--reps", type=int, default=200)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    sh = SHAPES[a.shape]
+    dev = torch.device("cuda")
+    model = random_model(sh, torch.bfloat16, dev, seed=0)
+    tables = rope_tables_for(model, 4096 + 128, dev, persistent=True)
+    S = 4096 + 64
+    kv = torch.zeros(2, sh.layers, sh.kv_heads, S, sh.head_dim, dtype=torch.bfloat16, device=dev)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ctx = a.context
+    ids = torch.randint(0, sh.vocab, (ctx,), generator=g).to(dev)
+    pos = torch.arange(ctx, device=dev)
+    fused_forward(model, tables, ids, pos, pos, torch.zeros(1, dtype=torch.long, device=dev),
+                  torch.tril(torch.ones(ctx, ctx, dtype=torch.bool, device=dev)), kv[0], kv[1], want_logits=False)
+    torch.cuda.synchronize()
+    rows, report = [], {"shape": a.shape, "context": ctx, "checks": [], "timings": []}
+    for T in (1, 16):
+        ids = torch.randint(0, sh.vocab, (T,), generator=g).to(dev)
+        pos = torch.arange(ctx, ctx + T, device=dev)
+        base = torch.tensor([ctx], device=dev)
+        anc = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))
+        block_k, att = persistent_order(model, tables, T)
+
+        def launches(kv_=kv, want=True):
+            return fused_forward(model, tables, ids, pos, pos, base, anc, kv_[0], kv_[1], want_logits=want)[:2]
+
+        def persistent(kv_=kv, programs=132, warps=4, pf=True, sync=True, want=True):
+            x = torch.nn.functional.embedding(ids, model.embed_tokens.weight)
+            return persistent_step(x, tables.stacked, kv_[0], kv_[1], tables.cos, tables.sin, pos, pos, base, anc,
+                                   block_k=block_k, block_n=PERSISTENT_BLOCK_N, attention=att, programs=programs,
+                                   store_logits=want, num_warps=warps, grid_sync=sync, prefetch=pf)
+        kv_ref = kv.clone()
+        want_l, want_a = launches(kv_ref)
+        for label, fn in (("grid_sync", lambda k: persistent(k)), ("per_stage", lambda k: persistent(k, sync=False)),
+                          ("grid_sync_8w", lambda k: persistent(k, warps=8))):
+            kv_got = kv.clone()
+            got_l, got_a = fn(kv_got)
+            torch.cuda.synchronize()
+            ok = dict(T=T, variant=label, logits=bool(torch.equal(got_l.view(torch.int32), want_l.view(torch.int32))),
+                      argmax=bool(torch.equal(got_a, want_a)), kv=bool(torch.equal(kv_got.view(torch.int16),
+                                                                                  kv_ref.view(torch.int16))),
+                      max_abs_logit_diff=float((got_l - want_l).abs().max()))
+            report["checks"].append(ok)
+            print("check", ok, flush=True)
+        # graphs: the hot path (argmax only), writing scratch slots of a copy of the cache
+        kv_t = kv.clone()
+        variants = [("launches", lambda: launches(kv_t, want=False))]
+        for v in a.variants.split(","):
+            p, w, pf = (int(t) for t in v.split(":"))
+            variants.append((f"persistent {p}p {w}w pf{pf}",
+                             lambda p=p, w=w, pf=pf: persistent(kv_t, programs=p, warps=w, pf=bool(pf), want=False)))
+        for label, body in variants:
+            try:
+                graph, _ = capture_graph(body, warmups=3)
+                ms = events_ms(graph.replay, a.reps)
+            except Exception as e:  # a variant that does not compile or capture is reported, not fatal
+                print(f"{label} T={T}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                ms = float("nan")
+            report["timings"].append({"T": T, "variant": label, "graph_ms": ms})
+            rows.append((T, label, ms))
+            print(f"T={T} {label}: {ms:.4f} ms", flush=True)
+    with open(os.path.join(a.out, "step_kernel.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{a.shape}, context {ctx}: graph GPU time per step (ms)")
+    print("| T | variant | ms |\n|---|---|---|")
+    for T, label, ms in rows:
+        print(f"| {T} | {label} | {ms:.4f} |")
+    bad = [c for c in report["checks"] if not (c["logits"] and c["argmax"] and c["kv"])]
+    print("bit-equal to the launches:", "yes" if not bad else f"NO: {bad}")
+
+
+if __name__ == "__main__":
+    main()
