@@ -63,7 +63,7 @@ def main() -> None:
             x = torch.nn.functional.embedding(ids, model.embed_tokens.weight)
             return persistent_step(x, tables.stacked, kv_[0], kv_[1], tables.cos, tables.sin, pos, pos, base, anc,
                                    block_k=block_k, block_n=PERSISTENT_BLOCK_N, attention=att, programs=programs,
-                                   store_logits=want, num_warps=warps, grid_sync=sync, prefetch=pf)
+                                   store_logits=want, num_warps=warps, grid_sync=sync, prefetch=pf)[:2]
         kv_ref = kv.clone()
         want_l, want_a = launches(kv_ref)
         for label, fn in (("grid_sync", lambda k: persistent(k)), ("per_stage", lambda k: persistent(k, sync=False)),

@@ -82,11 +82,11 @@ STEP = {n: P for n in ("x_ptr", "q_ptr", "o_ptr", "act_ptr", "kc_ptr", "vc_ptr",
 STEP.update({"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "att_cnt_ptr": "*i32", "sync_ptr": "*i32",
              "pos_ptr": "*i64", "slot_ptr": "*i64", "base_ptr": "*i64", "anc_ptr": "*u8", "bslot_ptr": "*i64",
              "cos_ptr": "*fp32", "sin_ptr": "*fp32", "logits_ptr": "*fp32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32",
-             "argmax_ptr": "*i64", "T": "i32", "S": "i32", "max_pos": "i32", "A": "i32", "eps": "fp32",
+             "argmax_ptr": "*i64", "feat_ptr": P, "cap_ptr": "*i32", "T": "i32", "S": "i32", "max_pos": "i32", "A": "i32", "eps": "fp32",
              "qk_scale": "fp32", "STAGE_LO": "i32", "STAGE_HI": "i32"})
 STEP_CONSTS = dict(L=30, HID=576, HEADS=9, KVH=3, D=64, INTER=1536, VOCAB=49152, BN_QKV=16, BK_QKV=128, BN_O=16,
                    BK_O=128, BN_GU=16, BK_GU=128, BN_D=16, BK_D=128, BN_HEAD=64, BK_HEAD=128, ATT_BN=64, ATT_SPLIT=64,
-                   HAS_SLOTS=False, STORE_LOGITS=False, DOT_PREC="tf32", NPROG=132, GRID_SYNC=True, PF=True,
+                   HAS_SLOTS=False, STORE_LOGITS=False, N_CAP=0, DOT_PREC="tf32", NPROG=132, GRID_SYNC=True, PF=True,
                    BLOCK_T=1024, _STAGES=5, _BLOCK_M=16, _SPLIT_GROUP=64)
 step_build = build(sk._decode_step_kernel, STEP, STEP_CONSTS)
 NORM_STEP = {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "BLOCK_M": 16,

@@ -30,8 +30,13 @@ def _both(model, tables, kv, ids, pos, slots, base, anc, block_slots=None):
     caches must end equal too."""
     kv_a, kv_b = kv.clone(), kv.clone()
     b = torch.tensor([base], device=DEV)
-    want = fused_forward(model, tables, ids, pos, slots, b, anc, kv_a[0], kv_a[1], block_slots=block_slots)[:2]
-    got = persistent_forward(model, tables, ids, pos, slots, b, anc, kv_b, PROGRAMS, block_slots=block_slots)
+    cap = (0, model.shape.layers - 1)  # a block drafter's target features: these layers' outputs
+    logits, argmax, feats = fused_forward(model, tables, ids, pos, slots, b, anc, kv_a[0], kv_a[1], capture=cap,
+                                          block_slots=block_slots)
+    want = logits, argmax
+    *got, got_feats = persistent_forward(model, tables, ids, pos, slots, b, anc, kv_b, PROGRAMS, capture=cap,
+                                         block_slots=block_slots)
+    _same(got_feats, torch.cat(feats, dim=-1))
     assert torch.equal(kv_a.view(torch.uint8) if kv.dtype == torch.bfloat16 else kv_a, kv_b.view(torch.uint8)
                        if kv.dtype == torch.bfloat16 else kv_b), "KV cache writes differ"
     return want, got, kv_a

@@ -167,13 +167,15 @@ def persistent_order(model: LlamaModel, tables: FusedTables, tokens: int) -> tup
 
 
 def persistent_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, kv: torch.Tensor,
-                       programs: int, block_slots=None, want_logits: bool = True, grid_sync: bool | None = None):
-    """fused_forward's (logits or None, argmax) through the persistent step kernel (one launch on CUDA): the same
-    bits. kv: the runner's [2, L, kv_heads, S, D] cache; tables.stacked must hold the stacked weights."""
+                       programs: int, capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True,
+                       grid_sync: bool | None = None):
+    """fused_forward's (logits or None, argmax, captured layer outputs concatenated [T, len(capture) * hidden] or
+    None) through the persistent step kernel (one launch on CUDA): the same bits. kv: the runner's
+    [2, L, kv_heads, S, D] cache; tables.stacked must hold the stacked weights."""
     if tables.stacked is None or tables.w12 is not None:
         raise ValueError("the persistent step needs stacked bf16 weights (rope_tables_for(..., persistent=True))")
     block_k, att = persistent_order(model, tables, ids.shape[0])
     x = F.embedding(ids, model.embed_tokens.weight)
     return persistent_step(x, tables.stacked, kv[0], kv[1], tables.cos, tables.sin, positions, slots, base, anc,
                            block_slots=block_slots, block_k=block_k, block_n=PERSISTENT_BLOCK_N, attention=att,
-                           programs=programs, store_logits=want_logits, grid_sync=grid_sync)
+                           programs=programs, store_logits=want_logits, capture=capture, grid_sync=grid_sync)

@@ -83,11 +83,10 @@ class ModelRunner:
             blk = anc[:, :ids.shape[0]].contiguous()
             # Position-ordered: keys read through each token's ancestors' slots (tree nodes too): bit-exact vs AR.
             block_slots = ancestor_slots(base, blk) if self.cfg.position_ordered_attention else None
-            if self.step_programs and not self.capture and ids.shape[0] <= BLOCK_M:  # a decode or verify step
-                logits, argmax = persistent_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
-                                                    blk, self.kv, self.step_programs, block_slots=block_slots,
-                                                    want_logits=need_logits)
-                return self._outputs(logits, argmax, None)
+            if self.step_programs and ids.shape[0] <= BLOCK_M:  # a decode or verify step
+                return self._outputs(*persistent_forward(
+                    self.model, self.fused, ids, positions, slots, base.reshape(1), blk, self.kv, self.step_programs,
+                    self.capture, block_slots=block_slots, want_logits=need_logits))
             logits, argmax, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
                                                      blk, self.kv[0], self.kv[1], self.capture,
                                                      block_slots=block_slots, want_logits=need_logits)

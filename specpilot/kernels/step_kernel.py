@@ -119,14 +119,14 @@ def _decode_step_kernel(
         x_ptr, q_ptr, o_ptr, act_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, att_cnt_ptr, sync_ptr,
         pos_ptr, slot_ptr, base_ptr, anc_ptr, bslot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         wqkv_ptr, ln1_ptr, wo_ptr, ln2_ptr, wgu_ptr, wd_ptr, lnf_ptr, whead_ptr,
-        logits_ptr, pmax_ptr, pidx_ptr, argmax_ptr,
+        logits_ptr, pmax_ptr, pidx_ptr, argmax_ptr, feat_ptr, cap_ptr,
         T, S, max_pos, A, eps, qk_scale, STAGE_LO, STAGE_HI,
         L: tl.constexpr, HID: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
         INTER: tl.constexpr, VOCAB: tl.constexpr,
         BN_QKV: tl.constexpr, BK_QKV: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
         BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, ATT_BN: tl.constexpr, ATT_SPLIT: tl.constexpr,
-        HAS_SLOTS: tl.constexpr, STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, NPROG: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, STORE_LOGITS: tl.constexpr, N_CAP: tl.constexpr, DOT_PREC: tl.constexpr, NPROG: tl.constexpr,
         GRID_SYNC: tl.constexpr, PF: tl.constexpr, BLOCK_T: tl.constexpr, _STAGES: tl.constexpr,
         _BLOCK_M: tl.constexpr, _SPLIT_GROUP: tl.constexpr):
     pid = tl.program_id(0)
@@ -237,6 +237,17 @@ def _decode_step_kernel(
                                    x_ptr, 1, x_ptr, x_ptr, x_ptr, sync_ptr, sync_ptr, T, HID, INTER,
                                    tl.cdiv(INTER, BK_D) * BK_D, INTER, False, False, True, DOT_PREC, False, _BLOCK_M,
                                    BN_D, BK_D, 1, 0, 0)
+                if N_CAP > 0:  # a captured layer: its output tiles also go to the features (block drafters)
+                    slot = tl.load(cap_ptr + layer)
+                    if slot >= 0:
+                        tl.debug_barrier()  # this program's stream stores are visible to all its threads
+                        for v in range(pid, items, NPROG):
+                            pid_m = v % m_tiles
+                            cols = (v // m_tiles) * BN_D + tl.arange(0, BN_D)
+                            rows = pid_m * _BLOCK_M + tl.arange(0, _BLOCK_M)
+                            ok = (rows < T)[:, None] & (cols < HID)[None, :]
+                            h = tl.load(x_ptr + rows[:, None] * HID + cols[None, :], mask=ok)
+                            tl.store(feat_ptr + rows[:, None] * (N_CAP * HID) + slot * HID + cols[None, :], h, mask=ok)
                 _arrive(sync_ptr + s)
 
 
@@ -244,9 +255,10 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     base: torch.Tensor, anc: torch.Tensor, *, block_slots: torch.Tensor | None = None,
                     block_k: dict[str, int], block_n: dict[str, int], attention: dict[str, int],
-                    programs: int, store_logits: bool = False, num_warps: int = 4, num_stages: int = 2,
-                    grid_sync: bool | None = None, prefetch: bool | None = None):
-    """One forward of T tokens through every layer and the LM head: (logits fp32 [T, V] or None, argmax [T]).
+                    programs: int, store_logits: bool = False, capture: tuple[int, ...] = (), num_warps: int = 4,
+                    num_stages: int = 2, grid_sync: bool | None = None, prefetch: bool | None = None):
+    """One forward of T tokens through every layer and the LM head: (logits fp32 [T, V] or None, argmax [T],
+    features [T, len(capture) * hidden] or None: the outputs of the layers in `capture`, in layer order).
 
     x [T, hidden]: the embedded tokens, overwritten with the final residual stream. k_cache, v_cache
     [L, kv_heads, S, D]; positions, slots int64 [T]; base int [1] on the device; anc [T, T] bool; block_slots as
@@ -293,20 +305,27 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
     logits = torch.empty((T, vocab) if store_logits else (1, 1), **f32)
     pmax, pidx = torch.empty(T, n_tiles, **f32), torch.empty(T, n_tiles, dtype=torch.int32, device=dev)
     argmax = torch.empty(T, dtype=torch.int64, device=dev)
+    cap = sorted(set(capture))
+    if cap and not 0 <= cap[0] <= cap[-1] < L:
+        raise ValueError(f"capture={capture} names layers outside 0..{L - 1}")
+    feats = torch.empty(T, len(cap) * hidden, dtype=dt, device=dev) if cap else x
+    cap_slot = torch.full((L,), -1, dtype=torch.int32)
+    cap_slot[cap] = torch.arange(len(cap), dtype=torch.int32)
+    cap_slot = cap_slot.to(dev)
     stages = [(0, STAGES_PER_LAYER * L + 1)] if grid_sync else [(s, s + 1) for s in range(STAGES_PER_LAYER * L + 1)]
     for lo, hi in stages:
         _decode_step_kernel[(programs,)](
             x, q, o, act, ws_m, ws_l, ws_o, att_cnt, sync, positions, slots, base, anc.view(torch.uint8),
             block_slots if block_slots is not None else positions, cos, sin, k_cache, v_cache,
-            w.qkv, w.ln1, w.o, w.ln2, w.gate_up, w.down, w.norm, w.head, logits, pmax, pidx, argmax,
+            w.qkv, w.ln1, w.o, w.ln2, w.gate_up, w.down, w.norm, w.head, logits, pmax, pidx, argmax, feats, cap_slot,
             T, S, cos.shape[0], 0 if block_slots is None else block_slots.shape[1], float(w.eps), LOG2E / D ** 0.5,
             lo, hi, L=L, HID=hidden, HEADS=H, KVH=KVH, D=D, INTER=inter, VOCAB=vocab,
             BN_QKV=block_n["qkv"], BK_QKV=block_k["qkv"], BN_O=block_n["o_proj"], BK_O=block_k["o_proj"],
             BN_GU=block_n["gate_up"], BK_GU=block_k["gate_up"], BN_D=block_n["down"], BK_D=block_k["down"],
             BN_HEAD=block_n["lm_head"], BK_HEAD=block_k["lm_head"], ATT_BN=attention["block_n"],
             ATT_SPLIT=attention["split_keys"], HAS_SLOTS=block_slots is not None, STORE_LOGITS=store_logits,
-            DOT_PREC=dot_precision(dt), NPROG=programs, GRID_SYNC=grid_sync,
+            N_CAP=len(cap),            DOT_PREC=dot_precision(dt), NPROG=programs, GRID_SYNC=grid_sync,
             PF=dev.type == "cuda" if prefetch is None else prefetch, BLOCK_T=triton.next_power_of_2(n_tiles),
             _STAGES=STAGES_PER_LAYER, _BLOCK_M=BLOCK_M, _SPLIT_GROUP=SPLIT_GROUP, num_warps=num_warps,
             num_stages=num_stages, **NO_FP_FUSION)
-    return (logits if store_logits else None), argmax
+    return (logits if store_logits else None), argmax, (feats if cap else None)
