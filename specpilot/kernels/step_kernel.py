@@ -19,6 +19,7 @@ running beside it. The interpreter runs programs one after another, so on CPU ea
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -251,6 +252,15 @@ def _decode_step_kernel(
                 _arrive(sync_ptr + s)
 
 
+@functools.lru_cache(maxsize=64)
+def _capture_slots(cap: tuple[int, ...], layers: int, device: torch.device) -> torch.Tensor:
+    """[layers] int32 on the device: each captured layer's feature slot, -1 elsewhere. Cached: made by the first
+    (warm-up) call, never by a CUDA-graph capture, which forbids host-to-device copies."""
+    slots = torch.full((layers,), -1, dtype=torch.int32)
+    slots[list(cap)] = torch.arange(len(cap), dtype=torch.int32)
+    return slots.to(device)
+
+
 def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                     base: torch.Tensor, anc: torch.Tensor, *, block_slots: torch.Tensor | None = None,
@@ -305,13 +315,11 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
     logits = torch.empty((T, vocab) if store_logits else (1, 1), **f32)
     pmax, pidx = torch.empty(T, n_tiles, **f32), torch.empty(T, n_tiles, dtype=torch.int32, device=dev)
     argmax = torch.empty(T, dtype=torch.int64, device=dev)
-    cap = sorted(set(capture))
+    cap = tuple(sorted(set(capture)))
     if cap and not 0 <= cap[0] <= cap[-1] < L:
         raise ValueError(f"capture={capture} names layers outside 0..{L - 1}")
     feats = torch.empty(T, len(cap) * hidden, dtype=dt, device=dev) if cap else x
-    cap_slot = torch.full((L,), -1, dtype=torch.int32)
-    cap_slot[cap] = torch.arange(len(cap), dtype=torch.int32)
-    cap_slot = cap_slot.to(dev)
+    cap_slot = _capture_slots(cap, L, dev)
     stages = [(0, STAGES_PER_LAYER * L + 1)] if grid_sync else [(s, s + 1) for s in range(STAGES_PER_LAYER * L + 1)]
     for lo, hi in stages:
         _decode_step_kernel[(programs,)](
