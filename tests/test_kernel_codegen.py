@@ -86,7 +86,7 @@ STEP.update({"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "att
              "qk_scale": "fp32", "STAGE_LO": "i32", "STAGE_HI": "i32"})
 STEP_CONSTS = dict(L=30, HID=576, HEADS=9, KVH=3, D=64, INTER=1536, VOCAB=49152, BN_QKV=16, BK_QKV=128, BN_O=16,
                    BK_O=128, BN_GU=16, BK_GU=128, BN_D=16, BK_D=128, BN_HEAD=64, BK_HEAD=128, ATT_BN=64, ATT_SPLIT=64,
-                   HAS_SLOTS=False, STORE_LOGITS=False, N_CAP=0, DOT_PREC="tf32", NPROG=132, GRID_SYNC=True, PF=True,
+                   HAS_SLOTS=False, STORE_LOGITS=False, N_CAP=0, DOT_PREC="tf32", NPROG=132, GRID_SYNC=True, FENCE=True, PF=True,
                    BLOCK_T=1024, _STAGES=5, _BLOCK_M=16, _SPLIT_GROUP=64)
 step_build = build(sk._decode_step_kernel, STEP, STEP_CONSTS)
 NORM_STEP = {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "BLOCK_M": 16,
@@ -107,7 +107,7 @@ print(json.dumps({
     "step_kernel": dots(sk._decode_step_kernel, STEP, STEP_CONSTS),
     "step_launches": step_launches,
     "step_ptx": {op: step_build.asm["ptx"].count(op) for op in (
-        "griddepcontrol", "prefetch.global.L2", "ld.global.gpu.acquire", "atom.global.gpu.release.add",
+        "griddepcontrol", "prefetch.global.L2", "ld.global.gpu.acquire", "fence.acq_rel.gpu", "atom.global.gpu.release.add",
         "atom.global.gpu.acq_rel.add")},
     "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
     "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True}),
@@ -191,6 +191,7 @@ def test_persistent_step_compiles_the_dots_of_the_launches(compiled):
     ptx = compiled["step_ptx"]
     assert ptx["griddepcontrol"] == 0
     assert ptx["prefetch.global.L2"] > 0
+    assert ptx["fence.acq_rel.gpu"] >= 6  # every thread fences at each wait and arrival (stale L1 lines)
     assert ptx["ld.global.gpu.acquire"] >= 6  # one per stage kind that waits (qkv past layer 0, ..., the LM head)
     # arrivals: five stage kinds, though LLVM may merge identical tails (o_proj's and down's are the same code)
     assert ptx["atom.global.gpu.release.add"] >= 4 and ptx["atom.global.gpu.acq_rel.add"] >= 2

@@ -81,15 +81,26 @@ def _prefetch_share(ptr, n_elems, pid, NPROG: tl.constexpr, PF: tl.constexpr):
 
 
 @triton.jit
-def _arrive(cnt_ptr):
-    """Counts this program's arrival once every thread's stores of the stage are issued (release: they are
-    visible to whoever acquires the count)."""
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr, 1, sem="release")
+def _fence(x, FENCE: tl.constexpr):
+    """Every thread: fence.acq_rel.gpu, so its own earlier stores are visible GPU-wide before its later memory
+    operations, and its later loads miss any stale L1 line (a program re-reads, one stage later, activations it read
+    before other SMs rewrote them; an acquire by one thread alone left such lines in use on an H200)."""
+    if FENCE:
+        x = tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    return x
 
 
 @triton.jit
-def _wait(cnt_ptr, target, GRID_SYNC: tl.constexpr):
+def _arrive(cnt_ptr, FENCE: tl.constexpr):
+    """Counts this program's arrival once every thread's stores of the stage are visible (release)."""
+    f = _fence(tl.zeros([1], dtype=tl.int32), FENCE)
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1 + tl.sum(f, axis=0), sem="release")
+
+
+@triton.jit
+def _wait(cnt_ptr, target, GRID_SYNC: tl.constexpr, FENCE: tl.constexpr):
     """Spins until cnt_ptr holds target arrivals, then acquires them: the producers' stores are visible to every
     thread of this program after it."""
     if GRID_SYNC:
@@ -100,6 +111,11 @@ def _wait(cnt_ptr, target, GRID_SYNC: tl.constexpr):
         while n < target:  # never loops once the polls saw the count; its use of n keeps the acquire (an unused
             n = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # add-0 atomic is compiled away)
         tl.debug_barrier()
+        n = _fence(tl.zeros([1], dtype=tl.int32) + n, FENCE)
+        tl.debug_barrier()
+    else:
+        n = target
+    return n
 
 
 @triton.jit
@@ -128,7 +144,7 @@ def _decode_step_kernel(
         BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, ATT_BN: tl.constexpr, ATT_SPLIT: tl.constexpr,
         HAS_SLOTS: tl.constexpr, STORE_LOGITS: tl.constexpr, N_CAP: tl.constexpr, DOT_PREC: tl.constexpr, NPROG: tl.constexpr,
-        GRID_SYNC: tl.constexpr, PF: tl.constexpr, BLOCK_T: tl.constexpr, _STAGES: tl.constexpr,
+        GRID_SYNC: tl.constexpr, FENCE: tl.constexpr, PF: tl.constexpr, BLOCK_T: tl.constexpr, _STAGES: tl.constexpr,
         _BLOCK_M: tl.constexpr, _SPLIT_GROUP: tl.constexpr):
     pid = tl.program_id(0)
     G: tl.constexpr = HEADS // KVH
@@ -149,16 +165,18 @@ def _decode_step_kernel(
         if s == L * _STAGES:  # LM head: norm + projection with the argmax in its epilogue
             items = m_tiles * tl.cdiv(VOCAB, BN_HEAD)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC)
+                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, lnf_ptr, whead_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
                                            x_ptr, 1, x_ptr, logits_ptr, x_ptr, pmax_ptr, pidx_ptr, sync_ptr, sync_ptr,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, 1, T, VOCAB, HID,
                                            tl.cdiv(HID, BK_HEAD) * BK_HEAD, eps, False, False, DOT_PREC, False,
                                            STORE_LOGITS, True, 0, 1, 1, 1, _BLOCK_M, BN_HEAD, BK_HEAD, 1, 0, 0)
+                f = _fence(tl.zeros([1], dtype=tl.int32), FENCE)
                 tl.debug_barrier()
-                done = tl.atomic_add(sync_ptr + s, 1, sem="acq_rel")
+                done = tl.atomic_add(sync_ptr + s, 1 + tl.sum(f, axis=0), sem="acq_rel")
                 if done == tl.minimum(items, NPROG) - 1:  # the last to arrive picks each row's winner
+                    _fence(f, FENCE)
                     for row in range(0, T):
                         argmax_combine_row(row, pmax_ptr, pidx_ptr, argmax_ptr, tl.cdiv(VOCAB, BN_HEAD), BLOCK_T)
         elif kind == 0:  # norm + QKV, rotary, k/v into the cache
@@ -170,7 +188,7 @@ def _decode_step_kernel(
             items = m_tiles * tl.cdiv(N_QKV, BN_QKV)
             if pid < items:
                 if s > 0:
-                    _wait(sync_ptr + s - 1, need, GRID_SYNC)
+                    _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, ln1_ptr + layer * HID, wqkv_ptr + layer * N_QKV * HID,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, x_ptr, q_ptr, x_ptr, x_ptr,
@@ -179,11 +197,11 @@ def _decode_step_kernel(
                                            N_QKV, HID, tl.cdiv(HID, BK_QKV) * BK_QKV, eps, False, False, DOT_PREC,
                                            False, True, False, 2, HEADS, KVH, D // 2, _BLOCK_M, BN_QKV, BK_QKV, 1, 0,
                                            0)
-                _arrive(sync_ptr + s)
+                _arrive(sync_ptr + s, FENCE)
         elif kind == 1:  # attention: split pass; the last split of a (row tile, kv head) combines its rows
             items = n_att_m * KVH * n_live
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC)
+                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
                 for v in range(pid, items, NPROG):
                     split = v % n_live
                     tile = v // n_live  # = pid_m * KVH + kvh
@@ -193,9 +211,11 @@ def _decode_step_kernel(
                                        vc_ptr + layer * kv_layer, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
                                        bslot_ptr, T, 0, S, A, qk_scale, HEADS, G, D, True, DOT_PREC, _BLOCK_M,
                                        ATT_BN, ATT_SPLIT, HAS_SLOTS)
+                    f = _fence(tl.zeros([1], dtype=tl.int32), FENCE)
                     tl.debug_barrier()
-                    if tl.atomic_add(att_cnt_ptr + tile, 1, sem="acq_rel") == n_live - 1:
+                    if tl.atomic_add(att_cnt_ptr + tile, 1 + tl.sum(f, axis=0), sem="acq_rel") == n_live - 1:
                         tl.atomic_xchg(att_cnt_ptr + tile, 0)
+                        _fence(f, FENCE)
                         for i in range(0, _BLOCK_M):
                             if HAS_SLOTS:  # rows of one token's G heads (attn.py's HAS_SLOTS tiling)
                                 g = (pid_m % tl.cdiv(G, _BLOCK_M)) * _BLOCK_M + i
@@ -208,31 +228,31 @@ def _decode_step_kernel(
                             if ok:
                                 attn_combine_row(row, ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, 0, S, HEADS,
                                                  D, True, ATT_SPLIT, _SPLIT_GROUP)
-                        _arrive(sync_ptr + s)
+                        _arrive(sync_ptr + s, FENCE)
         elif kind == 2:  # o_proj + residual, in place on the stream (each program owns its columns)
             items = m_tiles * tl.cdiv(HID, BN_O)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC)
+                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
                 for v in range(pid, items, NPROG):
                     linear_program(v, o_ptr, wo_ptr + layer * HID * QD, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1,
                                    x_ptr, x_ptr, x_ptr, sync_ptr, sync_ptr, T, HID, QD, tl.cdiv(QD, BK_O) * BK_O, QD,
                                    False, False, True, DOT_PREC, False, _BLOCK_M, BN_O, BK_O, 1, 0, 0)
-                _arrive(sync_ptr + s)
+                _arrive(sync_ptr + s, FENCE)
         elif kind == 3:  # norm + gate_up + SwiGLU
             items = m_tiles * tl.cdiv(INTER, BN_GU)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC)
+                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, ln2_ptr + layer * HID, wgu_ptr + layer * 2 * INTER * HID,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, x_ptr, act_ptr, x_ptr, x_ptr,
                                            x_ptr, sync_ptr, sync_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, 1,
                                            T, INTER, HID, tl.cdiv(HID, BK_GU) * BK_GU, eps, False, False, DOT_PREC,
                                            False, True, False, 1, 1, 1, 1, _BLOCK_M, BN_GU, BK_GU, 1, 0, 0)
-                _arrive(sync_ptr + s)
+                _arrive(sync_ptr + s, FENCE)
         else:  # down + residual, in place on the stream
             items = m_tiles * tl.cdiv(HID, BN_D)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC)
+                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
                 for v in range(pid, items, NPROG):
                     linear_program(v, act_ptr, wd_ptr + layer * HID * INTER, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
                                    x_ptr, 1, x_ptr, x_ptr, x_ptr, sync_ptr, sync_ptr, T, HID, INTER,
@@ -249,7 +269,7 @@ def _decode_step_kernel(
                             ok = (rows < T)[:, None] & (cols < HID)[None, :]
                             h = tl.load(x_ptr + rows[:, None] * HID + cols[None, :], mask=ok)
                             tl.store(feat_ptr + rows[:, None] * (N_CAP * HID) + slot * HID + cols[None, :], h, mask=ok)
-                _arrive(sync_ptr + s)
+                _arrive(sync_ptr + s, FENCE)
 
 
 @functools.lru_cache(maxsize=64)
@@ -332,7 +352,7 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
             BN_GU=block_n["gate_up"], BK_GU=block_k["gate_up"], BN_D=block_n["down"], BK_D=block_k["down"],
             BN_HEAD=block_n["lm_head"], BK_HEAD=block_k["lm_head"], ATT_BN=attention["block_n"],
             ATT_SPLIT=attention["split_keys"], HAS_SLOTS=block_slots is not None, STORE_LOGITS=store_logits,
-            N_CAP=len(cap),            DOT_PREC=dot_precision(dt), NPROG=programs, GRID_SYNC=grid_sync,
+            N_CAP=len(cap),            DOT_PREC=dot_precision(dt), NPROG=programs, GRID_SYNC=grid_sync, FENCE=dev.type == "cuda",
             PF=dev.type == "cuda" if prefetch is None else prefetch, BLOCK_T=triton.next_power_of_2(n_tiles),
             _STAGES=STAGES_PER_LAYER, _BLOCK_M=BLOCK_M, _SPLIT_GROUP=SPLIT_GROUP, num_warps=num_warps,
             num_stages=num_stages, **NO_FP_FUSION)
