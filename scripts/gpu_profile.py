@@ -89,7 +89,7 @@ def row_tile_table(shape, row_tile: int, split_k: int = 1) -> tuple[tuple[str, s
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
                   row_tile: int = 16, weight_format: str = "native", pdl: str = "", split_k: int = 1,
-                  step_kernel: str = "launches") -> dict:
+                  step_kernel: str = "launches", table_file: str = "") -> dict:
     """One engine's numbers; pdl = MODE[:PREFETCH_MIB] names the kernels.pdl.GridDependency its graphs are captured
     with and the largest weight matrix its launches prefetch ("": the defaults)."""
     from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, grid_dependency
@@ -105,6 +105,9 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
     prompt = torch.randint(3, shape.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
     table = (attention_table(shape, *map(int, attn.split(":"))) if attn else ()) + row_tile_table(shape, row_tile,
                                                                                                    split_k)
+    if table_file:  # a kernel tuner's table (its summary.json or a list of [key, params JSON] pairs)
+        loaded = json.load(open(table_file))
+        table += tuple(tuple(p) for p in (loaded["kernel_table"] if isinstance(loaded, dict) else loaded))
     eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
                                     kernel_table=table, weight_format=weight_format, step_kernel=step_kernel),
                        model, frozenset(), "cuda")
@@ -114,7 +117,7 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
     e2e_ms = 1e3 * r.decode_s / tokens
     runner = eng.target
     out = {"shape": name, "backend": backend, "attn": attn, "row_tile": row_tile, "split_k": split_k,
-           "step_kernel": step_kernel,
+           "step_kernel": step_kernel, "table_file": table_file,
            "weight_bytes": weight_bytes,
            "weight_format": weight_format, "e2e_ar_ms": e2e_ms, "tokens": r.tokens}
     for width in (1, 2, 4, 8, 16):
@@ -144,6 +147,8 @@ def main() -> None:
     ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB] variants after the default, e.g. "
                                                           "off,wait_then_trigger:1024 (graph times only)")
     ap.add_argument("--split-k", default="", help="split-K factors of every projection to compare, e.g. 2,4")
+    ap.add_argument("--kernel-tables", default="", help="kernel tables (JSON files, e.g. a tuner's summary.json) "
+                                                         "to compare, comma-separated")
     ap.add_argument("--step-kernels", default="", help="other EngineConfig.step_kernel values to compare, e.g. "
                                                         "persistent")
     a = ap.parse_args()
@@ -168,6 +173,8 @@ def main() -> None:
                          for m in filter(None, a.grid_dependency.split(","))]
             variants += [profile_shape(name, a.tokens, backend, kernels=False, split_k=int(sk))
                          for sk in filter(None, a.split_k.split(","))]
+            variants += [profile_shape(name, a.tokens, backend, kernels=False, table_file=f)
+                         for f in filter(None, a.kernel_tables.split(","))]
             variants += [profile_shape(name, a.tokens, backend, step_kernel=sk)
                          for sk in filter(None, a.step_kernels.split(","))]
             for v in variants:
@@ -190,7 +197,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
-        print(f"| {r['shape']} | {r['backend']} | {r['step_kernel']} | {r['weight_format']} | {r.get('row_tile', 16)} | {r['split_k']} | "
+        print(f"| {r['shape']} | {r['backend']} | {r['step_kernel']}{' ' + os.path.basename(r['table_file']) if r['table_file'] else ''} | {r['weight_format']} | {r.get('row_tile', 16)} | {r['split_k']} | "
               f"{r['attn'] or 'default'} | {r.get('pdl') or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
               + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} | {'yes' if r['equal_to_native'] else 'NO'} |")
 

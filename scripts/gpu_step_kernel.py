@@ -26,6 +26,52 @@ from specpilot.kernels._common import capture_graph  # noqa: E402
 from specpilot.kernels.step_kernel import persistent_step  # noqa: E402
 
 
+def e2e_diff(sh, tokens: int = 256) -> dict:
+    """Generates with both step kernels (gpu_profile.py's prompt), finds the first differing token, then replays the
+    launches' sequence up to that step and compares every layer's output, the new KV row per layer and the logits
+    of one T=1 step through each path."""
+    from specpilot.engines.build import build_engine
+    from specpilot.engines.config import DrafterKind, EngineConfig
+    from specpilot.engines.fused import persistent_forward
+    dev = torch.device("cuda")
+    model = random_model(sh, torch.bfloat16, dev, seed=0)
+    prompt = torch.randint(3, sh.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
+    outs = {}
+    for sk in ("launches", "persistent"):
+        eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend="triton", max_seq_len=2048,
+                                        step_kernel=sk), model, frozenset(), "cuda")
+        outs[sk] = eng.generate(prompt, tokens).tokens
+        del eng
+    diffs = [i for i, (x, y) in enumerate(zip(outs["launches"], outs["persistent"])) if x != y]
+    res = {"differing_tokens": diffs}
+    if not diffs:
+        return res
+    i = diffs[0]
+    seq = prompt + outs["launches"][:i]  # the state before the differing step: its input is seq[-1]
+    tables = rope_tables_for(model, 2048 + 128, dev, persistent=True)
+    kv = torch.zeros(2, sh.layers, sh.kv_heads, 2048 + 64, sh.head_dim, dtype=torch.bfloat16, device=dev)
+    n = len(seq) - 1
+    ids = torch.tensor(seq[:n], device=dev)
+    pos = torch.arange(n, device=dev)
+    fused_forward(model, tables, ids, pos, pos, torch.zeros(1, dtype=torch.long, device=dev),
+                  torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)), kv[0], kv[1], want_logits=False)
+    ids, pos = torch.tensor(seq[n:], device=dev), torch.tensor([n], device=dev)
+    anc = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    layers = tuple(range(sh.layers))
+    kv_a, kv_b = kv.clone(), kv.clone()
+    la, aa, fa = fused_forward(model, tables, ids, pos, pos, pos, anc, kv_a[0], kv_a[1], capture=layers)
+    lb, ab, fb = persistent_forward(model, tables, ids, pos, pos, pos, anc, kv_b, 132, capture=layers)
+    fa = torch.cat(fa, dim=-1).view(1, sh.layers, -1)
+    fb = fb.view(1, sh.layers, -1)
+    layer_diff = [float((fa[0, j].float() - fb[0, j].float()).abs().max()) for j in range(sh.layers)]
+    kv_diff = [float((kv_a[:, j, :, n].float() - kv_b[:, j, :, n].float()).abs().max()) for j in range(sh.layers)]
+    res.update(step=i, position=n, argmax=(int(aa[0]), int(ab[0])), logit_max_diff=float((la - lb).abs().max()),
+               first_layer_out_diff=next((j for j, d in enumerate(layer_diff) if d), None),
+               first_layer_kv_diff=next((j for j, d in enumerate(kv_diff) if d), None), layer_out_diff=layer_diff,
+               kv_diff=kv_diff, top2_launches=la[0].float().topk(2).values.tolist())
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -34,9 +80,17 @@ def main() -> None:
     ap.add_argument("--variants", default="132:4:1,132:4:0,66:4:1,132:8:1")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=30, help="repeated bit checks of the grid-synchronised step")
+    ap.add_argument("--e2e-diff", action="store_true", help="only: locate where 256 AR tokens of the two differ")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     sh = SHAPES[a.shape]
+    if a.e2e_diff:
+        res = e2e_diff(sh)
+        json.dump(res, open(os.path.join(a.out, "e2e_diff.json"), "w"), indent=1)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("layer_out_diff", "kv_diff")}))
+        print("layer out diff", [f"{d:.3g}" for d in res.get("layer_out_diff", [])])
+        print("kv diff", [f"{d:.3g}" for d in res.get("kv_diff", [])])
+        return
     dev = torch.device("cuda")
     model = random_model(sh, torch.bfloat16, dev, seed=0)
     tables = rope_tables_for(model, 4096 + 128, dev, persistent=True)
