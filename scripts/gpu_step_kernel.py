@@ -36,14 +36,27 @@ def e2e_diff(sh, tokens: int = 256) -> dict:
     dev = torch.device("cuda")
     model = random_model(sh, torch.bfloat16, dev, seed=0)
     prompt = torch.randint(3, sh.vocab, (40,), generator=torch.Generator().manual_seed(0)).tolist() * 3
-    outs = {}
+    outs, caches = {}, {}
     for sk in ("launches", "persistent"):
         eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend="triton", max_seq_len=2048,
                                         step_kernel=sk), model, frozenset(), "cuda")
         outs[sk] = eng.generate(prompt, tokens).tokens
+        caches[sk] = eng.target.kv.clone()
         del eng
     diffs = [i for i, (x, y) in enumerate(zip(outs["launches"], outs["persistent"])) if x != y]
     res = {"differing_tokens": diffs}
+    # each engine's KV cache against one prefill of its own token sequence (batch invariance says: equal)
+    for sk, toks in outs.items():
+        seq = prompt + toks[:-1]
+        n = len(seq)
+        t = rope_tables_for(model, 2048 + 128, dev)
+        kv = torch.zeros_like(caches[sk])
+        p = torch.arange(n, device=dev)
+        fused_forward(model, t, torch.tensor(seq, device=dev), p, p, torch.zeros(1, dtype=torch.long, device=dev),
+                      torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)), kv[0], kv[1], want_logits=False)
+        bad = (kv[:, :, :, :n] != caches[sk][:, :, :, :n]).flatten(0, 2).any(-1).any(0).nonzero().flatten().tolist()
+        res[f"kv_positions_differing_from_prefill_{sk}"] = bad[:20]
+        res[f"kv_positions_differing_count_{sk}"] = len(bad)
     if not diffs:
         return res
     i = diffs[0]
