@@ -85,6 +85,38 @@ def e2e_diff(sh, tokens: int = 256) -> dict:
     return res
 
 
+def position_sweep(sh, lo: int, hi: int) -> dict:
+    """One T=1 step at every position lo..hi-1 from a state prefilled by the launches (random tokens): positions
+    where the persistent step's logits or new KV row differ from the launches', with the first differing layer."""
+    from specpilot.engines.fused import persistent_forward
+    dev = torch.device("cuda")
+    model = random_model(sh, torch.bfloat16, dev, seed=0)
+    tables = rope_tables_for(model, 2048 + 128, dev, persistent=True)
+    kv = torch.zeros(2, sh.layers, sh.kv_heads, 2048 + 64, sh.head_dim, dtype=torch.bfloat16, device=dev)
+    seq = torch.randint(3, sh.vocab, (hi + 1,), generator=torch.Generator().manual_seed(1)).to(dev)
+    p = torch.arange(hi, device=dev)
+    fused_forward(model, tables, seq[:hi], p, p, torch.zeros(1, dtype=torch.long, device=dev),
+                  torch.tril(torch.ones(hi, hi, dtype=torch.bool, device=dev)), kv[0], kv[1], want_logits=False)
+    layers = tuple(range(sh.layers))
+    anc = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    bad = []
+    for n in range(lo, hi):
+        pos = torch.tensor([n], device=dev)
+        kv_a, kv_b = kv.clone(), kv.clone()
+        la, _, fa = fused_forward(model, tables, seq[n:n + 1], pos, pos, pos, anc, kv_a[0], kv_a[1], capture=layers)
+        lb, _, fb = persistent_forward(model, tables, seq[n:n + 1], pos, pos, pos, anc, kv_b, 132, capture=layers)
+        if not torch.equal(la, lb) or not torch.equal(kv_a, kv_b):
+            fa = torch.cat(fa, dim=-1).view(sh.layers, -1)
+            fb = fb.view(sh.layers, -1)
+            kvd = [bool((kv_a[:, j, :, n] != kv_b[:, j, :, n]).any()) for j in range(sh.layers)]
+            outd = [bool((fa[j] != fb[j]).any()) for j in range(sh.layers)]
+            bad.append({"position": n, "first_kv_layer": kvd.index(True) if True in kvd else None,
+                        "first_out_layer": outd.index(True) if True in outd else None,
+                        "k_differs": bool((kv_a[0, :, :, n] != kv_b[0, :, :, n]).any()),
+                        "v_differs": bool((kv_a[1, :, :, n] != kv_b[1, :, :, n]).any())})
+    return {"lo": lo, "hi": hi, "mismatches": len(bad), "first": bad[:10]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -93,10 +125,16 @@ def main() -> None:
     ap.add_argument("--variants", default="132:4:1,132:4:0,66:4:1,132:8:1")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=30, help="repeated bit checks of the grid-synchronised step")
+    ap.add_argument("--sweep", default="", help="only: LO:HI one-step bit checks at every position in LO..HI-1")
     ap.add_argument("--e2e-diff", action="store_true", help="only: locate where 256 AR tokens of the two differ")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     sh = SHAPES[a.shape]
+    if a.sweep:
+        res = position_sweep(sh, *map(int, a.sweep.split(":")))
+        json.dump(res, open(os.path.join(a.out, "sweep.json"), "w"), indent=1)
+        print(json.dumps(res))
+        return
     if a.e2e_diff:
         res = e2e_diff(sh)
         json.dump(res, open(os.path.join(a.out, "e2e_diff.json"), "w"), indent=1)
