@@ -91,49 +91,35 @@ def _fence(x, FENCE: tl.constexpr):
     return x
 
 
+FLAG_STRIDE = 8  # int32s between two programs' progress flags: one 32-byte sector each, no shared writes
+
+
 @triton.jit
-def _arrive(cnt_ptr, FENCE: tl.constexpr):
-    """Counts this program's arrival once every thread's stores of the stage are visible (release)."""
+def _publish(flags_ptr, pid, done, FENCE: tl.constexpr, STRIDE: tl.constexpr):
+    """This program has finished stages < done: every thread's stores are made visible, then its flag is set."""
     f = _fence(tl.zeros([1], dtype=tl.int32), FENCE)
     tl.debug_barrier()
-    tl.atomic_add(cnt_ptr, 1 + tl.sum(f, axis=0), sem="release")
+    tl.atomic_xchg(flags_ptr + pid * STRIDE, done + tl.sum(f, axis=0), sem="release")
 
 
 @triton.jit
-def _wait(cnt_ptr, target, GRID_SYNC: tl.constexpr, FENCE: tl.constexpr):
-    """Spins until cnt_ptr holds target arrivals, then acquires them: the producers' stores are visible to every
-    thread of this program after it."""
+def _wait_all(flags_ptr, stage, GRID_SYNC: tl.constexpr, FENCE: tl.constexpr, NPROG: tl.constexpr,
+              NP2: tl.constexpr, STRIDE: tl.constexpr):
+    """Spins until every program has finished the stages < `stage` (one load of all flags per poll: no atomic
+    on a shared counter), then fences: their stores are visible to every thread here."""
     if GRID_SYNC:
-        n = tl.load(cnt_ptr, volatile=True)
-        while n < target:  # plain polls: no read-modify-write traffic on the counter the producers add to
-            n = tl.load(cnt_ptr, volatile=True)
-        n = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-        while n < target:  # never loops once the polls saw the count; its use of n keeps the acquire (an unused
-            n = tl.atomic_add(cnt_ptr, 0, sem="acquire")  # add-0 atomic is compiled away)
+        i = tl.arange(0, NP2)
+        m = tl.min(tl.load(flags_ptr + i * STRIDE, mask=i < NPROG, other=2147483647, volatile=True), axis=0)
+        while m < stage:
+            m = tl.min(tl.load(flags_ptr + i * STRIDE, mask=i < NPROG, other=2147483647, volatile=True), axis=0)
         tl.debug_barrier()
-        n = _fence(tl.zeros([1], dtype=tl.int32) + n, FENCE)
+        _fence(tl.zeros([1], dtype=tl.int32) + m, FENCE)
         tl.debug_barrier()
-    else:
-        n = target
-    return n
-
-
-@triton.jit
-def _arrivals(kind, T, n_att_m, _BLOCK_M: tl.constexpr, NPROG: tl.constexpr, KVH: tl.constexpr,
-              N_QKV: tl.constexpr, HID: tl.constexpr, INTER: tl.constexpr, BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr,
-              BN_D: tl.constexpr):
-    """Arrivals that complete stage `kind` of a layer: each program with work items counts one; attention counts
-    one per (row tile, kv head) combined."""
-    m = tl.cdiv(T, _BLOCK_M)
-    n = tl.where(kind == 0, m * tl.cdiv(N_QKV, BN_QKV),
-                 tl.where(kind == 2, m * tl.cdiv(HID, BN_O),
-                          tl.where(kind == 3, m * tl.cdiv(INTER, BN_GU), m * tl.cdiv(HID, BN_D))))
-    return tl.where(kind == 1, n_att_m * KVH, tl.minimum(n, NPROG))
 
 
 @triton.jit(do_not_specialize=["T", "STAGE_LO", "STAGE_HI"])
 def _decode_step_kernel(
-        x_ptr, q_ptr, o_ptr, act_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, att_cnt_ptr, sync_ptr,
+        x_ptr, q_ptr, o_ptr, act_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, att_cnt_ptr, flags_ptr,
         pos_ptr, slot_ptr, base_ptr, anc_ptr, bslot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         wqkv_ptr, ln1_ptr, wo_ptr, ln2_ptr, wgu_ptr, wd_ptr, lnf_ptr, whead_ptr,
         logits_ptr, pmax_ptr, pidx_ptr, argmax_ptr, feat_ptr, cap_ptr,
@@ -145,7 +131,7 @@ def _decode_step_kernel(
         BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, ATT_BN: tl.constexpr, ATT_SPLIT: tl.constexpr,
         HAS_SLOTS: tl.constexpr, STORE_LOGITS: tl.constexpr, N_CAP: tl.constexpr, DOT_PREC: tl.constexpr, NPROG: tl.constexpr,
         GRID_SYNC: tl.constexpr, FENCE: tl.constexpr, PF: tl.constexpr, BLOCK_T: tl.constexpr, _STAGES: tl.constexpr,
-        _BLOCK_M: tl.constexpr, _SPLIT_GROUP: tl.constexpr):
+        _BLOCK_M: tl.constexpr, _SPLIT_GROUP: tl.constexpr, NP2: tl.constexpr, STRIDE: tl.constexpr):
     pid = tl.program_id(0)
     G: tl.constexpr = HEADS // KVH
     QD: tl.constexpr = HEADS * D
@@ -160,25 +146,21 @@ def _decode_step_kernel(
     for s in range(STAGE_LO, STAGE_HI):
         layer = s // _STAGES
         kind = s % _STAGES
-        prev = (s - 1) % _STAGES
-        need = _arrivals(prev, T, n_att_m, _BLOCK_M, NPROG, KVH, N_QKV, HID, INTER, BN_QKV, BN_O, BN_GU, BN_D)
         if s == L * _STAGES:  # LM head: norm + projection with the argmax in its epilogue
             items = m_tiles * tl.cdiv(VOCAB, BN_HEAD)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
+                _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, lnf_ptr, whead_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
-                                           x_ptr, 1, x_ptr, logits_ptr, x_ptr, pmax_ptr, pidx_ptr, sync_ptr, sync_ptr,
+                                           x_ptr, 1, x_ptr, logits_ptr, x_ptr, pmax_ptr, pidx_ptr, flags_ptr, flags_ptr,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, 1, T, VOCAB, HID,
                                            tl.cdiv(HID, BK_HEAD) * BK_HEAD, eps, False, False, DOT_PREC, False,
                                            STORE_LOGITS, True, 0, 1, 1, 1, _BLOCK_M, BN_HEAD, BK_HEAD, 1, 0, 0)
-                f = _fence(tl.zeros([1], dtype=tl.int32), FENCE)
-                tl.debug_barrier()
-                done = tl.atomic_add(sync_ptr + s, 1 + tl.sum(f, axis=0), sem="acq_rel")
-                if done == tl.minimum(items, NPROG) - 1:  # the last to arrive picks each row's winner
-                    _fence(f, FENCE)
-                    for row in range(0, T):
-                        argmax_combine_row(row, pmax_ptr, pidx_ptr, argmax_ptr, tl.cdiv(VOCAB, BN_HEAD), BLOCK_T)
+        elif s == L * _STAGES + 1:  # each row's winner over the LM head's column tiles
+            if pid == 0:
+                _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                for row in range(0, T):
+                    argmax_combine_row(row, pmax_ptr, pidx_ptr, argmax_ptr, tl.cdiv(VOCAB, BN_HEAD), BLOCK_T)
         elif kind == 0:  # norm + QKV, rotary, k/v into the cache
             _prefetch_share(wo_ptr + layer * HID * QD, HID * QD, pid, NPROG, PF)
             _prefetch_share(wgu_ptr + layer * 2 * INTER * HID, 2 * INTER * HID, pid, NPROG, PF)
@@ -188,20 +170,19 @@ def _decode_step_kernel(
             items = m_tiles * tl.cdiv(N_QKV, BN_QKV)
             if pid < items:
                 if s > 0:
-                    _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
+                    _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, ln1_ptr + layer * HID, wqkv_ptr + layer * N_QKV * HID,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, x_ptr, q_ptr, x_ptr, x_ptr,
-                                           x_ptr, sync_ptr, sync_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
+                                           x_ptr, flags_ptr, flags_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
                                            kc_ptr + layer * kv_layer, vc_ptr + layer * kv_layer, S, max_pos, T,
                                            N_QKV, HID, tl.cdiv(HID, BK_QKV) * BK_QKV, eps, False, False, DOT_PREC,
                                            False, True, False, 2, HEADS, KVH, D // 2, _BLOCK_M, BN_QKV, BK_QKV, 1, 0,
                                            0)
-                _arrive(sync_ptr + s, FENCE)
         elif kind == 1:  # attention: split pass; the last split of a (row tile, kv head) combines its rows
             items = n_att_m * KVH * n_live
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
+                _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
                 for v in range(pid, items, NPROG):
                     split = v % n_live
                     tile = v // n_live  # = pid_m * KVH + kvh
@@ -228,34 +209,31 @@ def _decode_step_kernel(
                             if ok:
                                 attn_combine_row(row, ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, 0, S, HEADS,
                                                  D, True, ATT_SPLIT, _SPLIT_GROUP)
-                        _arrive(sync_ptr + s, FENCE)
         elif kind == 2:  # o_proj + residual, in place on the stream (each program owns its columns)
             items = m_tiles * tl.cdiv(HID, BN_O)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
+                _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
                 for v in range(pid, items, NPROG):
                     linear_program(v, o_ptr, wo_ptr + layer * HID * QD, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1,
-                                   x_ptr, x_ptr, x_ptr, sync_ptr, sync_ptr, T, HID, QD, tl.cdiv(QD, BK_O) * BK_O, QD,
+                                   x_ptr, x_ptr, x_ptr, flags_ptr, flags_ptr, T, HID, QD, tl.cdiv(QD, BK_O) * BK_O, QD,
                                    False, False, True, DOT_PREC, False, _BLOCK_M, BN_O, BK_O, 1, 0, 0)
-                _arrive(sync_ptr + s, FENCE)
         elif kind == 3:  # norm + gate_up + SwiGLU
             items = m_tiles * tl.cdiv(INTER, BN_GU)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
+                _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, ln2_ptr + layer * HID, wgu_ptr + layer * 2 * INTER * HID,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, x_ptr, act_ptr, x_ptr, x_ptr,
-                                           x_ptr, sync_ptr, sync_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, 1,
+                                           x_ptr, flags_ptr, flags_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, 1,
                                            T, INTER, HID, tl.cdiv(HID, BK_GU) * BK_GU, eps, False, False, DOT_PREC,
                                            False, True, False, 1, 1, 1, 1, _BLOCK_M, BN_GU, BK_GU, 1, 0, 0)
-                _arrive(sync_ptr + s, FENCE)
         else:  # down + residual, in place on the stream
             items = m_tiles * tl.cdiv(HID, BN_D)
             if pid < items:
-                _wait(sync_ptr + s - 1, need, GRID_SYNC, FENCE)
+                _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
                 for v in range(pid, items, NPROG):
                     linear_program(v, act_ptr, wd_ptr + layer * HID * INTER, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
-                                   x_ptr, 1, x_ptr, x_ptr, x_ptr, sync_ptr, sync_ptr, T, HID, INTER,
+                                   x_ptr, 1, x_ptr, x_ptr, x_ptr, flags_ptr, flags_ptr, T, HID, INTER,
                                    tl.cdiv(INTER, BK_D) * BK_D, INTER, False, False, True, DOT_PREC, False, _BLOCK_M,
                                    BN_D, BK_D, 1, 0, 0)
                 if N_CAP > 0:  # a captured layer: its output tiles also go to the features (block drafters)
@@ -269,7 +247,7 @@ def _decode_step_kernel(
                             ok = (rows < T)[:, None] & (cols < HID)[None, :]
                             h = tl.load(x_ptr + rows[:, None] * HID + cols[None, :], mask=ok)
                             tl.store(feat_ptr + rows[:, None] * (N_CAP * HID) + slot * HID + cols[None, :], h, mask=ok)
-                _arrive(sync_ptr + s, FENCE)
+        _publish(flags_ptr, pid, s + 1, FENCE, STRIDE)  # with or without work items in it
 
 
 @functools.lru_cache(maxsize=64)
@@ -330,7 +308,7 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
     ws_m, ws_l, ws_o = torch.empty(n_split * T * H, **f32), torch.empty(n_split * T * H, **f32), \
         torch.empty(n_split * T * H * D, **f32)
     att_cnt = torch.zeros(n_att_m * KVH, dtype=torch.int32, device=dev)
-    sync = torch.zeros(STAGES_PER_LAYER * L + 1, dtype=torch.int32, device=dev)
+    flags = torch.zeros(programs * FLAG_STRIDE, dtype=torch.int32, device=dev)
     n_tiles = triton.cdiv(vocab, block_n["lm_head"])
     logits = torch.empty((T, vocab) if store_logits else (1, 1), **f32)
     pmax, pidx = torch.empty(T, n_tiles, **f32), torch.empty(T, n_tiles, dtype=torch.int32, device=dev)
@@ -340,10 +318,14 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
         raise ValueError(f"capture={capture} names layers outside 0..{L - 1}")
     feats = torch.empty(T, len(cap) * hidden, dtype=dt, device=dev) if cap else x
     cap_slot = _capture_slots(cap, L, dev)
-    stages = [(0, STAGES_PER_LAYER * L + 1)] if grid_sync else [(s, s + 1) for s in range(STAGES_PER_LAYER * L + 1)]
+    n_stages = STAGES_PER_LAYER * L + 2  # the layers', the LM head, the argmax
+    stages = [(0, n_stages)] if grid_sync else [(s, s + 1) for s in range(n_stages)]
+    # on the GPU: a cooperative launch (all programs resident, or a launch error instead of a deadlock), and loads
+    # that skip L1 (-dlcm=cg): a program re-reads activations that other SMs rewrote since it last read them
+    gpu = {"launch_cooperative_grid": True, "ptx_options": "-dlcm=cg"} if grid_sync and dev.type == "cuda" else {}
     for lo, hi in stages:
         _decode_step_kernel[(programs,)](
-            x, q, o, act, ws_m, ws_l, ws_o, att_cnt, sync, positions, slots, base, anc.view(torch.uint8),
+            x, q, o, act, ws_m, ws_l, ws_o, att_cnt, flags, positions, slots, base, anc.view(torch.uint8),
             block_slots if block_slots is not None else positions, cos, sin, k_cache, v_cache,
             w.qkv, w.ln1, w.o, w.ln2, w.gate_up, w.down, w.norm, w.head, logits, pmax, pidx, argmax, feats, cap_slot,
             T, S, cos.shape[0], 0 if block_slots is None else block_slots.shape[1], float(w.eps), LOG2E / D ** 0.5,
@@ -354,6 +336,7 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
             ATT_SPLIT=attention["split_keys"], HAS_SLOTS=block_slots is not None, STORE_LOGITS=store_logits,
             N_CAP=len(cap),            DOT_PREC=dot_precision(dt), NPROG=programs, GRID_SYNC=grid_sync, FENCE=dev.type == "cuda",
             PF=dev.type == "cuda" if prefetch is None else prefetch, BLOCK_T=triton.next_power_of_2(n_tiles),
-            _STAGES=STAGES_PER_LAYER, _BLOCK_M=BLOCK_M, _SPLIT_GROUP=SPLIT_GROUP, num_warps=num_warps,
-            num_stages=num_stages, **NO_FP_FUSION)
+            _STAGES=STAGES_PER_LAYER, _BLOCK_M=BLOCK_M, _SPLIT_GROUP=SPLIT_GROUP,
+            NP2=triton.next_power_of_2(programs), STRIDE=FLAG_STRIDE, num_warps=num_warps, num_stages=num_stages,
+            **NO_FP_FUSION, **gpu)
     return (logits if store_logits else None), argmax, (feats if cap else None)
