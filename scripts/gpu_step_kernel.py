@@ -117,6 +117,44 @@ def position_sweep(sh, lo: int, hi: int) -> dict:
     return {"lo": lo, "hi": hi, "mismatches": len(bad), "first": bad[:10]}
 
 
+def stage_trace(sh, ctx: int) -> dict:
+    """Per stage kind: median over layers of (wait, work, publish) in us, the programs' max, from %globaltimer
+    stamps of one T=1 step after a ctx-token prefill."""
+    import numpy as np
+    from specpilot.engines.fused import persistent_order
+    dev = torch.device("cuda")
+    model = random_model(sh, torch.bfloat16, dev, seed=0)
+    tables = rope_tables_for(model, 2048 + 128, dev, persistent=True)
+    kv = torch.zeros(2, sh.layers, sh.kv_heads, 2048 + 64, sh.head_dim, dtype=torch.bfloat16, device=dev)
+    seq = torch.randint(3, sh.vocab, (ctx + 1,), generator=torch.Generator().manual_seed(1)).to(dev)
+    p = torch.arange(ctx, device=dev)
+    fused_forward(model, tables, seq[:ctx], p, p, torch.zeros(1, dtype=torch.long, device=dev),
+                  torch.tril(torch.ones(ctx, ctx, dtype=torch.bool, device=dev)), kv[0], kv[1], want_logits=False)
+    pos = torch.tensor([ctx], device=dev)
+    block_k, att = persistent_order(model, tables, 1)
+    n_st = 5 * sh.layers + 2
+    tr = torch.zeros(132, n_st, 3, dtype=torch.int64, device=dev)
+    for _ in range(3):
+        x = torch.nn.functional.embedding(seq[ctx:], model.embed_tokens.weight)
+        persistent_step(x, tables.stacked, kv[0], kv[1], tables.cos, tables.sin, pos, pos, pos,
+                        torch.ones(1, 1, dtype=torch.bool, device=dev), block_k=block_k, block_n=PERSISTENT_BLOCK_N,
+                        attention=att, programs=132, trace=tr)
+    torch.cuda.synchronize()
+    t = tr.cpu().numpy().astype(np.float64)
+    t0 = t[:, 0, 0].min()
+    res = {"step_us": (t[:, :, 2].max() - t0) / 1e3, "kinds": {}}
+    names = ["qkv", "attention", "o_proj", "gate_up", "down"]
+    for k, name in enumerate(names):
+        ss = [s for s in range(n_st - 2) if s % 5 == k and s >= 5]
+        # stage span: from the last program's publish of the previous stage to the last publish of this one
+        span = [t[:, s, 2].max() - t[:, s - 1, 2].max() for s in ss]
+        wait = [np.median(t[:, s, 1] - t[:, s, 0]) for s in ss]
+        work = [np.median(t[:, s, 2] - t[:, s, 1]) for s in ss]
+        res["kinds"][name] = {"span_us": float(np.median(span)) / 1e3, "median_wait_us": float(np.median(wait)) / 1e3,
+                              "median_work_us": float(np.median(work)) / 1e3}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -125,11 +163,17 @@ def main() -> None:
     ap.add_argument("--variants", default="132:4:1,132:4:0,66:4:1,132:8:1")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=30, help="repeated bit checks of the grid-synchronised step")
+    ap.add_argument("--trace", action="store_true", help="only: where one step's time goes, per stage kind")
     ap.add_argument("--sweep", default="", help="only: LO:HI one-step bit checks at every position in LO..HI-1")
     ap.add_argument("--e2e-diff", action="store_true", help="only: locate where 256 AR tokens of the two differ")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     sh = SHAPES[a.shape]
+    if a.trace:
+        res = stage_trace(sh, a.context)
+        json.dump(res, open(os.path.join(a.out, "trace.json"), "w"), indent=1)
+        print(json.dumps(res, indent=1))
+        return
     if a.sweep:
         res = position_sweep(sh, *map(int, a.sweep.split(":")))
         json.dump(res, open(os.path.join(a.out, "sweep.json"), "w"), indent=1)

@@ -95,6 +95,16 @@ FLAG_STRIDE = 8  # int32s between two programs' progress flags: one 32-byte sect
 
 
 @triton.jit
+def _stamp(trace_ptr, pid, s, k: tl.constexpr, N_ST: tl.constexpr, TRACE: tl.constexpr):
+    """Diagnostics: trace[pid, s, k] = the GPU's global nanosecond timer (k: 0 stage start, 1 after the wait,
+    2 published)."""
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [tl.zeros([1], dtype=tl.int32)],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(trace_ptr + (pid * N_ST + s) * 3 + k + tl.arange(0, 1), t)
+
+
+@triton.jit
 def _publish(flags_ptr, pid, done, FENCE: tl.constexpr, STRIDE: tl.constexpr):
     """This program has finished stages < done: every thread's stores are made visible, then its flag is set."""
     f = _fence(tl.zeros([1], dtype=tl.int32), FENCE)
@@ -104,7 +114,8 @@ def _publish(flags_ptr, pid, done, FENCE: tl.constexpr, STRIDE: tl.constexpr):
 
 @triton.jit
 def _wait_all(flags_ptr, stage, GRID_SYNC: tl.constexpr, FENCE: tl.constexpr, NPROG: tl.constexpr,
-              NP2: tl.constexpr, STRIDE: tl.constexpr):
+              NP2: tl.constexpr, STRIDE: tl.constexpr,
+        N_ST: tl.constexpr = 1, TRACE: tl.constexpr = False):
     """Spins until every program has finished the stages < `stage` (one load of all flags per poll: no atomic
     on a shared counter), then fences: their stores are visible to every thread here."""
     if GRID_SYNC:
@@ -122,7 +133,7 @@ def _decode_step_kernel(
         x_ptr, q_ptr, o_ptr, act_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, att_cnt_ptr, flags_ptr,
         pos_ptr, slot_ptr, base_ptr, anc_ptr, bslot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         wqkv_ptr, ln1_ptr, wo_ptr, ln2_ptr, wgu_ptr, wd_ptr, lnf_ptr, whead_ptr,
-        logits_ptr, pmax_ptr, pidx_ptr, argmax_ptr, feat_ptr, cap_ptr,
+        logits_ptr, pmax_ptr, pidx_ptr, argmax_ptr, feat_ptr, cap_ptr, trace_ptr,
         T, S, max_pos, A, eps, qk_scale, STAGE_LO, STAGE_HI,
         L: tl.constexpr, HID: tl.constexpr, HEADS: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr,
         INTER: tl.constexpr, VOCAB: tl.constexpr,
@@ -131,7 +142,8 @@ def _decode_step_kernel(
         BN_HEAD: tl.constexpr, BK_HEAD: tl.constexpr, ATT_BN: tl.constexpr, ATT_SPLIT: tl.constexpr,
         HAS_SLOTS: tl.constexpr, STORE_LOGITS: tl.constexpr, N_CAP: tl.constexpr, DOT_PREC: tl.constexpr, NPROG: tl.constexpr,
         GRID_SYNC: tl.constexpr, FENCE: tl.constexpr, PF: tl.constexpr, BLOCK_T: tl.constexpr, _STAGES: tl.constexpr,
-        _BLOCK_M: tl.constexpr, _SPLIT_GROUP: tl.constexpr, NP2: tl.constexpr, STRIDE: tl.constexpr):
+        _BLOCK_M: tl.constexpr, _SPLIT_GROUP: tl.constexpr, NP2: tl.constexpr, STRIDE: tl.constexpr,
+        N_ST: tl.constexpr = 1, TRACE: tl.constexpr = False):
     pid = tl.program_id(0)
     G: tl.constexpr = HEADS // KVH
     QD: tl.constexpr = HEADS * D
@@ -144,12 +156,14 @@ def _decode_step_kernel(
     if STAGE_LO == 0:
         _prefetch_share(wqkv_ptr, N_QKV * HID, pid, NPROG, PF)
     for s in range(STAGE_LO, STAGE_HI):
+        _stamp(trace_ptr, pid, s, 0, N_ST, TRACE)
         layer = s // _STAGES
         kind = s % _STAGES
         if s == L * _STAGES:  # LM head: norm + projection with the argmax in its epilogue
             items = m_tiles * tl.cdiv(VOCAB, BN_HEAD)
             if pid < items:
                 _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, lnf_ptr, whead_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
                                            x_ptr, 1, x_ptr, logits_ptr, x_ptr, pmax_ptr, pidx_ptr, flags_ptr, flags_ptr,
@@ -159,6 +173,7 @@ def _decode_step_kernel(
         elif s == L * _STAGES + 1:  # each row's winner over the LM head's column tiles
             if pid == 0:
                 _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for row in range(0, T):
                     argmax_combine_row(row, pmax_ptr, pidx_ptr, argmax_ptr, tl.cdiv(VOCAB, BN_HEAD), BLOCK_T)
         elif kind == 0:  # norm + QKV, rotary, k/v into the cache
@@ -171,6 +186,7 @@ def _decode_step_kernel(
             if pid < items:
                 if s > 0:
                     _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                    _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, ln1_ptr + layer * HID, wqkv_ptr + layer * N_QKV * HID,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, x_ptr, q_ptr, x_ptr, x_ptr,
@@ -183,6 +199,7 @@ def _decode_step_kernel(
             items = n_att_m * KVH * n_live
             if pid < items:
                 _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for v in range(pid, items, NPROG):
                     split = v % n_live
                     tile = v // n_live  # = pid_m * KVH + kvh
@@ -213,6 +230,7 @@ def _decode_step_kernel(
             items = m_tiles * tl.cdiv(HID, BN_O)
             if pid < items:
                 _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for v in range(pid, items, NPROG):
                     linear_program(v, o_ptr, wo_ptr + layer * HID * QD, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1,
                                    x_ptr, x_ptr, x_ptr, flags_ptr, flags_ptr, T, HID, QD, tl.cdiv(QD, BK_O) * BK_O, QD,
@@ -221,6 +239,7 @@ def _decode_step_kernel(
             items = m_tiles * tl.cdiv(INTER, BN_GU)
             if pid < items:
                 _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for v in range(pid, items, NPROG):
                     rmsnorm_linear_program(v, x_ptr, x_ptr, ln2_ptr + layer * HID, wgu_ptr + layer * 2 * INTER * HID,
                                            x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 1, x_ptr, act_ptr, x_ptr, x_ptr,
@@ -231,6 +250,7 @@ def _decode_step_kernel(
             items = m_tiles * tl.cdiv(HID, BN_D)
             if pid < items:
                 _wait_all(flags_ptr, s, GRID_SYNC, FENCE, NPROG, NP2, STRIDE)
+                _stamp(trace_ptr, pid, s, 1, N_ST, TRACE)
                 for v in range(pid, items, NPROG):
                     linear_program(v, act_ptr, wd_ptr + layer * HID * INTER, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr,
                                    x_ptr, 1, x_ptr, x_ptr, x_ptr, flags_ptr, flags_ptr, T, HID, INTER,
@@ -248,6 +268,7 @@ def _decode_step_kernel(
                             h = tl.load(x_ptr + rows[:, None] * HID + cols[None, :], mask=ok)
                             tl.store(feat_ptr + rows[:, None] * (N_CAP * HID) + slot * HID + cols[None, :], h, mask=ok)
         _publish(flags_ptr, pid, s + 1, FENCE, STRIDE)  # with or without work items in it
+        _stamp(trace_ptr, pid, s, 2, N_ST, TRACE)
 
 
 @functools.lru_cache(maxsize=64)
@@ -264,7 +285,8 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
                     base: torch.Tensor, anc: torch.Tensor, *, block_slots: torch.Tensor | None = None,
                     block_k: dict[str, int], block_n: dict[str, int], attention: dict[str, int],
                     programs: int, store_logits: bool = False, capture: tuple[int, ...] = (), num_warps: int = 4,
-                    num_stages: int = 2, grid_sync: bool | None = None, prefetch: bool | None = None):
+                    num_stages: int = 2, grid_sync: bool | None = None, prefetch: bool | None = None,
+                    trace: torch.Tensor | None = None):
     """One forward of T tokens through every layer and the LM head: (logits fp32 [T, V] or None, argmax [T],
     features [T, len(capture) * hidden] or None: the outputs of the layers in `capture`, in layer order).
 
@@ -328,6 +350,7 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
             x, q, o, act, ws_m, ws_l, ws_o, att_cnt, flags, positions, slots, base, anc.view(torch.uint8),
             block_slots if block_slots is not None else positions, cos, sin, k_cache, v_cache,
             w.qkv, w.ln1, w.o, w.ln2, w.gate_up, w.down, w.norm, w.head, logits, pmax, pidx, argmax, feats, cap_slot,
+            flags if trace is None else trace,
             T, S, cos.shape[0], 0 if block_slots is None else block_slots.shape[1], float(w.eps), LOG2E / D ** 0.5,
             lo, hi, L=L, HID=hidden, HEADS=H, KVH=KVH, D=D, INTER=inter, VOCAB=vocab,
             BN_QKV=block_n["qkv"], BK_QKV=block_k["qkv"], BN_O=block_n["o_proj"], BK_O=block_k["o_proj"],
@@ -337,6 +360,6 @@ def persistent_step(x: torch.Tensor, w: StackedLlama, k_cache: torch.Tensor, v_c
             N_CAP=len(cap),            DOT_PREC=dot_precision(dt), NPROG=programs, GRID_SYNC=grid_sync, FENCE=dev.type == "cuda",
             PF=dev.type == "cuda" if prefetch is None else prefetch, BLOCK_T=triton.next_power_of_2(n_tiles),
             _STAGES=STAGES_PER_LAYER, _BLOCK_M=BLOCK_M, _SPLIT_GROUP=SPLIT_GROUP,
-            NP2=triton.next_power_of_2(programs), STRIDE=FLAG_STRIDE, num_warps=num_warps, num_stages=num_stages,
+            NP2=triton.next_power_of_2(programs), STRIDE=FLAG_STRIDE, N_ST=n_stages, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages,
             **NO_FP_FUSION, **gpu)
     return (logits if store_logits else None), argmax, (feats if cap else None)
