@@ -160,7 +160,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--variants", default="132:4:1,132:4:0,66:4:1,132:8:1")
+    ap.add_argument("--variants", default="132:4:1,132:4:0,66:4:1,132:8:1",
+                    help="programs:num_warps:prefetch[:num_stages] per timed variant")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=30, help="repeated bit checks of the grid-synchronised step")
     ap.add_argument("--trace", action="store_true", help="only: where one step's time goes, per stage kind")
@@ -209,11 +210,12 @@ def main() -> None:
         def launches(kv_=kv, want=True):
             return fused_forward(model, tables, ids, pos, pos, base, anc, kv_[0], kv_[1], want_logits=want)[:2]
 
-        def persistent(kv_=kv, programs=132, warps=4, pf=True, sync=True, want=True):
+        def persistent(kv_=kv, programs=132, warps=4, pf=True, sync=True, want=True, stages=2):
             x = torch.nn.functional.embedding(ids, model.embed_tokens.weight)
             return persistent_step(x, tables.stacked, kv_[0], kv_[1], tables.cos, tables.sin, pos, pos, base, anc,
                                    block_k=block_k, block_n=PERSISTENT_BLOCK_N, attention=att, programs=programs,
-                                   store_logits=want, num_warps=warps, grid_sync=sync, prefetch=pf)[:2]
+                                   store_logits=want, num_warps=warps, num_stages=stages, grid_sync=sync,
+                                   prefetch=pf)[:2]
         kv_ref = kv.clone()
         want_l, want_a = launches(kv_ref)
         for label, fn in (("grid_sync", lambda k: persistent(k)), ("per_stage", lambda k: persistent(k, sync=False)),
@@ -240,9 +242,10 @@ def main() -> None:
         kv_t = kv.clone()
         variants = [("launches", lambda: launches(kv_t, want=False))]
         for v in a.variants.split(","):
-            p, w, pf = (int(t) for t in v.split(":"))
-            variants.append((f"persistent {p}p {w}w pf{pf}",
-                             lambda p=p, w=w, pf=pf: persistent(kv_t, programs=p, warps=w, pf=bool(pf), want=False)))
+            p, w, pf, st = (int(t) for t in (v + ":2").split(":")[:4])
+            variants.append((f"persistent {p}p {w}w pf{pf} {st}st",
+                             lambda p=p, w=w, pf=pf, st=st: persistent(kv_t, programs=p, warps=w, pf=bool(pf),
+                                                                       want=False, stages=st)))
         for label, body in variants:
             try:
                 graph, _ = capture_graph(body, warmups=3)
