@@ -89,7 +89,7 @@ def row_tile_table(shape, row_tile: int, split_k: int = 1) -> tuple[tuple[str, s
 
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
                   row_tile: int = 16, weight_format: str = "native", pdl: str = "", split_k: int = 1,
-                  step_kernel: str = "launches", table_file: str = "") -> dict:
+                  table_file: str = "") -> dict:
     """One engine's numbers; pdl = MODE[:PREFETCH_MIB] names the kernels.pdl.GridDependency its graphs are captured
     with and the largest weight matrix its launches prefetch ("": the defaults)."""
     from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, grid_dependency
@@ -109,15 +109,14 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
         loaded = json.load(open(table_file))
         table += tuple(tuple(p) for p in (loaded["kernel_table"] if isinstance(loaded, dict) else loaded))
     eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
-                                    kernel_table=table, weight_format=weight_format, step_kernel=step_kernel),
-                       model, frozenset(), "cuda")
+                                    kernel_table=table, weight_format=weight_format), model, frozenset(), "cuda")
     eng.generate(prompt, tokens)  # same request size: the same graphs as the timed run
     torch.cuda.synchronize()
     r = eng.generate(prompt, tokens)
     e2e_ms = 1e3 * r.decode_s / tokens
     runner = eng.target
     out = {"shape": name, "backend": backend, "attn": attn, "row_tile": row_tile, "split_k": split_k,
-           "step_kernel": step_kernel, "table_file": table_file,
+           "table_file": table_file,
            "weight_bytes": weight_bytes,
            "weight_format": weight_format, "e2e_ar_ms": e2e_ms, "tokens": r.tokens}
     for width in (1, 2, 4, 8, 16):
@@ -149,8 +148,6 @@ def main() -> None:
     ap.add_argument("--split-k", default="", help="split-K factors of every projection to compare, e.g. 2,4")
     ap.add_argument("--kernel-tables", default="", help="kernel tables (JSON files, e.g. a tuner's summary.json) "
                                                          "to compare, comma-separated")
-    ap.add_argument("--step-kernels", default="", help="other EngineConfig.step_kernel values to compare, e.g. "
-                                                        "persistent")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
@@ -175,14 +172,8 @@ def main() -> None:
                          for sk in filter(None, a.split_k.split(","))]
             variants += [profile_shape(name, a.tokens, backend, kernels=False, table_file=f)
                          for f in filter(None, a.kernel_tables.split(","))]
-            variants += [profile_shape(name, a.tokens, backend, step_kernel=sk)
-                         for sk in filter(None, a.step_kernels.split(","))]
             for v in variants:
                 v["equal_to_native"] = v["tokens"] == r["tokens"]
-            for v in [v for v in variants if v["step_kernel"] != "launches"]:
-                print(f"\n## {name} {backend} step_kernel={v['step_kernel']}: kernels at width 1 (us)")
-                for k in v["kernels_w1"][:8]:
-                    print(f"  {k['total_us']:8.1f} {k['calls']:4d}x {k['mean_us']:6.2f}  {k['kernel']}")
             for v in variants[1:len(tiles)]:
                 print(f"\n## {name} {backend} row_tile={v['row_tile']}: top kernels at width 1 (us)")
                 for k in v["kernels_w1"][:8]:
@@ -192,12 +183,13 @@ def main() -> None:
                 res["runs"].append(v)
             json.dump(res, open(os.path.join(a.out, "profile.json"), "w"), indent=1)
     print(f"\nHBM read {res['hbm_read_gbs']:.0f} GB/s")
-    print("| shape | backend | step | weights | rows | split-K | attn split:block | PDL | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
+    print("| shape | backend | table | weights | rows | split-K | attn split:block | PDL | e2e AR ms | graph w1 | w2 | w4 | w8 | w16 | w16/w1 | "
           "floor ms | tokens = native |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         g = [r[f"graph_ms_w{w}"] for w in (1, 2, 4, 8, 16)]
-        print(f"| {r['shape']} | {r['backend']} | {r['step_kernel']}{' ' + os.path.basename(r['table_file']) if r['table_file'] else ''} | {r['weight_format']} | {r.get('row_tile', 16)} | {r['split_k']} | "
+        table = os.path.basename(r["table_file"]) or "default"
+        print(f"| {r['shape']} | {r['backend']} | {table} | {r['weight_format']} | {r.get('row_tile', 16)} | {r['split_k']} | "
               f"{r['attn'] or 'default'} | {r.get('pdl') or 'default'} | {r['e2e_ar_ms']:.3f} | " + " | ".join(f"{v:.3f}" for v in g)
               + f" | {g[4] / g[0]:.2f} | {r['floor_ms']:.3f} | {'yes' if r['equal_to_native'] else 'NO'} |")
 

@@ -74,41 +74,7 @@ PDL_KERNELS = [("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False
                  "EPI": 1, "H": 9, "KVH": 3, "HALF": 32, **TILE}, 8)]
 PDL_OPS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")
 
-# The persistent decode step (kernels/step_kernel.py) at SmolLM2 shapes, and the launches it reproduces compiled
-# with its tiles and warps: its dots must be theirs, stage by stage (the LM head's branch comes first in the code).
-from specpilot.kernels import step_kernel as sk
-STEP = {n: P for n in ("x_ptr", "q_ptr", "o_ptr", "act_ptr", "kc_ptr", "vc_ptr", "wqkv_ptr", "ln1_ptr", "wo_ptr",
-                       "ln2_ptr", "wgu_ptr", "wd_ptr", "lnf_ptr", "whead_ptr")}
-STEP.update({"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "att_cnt_ptr": "*i32", "flags_ptr": "*i32",
-             "pos_ptr": "*i64", "slot_ptr": "*i64", "base_ptr": "*i64", "anc_ptr": "*u8", "bslot_ptr": "*i64",
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "logits_ptr": "*fp32", "pmax_ptr": "*fp32", "pidx_ptr": "*i32",
-             "argmax_ptr": "*i64", "feat_ptr": P, "cap_ptr": "*i32", "T": "i32", "S": "i32", "max_pos": "i32", "A": "i32", "eps": "fp32",
-             "qk_scale": "fp32", "STAGE_LO": "i32", "STAGE_HI": "i32"})
-STEP_CONSTS = dict(L=30, HID=576, HEADS=9, KVH=3, D=64, INTER=1536, VOCAB=49152, BN_QKV=16, BK_QKV=128, BN_O=16,
-                   BK_O=128, BN_GU=16, BK_GU=128, BN_D=16, BK_D=128, BN_HEAD=64, BK_HEAD=128, ATT_BN=64, ATT_SPLIT=64,
-                   HAS_SLOTS=False, STORE_LOGITS=False, N_CAP=0, DOT_PREC="tf32", NPROG=132, GRID_SYNC=True, FENCE=True, PF=True,
-                   BLOCK_T=1024, _STAGES=5, _BLOCK_M=16, _SPLIT_GROUP=64, NP2=256, STRIDE=8)
-step_build = build(sk._decode_step_kernel, STEP, STEP_CONSTS)
-NORM_STEP = {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "BLOCK_M": 16,
-             "BLOCK_K": 128}
-LINEAR_STEP = {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 128}
-step_launches = (
-    dots(norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_STEP, "ARGMAX": True, "EPI": 0, "H": 1, "KVH": 1, "HALF": 1,
-                                                  "BLOCK_N": 64})
-    + dots(norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_STEP, "ARGMAX": False, "EPI": 2, "H": 9, "KVH": 3,
-                                                    "HALF": 32, "BLOCK_N": 16})
-    + dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False})
-    + dots(gemm._linear_kernel, LINEAR, LINEAR_STEP)
-    + dots(norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_STEP, "ARGMAX": False, "EPI": 1, "H": 1, "KVH": 1,
-                                                    "HALF": 1, "BLOCK_N": 16})
-    + dots(gemm._linear_kernel, LINEAR, LINEAR_STEP))
-
 print(json.dumps({
-    "step_kernel": dots(sk._decode_step_kernel, STEP, STEP_CONSTS),
-    "step_launches": step_launches,
-    "step_ptx": {op: step_build.asm["ptx"].count(op) for op in (
-        "griddepcontrol", "prefetch.global.L2", "fence.acq_rel.gpu", "ld.volatile.global",
-        "atom.global.gpu.release.exch", "atom.global.gpu.acq_rel.add")},
     "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
     "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True}),
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
@@ -180,17 +146,3 @@ def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compile
 def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
     assert compiled["split4_linear"] == compiled["linear"]
     assert compiled["split4_norm_linear_epi1"] == compiled["norm_linear_epi1"]
-
-
-def test_persistent_step_compiles_the_dots_of_the_launches(compiled):
-    """Stage by stage the persistent step's dots are the launches' (same tiles and warps), and its PTX synchronises
-    the stages through per-program progress flags (volatile polls, fences in every thread, release stores), without
-    PDL."""
-    assert compiled["step_kernel"] == compiled["step_launches"]
-    assert len(compiled["step_kernel"]) == 2 + 3 + 3 + 1 + 3 + 1
-    ptx = compiled["step_ptx"]
-    assert ptx["griddepcontrol"] == 0
-    assert ptx["prefetch.global.L2"] > 0
-    assert ptx["fence.acq_rel.gpu"] >= 3  # after each wait and before each publish or last-arrival count
-    assert ptx["ld.volatile.global"] >= 2 and ptx["atom.global.gpu.release.exch"] >= 1
-    assert ptx["atom.global.gpu.acq_rel.add"] >= 1  # attention's last split to arrive combines

@@ -45,12 +45,6 @@ class KernelBackend(str, Enum):
     TRITON = "triton"  # SpecPilot's fused Triton kernels
 
 
-class StepKernel(str, Enum):
-    """How the Triton backend runs a decode/verify forward of up to BLOCK_M tokens (same bits either way)."""
-    LAUNCHES = "launches"  # six kernel launches per layer (in a CUDA graph)
-    PERSISTENT = "persistent"  # one persistent kernel walking every layer (kernels/step_kernel.py)
-
-
 class DType(str, Enum):
     BF16 = "bfloat16"
     FP16 = "float16"
@@ -136,7 +130,6 @@ class EngineConfig(ConfigOps):
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
     kernel_backend: KernelBackend = KernelBackend.TORCH
-    step_kernel: StepKernel = StepKernel.LAUNCHES  # Triton backend: launches, or one persistent kernel per step
     # Exactness: every decode/verify forward runs at one fixed token count (token_tile) so every kernel sees
     # the same shapes and reduces each row in the same order; AR and speculative decoding then agree bit for
     # bit. Off = fastest shapes per step (AR at 1 token), exactness not claimed.
@@ -159,7 +152,7 @@ class EngineConfig(ConfigOps):
     def __post_init__(self) -> None:
         self._coerce_enums((("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
                             ("level_one_rule", LevelOneRule), ("weight_format", WeightFormat),
-                            ("kernel_backend", KernelBackend), ("step_kernel", StepKernel)))
+                            ("kernel_backend", KernelBackend)))
         _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
         _check(1 <= self.ngram_min <= self.ngram_max <= 16,
                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")
@@ -182,10 +175,6 @@ class EngineConfig(ConfigOps):
                                                         or self.dtype is not DType.BF16):
             raise ConfigError("weight_format=w12 decodes inside the Triton matmuls: it needs kernel_backend=triton "
                               "and dtype=bfloat16")
-        if self.step_kernel is StepKernel.PERSISTENT and (self.kernel_backend is not KernelBackend.TRITON
-                                                          or self.weight_format is not WeightFormat.NATIVE):
-            raise ConfigError("step_kernel=persistent runs the Triton kernels on native weights: it needs "
-                              "kernel_backend=triton and weight_format=native")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))

@@ -19,10 +19,7 @@ import torch.nn.functional as F
 
 from specpilot.engines.config import WeightFormat
 from specpilot.engines.llama import LlamaModel
-from specpilot.kernels._common import BLOCK_M
-from specpilot.kernels.gemm import BLOCK_K
 from specpilot.kernels.attn import AttentionParams
-from specpilot.kernels.step_kernel import StackedLlama, persistent_step
 from specpilot.kernels.table import LaunchTable
 from specpilot.weights.model import W12Weights
 
@@ -33,14 +30,13 @@ class FusedTables:
     sin: torch.Tensor
     w12: W12Weights | None = None  # the projections in W12 (weight_format=W12); None: read the model's bf16
     launch: LaunchTable = field(default_factory=LaunchTable)  # EngineConfig.kernel_table (tuned launch params)
-    stacked: StackedLlama | None = None  # the weights layer-major for the persistent step (stack_weights)
 
 
 def rope_tables_for(model: LlamaModel, max_positions: int, device,
                     weight_format: WeightFormat = WeightFormat.NATIVE, w12: W12Weights | None = None,
-                    kernel_table: tuple[tuple[str, str], ...] = (), persistent: bool = False) -> FusedTables:
+                    kernel_table: tuple[tuple[str, str], ...] = ()) -> FusedTables:
     """Rotary tables, the launch table, and for W12 the packed projections: `w12` (e.g. from a pack) or encoded
-    from the model; persistent: the weights stacked for the persistent step (stack_weights)."""
+    from the model."""
     from specpilot.kernels import rope_tables
     sh = model.shape
     cos, sin = rope_tables(max_positions, sh.head_dim, sh.rope_theta, device)
@@ -54,10 +50,7 @@ def rope_tables_for(model: LlamaModel, max_positions: int, device,
             packed.check_against(model)  # the engine's exactness rests on decoding to the very weights it runs
     elif w12 is not None:
         raise ValueError(f"W12 weights given but weight_format={weight_format.value}")
-    if persistent and packed is not None:
-        raise ValueError("the persistent step reads bf16 weights, not W12")
-    return FusedTables(cos.contiguous(), sin.contiguous(), packed, LaunchTable(tuple(kernel_table)),
-                       stack_weights(model) if persistent else None)
+    return FusedTables(cos.contiguous(), sin.contiguous(), packed, LaunchTable(tuple(kernel_table)))
 
 
 def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.NATIVE) -> None:
@@ -121,61 +114,3 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
                                     argmax=True, store_y=want_logits, **p_head)
     return logits, argmax, captured
-
-
-# The persistent step's column tile per work item (T-neutral, so any value keeps the launches' bits): the narrowest
-# tile the tensor-core dot takes, for the most work items per stage; the LM head's 49k columns need wider ones.
-PERSISTENT_BLOCK_N = {"qkv": 16, "o_proj": 16, "gate_up": 16, "down": 16, "lm_head": 64}
-
-
-def stack_weights(model: LlamaModel) -> StackedLlama:
-    """The model's weights layer-major (kernels/step_kernel.py). The modules' parameters are re-pointed at views of
-    the stacked tensors, so the model keeps one copy and the launches and the persistent step read the same memory."""
-    sh = model.shape
-    layers = model.layers
-    kinds = {"qkv": [lay.self_attn.qkv_proj for lay in layers], "o": [lay.self_attn.o_proj for lay in layers],
-             "gate_up": [lay.mlp.gate_up_proj for lay in layers], "down": [lay.mlp.down_proj for lay in layers],
-             "ln1": [lay.input_layernorm for lay in layers], "ln2": [lay.post_attention_layernorm for lay in layers]}
-    stacked = {}
-    with torch.no_grad():
-        for name, mods in kinds.items():
-            stacked[name] = torch.stack([m.weight for m in mods]).contiguous()
-            for i, m in enumerate(mods):
-                m.weight.data = stacked[name][i]
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return StackedLlama(norm=model.norm.weight, head=head, eps=sh.rms_eps, heads=sh.heads, kv_heads=sh.kv_heads,
-                        **stacked)
-
-
-def persistent_order(model: LlamaModel, tables: FusedTables, tokens: int) -> tuple[dict, dict]:
-    """(block_k per projection, attention's block_n and split_keys): the reduction order the launches use at this
-    token count (the launch table's, else the defaults), which the persistent step must reproduce. Refuses the
-    orders it does not run: split-K and one-row tiles."""
-    sh, lt = model.shape, tables.launch
-    shapes = {"qkv": (sh.q_dim + 2 * sh.kv_dim, sh.hidden), "o_proj": (sh.hidden, sh.q_dim),
-              "gate_up": (2 * sh.intermediate, sh.hidden), "down": (sh.hidden, sh.intermediate),
-              "lm_head": (sh.vocab, sh.hidden)}
-    block_k = {}
-    for name, (n, k) in shapes.items():
-        p = lt.get(name, n, k, tokens)
-        if p.get("split_k", 1) != 1 or p.get("row_tile", BLOCK_M) != BLOCK_M:
-            raise ValueError(f"the persistent step runs {name} without split-K and with {BLOCK_M}-row tiles; the "
-                             f"kernel table asks for {p}")
-        block_k[name] = p.get("block_k", BLOCK_K)
-    att = lt.get("attention", sh.q_dim, sh.kv_dim, tokens, **ATTENTION_ORDER)
-    return block_k, {"block_n": att["block_n"], "split_keys": att["split_keys"]}
-
-
-def persistent_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, kv: torch.Tensor,
-                       programs: int, capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True,
-                       grid_sync: bool | None = None):
-    """fused_forward's (logits or None, argmax, captured layer outputs concatenated [T, len(capture) * hidden] or
-    None) through the persistent step kernel (one launch on CUDA): the same bits. kv: the runner's
-    [2, L, kv_heads, S, D] cache; tables.stacked must hold the stacked weights."""
-    if tables.stacked is None or tables.w12 is not None:
-        raise ValueError("the persistent step needs stacked bf16 weights (rope_tables_for(..., persistent=True))")
-    block_k, att = persistent_order(model, tables, ids.shape[0])
-    x = F.embedding(ids, model.embed_tokens.weight)
-    return persistent_step(x, tables.stacked, kv[0], kv[1], tables.cos, tables.sin, positions, slots, base, anc,
-                           block_slots=block_slots, block_k=block_k, block_n=PERSISTENT_BLOCK_N, attention=att,
-                           programs=programs, store_logits=want_logits, capture=capture, grid_sync=grid_sync)

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specpilot.engines.config import EngineConfig, KernelBackend, StepKernel
-from specpilot.engines.fused import check_fusable, fused_forward, persistent_forward, rope_tables_for
-from specpilot.kernels._common import BLOCK_M
+from specpilot.engines.config import EngineConfig, KernelBackend
+from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_for
 from specpilot.engines.graphs import StepGraph, capture_decode, capture_step
 from specpilot.engines.layout import bucket as _bucket, verify_layout
 from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, visibility_mask
@@ -46,17 +45,10 @@ class ModelRunner:
         self.capture = tuple(capture)  # target layers whose outputs a block drafter reads
         sh = model.shape
         self.fused = None
-        # The persistent step kernel's grid: one program per SM (all resident: it synchronises them), or a few
-        # programs run a stage per launch under the interpreter. None: the six-launches-per-layer forward.
-        self.step_programs = None
         if cfg.kernel_backend is KernelBackend.TRITON:
             check_fusable(model)
-            persistent = cfg.step_kernel is StepKernel.PERSISTENT
             self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device, cfg.weight_format,
-                                         kernel_table=cfg.kernel_table, persistent=persistent)
-            if persistent:
-                self.step_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                                      if self.device.type == "cuda" else 4)
+                                         kernel_table=cfg.kernel_table)
         # Stock kernels are batch-invariant only at one fixed shape; the fused kernels are at any width.
         self.tile = cfg.token_tile if cfg.batch_invariant and self.fused is None else 0
         # Blocks pad to the fixed tile, or else to a power of two (a graph per bucket): the widest bucket must fit.
@@ -83,10 +75,6 @@ class ModelRunner:
             blk = anc[:, :ids.shape[0]].contiguous()
             # Position-ordered: keys read through each token's ancestors' slots (tree nodes too): bit-exact vs AR.
             block_slots = ancestor_slots(base, blk) if self.cfg.position_ordered_attention else None
-            if self.step_programs and ids.shape[0] <= BLOCK_M:  # a decode or verify step
-                return self._outputs(*persistent_forward(
-                    self.model, self.fused, ids, positions, slots, base.reshape(1), blk, self.kv, self.step_programs,
-                    self.capture, block_slots=block_slots, want_logits=need_logits))
             logits, argmax, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
                                                      blk, self.kv[0], self.kv[1], self.capture,
                                                      block_slots=block_slots, want_logits=need_logits)
@@ -103,10 +91,8 @@ class ModelRunner:
                                 else (self.model(*args, slot_of=slot_of), []))
             logits = self.model.logits(hidden).float()
             argmax = logits.argmax(-1)
-        return self._outputs(logits, argmax, torch.cat(captured, dim=-1) if self.capture else None)
-
-    def _outputs(self, logits, argmax, features):
-        if not self.topk:
+        features = torch.cat(captured, dim=-1) if self.capture else None
+        if not need_logits:
             return argmax, None, None, None, features
         top = torch.topk(logits, max(2, self.topk), dim=-1)
         probs = torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))

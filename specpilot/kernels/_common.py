@@ -41,10 +41,9 @@ def capture_graph(body, warmups: int = 2, pool=None):
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
         out = body()
     return graph, out
-# Launch option of every fused kernel, whose bits another kernel must reproduce (single-request and paged
-# attention; each launch and the persistent decode step, which runs the same per-program bodies): without it the
-# compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels with the same
-# arithmetic statements can round differently (seen on an H200: 1-ulp differences in a few rows).
+# Launch option of kernels whose bits two different kernels must reproduce (single-request and paged attention):
+# without it the compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels
+# with the same arithmetic statements can round differently (seen on an H200: 1-ulp differences in a few rows).
 NO_FP_FUSION = {"enable_fp_fusion": False}
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)

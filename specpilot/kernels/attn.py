@@ -94,18 +94,9 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
                        PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
-    attn_split_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr,
-                       ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, T, base_val, S, A, qk_scale, H, G, D, BASE_IS_PTR,
-                       DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
-
-
-@triton.jit
-def attn_split_program(pid_m, kvh, split, q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
-                       bslot_ptr, T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                       BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """Program (row tile pid_m, kv head, split) of the split pass: the kernel's, or a persistent decode step's work
-    item (step_kernel.py), so both compute with the same statements."""
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     lo = split * SPLIT
@@ -199,14 +190,7 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
                          H: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, SPLIT: tl.constexpr,
                          GROUP: tl.constexpr, PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)
-    attn_combine_row(tl.program_id(0), ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S, H, D,
-                     BASE_IS_PTR, SPLIT, GROUP)
-
-
-@triton.jit
-def attn_combine_row(row, ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S, H: tl.constexpr,
-                     D: tl.constexpr, BASE_IS_PTR: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
-    """Row `row` (= t * H + h) of the combine pass: the combine kernel's program, or a persistent step's."""
+    row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
     acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)

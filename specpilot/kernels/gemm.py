@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ..weights.format import W12Tensor
-from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, ROW_TILES, LaunchParams, check_launchable, check_out,
-                      check_tensor, dot_precision)
+from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
+                      dot_precision)
 from .act import silu_mul, swiglu_ref
 from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .w12_tile import w12_cols, w12_tile, weight_operand
@@ -179,20 +179,8 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = 0,
                    PF_LINES: tl.constexpr = 16):
-    linear_program(tl.program_id(0), x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC,
-                   b_ptr, r_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU, HAS_BIAS, HAS_RES,
-                   DOT_PREC, W12, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PDL, PF_LINES)
-
-
-@triton.jit
-def linear_program(pid, x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr,
-                   y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-                   PF_LINES: tl.constexpr):
-    """Program `pid` of a projection launch: the kernel runs it at its program id, the persistent decode step
-    (step_kernel.py) at each of its work items, so both compute every output with the same statements."""
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
+    pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
     tile = pid % tiles
@@ -290,7 +278,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
                              N, K, per_split, x.shape[1], SWIGLU=swiglu,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
                              W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                             **NO_FP_FUSION, num_warps=num_warps, num_stages=stages, **pdl)
+                             num_warps=num_warps, num_stages=stages, **pdl)
     return out
 
 

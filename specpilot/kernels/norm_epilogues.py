@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..weights.format import W12Tensor
-from ._common import NO_FP_FUSION, check_int, check_out, check_tensor, dot_precision
+from ._common import check_int, check_out, check_tensor, dot_precision
 from .act import swiglu_ref
 from .gemm import BLOCK_K
 from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_pdl,
@@ -74,8 +74,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                     SPLIT_K=split_k, **NO_FP_FUSION, num_warps=num_warps, num_stages=stages,
-                                     **norm_pdl(x, N, K))
+                                     SPLIT_K=split_k, num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
     return out
 
 
@@ -99,5 +98,5 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                                     **NO_FP_FUSION, num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
+                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
     return out if residual is None else (out, residual_out)

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ..weights.format import W12Tensor
-from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, ROW_TILES, LaunchParams, check_launchable, check_out,
-                      check_tensor, dot_precision)
+from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
+                      dot_precision)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
@@ -162,24 +162,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = 0, PF_LINES: tl.constexpr = 16):
-    rmsnorm_linear_program(tl.program_id(0), x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr,
-                           rowesc_ptr, esc_ptr, KC, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr,
-                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
-                           HAS_RES, HAS_BIAS, DOT_PREC, W12, STORE_Y, ARGMAX, EPI, H, KVH, HALF, BLOCK_M, BLOCK_N,
-                           BLOCK_K, SPLIT_K, PDL, PF_LINES)
-
-
-@triton.jit
-def rmsnorm_linear_program(pid, x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr,
-                           esc_ptr, KC, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr,
-                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
-                           HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
-                           STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
-                           H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT_K: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr):
-    """Program `pid` of a norm + projection launch (the kernel's, or a persistent decode step's work item:
-    step_kernel.py), so both compute every output with the same statements."""
+    pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
     tile = pid % tiles
@@ -239,14 +222,10 @@ def rmsnorm_linear_program(pid, x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, t
 
 @triton.jit
 def _argmax_combine_kernel(pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0):
+    # One row per program: the max over tiles is exact in any order and the winner is the lowest column holding
+    # it, which is torch.argmax's first occurrence.
     wait_for_predecessor(PDL)
-    argmax_combine_row(tl.program_id(0), pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T)
-
-
-@triton.jit
-def argmax_combine_row(row, pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexpr):
-    """out[row] from the row's per-column-tile maxima: the max over tiles is exact in any order and the winner is
-    the lowest column holding it, which is torch.argmax's first occurrence."""
+    row = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     ok = t < NT
     m = tl.load(pmax_ptr + row * NT + t, mask=ok, other=float("-inf"))
@@ -347,12 +326,12 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
-                                 BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, **NO_FP_FUSION, num_warps=num_warps,
-                                 num_stages=stages, **norm_pdl(x, N, K))
+                                 BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=num_warps, num_stages=stages,
+                                 **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
-                                     **NO_FP_FUSION, **pdl_launch(dev))
+                                     **pdl_launch(dev))
         return (out if store_y else None), best
     return out if residual is None else (out, residual_out)
 
