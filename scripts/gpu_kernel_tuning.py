@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                "selected": [c["kernel"] for c in table["selected"]],
                "entries": [{k: e[k] for k in ("kernel", "n", "k", "tokens", "params", "default_ms", "tuned_ms")}
                            for e in table["entries"]],
-               "refused": len(table["refused"]), "kernel_table": [list(p) for p in tuned.config.kernel_table]}
+               "refused": len(table["refused"]), "kernel_table": [list(p) for p in tuned.config.kernel_table],
+               "step_gate": {"step": table.get("step", {}),
+                             "dropped": [r for r in table["refused"] if r.startswith("step gate:")]}}
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{dep.name} on {a.device}: kernel factor {before.kernel.factor:.3f}x -> {after.kernel.factor:.3f}x, "
           f"total gap {before.total_gap:.2f}x -> {after.total_gap:.2f}x; kernels "
@@ -92,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     for e in summary["entries"]:
         print(f"| {e['kernel']}@{e['n']}x{e['k']}@T{e['tokens']} | {e['default_ms']:.4f} | {e['tuned_ms']:.4f} | "
               f"{json.dumps(e['params'], sort_keys=True)} |")
+    gate = summary["step_gate"]
+    if gate["step"]:
+        print(f"step gate: T={gate['step']['tokens']} step ms {gate['step']['default_ms']} default -> "
+              f"{gate['step']['tuned_ms']} with the kept entries (gain {gate['step']['gain']:.4f})")
+    for d in gate["dropped"]:
+        print(f"  dropped: {d}")
     return 0
 
 

@@ -24,7 +24,7 @@ SHAPE = LlamaShape(vocab=64, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=
 TOKENS, CONTEXT = 4, 64
 CEILINGS = Ceilings(peak_flops=1e12, peak_bandwidth=1e11)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = tk.TuneBudget(max_kernels=2, max_settings=3, reps=1, context=300, min_gain=1.0)
+TINY = tk.TuneBudget(max_kernels=2, max_settings=3, reps=1, context=300, min_gain=1.0, step_gate=False)
 
 
 def hand_attribution(multiples: dict[OpClass, float]):
@@ -205,3 +205,33 @@ def test_a_setting_the_device_cannot_launch_is_refused_and_the_search_goes_on():
                             specs=(spec,))
     assert any("num_stages': 5" in r and "shared memory" in r for r in table.refused)
     assert all(e.params.get("num_stages") != 5 for e in table.entries)
+
+
+def test_step_gate_keeps_only_kernels_that_make_the_step_faster():
+    """Hand-built step times: attention's entries speed the step up, o_proj's slow it (its kernel won alone)."""
+    from specpilot.stages.step_gate import gate
+    pairs = {"attention": (("attention@32x16@T1", "{}"),), "o_proj": (("o_proj@32x32@T1", "{}"),)}
+    cost = {"attention@32x16@T1": -0.10, "o_proj@32x32@T1": +0.02}  # ms each entry adds to a 1 ms step
+    calls = []
+
+    def time_step(table, tokens):
+        calls.append((table, tokens))
+        return 1.0 * tokens + sum(cost[k] for k, _ in table)
+    kept, dropped, step = gate(pairs, time_step, [1, 4], 1.002)
+    assert kept == ["attention"]
+    assert len(dropped) == 1 and dropped[0].startswith("o_proj:")
+    assert step["tokens"] == [1, 4] and step["default_ms"] == [1.0, 4.0]
+    assert step["tuned_ms"] == [pytest.approx(0.9), pytest.approx(3.9)]
+    assert step["gain"] == pytest.approx(5.0 / 4.8)
+    assert all(t in (1, 4) for _, t in calls)
+
+
+def test_tuning_runs_the_step_gate_on_a_real_engine():
+    """The gate times the whole step of a Triton-backend engine (here on CPU: the path runs, timings mean
+    nothing) and records its times in the table."""
+    attr = hand_attribution({OpClass.ATTN: 6.0, OpClass.O_PROJ: 3.0})
+    budget = dataclasses.replace(TINY, step_gate=True, min_step_gain=0.0)  # keep every kernel: nothing is faster
+    table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], budget, allow_cpu=True)
+    assert table.step["tokens"] == [1, 4] and all(v > 0 for v in table.step["tuned_ms"] + table.step["default_ms"])
+    assert {e.kernel for e in table.entries} <= {"attention", "o_proj"} and table.entries
+    assert tk.KernelTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table

@@ -7,7 +7,8 @@
    for every T of a shape (searched per shape, on the total over all T); T-neutral fields are then searched per
    (shape, T), and a setting that changes any bit of the output against the shape's setting is refused.
 3. Proof: winners are re-timed against the defaults afresh, interleaved (re-profiling); what does not reproduce
-   `min_gain` is dropped. CUDA timing is real (triton.testing.do_bench); on CPU only the Triton interpreter runs
+   `min_gain` is dropped. Then the step gate (step_gate.py): a kernel's entries stay only if the whole captured
+   decode step is `min_step_gain` faster with them (kernels alone can win where the step does not). CUDA timing is real (triton.testing.do_bench); on CPU only the Triton interpreter runs
    the kernels, whose timings mean nothing for a GPU: refused unless allow_cpu=True (tests exercise the search).
 The table goes into EngineConfig.kernel_table as (f"{kernel}@{N}x{K}@T{t}", params JSON).
 """
@@ -58,6 +59,8 @@ class TuneBudget:
     reps: int = 20  # timing repetitions (CUDA: replays of a 20-launch graph, median; CPU: calls, median)
     context: int = 2048  # cached keys the attention kernel reads while timed
     min_gain: float = 1.02  # re-profiled default time / tuned time needed to keep a change
+    step_gate: bool = True  # keep a kernel's entries only if the whole decode step is faster with them
+    min_step_gain: float = 1.002  # step time without / with a kernel's entries, summed over the tuned T
     seed: int = 0
 
 
@@ -106,6 +109,7 @@ class KernelTable:
     entries: tuple[TableEntry, ...]
     selected: tuple[KernelChoice, ...] = ()
     refused: tuple[str, ...] = ()  # settings that were invalid or changed bits they must not
+    step: dict[str, Any] = dataclasses.field(default_factory=dict)  # the step gate's times (step_gate.gate)
 
     def config_pairs(self) -> tuple[tuple[str, str], ...]:
         return tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in self.entries)
@@ -120,13 +124,13 @@ class KernelTable:
         return {"device": self.device, "dtype": self.dtype, "context": self.context,
                 "entries": [dataclasses.asdict(e) for e in self.entries],
                 "selected": [{**dataclasses.asdict(c), "op": c.op.value} for c in self.selected],
-                "refused": list(self.refused)}
+                "refused": list(self.refused), "step": self.step}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KernelTable":
         return cls(d["device"], d["dtype"], d["context"], tuple(TableEntry(**e) for e in d["entries"]),
                    tuple(KernelChoice(c["kernel"], OpClass(c["op"]), c["gap"], c["excess_s"]) for c in d["selected"]),
-                   tuple(d["refused"]))
+                   tuple(d["refused"]), d.get("step", {}))
 
 
 def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:
@@ -252,8 +256,19 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
             winner, tuned_ms = (best[1], w_ms) if best[1] != base and b_ms / w_ms >= budget.min_gain else (base, b_ms)
             if winner != default:  # a shape-level setting is written for every T, gain or not: invariance
                 entries.append(TableEntry(spec.name, n, k, t, dataclasses.asdict(winner), d_ms, tuned_ms))
+    step: dict[str, Any] = {}
+    if budget.step_gate and entries:
+        from specpilot.stages.step_gate import gate, step_timer
+        groups: dict[str, list[TableEntry]] = {}
+        for e in entries:
+            groups.setdefault(e.kernel, []).append(e)
+        pairs = {k: tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in es) for k, es in groups.items()}
+        kept, dropped, step = gate(pairs, step_timer(shape, dev, dtype, budget.context, budget.reps),
+                                   sorted(set(tokens_list)), budget.min_step_gain)
+        entries = [e for e in entries if e.kernel in kept]
+        refused += [f"step gate: {d}" for d in dropped]
     table = KernelTable(str(dev), str(dtype).removeprefix("torch."), budget.context, tuple(entries), choices,
-                        tuple(refused))
+                        tuple(refused), step)
     check_invariance(table.config_pairs())
     return table
 
