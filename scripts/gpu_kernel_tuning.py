@@ -12,7 +12,6 @@ Writes OUT/<stage>/<round>/... (every stage's artifacts, as the flow would) and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
