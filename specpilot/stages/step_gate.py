@@ -5,7 +5,8 @@ tune_kernels times each kernel alone (a graph of back-to-back launches over rota
 always carry into the step: on an H200, session 6's Llama-3-8B table took qkv from 32.6 to 27.2 us alone, and the
 captured step from 5.052 to 5.096 ms (notes/h200.md, session 7). So after the search the table is applied to an
 engine with random weights of the target's shape (step time does not depend on weight values), and each kernel's
-entries are dropped in turn when the step is not at least `min_gain` faster with them than without.
+entries are dropped in turn when the step is not at least `min_gain` faster with them than without (the two
+measured together, interleaved).
 """
 from __future__ import annotations
 
@@ -21,70 +22,81 @@ from specpilot.engines.loader import random_model
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.shapes import LlamaShape
 
-StepTimer = Callable[[tuple[tuple[str, str], ...], int], float]  # (kernel table pairs, tokens) -> ms per step
+# (kernel table pairs, tokens) per configuration -> ms per step of each, measured together (interleaved)
+StepTimer = Callable[[Sequence[tuple[tuple[tuple[str, str], ...], int]]], list[float]]
 _DTYPES = {torch.bfloat16: DType.BF16, torch.float16: DType.FP16, torch.float32: DType.FP32}
 
 
-def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, context: int, reps: int) -> StepTimer:
-    """ms of one `tokens`-token verify step at `context` cached tokens through the Triton kernels with a given
-    table: the captured step graph's replay time on CUDA (CUDA events, median), the eager step's on CPU."""
+def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, context: int, reps: int,
+               rounds: int = 5) -> StepTimer:
+    """Times `tokens`-token verify steps at `context` cached tokens through the Triton kernels, one engine per
+    (table, tokens) configuration: each configuration's captured step graph (CUDA; the eager step on CPU) is built
+    first, then the configurations are replayed in turn for `rounds` rounds of `reps` replays, and each gets the
+    median of its rounds. Interleaved because two captures of one configuration timed apart differed by ~2% on an
+    H200 (Llama-3-8B shapes, 5.24 vs 5.33 ms), more than the gains judged."""
     model = random_model(shape, dtype, device, seed=0)
 
-    def time_step(pairs: tuple[tuple[str, str], ...], tokens: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the previous call's runner: its cache and graph pool
+    def prepare(pairs: tuple[tuple[str, str], ...], tokens: int) -> Callable[[], None]:
         cfg = EngineConfig(drafter=DrafterKind.NONE, kernel_backend=KernelBackend.TRITON, dtype=_DTYPES[dtype],
                            kernel_table=pairs, max_seq_len=context + 64, cuda_graphs=True)
         runner = ModelRunner(model, cfg, device, block_width=max(16, tokens))
         ids, anc = list(range(3, 3 + tokens)), np.tril(np.ones((tokens, tokens), dtype=bool))
-        base = context - tokens
 
         def step() -> None:
-            runner.verify(base, ids, list(range(tokens)), anc)
+            runner.verify(context - tokens, ids, list(range(tokens)), anc)
         step()  # compiles and captures
-        if runner.use_graphs:
-            graph = runner._graphs[runner._graph_key(tokens)].graph
-            times = []
-            for _ in range(max(10, reps)):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        else:
-            times = []
-            for _ in range(max(1, reps)):
-                t0 = time.perf_counter()
-                step()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
-    return time_step
+        return runner._graphs[runner._graph_key(tokens)].graph.replay if runner.use_graphs else step
+
+    def ms_per_call(fn: Callable[[], None], n: int) -> float:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / n
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / n
+
+    def measure(configs: Sequence[tuple[tuple[tuple[str, str], ...], int]]) -> list[float]:
+        fns = [prepare(pairs, tokens) for pairs, tokens in configs]
+        times = [[ms_per_call(fn, max(1, reps)) for fn in fns] for _ in range(rounds)]
+        del fns
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the engines' caches and graph pools
+        return [statistics.median(col) for col in zip(*times)]
+    return measure
 
 
-def gate(pairs_by_kernel: dict[str, tuple[tuple[str, str], ...]], time_step: StepTimer, tokens_list: Sequence[int],
+def gate(pairs_by_kernel: dict[str, tuple[tuple[str, str], ...]], measure: StepTimer, tokens_list: Sequence[int],
          min_gain: float) -> tuple[list[str], list[str], dict[str, Any]]:
-    """(kernels kept, why each other was dropped, step times per token count, JSON-ready): kernel by kernel in the given order, its entries are
-    kept if the step, summed over tokens_list, is at least min_gain times faster with them than without."""
-    def total(kernels: Sequence[str]) -> dict[int, float]:
-        pairs = tuple(p for k in kernels for p in pairs_by_kernel[k])
-        return {t: time_step(pairs, t) for t in tokens_list}
+    """(kernels kept, why each other was dropped, step times per token count, JSON-ready): kernel by kernel in the
+    given order, its entries are kept if the step, summed over tokens_list, is at least min_gain times faster with
+    them than without (both measured together, with the untuned step in the first measurement)."""
+    def pairs(kernels: Sequence[str]) -> tuple[tuple[str, str], ...]:
+        return tuple(p for k in kernels for p in pairs_by_kernel[k])
     kept = list(pairs_by_kernel)
-    default = total([])
-    with_all = total(kept)
+    n = len(tokens_list)
+    first = measure([(pairs(kept), t) for t in tokens_list] + [((), t) for t in tokens_list])
+    with_all, default = first[:n], first[n:]
     dropped = []
     for kernel in list(kept):
         rest = [k for k in kept if k != kernel]
-        without = default if not rest else total(rest)
-        gain = sum(without.values()) / sum(with_all.values())
+        both = measure([(pairs(kept), t) for t in tokens_list] + [(pairs(rest), t) for t in tokens_list])
+        with_it, without = both[:n], both[n:]
+        gain = sum(without) / sum(with_it)
         if gain < min_gain:
-            dropped.append(f"{kernel}: the step takes {_ms(without)} ms without its entries and {_ms(with_all)} ms "
-                           f"with them (gain {gain:.4f} < {min_gain})")
+            dropped.append(f"{kernel}: the step takes {_ms(tokens_list, without)} ms without its entries and "
+                           f"{_ms(tokens_list, with_it)} ms with them (gain {gain:.4f} < {min_gain})")
             kept, with_all = rest, without
-    return kept, dropped, {"tokens": list(tokens_list), "default_ms": [default[t] for t in tokens_list],
-                           "tuned_ms": [with_all[t] for t in tokens_list],
-                           "gain": sum(default.values()) / sum(with_all.values())}
+        else:
+            with_all = with_it
+    return kept, dropped, {"tokens": list(tokens_list), "default_ms": default, "tuned_ms": with_all,
+                           "gain": sum(default) / sum(with_all)}
 
 
-def _ms(times: dict[int, float]) -> str:
-    return " + ".join(f"{v:.4f} (T={t})" for t, v in times.items())
+def _ms(tokens_list: Sequence[int], times: Sequence[float]) -> str:
+    return " + ".join(f"{v:.4f} (T={t})" for t, v in zip(tokens_list, times))
