@@ -8,8 +8,9 @@
    (shape, T), and a setting that changes any bit of the output against the shape's setting is refused.
 3. Proof: winners are re-timed against the defaults afresh, interleaved (re-profiling); what does not reproduce
    `min_gain` is dropped. Then the step gate (step_gate.py): a kernel's entries stay only if the whole captured
-   decode step is `min_step_gain` faster with them (kernels alone can win where the step does not). CUDA timing is real (triton.testing.do_bench); on CPU only the Triton interpreter runs
-   the kernels, whose timings mean nothing for a GPU: refused unless allow_cpu=True (tests exercise the search).
+   decode step is `min_step_gain` faster with them (kernels alone can win where the step does not). CUDA timing
+   is real (CUDA graphs, events); on CPU only the Triton interpreter runs the kernels, whose timings mean nothing
+   for a GPU: refused unless allow_cpu=True (tests exercise the search).
 The table goes into EngineConfig.kernel_table as (f"{kernel}@{N}x{K}@T{t}", params JSON).
 """
 from __future__ import annotations
