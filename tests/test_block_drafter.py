@@ -415,3 +415,22 @@ def test_cli_trains_on_a_model_directory_and_evaluates(tmp_path, capsys):
                               "--new-tokens", "16", "--held-out", "2", "--mbpp-prompts", "24"])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["prompts"] == 2
+
+
+def test_training_continues_a_saved_drafter(tmp_path):
+    """init= (a GPU call's hard limit splits a long run into calls): the next run starts from the saved weights
+    with the saved architecture, whatever layers / block_size it is given, and records where it started."""
+    from specpilot.drafting.checkpoint import DrafterCheckpointError, load_drafter
+    model = damped("gqa", 8)
+    bundle = TargetBundle("tiny", model, None, NO_EOS)
+    first = train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 5, "seed": 8}), tmp_path / "a")
+    saved = load_drafter(tmp_path / "a", model)
+    resumed = new_drafter(bundle, TrainConfig(**{**QUICK, "layers": 2, "block_size": 6, "init": str(tmp_path / "a")}))
+    assert resumed.training and resumed.config == saved.config == first.model.config
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), saved.state_dict().values()))
+    second = train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 5, "seed": 9, "init": str(tmp_path / "a")}),
+                           tmp_path / "b")
+    assert second.report["config"]["init"] == str(tmp_path / "a") and second.model.config == saved.config
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["training"]["init"] == str(tmp_path / "a")
+    with pytest.raises((DrafterCheckpointError, FileNotFoundError)):
+        new_drafter(bundle, TrainConfig(**{**QUICK, "init": str(tmp_path / "missing")}))

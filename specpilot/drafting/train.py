@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specpilot.drafting.checkpoint import save_drafter
+from specpilot.drafting.checkpoint import load_drafter, save_drafter
 from specpilot.drafting.data import DraftData, concat, generate_batched, sample_turns
 from specpilot.drafting.evaluate import as_dicts, measure_acceptance, teacher_forced
 from specpilot.drafting.objective import block_loss, sample_batch
@@ -76,6 +76,10 @@ class TrainConfig:
     # Wall budget of the whole run in seconds (a GPU call has a hard limit): training then ends in time for the
     # final evaluation and save, and its cosine schedule follows the clock instead of `steps` (the cap).
     deadline_s: float | None = None
+    # A saved drafter (checkpoint directory) to continue training instead of a fresh one: its architecture wins
+    # over layers / block_size / intermediate / target_layers. A GPU call has a hard limit, so a long training run
+    # is several calls, each resuming the last one's drafter; give each a new seed, or it regenerates the same data.
+    init: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "block_size", "layers", "batch_seqs", "anchors", "gen_tokens", "gen_batch", "user_tokens",
@@ -131,6 +135,8 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
 
 
 def new_drafter(bundle: TargetBundle, cfg: TrainConfig) -> BlockDrafterModel:
+    if cfg.init is not None:  # continue a saved drafter (its checks: the same target shape, intact weights)
+        return load_drafter(cfg.init, bundle.model).train().to(cfg.device)
     config = BlockDrafterConfig.for_target(bundle.model.shape, cfg.layers, cfg.block_size, cfg.intermediate,
                                            cfg.target_layers)
     model = BlockDrafterModel(config).init_weights(cfg.seed)
@@ -252,7 +258,7 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     result = TrainResult(model, report)
     if out is not None:
         trained = max([r["step"] + 1 for r in curve if "loss" in r] + [r["step"] for r in curve if "stopped" in r])
-        meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name}
+        meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name, "init": cfg.init}
         result.checkpoint = save_drafter(model, out, bundle.model, meta)
         report["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
         (out / "report.json").write_text(json.dumps(report, indent=2))
