@@ -5,7 +5,8 @@
 #   b: carry .gpu + .tb/gguf.part.ab,ac + tok + benchmarks  -> convert; AR speed (engine vs transformers);
 #                                                             n-gram bench, 5 benchmarks x 2048 tokens
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
-#                                                             checkpoint to $OUT)
+#                                                             checkpoint to $OUT); INIT=DIR continues a saved
+#                                                             drafter (with SEED, default 1: new data)
 #   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level
 #   e: as b's carry + .tb/drafter (a trained drafter)       -> convert, W12 vs bf16 AR (tokens, speed), then d
 #                                                             with that drafter (no c needed)
@@ -56,7 +57,7 @@ case $stage in
   c)
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
-      --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} \
+      --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} ${INIT:+--init $INIT --seed ${SEED:-1}} \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
     mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
   e)
