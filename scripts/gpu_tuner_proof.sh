@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The kernel tuner's end-to-end proof on one H200, for each deployment named: tune (profile, attribute, search,
+# step gate, re-profile, attribute again: gpu_kernel_tuning.py), then time the captured AR step with and without
+# the table the tuner kept (gpu_profile.py --kernel-tables), one process and one yardstick for both.
+#   OUT=... bash scripts/gpu_tuner_proof.sh smollm2-shape-h200:smollm2 [llama8b-shape-h200:llama8b ...]
+# Needs the duckdb wheel (carry .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root
+# of a snapshot (.gpu/src). Logs and JSON under $OUT; a table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+SITE=${SITE:-/tmp/site}
+[ -d "$SITE/duckdb" ] || pip install -q --no-deps --target "$SITE" "${WHEELS:-../../.whl/duck}"/*.whl
+export PYTHONPATH="$SITE:$PWD" SPECPILOT_BENCHMARKS="${SPECPILOT_BENCHMARKS:-$(cd ../.. && pwd)/.tb/benchmarks}"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+for pair in "$@"; do
+  dep=${pair%%:*} shape=${pair##*:}
+  python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$dep" --deployment "$dep" ${BUDGET:+--budget "$BUDGET"} \
+    > "$OUT/kt-$dep.txt" 2>&1; echo "tuner $dep rc=$?"
+  grep -E "^\||kernel factor|step gate|dropped|Error" "$OUT/kt-$dep.txt" | tail -40
+  python3 scripts/gpu_profile.py "$OUT/ab-$dep" --shapes "$shape" --tokens "${TOKENS:-128}" \
+    --kernel-tables "$OUT/kt-$dep/summary.json" > "$OUT/ab-$dep.txt" 2>&1; echo "a/b $dep rc=$?"
+  grep -E "^\||Error" "$OUT/ab-$dep.txt" | tail -20
+done
