@@ -12,6 +12,7 @@ Writes OUT/<stage>/<round>/... (every stage's artifacts, as the flow would) and 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 import time
@@ -39,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="{}", help="TuneBudget fields as JSON")
     ap.add_argument("--profile", default=json.dumps(PROFILE), help="profile stage params as JSON")
     ap.add_argument("--allow-cpu", action="store_true", help="let the tuner run interpreted kernels (logic check)")
+    ap.add_argument("--dump-stacks-after", type=float, default=0.0,
+                    help="seconds after which every thread's stack goes to stderr (a hang shows where it is)")
     a = ap.parse_args(argv)
+    if a.dump_stacks_after > 0:
+        faulthandler.dump_traceback_later(a.dump_stacks_after)
     dep = load_deployment(a.deployment)
     stock = catalog.stock_candidate(dep)
     run_id = time.strftime("%Y%m%dT%H%M%SZ-kt", time.gmtime())
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     prof0, attr0_run, before = profile_and_attribute(stock, "before")
+    print(f"before: kernel factor {before.kernel.factor:.3f}x; ops (us/step, gap): "
+          + ", ".join(f"{op} {r['us']:.1f} {r['gap'] or 0:.2f}x" for op, r in op_rows(before).items()), flush=True)
     tuned_run = stage(StageName.TUNE_KERNELS, ("round1",), {"budget": json.loads(a.budget), "allow_cpu": a.allow_cpu},
                       {"profile": prof0.manifest_uri, "attribute": attr0_run.manifest_uri})
     tuned = Candidate.from_dict(json.loads(Path(tuned_run.out_dir, "build.json").read_text()))

@@ -14,7 +14,7 @@ export PYTHONPATH="$SITE:$PWD" SPECPILOT_BENCHMARKS="${SPECPILOT_BENCHMARKS:-$(c
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 for pair in "$@"; do
   dep=${pair%%:*} shape=${pair##*:}
-  python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$dep" --deployment "$dep" ${BUDGET:+--budget "$BUDGET"} \
+  python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$dep" --deployment "$dep" ${BUDGET:+--budget "$BUDGET"} ${DUMP:+--dump-stacks-after "$DUMP"} \
     > "$OUT/kt-$dep.txt" 2>&1; echo "tuner $dep rc=$?"
   grep -E "^\||kernel factor|step gate|dropped|Error" "$OUT/kt-$dep.txt" | tail -40
   python3 scripts/gpu_profile.py "$OUT/ab-$dep" --shapes "$shape" --tokens "${TOKENS:-128}" \

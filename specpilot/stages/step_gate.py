@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend
 from specpilot.engines.loader import random_model
@@ -44,7 +45,16 @@ def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, cont
         def step() -> None:
             runner.verify(context - tokens, ids, list(range(tokens)), anc)
         step()  # compiles and captures the one graph this runner holds (the block padded to its width)
-        return next(iter(runner._graphs.values())).graph.replay if runner.use_graphs else step
+        if not runner.use_graphs:
+            return step
+        graph = next(iter(runner._graphs.values())).graph
+
+        def replay() -> None:
+            # The replay writes the runner's KV cache and reads its buffers: the closure keeps the runner alive
+            # (returning graph.replay alone let it be freed and the graph write into reused memory).
+            assert runner.use_graphs
+            graph.replay()
+        return replay
 
     def ms_per_call(fn: Callable[[], None], n: int) -> float:
         if device.type == "cuda":
@@ -82,7 +92,7 @@ def gate(pairs_by_kernel: dict[str, tuple[tuple[str, str], ...]], measure: StepT
     # the untuned step, measured beside the full table (whose times the first kernel's judgement measures again)
     default = measure([(pairs(kept), t) for t in tokens_list] + [((), t) for t in tokens_list])[n:]
     dropped = []
-    for kernel in list(kept):
+    for kernel in tqdm(list(kept), desc="step gate", unit="kernel"):
         rest = [k for k in kept if k != kernel]
         both = measure([(pairs(kept), t) for t in tokens_list] + [(pairs(rest), t) for t in tokens_list])
         with_it, without = both[:n], both[n:]

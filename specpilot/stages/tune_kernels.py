@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+from tqdm import tqdm
 from triton.runtime.errors import OutOfResources
 
 from specpilot.costmodel import Attribution
@@ -222,6 +223,8 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
         default = spec.params()
         fields = [f.name for f in dataclasses.fields(spec.params)]
 
+        bar = tqdm(desc=f"tune {spec.name}@{n}x{k}", unit="setting")
+
         def total(p: LaunchParams) -> float:
             return sum(timed(lambda r=r: r(p)) for r in runs.values())
 
@@ -229,6 +232,8 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
         fixed_fields = [f for f in fields if f not in spec.params.T_NEUTRAL and f in spec.params.SEARCH_SPACE]
         scored = []
         for s in _settings(spec, fixed_fields, budget.max_settings, rng):
+            bar.set_postfix_str(str(s))  # before the launch: a hang or crash names its setting
+            bar.update()
             try:
                 p = dataclasses.replace(default, **s)
                 scored.append((total(p), p))
@@ -242,6 +247,8 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
         for t, run in runs.items():
             reference, best = run(base), (timed(lambda: run(base)), base)
             for s in _settings(spec, neutral, budget.max_settings, rng)[1:]:
+                bar.set_postfix_str(f"T={t} {s}")
+                bar.update()
                 try:
                     p = dataclasses.replace(base, **s)
                     if not _same(run(p), reference):
@@ -257,6 +264,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
             winner, tuned_ms = (best[1], w_ms) if best[1] != base and b_ms / w_ms >= budget.min_gain else (base, b_ms)
             if winner != default:  # a shape-level setting is written for every T, gain or not: invariance
                 entries.append(TableEntry(spec.name, n, k, t, dataclasses.asdict(winner), d_ms, tuned_ms))
+        bar.close()
     step: dict[str, Any] = {}
     if budget.step_gate and entries:
         from specpilot.stages.step_gate import gate, step_timer
