@@ -1,0 +1,54 @@
+"""The captured decode step with and without a kernel table, measured together (the step gate's timer), in both
+orders and at several contexts: is a table's step gain real, or the order or context it was measured in?
+
+    python3 scripts/gpu_step_ab.py OUT.json --shape smollm2-135m --table kt/summary.json --contexts 128,2048
+
+Prints one row per (context, T, order): default ms, table ms, default/table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from specpilot.stages.step_gate import step_timer
+from specpilot.testbed.synthetic import ShapeName
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", default="smollm2-135m", choices=[s.value for s in ShapeName])
+    ap.add_argument("--table", required=True, help="a tuner's summary.json (its kernel_table) or a pair list")
+    ap.add_argument("--contexts", default="128,2048")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--device", default="cuda", help="cpu (TRITON_INTERPRET=1) checks the script, not speed")
+    a = ap.parse_args(argv)
+    raw = json.loads(Path(a.table).read_text())
+    pairs = tuple(tuple(p) for p in (raw["kernel_table"] if isinstance(raw, dict) else raw))
+    shape, dev = ShapeName(a.shape).shape, torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rows = []
+    for ctx in (int(c) for c in a.contexts.split(",")):
+        measure = step_timer(shape, dev, dtype, ctx, a.reps, rounds=a.rounds)
+        for t in (int(x) for x in a.tokens.split(",")):
+            for order in ("default first", "table first"):
+                configs = [((), t), (pairs, t)] if order == "default first" else [(pairs, t), ((), t)]
+                ms = measure(configs)
+                d, tb = (ms[0], ms[1]) if order == "default first" else (ms[1], ms[0])
+                rows.append({"context": ctx, "tokens": t, "order": order, "default_ms": d, "table_ms": tb})
+    a.out.write_text(json.dumps({"table": pairs, "rows": rows}, indent=1))
+    print("| context | T | order | default ms | table ms | default/table |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['context']} | {r['tokens']} | {r['order']} | {r['default_ms']:.4f} | {r['table_ms']:.4f} | "
+              f"{r['default_ms'] / r['table_ms']:.4f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
