@@ -107,8 +107,17 @@ def test_invariance_is_enforced_on_tables_and_lookups():
     ok = ((f"attention@{n}x{k}@T1", json.dumps(dataclasses.asdict(AttentionParams(block_n=32, split_keys=128)))),
           (f"attention@{n}x{k}@T4", json.dumps(dataclasses.asdict(AttentionParams(32, 128, num_warps=8)))))
     tk.check_invariance(ok)
-    # a T without an entry still gets the shape's reduction-order fields (with default T-neutral ones)
-    assert tk.launch_params(ok, "attention", n, k, 16) == dataclasses.asdict(AttentionParams(block_n=32, split_keys=128))
+    # a T without an entry takes the nearest tuned T's entry among those with as many 16-row tiles (the smaller on
+    # a tie), else the shape's reduction-order fields with default T-neutral ones
+    assert tk.launch_params(ok, "attention", n, k, 16) == dataclasses.asdict(AttentionParams(32, 128, num_warps=8))
+    assert tk.launch_params(ok, "attention", n, k, 2) == dataclasses.asdict(AttentionParams(block_n=32, split_keys=128))
+    assert tk.launch_params(ok, "attention", n, k, 17) == dataclasses.asdict(AttentionParams(block_n=32, split_keys=128))
+    one_row = ((f"o_proj@{n}x{k}@T1", json.dumps(dataclasses.asdict(LinearParams(row_tile=1, block_n=64, num_warps=8,
+                                                                                 num_stages=3)))),)
+    # one row per program: block_n and num_warps shape the sum, so they hold for every T; num_stages, tuned at T=1
+    # only, falls back to its default at an untuned T (one row per program: T=2 runs other programs than T=1)
+    assert tk.launch_params(one_row, "o_proj", n, k, 2) == dataclasses.asdict(LinearParams(row_tile=1, block_n=64,
+                                                                                           num_warps=8))
     assert tk.launch_params(ok, "attention", n + 1, k, 16) is None
     bad = ok + ((f"attention@{n}x{k}@T8", json.dumps(dataclasses.asdict(AttentionParams(block_n=64, split_keys=128)))),)
     with pytest.raises(tk.TuneError, match="batch invariance"):

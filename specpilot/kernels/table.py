@@ -2,9 +2,11 @@
 
 EngineConfig.kernel_table holds (f"{kernel}@{N}x{K}@T{t}", params JSON) pairs, written by the kernel tuner
 (stages/tune_kernels.py) and read by the fused forward through `LaunchTable`. Fields outside a params class's
-T_NEUTRAL set the reduction order, so every T of one shape must agree on them (check_invariance); a T without
-its own entry gets the shape's order-setting fields with default T-neutral ones, so a table never makes a token
-count reduce differently from another.
+T_NEUTRAL set the reduction order, so every T of one shape must agree on them (check_invariance). A T without
+its own entry takes the entry of the nearest tuned T that spans as many 16-row tiles (the same programs doing the
+same work, only masked differently: the profile's verify width, say 6, runs what T=1 or T=16 was tuned for); a T
+with no such neighbour gets the shape's order-setting fields with default T-neutral ones. Either way a table never
+makes a token count reduce differently from another.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import dataclasses
 import json
 from typing import Any, Sequence
 
+from ._common import BLOCK_M
 from .accept import AcceptParams
 from .attn import AttentionParams
 from .gemm import LinearParams
@@ -71,13 +74,18 @@ def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:
 
 
 def launch_params(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int, tokens: int) -> dict[str, Any] | None:
-    """What the engine launches `kernel` with at (N, K, T): the entry for T; else, if the shape has entries,
-    their numerics-setting fields with default T-neutral ones (they hold for every T); else None (defaults)."""
+    """What the engine launches `kernel` with at (N, K, T): the entry for T; else the entry of the nearest T (the
+    smaller on a tie) with as many 16-row tiles; else, if the shape has entries, their numerics-setting fields with
+    default T-neutral ones (they hold for every T); else None (defaults)."""
     rows = {parse_key(key)[3]: json.loads(text) for key, text in pairs if parse_key(key)[:3] == (kernel, n, k)}
     if tokens in rows:
         return rows[tokens]
     if not rows:
         return None
+    tiles = -(-tokens // BLOCK_M)
+    same_tiles = sorted((abs(t - tokens), t) for t in rows if -(-t // BLOCK_M) == tiles)
+    if same_tiles and next(iter(rows.values())).get("row_tile", BLOCK_M) == BLOCK_M:
+        return rows[same_tiles[0][1]]
     return dataclasses.asdict(PARAMS[kernel](**order_fields(kernel, next(iter(rows.values())))))
 
 
