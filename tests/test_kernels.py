@@ -567,3 +567,38 @@ def test_pdl_launch_keywords_are_off_on_cpu_and_the_mode_switch_restores():
                 pass
     # SmolLM2 rows: 576 bf16 = 9 lines -> 16; 1536 -> 24 -> 32; Llama-3-8B's 4096 (64 lines) capped at 32
     assert [prefetch_lines(k, 2) for k in (576, 1536, 4096, 64)] == [16, 32, 32, 1]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (graph capture)")
+def test_capture_survives_a_collection_of_dropped_graphs():
+    """A graph held in a reference cycle is freed by whichever automatic collection comes next; inside another
+    capture, destroying it is refused by the driver and invalidates that capture, unless capture_graph holds
+    collections off (the step gate's dropped runners did this on an H200)."""
+    import gc
+
+    from specpilot.kernels._common import capture_graph
+
+    x = torch.zeros(8, device="cuda")
+    holders: list = []
+    calls = [0]
+
+    def body():
+        calls[0] += 1
+        if calls[0] == 3:  # the capture itself (after capture_graph's 2 warm-ups): the cycle becomes garbage now
+            holders.clear()
+        return [x.add_(1) for _ in range(50)]  # allocations: with threshold 1, a collection at nearly every one
+    holder: dict = {}
+    holder["self"] = holder
+    holder["graph"], _ = capture_graph(lambda: x.add_(1), warmups=1)
+    holders.append(holder)
+    del holder
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        graph, _ = capture_graph(body)
+    finally:
+        gc.set_threshold(*threshold)
+    assert not holders  # the cycle was dropped during the capture
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x[0].item() == 1 + 50 * 3  # one warm-up of the first graph's body, two of this one's, one replay

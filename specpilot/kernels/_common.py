@@ -13,6 +13,7 @@ tokens the call holds or on what the other rows contain. Every kernel here gets 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
@@ -38,8 +39,18 @@ def capture_graph(body, warmups: int = 2, pool=None):
             body()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-        out = body()
+    # No automatic garbage collection while capturing: a collection that frees an unreachable CUDA graph (say a
+    # dropped runner's, kept in a reference cycle) destroys it mid-capture, which the driver refuses and which
+    # invalidates this capture ("operation not permitted when stream is capturing (function reset)", seen on an
+    # H200 in about one tuner run in three). torch.cuda.graph no longer collects on entry (force_cudagraph_gc).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
+            out = body()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 # Launch option of kernels whose bits two different kernels must reproduce (single-request and paged attention):
 # without it the compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels

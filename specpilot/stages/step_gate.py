@@ -10,6 +10,7 @@ measured together, interleaved).
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -74,6 +75,7 @@ def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, cont
         fns = [prepare(pairs, tokens) for pairs, tokens in configs]
         times = [[ms_per_call(fn, max(1, reps)) for fn in fns] for _ in range(rounds)]
         del fns
+        gc.collect()  # the runners (in reference cycles) and their graphs go now, outside any capture
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the engines' caches and graph pools
         return [statistics.median(col) for col in zip(*times)]
