@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernel tuner's end-to-end proof on one H200, for each deployment named: tune (profile, attribute, search,
-# step gate, re-profile, attribute again: gpu_kernel_tuning.py), then time the captured AR step with and without
-# the table the tuner kept (gpu_profile.py --kernel-tables), one process and one yardstick for both.
+# step gate, re-profile, attribute again: gpu_kernel_tuning.py), then time the AR step with and without the table
+# the tuner kept (gpu_profile.py --kernel-tables). That A/B runs the two one after the other and read a table 4%
+# slower where interleaving read it 3-5% faster (notes/h200.md, session 8): judge gains with gpu_step_ab.py.
 #   OUT=... bash scripts/gpu_tuner_proof.sh smollm2-shape-h200:smollm2 [llama8b-shape-h200:llama8b ...]
 # Needs the duckdb wheel (carry .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root
 # of a snapshot (.gpu/src). Logs and JSON under $OUT; a table last.
