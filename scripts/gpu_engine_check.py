@@ -1,6 +1,9 @@
 """H200 engine check: AR step time per execution mode, transformers' best AR, and AR == n-gram spec in bf16.
 
-Usage (device host): python scripts/gpu_engine_check.py MODEL_DIR OUT_DIR [--tokens N]
+Usage (device host): python scripts/gpu_engine_check.py MODEL_DIR OUT_DIR [--tokens N] [--kernel-table NAME=FILE ...]
+
+--kernel-table adds a mode triton_graph_NAME: the Triton graph engine with that kernel table (a tuner's summary.json
+or a pair list), its tokens compared with triton_graph's (a table that changes a reduction order may change them).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--modes", default="torch_graph_tile16,torch_graph_t1_fast,triton_eager,triton_graph")
     ap.add_argument("--skip-checks", action="store_true", help="no AR == n-gram loop (the bench checks it)")
+    ap.add_argument("--kernel-table", action="append", default=[], metavar="NAME=FILE")
     a = ap.parse_args()
     out = Path(a.out_dir); out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(a.model_dir)
@@ -67,6 +71,11 @@ def main():
     }
     outs = {}
     modes = {k: v for k, v in modes.items() if k in a.modes.split(",")}
+    for spec in a.kernel_table:
+        name, path = spec.split("=", 1)
+        raw = json.loads(Path(path).read_text())
+        pairs = tuple(tuple(p) for p in (raw["kernel_table"] if isinstance(raw, dict) else raw))
+        modes[f"triton_graph_{name}"] = base.replace(kernel_backend="triton", kernel_table=pairs)
     for name, cfg in modes.items():
         eng = build_engine(cfg, model, frozenset(), "cuda")
         n = 64 if "eager" in name else a.tokens
@@ -74,7 +83,7 @@ def main():
         r = timed_generate(eng, prompts[0], n)
         outs[name] = r.tokens
         rows.append({"mode": name, "tok_s": n / r.decode_s, "ms_per_tok": 1e3 * r.decode_s / n})
-        if name.endswith("_w12") and "triton_graph" in outs:
+        if name.startswith("triton_graph_") and "triton_graph" in outs:
             same = next((i for i, (x, y) in enumerate(zip(r.tokens, outs["triton_graph"])) if x != y), None)
             rows[-1]["equal_to_triton_graph"] = same is None and len(r.tokens) == len(outs["triton_graph"])
             rows[-1]["first_difference"] = same

@@ -36,7 +36,8 @@ YAML
 convert() {
   pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
   cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
-  python3 "$ROOT/.tb/convert.py" $TB/smollm2.gguf $TB/hf 2>&1 | tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
+  python3 -c "from specpilot.testbed.fetch import convert_gguf; convert_gguf('$TB/smollm2.gguf', '$TB/hf')" 2>&1 |
+    tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
 }
 bench_block() {  # chain, tree and two-level with the drafter in $TB/drafter, 5 benchmarks x PPB prompts
   local drafters="  - {kind: block, model: {path: $TB/drafter}, engine: {verify: chain}}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The kernel tuner's end-to-end proof on one H200, for each deployment named: tune (profile, attribute, search,
-# step gate, re-profile, attribute again: gpu_kernel_tuning.py), then time the AR step with and without the table
-# the tuner kept (gpu_profile.py --kernel-tables). That A/B runs the two one after the other and read a table 4%
-# slower where interleaving read it 3-5% faster (notes/h200.md, session 8): judge gains with gpu_step_ab.py.
-#   OUT=... bash scripts/gpu_tuner_proof.sh smollm2-shape-h200:smollm2 [llama8b-shape-h200:llama8b ...]
+# step gate, re-profile, attribute again: gpu_kernel_tuning.py), then time the captured step with and without the
+# table the tuner kept, interleaved and in both orders (gpu_step_ab.py: a sequential A/B read a table 4% slower
+# where interleaving read it 3-5% faster, notes/h200.md session 8).
+#   OUT=... bash scripts/gpu_tuner_proof.sh smollm2-shape-h200:smollm2-135m [llama8b-shape-h200:llama3-8b ...]
 # Needs the duckdb wheel (carry .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root
 # of a snapshot (.gpu/src). Logs and JSON under $OUT; a table last.
 set -uo pipefail
@@ -18,7 +18,8 @@ for pair in "$@"; do
   python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$dep" --deployment "$dep" ${BUDGET:+--budget "$BUDGET"} ${DUMP:+--dump-stacks-after "$DUMP"} \
     > "$OUT/kt-$dep.txt" 2>&1; echo "tuner $dep rc=$?"
   grep -E "^\||kernel factor|step gate|dropped|Error" "$OUT/kt-$dep.txt" | tail -40
-  python3 scripts/gpu_profile.py "$OUT/ab-$dep" --shapes "$shape" --tokens "${TOKENS:-128}" \
-    --kernel-tables "$OUT/kt-$dep/summary.json" > "$OUT/ab-$dep.txt" 2>&1; echo "a/b $dep rc=$?"
+  python3 scripts/gpu_step_ab.py "$OUT/ab-$dep.json" --shape "$shape" --table "$OUT/kt-$dep/summary.json" \
+    --contexts "${CONTEXTS:-128,2048}" --rounds "${ROUNDS:-7}" --reps "${REPS:-30}" > "$OUT/ab-$dep.txt" 2>&1
+  echo "a/b $dep rc=$?"
   grep -E "^\||Error" "$OUT/ab-$dep.txt" | tail -20
 done

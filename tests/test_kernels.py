@@ -15,6 +15,7 @@ CUDA = torch.cuda.is_available()
 import pytest  # noqa: E402
 
 import specpilot.kernels as K  # noqa: E402
+from specpilot.kernels.gemm import arrival_counters  # noqa: E402
 
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -210,6 +211,11 @@ def test_attention_matches_ref(dtype, T, H, KVH, D, base, tree, split, bn):
     assert_close(o, K.attention_ref(q, kc, vc, base, anc), dtype)
     o_dev_base = K.attention(q, kc, vc, torch.tensor([base], device=DEV), anc, split_keys=split, block_n=bn)
     assert torch.equal(o, o_dev_base), "a device-side base must give the same bits as an int base"
+    for b_arg in (base, torch.tensor([base], device=DEV)):  # the last split program combines: the same bits
+        fused = K.attention(q, kc, vc, b_arg, anc, out=poisoned(T, H * D, dtype=dtype), split_keys=split,
+                            block_n=bn, fuse_combine=True)
+        assert torch.equal(fused, o), "fuse_combine changed a bit"
+    assert int(arrival_counters(DEV).abs().sum()) == 0, "arrival counters must be back at 0 for the next launch"
 
 
 def test_attention_ref_masks_exactly():

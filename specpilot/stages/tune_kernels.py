@@ -223,48 +223,49 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
         default = spec.params()
         fields = [f.name for f in dataclasses.fields(spec.params)]
 
-        bar = tqdm(desc=f"tune {spec.name}@{n}x{k}", unit="setting")
+        with tqdm(desc=f"tune {spec.name}@{n}x{k}", unit="setting") as bar:  # closed on an exception too
 
-        def total(p: LaunchParams) -> float:
-            return sum(timed(lambda r=r: r(p)) for r in runs.values())
+            def total(p: LaunchParams) -> float:
+                return sum(timed(lambda r=r: r(p)) for r in runs.values())
 
-        # 1) numerics-setting fields: one setting per shape, judged on the total over every T
-        fixed_fields = [f for f in fields if f not in spec.params.T_NEUTRAL and f in spec.params.SEARCH_SPACE]
-        scored = []
-        for s in _settings(spec, fixed_fields, budget.max_settings, rng):
-            bar.set_postfix_str(str(s))  # before the launch: a hang or crash names its setting
-            bar.update()
-            try:
-                p = dataclasses.replace(default, **s)
-                scored.append((total(p), p))
-            except UNLAUNCHABLE as e:
-                refused.append(f"{spec.name}@{n}x{k} {s}: {e}")
-        base = min(scored, key=lambda x: x[0])[1]
-        if base != default and total(default) / total(base) < budget.min_gain:  # re-profiled: not reproduced
-            base = default
-        # 2) T-neutral fields per T; each must keep every bit of the output
-        neutral = [f for f in fields if f in base.t_neutral() and f in spec.params.SEARCH_SPACE]
-        for t, run in runs.items():
-            reference, best = run(base), (timed(lambda: run(base)), base)
-            for s in _settings(spec, neutral, budget.max_settings, rng)[1:]:
-                bar.set_postfix_str(f"T={t} {s}")
+            # 1) numerics-setting fields: one setting per shape, judged on the total over every T
+            fixed_fields = [f for f in fields if f not in spec.params.T_NEUTRAL and f in spec.params.SEARCH_SPACE]
+            scored = []
+            for s in _settings(spec, fixed_fields, budget.max_settings, rng):
+                bar.set_postfix_str(str(s))  # before the launch: a hang or crash names its setting
                 bar.update()
                 try:
-                    p = dataclasses.replace(base, **s)
-                    if not _same(run(p), reference):
-                        refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: output differs from {dataclasses.asdict(base)}")
-                        continue
-                    best = min(best, (timed(lambda: run(p)), p), key=lambda x: x[0])
+                    p = dataclasses.replace(default, **s)
+                    scored.append((total(p), p))
                 except UNLAUNCHABLE as e:
-                    refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: {e}")
-            # 3) re-profile default, shape setting and winner afresh, interleaved; keep what reproduces
-            rounds = [(timed(lambda: run(default)), timed(lambda: run(base)), timed(lambda: run(best[1])))
-                      for _ in range(3)]
-            d_ms, b_ms, w_ms = (statistics.median(col) for col in zip(*rounds))
-            winner, tuned_ms = (best[1], w_ms) if best[1] != base and b_ms / w_ms >= budget.min_gain else (base, b_ms)
-            if winner != default:  # a shape-level setting is written for every T, gain or not: invariance
-                entries.append(TableEntry(spec.name, n, k, t, dataclasses.asdict(winner), d_ms, tuned_ms))
-        bar.close()
+                    refused.append(f"{spec.name}@{n}x{k} {s}: {e}")
+            base = min(scored, key=lambda x: x[0])[1]
+            if base != default and total(default) / total(base) < budget.min_gain:  # re-profiled: not reproduced
+                base = default
+            # 2) T-neutral fields per T; each must keep every bit of the output
+            neutral = [f for f in fields if f in base.t_neutral() and f in spec.params.SEARCH_SPACE]
+            for t, run in runs.items():
+                reference, best = run(base), (timed(lambda: run(base)), base)
+                for s in _settings(spec, neutral, budget.max_settings, rng)[1:]:
+                    bar.set_postfix_str(f"T={t} {s}")
+                    bar.update()
+                    try:
+                        p = dataclasses.replace(base, **s)
+                        if not _same(run(p), reference):
+                            refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: output differs from "
+                                           f"{dataclasses.asdict(base)}")
+                            continue
+                        best = min(best, (timed(lambda: run(p)), p), key=lambda x: x[0])
+                    except UNLAUNCHABLE as e:
+                        refused.append(f"{spec.name}@{n}x{k}@T{t} {s}: {e}")
+                # 3) re-profile default, shape setting and winner afresh, interleaved; keep what reproduces
+                rounds = [(timed(lambda: run(default)), timed(lambda: run(base)), timed(lambda: run(best[1])))
+                          for _ in range(3)]
+                d_ms, b_ms, w_ms = (statistics.median(col) for col in zip(*rounds))
+                kept_winner = best[1] != base and b_ms / w_ms >= budget.min_gain
+                winner, tuned_ms = (best[1], w_ms) if kept_winner else (base, b_ms)
+                if winner != default:  # a shape-level setting is written for every T, gain or not: invariance
+                    entries.append(TableEntry(spec.name, n, k, t, dataclasses.asdict(winner), d_ms, tuned_ms))
     step: dict[str, Any] = {}
     if budget.step_gate and entries:
         from specpilot.stages.step_gate import gate, step_timer
