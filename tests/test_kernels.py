@@ -216,6 +216,8 @@ def test_attention_matches_ref(dtype, T, H, KVH, D, base, tree, split, bn):
                             block_n=bn, fuse_combine=True)
         assert torch.equal(fused, o), "fuse_combine changed a bit"
     assert int(arrival_counters(DEV).abs().sum()) == 0, "arrival counters must be back at 0 for the next launch"
+    with pytest.raises(ValueError, match="fuse_combine needs num_warps=4"):
+        K.attention(q, kc, vc, base, anc, split_keys=split, block_n=bn, fuse_combine=True, num_warps=8)
 
 
 def test_attention_ref_masks_exactly():
@@ -576,15 +578,17 @@ def test_pdl_launch_keywords_are_off_on_cpu_and_the_mode_switch_restores():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device (graph capture)")
-def test_capture_survives_a_collection_of_dropped_graphs():
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_capture_survives_a_collection_of_dropped_graphs(in_flight):
     """A graph held in a reference cycle is freed by whichever automatic collection comes next; inside another
     capture, destroying it is refused by the driver and invalidates that capture, unless capture_graph holds
-    collections off (the step gate's dropped runners did this on an H200)."""
+    collections off (the step gate's dropped runners did this on an H200). The dropped graph was replayed, as the
+    step gate's were (in_flight: its replays still running when the capture begins)."""
     import gc
 
     from specpilot.kernels._common import capture_graph
 
-    x = torch.zeros(8, device="cuda")
+    x = torch.zeros(1 << 20, device="cuda")
     holders: list = []
     calls = [0]
 
@@ -595,7 +599,11 @@ def test_capture_survives_a_collection_of_dropped_graphs():
         return [x.add_(1) for _ in range(50)]  # allocations: with threshold 1, a collection at nearly every one
     holder: dict = {}
     holder["self"] = holder
-    holder["graph"], _ = capture_graph(lambda: x.add_(1), warmups=1)
+    holder["graph"], holder["out"] = capture_graph(lambda: [x.mul(1.0001) for _ in range(100)], warmups=1)
+    for _ in range(20):
+        holder["graph"].replay()
+    if not in_flight:
+        torch.cuda.synchronize()
     holders.append(holder)
     del holder
     threshold = gc.get_threshold()
@@ -607,4 +615,4 @@ def test_capture_survives_a_collection_of_dropped_graphs():
     assert not holders  # the cycle was dropped during the capture
     graph.replay()
     torch.cuda.synchronize()
-    assert x[0].item() == 1 + 50 * 3  # one warm-up of the first graph's body, two of this one's, one replay
+    assert x[0].item() == 50 * 3  # two warm-ups of this body and one replay (the first graph never writes x)

@@ -59,6 +59,9 @@ class AttentionParams(LaunchParams):
         super().__post_init__()
         if not isinstance(self.fuse_combine, bool):
             raise ValueError(f"fuse_combine={self.fuse_combine!r} must be a bool")
+        if self.fuse_combine and self.num_warps != COMBINE_WARPS:  # the warps lay out the combine's sums
+            raise ValueError(f"fuse_combine needs num_warps={COMBINE_WARPS} (the combine kernel's: the same "
+                             f"reduction trees), got {self.num_warps}")
         if self.split_keys % self.block_n:
             raise ValueError(f"split_keys={self.split_keys} must be a multiple of block_n={self.block_n}")
 
@@ -184,15 +187,17 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
 # ascending group order and then by one fixed tree over the lanes. Part of the numerics (never tuned): one
 # group holds a 4096-key context at 64-key splits, so a row's combine costs a few loads, not two per split.
 SPLIT_GROUP = 64
+COMBINE_WARPS = 4  # the combine's thread layout, hence its sums' trees (fuse_combine must match it)
 
 
 @triton.jit
 def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.constexpr, GROUP: tl.constexpr,
-                   CACHE: tl.constexpr = ""):
+                   CACHE: tl.constexpr):
     """(acc [D], l) of one row from its split partials (split sp's at ws_*[sp * stride + row]); shared by the
     single-request and paged combines so both reduce with the same statements. A split with no visible key
     (m = -inf) or past n_split adds an exact zero. CACHE=".cg": read the partials from L2 (other programs of the
-    same kernel wrote them; an L1 line could be stale)."""
+    same kernel wrote them; an L1 line could be stale); "" otherwise (no default: a jit helper's default string
+    reaches the compiler as a plain str and fails to compile)."""
     sp = tl.arange(0, GROUP)
     dd = tl.arange(0, D)
     mx = tl.full([GROUP], float("-inf"), tl.float32)
@@ -222,7 +227,7 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
     row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
-    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP, "")
     out = acc / l  # a row that sees no key gives NaN
     dd = tl.arange(0, D)
     tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))
@@ -325,5 +330,5 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         return out
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
-        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION, **pdl_launch(dev))
+        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=COMBINE_WARPS, **NO_FP_FUSION, **pdl_launch(dev))
     return out
