@@ -85,16 +85,14 @@ def check_attention(page: int, block_n: int, reqs: list[tuple[int, int]], seed: 
         for cap, base in ((-(-kv // page) * page, kv - ql), (MAX_SEQ, torch.tensor([kv - ql], device=DEV))):
             kcc, vcc = (torch.zeros(kvh, cap, d, dtype=DT, device=DEV) for _ in range(2))
             kcc[:, :kv], vcc[:, :kv] = kc[:, slots], vc[:, slots]
-            for fuse in (False, True):  # the combine in its own launch, or in the last split program
-                single = attention(q[qs:qs + ql].contiguous(), kcc, vcc, base, chain, block_n=block_n,
-                                   split_keys=page, fuse_combine=fuse)
-                same = torch.equal(single, out[qs:qs + ql])
-                where = ""
-                if not same:
-                    bad = (single.float() != out[qs:qs + ql].float()).nonzero()[:4].tolist()  # (token, head, dim)
-                    where = f"{diff(single, out[qs:qs + ql])} at (token, head, dim) {bad}"
-                report(f"paged attention page={page} block_n={block_n} kv={kv} q={ql} base {type(base).__name__} "
-                       f"S={cap} fuse_combine={fuse}", same, where)
+            single = attention(q[qs:qs + ql].contiguous(), kcc, vcc, base, chain, block_n=block_n, split_keys=page)
+            same = torch.equal(single, out[qs:qs + ql])
+            where = ""
+            if not same:
+                bad = (single.float() != out[qs:qs + ql].float()).nonzero()[:4].tolist()  # (token, head, dim)
+                where = f"{diff(single, out[qs:qs + ql])} at (token, head, dim) {bad}"
+            report(f"paged attention page={page} block_n={block_n} kv={kv} q={ql} base {type(base).__name__} "
+                   f"S={cap}", same, where)
 
 
 def check_projections(model) -> None:

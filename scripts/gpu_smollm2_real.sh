@@ -4,6 +4,7 @@
 #   a: carry .gpu + .tb/gguf.part.aa                       -> parks part A in /root/tb, host-overhead profile
 #   b: carry .gpu + .tb/gguf.part.ab,ac + tok + benchmarks  -> convert; AR speed (engine vs transformers);
 #                                                             n-gram bench, 5 benchmarks x 2048 tokens
+#  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
 #                                                             drafter (with SEED, default 1: new data)
@@ -55,6 +56,10 @@ case $stage in
       --skip-checks 2>&1 | grep -v Warning | tail -8
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
       > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;
+  ar)  # b's carry; AR speed only: the engine (and with each kernel table of KT="name=file ...") vs transformers
+    convert
+    python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes triton_graph --skip-checks \
+      $(for t in ${KT:-}; do echo --kernel-table "$t"; done) 2>&1 | grep -v Warning | tail -8 ;;
   c)
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \

@@ -30,9 +30,7 @@ P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
 SINGLE = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "anc_ptr": "*u8", "base_ptr": "*i32", "ws_m_ptr": "*fp32",
           "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "bslot_ptr": "*i64", "T": "i32", "base_val": "i32", "S": "i32",
-          "A": "i32", "qk_scale": "fp32", "o_ptr": P, "cnt_ptr": "*i32"}
-COMBINE = {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "o_ptr": P, "base_ptr": "*i32", "T": "i32",
-           "base_val": "i32", "S": "i32"}
+          "A": "i32", "qk_scale": "fp32"}
 PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "*i64", "tile_row_ptr": "*i64",
          "qstart_ptr": "*i64", "qlen_ptr": "*i64", "kvlen_ptr": "*i64", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
          "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
@@ -45,18 +43,6 @@ def build(fn, sig, consts, num_warps=4, pdl=False):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
                                    "launch_pdl": pdl})
-
-
-def resolved(fn, sig, consts, num_warps=4, pdl=False):
-    ir = build(fn, sig, consts, num_warps, pdl).asm["ttgir"]
-    alias = dict(re.findall(r"^(#\w+) = (.*)$", ir, flags=re.M))
-    return [re.sub(r"#\w+", lambda m: alias.get(m.group(0), m.group(0)), line) for line in ir.splitlines()]
-
-
-def reductions(fn, sig, consts, num_warps=4):
-    # a tt.reduce's region closes with its types: operand layout (which threads hold which lanes) sets the tree
-    return [line.split("}) : ", 1)[1].split(" loc(")[0] for line in resolved(fn, sig, consts, num_warps)
-            if line.lstrip().startswith("}) : (tensor<")]
 
 
 def dots(fn, sig, consts, num_warps=4, pdl=False):
@@ -92,14 +78,6 @@ print(json.dumps({
     "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
     "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True}),
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
-    # fuse_combine: the split kernel's dots unchanged, and its combine reduces as the combine kernel does
-    **{f"fused_{m}": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": m == "slots",
-                                                          "FUSE_COMBINE": True, "GROUP": 64})
-       for m in ("chain", "slots")},
-    "fused_reductions": reductions(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
-                                                                   "FUSE_COMBINE": True, "GROUP": 64}),
-    "combine_reductions": reductions(sa._attn_combine_kernel, COMBINE, {"H": 9, "D": 64, "BASE_IS_PTR": True,
-                                                                        "SPLIT": 64, "GROUP": 64}),
     **{f"{'w12_' if w12 else ''}linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
                                                                           "W12": w12, **TILE})
        for w12 in (False, True)},
@@ -144,15 +122,6 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert len(compiled["paged"]) == 3, compiled["paged"]
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
-
-
-def test_fused_combine_keeps_the_dots_and_reduces_like_the_combine_kernel(compiled):
-    assert compiled["fused_chain"] == compiled["single_chain"]
-    assert compiled["fused_slots"] == compiled["single_slots"]
-    combine = compiled["combine_reductions"]
-    assert len(combine) >= 3, combine  # the max over split groups, the l and acc sums
-    fused = compiled["fused_reductions"]
-    assert fused[-len(combine):] == combine, (fused, combine)
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):

@@ -122,7 +122,7 @@ def test_split_k_launches_keep_the_epilogues_rows_and_counters(split_k):
     o, o1 = K.linear(x, W2, r2, **sk), K.linear(x[5:6], W2, r2[5:6], **sk)
     assert torch.equal(o1[0], o[5])
     torch.testing.assert_close(o.float(), K.linear_ref(x, W2, r2).float(), atol=3e-2, rtol=2e-2)
-    assert int(gemm.arrival_counters(DEV).abs().sum()) == 0
+    assert int(gemm._counters(DEV).abs().sum()) == 0
 
 
 def test_split_k_is_refused_when_it_cannot_run():

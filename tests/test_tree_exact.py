@@ -190,8 +190,6 @@ def test_attention_block_slots_matches_ref_and_reads_keys_in_position_order(dtyp
     bs = ancestor_slots(torch.tensor(base), anc)
     o = K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32)
     ref = K.attention_ref(q, kc, vc, base, anc, block_slots=bs)
-    fused = K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32, fuse_combine=True)
-    assert torch.equal(fused, o), "the last split program's combine (G > BLOCK_M: row tiles per token) changed a bit"
     err = ((o.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2)
     # Same visible key set as the anc mask: agrees with the slot-order reference too.

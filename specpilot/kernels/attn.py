@@ -31,7 +31,6 @@ import triton.language as tl
 
 from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, LaunchParams, check_int, check_launchable, check_out,
                       check_tensor, dot_precision)
-from .gemm import SPLIT_COUNTERS, arrival_counters
 from .pdl import pdl_launch, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
@@ -47,21 +46,12 @@ class AttentionParams(LaunchParams):
     split_keys: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    # The last split program of each row tile to finish combines the tile's splits: one launch fewer per layer.
-    # The same combine_splits statements on the same partials, so T-neutral (the tuner checks the bits anyway).
-    fuse_combine: bool = False
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "fuse_combine")
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
-                                                "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
-                                                "fuse_combine": (False, True)}
+                                                "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.fuse_combine, bool):
-            raise ValueError(f"fuse_combine={self.fuse_combine!r} must be a bool")
-        if self.fuse_combine and self.num_warps != COMBINE_WARPS:  # the warps lay out the combine's sums
-            raise ValueError(f"fuse_combine needs num_warps={COMBINE_WARPS} (the combine kernel's: the same "
-                             f"reduction trees), got {self.num_warps}")
         if self.split_keys % self.block_n:
             raise ValueError(f"split_keys={self.split_keys} must be a multiple of block_n={self.block_n}")
 
@@ -98,11 +88,11 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 
 
 @triton.jit(do_not_specialize=["T", "base_val"])
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, o_ptr, cnt_ptr,
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                        T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                       FUSE_COMBINE: tl.constexpr = False, GROUP: tl.constexpr = 64, PDL: tl.constexpr = 0):
+                       PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -162,60 +152,36 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         tl.store(ws_m_ptr + w, m, mask=row_ok)
         tl.store(ws_l_ptr + w, l, mask=row_ok)
         tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
-    if FUSE_COMBINE:  # every program counts its arrival, an early-exited one too; the last combines the tile
-        tile = pid_m * tl.num_programs(1) + kvh
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            n_split = tl.cdiv(end, SPLIT)
-            od = tl.arange(0, D)
-            for i in range(BLOCK_M):
-                if HAS_SLOTS:
-                    gi = (pid_m % tl.cdiv(G, BLOCK_M)) * BLOCK_M + i
-                    ok = gi < G
-                    row = (pid_m // tl.cdiv(G, BLOCK_M)) * H + kvh * G + gi
-                else:
-                    ri = pid_m * BLOCK_M + i
-                    ok = ri < T * G
-                    row = (ri // G) * H + kvh * G + ri % G
-                if ok:
-                    acc_r, l_r = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP, ".cg")
-                    tl.store(o_ptr + row.to(tl.int64) * D + od, (acc_r / l_r).to(o_ptr.dtype.element_ty))
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # back at 0 for the next launch (graph replays reuse it)
 
 
 # Splits one combine program reads at once: within a group the weighted partials are summed lane-wise in
 # ascending group order and then by one fixed tree over the lanes. Part of the numerics (never tuned): one
 # group holds a 4096-key context at 64-key splits, so a row's combine costs a few loads, not two per split.
 SPLIT_GROUP = 64
-COMBINE_WARPS = 4  # the combine's thread layout, hence its sums' trees (fuse_combine must match it)
 
 
 @triton.jit
-def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.constexpr, GROUP: tl.constexpr,
-                   CACHE: tl.constexpr):
+def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.constexpr, GROUP: tl.constexpr):
     """(acc [D], l) of one row from its split partials (split sp's at ws_*[sp * stride + row]); shared by the
     single-request and paged combines so both reduce with the same statements. A split with no visible key
-    (m = -inf) or past n_split adds an exact zero. CACHE=".cg": read the partials from L2 (other programs of the
-    same kernel wrote them; an L1 line could be stale); "" otherwise (no default: a jit helper's default string
-    reaches the compiler as a plain str and fails to compile)."""
+    (m = -inf) or past n_split adds an exact zero."""
     sp = tl.arange(0, GROUP)
     dd = tl.arange(0, D)
     mx = tl.full([GROUP], float("-inf"), tl.float32)
     for g0 in range(0, n_split, GROUP):
         w = ((g0 + sp) * stride + row).to(tl.int64)
-        mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"), cache_modifier=CACHE))
+        mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf")))
     top = tl.max(mx, axis=0)
     top = tl.where(top > float("-inf"), top, 0.0)
     lv = tl.zeros([GROUP], dtype=tl.float32)
     accv = tl.zeros([GROUP, D], dtype=tl.float32)
     for g0 in range(0, n_split, GROUP):
         w = ((g0 + sp) * stride + row).to(tl.int64)
-        ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"), cache_modifier=CACHE)
+        ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"))
         use = ms > float("-inf")
         scale = tl.where(use, tl.exp2(ms - top), 0.0)
-        lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0, cache_modifier=CACHE)
-        accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0,
-                                         cache_modifier=CACHE)
+        lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0)
+        accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0)
     return tl.sum(accv, axis=0), tl.sum(lv, axis=0)
 
 
@@ -227,7 +193,7 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
     row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
-    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP, "")
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)
     out = acc / l  # a row that sees no key gives NaN
     dd = tl.arange(0, D)
     tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))
@@ -285,8 +251,7 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              fuse_combine: bool = False) -> torch.Tensor:
+              block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -294,8 +259,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
     the keys AR would, in position order (anc is then not read). Tokens are then tiled one per program.
     """
-    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
-                             fuse_combine=fuse_combine)
+    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -317,18 +281,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     qk_scale = LOG2E / math.sqrt(D)
     has_slots = block_slots is not None
     n_m = T * triton.cdiv(G, BLOCK_M) if has_slots else triton.cdiv(T * G, BLOCK_M)
-    if fuse_combine and n_m * KVH > SPLIT_COUNTERS:
-        raise ValueError(f"{n_m * KVH} attention row tiles exceed the {SPLIT_COUNTERS} arrival counters: "
-                         "launch fewer tokens or fuse_combine=False")
     _attn_split_kernel[(n_m, KVH, n_split)](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        out, arrival_counters(dev) if fuse_combine else ws_m, T, base_val, S, block_slots.shape[1] if has_slots else 0,
-        qk_scale, H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
-        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, FUSE_COMBINE=fuse_combine,
-        GROUP=SPLIT_GROUP, **NO_FP_FUSION, num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
-    if fuse_combine:
-        return out
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
+        H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, **NO_FP_FUSION, num_warps=num_warps,
+        num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
-        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=COMBINE_WARPS, **NO_FP_FUSION, **pdl_launch(dev))
+        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION, **pdl_launch(dev))
     return out

@@ -121,13 +121,13 @@ def split_launches(device: torch.device, tokens: int, n: int, k: int, block_k: i
         r1 = min(tokens, r0 + step)
         tiles = triton.cdiv(r1 - r0, row_tile) * triton.cdiv(n, block_n)
         if split_k == 1:  # no partials: the counters stand in for the unused workspace argument
-            ws = arrival_counters(device)
+            ws = _counters(device)
         elif tiles > SPLIT_COUNTERS:
             raise ValueError(f"{tiles} output tiles exceed the {SPLIT_COUNTERS} split-K counters")
         else:
             ws = torch.empty(tiles * split_k * row_tile * block_n * (2 if pair else 1), dtype=torch.float32,
                              device=device)
-        launches.append((r0, r1, (tiles * split_k,), ws, arrival_counters(device), per_split))
+        launches.append((r0, r1, (tiles * split_k,), ws, _counters(device), per_split))
     return launches
 
 
@@ -137,7 +137,7 @@ SPLIT_COUNTERS = 1 << 18
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device) -> torch.Tensor:
+def _counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed arrival counters, made on first use (warm-up runs before any graph capture)."""
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)

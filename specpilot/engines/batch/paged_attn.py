@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
-from specpilot.kernels.attn import (COMBINE_WARPS, LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits,
+from specpilot.kernels.attn import (LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits,
                                     online_softmax_block)
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
@@ -95,7 +95,7 @@ def _paged_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, tok_kvlen_ptr, NT
     row = tl.program_id(0)  # row = token * H + head, one per program
     kvlen = tl.load(tok_kvlen_ptr + row // H)  # 0: a padding token, no split
     n_split = ((kvlen + SPLIT - 1) // SPLIT).to(tl.int32)
-    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, NTOK * H, n_split, D, GROUP, "")
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, NTOK * H, n_split, D, GROUP)
     out = acc / tl.where(l > 0, l, 1.0)  # padding tokens: 0 / 1
     dd = tl.arange(0, D)
     tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))
@@ -194,6 +194,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             SPLITS_PER_PROGRAM=SPLITS_PER_PROGRAM, num_warps=params.num_warps, num_stages=params.num_stages,
             **NO_FP_FUSION)
     _paged_combine_kernel[(NTOK * H,)](
-        ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, SPLIT=page, GROUP=SPLIT_GROUP, num_warps=COMBINE_WARPS,
+        ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, SPLIT=page, GROUP=SPLIT_GROUP, num_warps=4,
         **NO_FP_FUSION)
     return out
