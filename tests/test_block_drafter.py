@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +435,28 @@ def test_training_continues_a_saved_drafter(tmp_path):
     assert json.loads((tmp_path / "b" / "config.json").read_text())["training"]["init"] == str(tmp_path / "a")
     with pytest.raises((DrafterCheckpointError, FileNotFoundError)):
         new_drafter(bundle, TrainConfig(**{**QUICK, "init": str(tmp_path / "missing")}))
+
+
+SHIPPED_SMOLLM2 = Path(__file__).resolve().parents[1] / "specpilot" / "drafting" / "shipped" / "smollm2-135m"
+
+
+def test_shipped_smollm2_drafter_equals_ar_and_commits_more_than_a_token_a_step():
+    """The drafter shipped for SmolLM2-135M on the real target (CPU, float32, a coding prompt): chain and tree give
+    AR's tokens and commit more than one token per verify step (an untrained drafter commits 1.0)."""
+    from specpilot.engines.loader import load_model, load_tokenizer
+    from specpilot.testbed import fetch_smollm2
+    target_dir = fetch_smollm2()
+    model = load_model(target_dir, torch.float32, "cpu")
+    drafter = load_drafter(SHIPPED_SMOLLM2, model).eval()
+    tok = load_tokenizer(target_dir)
+    msg = [{"role": "user", "content": "Write a Python function that returns the sum of the squares of a list."}]
+    p = list(tok.apply_chat_template(msg, add_generation_prompt=True, return_dict=True)["input_ids"])
+    base = EngineConfig(dtype="float32", max_seq_len=512, drafter=DrafterKind.NONE)
+    want = build_engine(base, model, NO_EOS, "cpu").generate(p, 48).tokens
+    for extra in ({}, {"verify": VerifyMode.TREE, "tree_budget": 32, "position_ordered_attention": True}):
+        cfg_ = base.replace(drafter=DrafterKind.BLOCK, block_size=drafter.config.block_size, **extra)
+        got = build_engine(cfg_, model, NO_EOS, "cpu", block_drafter=drafter).generate(p, 48)
+        ref = want if not extra else build_engine(base.replace(position_ordered_attention=True), model, NO_EOS,
+                                                   "cpu").generate(p, 48).tokens
+        assert got.tokens == ref, extra
+        assert got.accepted_per_step > 1.3, (extra, got.accepted_per_step)

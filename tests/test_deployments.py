@@ -16,7 +16,7 @@ from specpilot.testbed import ModelDirError, TINY, make_random_model
 from specpilot.workload import Benchmark
 
 SHIPPED = ["llama8b-shape-h200", "micro-batch-cpu", "qwen3-next-80b-layers-h200", "qwen3-next-tiny-cpu",
-           "smollm2-135m-cpu", "smollm2-135m-h200", "smollm2-shape-h200"]
+           "smollm2-135m-block-cpu", "smollm2-135m-cpu", "smollm2-135m-h200", "smollm2-shape-h200"]
 FP32 = ("micro-batch-cpu", "qwen3-next-tiny-cpu")  # the CPU development targets of random weights
 
 
