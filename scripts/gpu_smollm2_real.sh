@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Real SmolLM2-135M-Instruct on an air-gapped H200, in back-to-back warm calls (the host is released after 30 s
-# idle, and at most 64 MiB travels per call, so the 98 MB GGUF goes in parts; see notes/h200.md):
-#   a: carry .gpu + .tb/gguf.part.aa                       -> parks part A in /root/tb, host-overhead profile
-#   b: carry .gpu + .tb/gguf.part.ab,ac + tok + benchmarks  -> convert; AR speed (engine vs transformers);
+# idle, and at most 64 MiB travels per call, checkout included (the shipped drafter is 13 MB of it), so the 98 MB
+# GGUF goes in three parts, from scripts/gpu_prepare.sh; see notes/h200.md):
+#   a: carry .tb/gguf.part.aa, then .tb/gguf.part.ab      -> parks the parts carried in /root/tb (two calls)
+#   b: carry .gpu + .tb/gguf.part.ac + tok + benchmarks    -> convert; AR speed (engine vs transformers);
 #                                                             n-gram bench, 5 benchmarks x 2048 tokens
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
 #                                                             drafter (with SEED, default 1: new data)
-#   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level
-#   e: as b's carry + .tb/drafter (a trained drafter)       -> convert, W12 vs bf16 AR (tokens, speed), then d
-#                                                             with that drafter (no c needed)
+#   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level, with
+#                                                             DRAFTER, else c's (/root/tb/drafter), else the
+#                                                             shipped one (specpilot/drafting/shipped)
+#   e: as b's carry                                         -> convert, W12 vs bf16 AR (tokens, speed), then d
 # Run from a snapshot of HEAD (.gpu/src: `bash scripts/gpu_snapshot.sh`), so work in progress never travels.
 set -uo pipefail
 stage=$1
@@ -34,22 +36,26 @@ engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: 
 YAML
   echo "$TB/$1.yaml"
 }
-convert() {
+convert() {  # the parks' parts and this call's, joined, checked against the pinned sha256, converted
   pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
-  cat $TB/gguf.part.aa "$ROOT/.tb/gguf.part.ab" "$ROOT/.tb/gguf.part.ac" > $TB/smollm2.gguf
-  python3 -c "from specpilot.testbed.fetch import convert_gguf; convert_gguf('$TB/smollm2.gguf', '$TB/hf')" 2>&1 |
-    tail -2 && cp "$ROOT"/.tb/tok/* $TB/hf/
+  cp "$ROOT"/.tb/gguf.part.* $TB/ && cat $TB/gguf.part.a[a-c] > $TB/smollm2.gguf
+  python3 -c "from specpilot.testbed.fetch import SMOLLM2_135M_SOURCE as s, convert_gguf, verify_gguf
+verify_gguf('$TB/smollm2.gguf', s); convert_gguf('$TB/smollm2.gguf', '$TB/hf')" 2>&1 | tail -2 &&
+    cp "$ROOT"/.tb/tok/* $TB/hf/
 }
-bench_block() {  # chain, tree and two-level with the drafter in $TB/drafter, 5 benchmarks x PPB prompts
-  local drafters="  - {kind: block, model: {path: $TB/drafter}, engine: {verify: chain}}
-  - {kind: block, model: {path: $TB/drafter}, engine: {verify: tree, tree_budget: 32, position_ordered_attention: true}}
-  - {kind: block, model: {path: $TB/drafter}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
+bench_block() {  # chain, tree and two-level with one drafter (see d above), 5 benchmarks x PPB prompts
+  local d=${DRAFTER:-$TB/drafter}
+  [ -f "$d/config.json" ] || d=$ROOT/specpilot/drafting/shipped/smollm2-135m
+  echo "drafter: $d"
+  local drafters="  - {kind: block, model: {path: $d}, engine: {verify: chain}}
+  - {kind: block, model: {path: $d}, engine: {verify: tree, tree_budget: 32, position_ordered_attention: true}}
+  - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
   python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
     > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt"
 }
 case $stage in
   a)
-    mkdir -p $TB && cp "$ROOT/.tb/gguf.part.aa" $TB/ && echo "part A parked" ;;
+    mkdir -p $TB && cp "$ROOT"/.tb/gguf.part.* $TB/ && ls $TB ;;
   b)
     convert
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes "${MODES:-torch_graph_t1_fast,triton_graph}" \
@@ -70,7 +76,6 @@ case $stage in
     convert
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 512 --modes triton_graph,triton_graph_w12 \
       --skip-checks --skip-hf 2>&1 | grep -v Warning | tail -4  # W12 on real weights: the same tokens?
-    [ -d "$ROOT/.tb/drafter" ] && mkdir -p $TB/drafter && cp "$ROOT"/.tb/drafter/* $TB/drafter/  # or parked by a
     bench_block ;;
   d)
     bench_block ;;
