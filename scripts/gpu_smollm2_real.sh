@@ -8,7 +8,9 @@
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
-#                                                             drafter (with SEED, default 1: new data)
+#                                                             drafter (with SEED, default 1: new data); DATA=DIR
+#                                                             trains on a run's saved sequences (no generation;
+#                                                             /root/tb/drafter after a c on this host)
 #   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level, with
 #                                                             DRAFTER, else c's (/root/tb/drafter), else the
 #                                                             shipped one (specpilot/drafting/shipped)
@@ -69,9 +71,10 @@ case $stage in
   c)
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
-      --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} ${INIT:+--init $INIT --seed ${SEED:-1}} \
+      --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} ${INIT:+--init $INIT --seed ${SEED:-1}} ${DATA:+--data-from $DATA} \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
-    mkdir -p "$OUT/drafter" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" ;;
+    mkdir -p "$OUT/drafter/sequences" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" &&
+      cp $TB/drafter/sequences/* "$OUT/drafter/sequences/" ;;
   e)
     convert
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 512 --modes triton_graph,triton_graph_w12 \

@@ -437,6 +437,37 @@ def test_training_continues_a_saved_drafter(tmp_path):
         new_drafter(bundle, TrainConfig(**{**QUICK, "init": str(tmp_path / "missing")}))
 
 
+def test_training_reuses_saved_sequences_with_recomputed_features(tmp_path):
+    """data_from= (half of an H200 training call generates data): a run's saved sequences come back token for
+    token; their features, recomputed by one causal forward, equal what generation recorded step by step (float32:
+    up to rounding); a second run trains on them without generating, and bad files are refused clearly."""
+    from specpilot.drafting.data import load_sequences, recompute
+    model = damped("gqa", 8)
+    bundle = TargetBundle("tiny", model, None, NO_EOS)
+    first = train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 3, "seed": 8}), tmp_path / "a")
+    seqs, plens = load_sequences(tmp_path / "a" / "sequences" / "train.safetensors", model.shape.vocab)
+    assert len(seqs) == first.report["data"]["train_sequences"] > 0
+    data = generate(model, [prompt(model.shape.vocab, 3 + i, 50 + i) for i in range(6)], 12, (0, 1), NO_EOS)
+    rows = [data.tokens[i, :n].tolist() for i, n in enumerate(data.length.tolist())]
+    again = recompute(model, rows, data.prompt_len.tolist(), (0, 1), batch=4)
+    for i, row in enumerate(rows):
+        j = next(j for j in range(len(again)) if again.tokens[j, :len(row)].tolist() == row
+                 and int(again.length[j]) == len(row))
+        assert int(again.prompt_len[j]) == int(data.prompt_len[i])
+        torch.testing.assert_close(again.features[j, :len(row) - 1], data.features[i, :len(row) - 1],
+                                   rtol=1e-4, atol=1e-4)
+        assert not again.features[j, len(row) - 1:].any()  # the last token's and padding's: never computed
+    second = train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 3, "seed": 9,
+                                                  "data_from": str(tmp_path / "a")}), tmp_path / "b")
+    assert second.report["data"]["reused_from"] == str(tmp_path / "a")
+    assert second.report["data"]["train_sequences"] == len(seqs)
+    assert second.report["data"]["train_target_tokens"] == first.report["data"]["train_target_tokens"]
+    with pytest.raises(ValueError, match="vocabulary"):
+        load_sequences(tmp_path / "a" / "sequences" / "train.safetensors", 3)
+    with pytest.raises(FileNotFoundError, match="saved training sequences"):
+        train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 1, "data_from": str(tmp_path / "none")}))
+
+
 SHIPPED_SMOLLM2 = Path(__file__).resolve().parents[1] / "specpilot" / "drafting" / "shipped" / "smollm2-135m"
 
 

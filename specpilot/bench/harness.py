@@ -51,6 +51,10 @@ class RequestResult:
     speedup: float | None  # fastest AR decode time / this decode time (None for the AR modes)
     speedup_vs_exact_ar: float | None = None
     reference: str = AR_LABEL  # the AR run whose tokens this one must equal (its config's ar_twin)
+    # Mean wall time per step: drafting (the drafter's propose), and the rest (verify, accept, commit; for AR the
+    # step itself): where a speculative step's time goes.
+    draft_ms: float | None = None
+    verify_ms: float | None = None
 
     @property
     def tpot_ms(self) -> float:
@@ -84,7 +88,11 @@ class BenchReport:
         summary = {v: {"geomean_speedup": self.geomean(v), "all_match_ar": self.all_match(v),
                        "per_benchmark": {b: self.geomean(v, b) for b in self.benchmarks()},
                        "tokens_per_step": _mean([r.tokens_per_step for r in self.requests if r.variant == v]),
-                       "tpot_ms": _mean([r.tpot_ms for r in self.requests if r.variant == v])}
+                       "tpot_ms": _mean([r.tpot_ms for r in self.requests if r.variant == v]),
+                       "draft_ms_per_step": _mean([r.draft_ms for r in self.requests if r.variant == v
+                                                   and r.draft_ms is not None]),
+                       "verify_ms_per_step": _mean([r.verify_ms for r in self.requests if r.variant == v
+                                                    and r.verify_ms is not None])}
                    for v in self.variants}
         return {"deployment": self.deployment, "device": self.device, "max_new_tokens": self.max_new_tokens,
                 "summary": summary, "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.requests]}
@@ -156,7 +164,9 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
                 steps=len(res.steps), stop_reason=res.stop_reason, tokens_per_step=res.accepted_per_step,
                 step_hist=dict(sorted(hist.items())), matches_ar=div is None, first_divergence=div,
                 speedup=None if is_ar else fastest_ar_s / max(res.decode_s, 1e-9),
-                speedup_vs_exact_ar=None if is_ar else ar.decode_s / max(res.decode_s, 1e-9), reference=ref_label)
+                speedup_vs_exact_ar=None if is_ar else ar.decode_s / max(res.decode_s, 1e-9), reference=ref_label,
+                draft_ms=_mean([1e3 * s.draft_s for s in res.steps]),
+                verify_ms=_mean([1e3 * s.verify_s for s in res.steps]))
             report.requests.append(rr)
             report.outputs.setdefault(v.label, {})[tp.key] = res.tokens
             steps[v.label].extend(res.steps)
@@ -175,16 +185,20 @@ def format_report(report: BenchReport) -> str:
              f"speedup = fastest AR decode time / variant decode time (geometric mean over requests); "
              f"'{AR_LABEL}' is the exact reference, '{AR_FAST_LABEL}' the fastest AR shapes", ""]
     benches = report.benchmarks()
-    lines.append("| variant | " + " | ".join(benches) + " | overall | tokens/step | TPOT ms | all tokens = AR |")
-    lines.append("|---" * (len(benches) + 5) + "|")
+    lines.append("| variant | " + " | ".join(benches) + " | overall | tokens/step | TPOT ms | draft ms/step | "
+                 "verify ms/step | all tokens = AR |")
+    lines.append("|---" * (len(benches) + 7) + "|")
     for v in report.variants:
         per = [report.geomean(v, b) for b in benches]
         tps = _mean([r.tokens_per_step for r in report.requests if r.variant == v])
         tpot = _mean([r.tpot_ms for r in report.requests if r.variant == v])
         cells = ["-" if x is None else f"{x:.2f}x" for x in per]
         overall = report.geomean(v)
+        split = [_mean([getattr(r, f) for r in report.requests if r.variant == v and getattr(r, f) is not None])
+                 for f in ("draft_ms", "verify_ms")]
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {'-' if overall is None else f'{overall:.2f}x'} | "
-                     f"{tps:.2f} | {tpot:.2f} | {'yes' if report.all_match(v) else 'NO'} |")
+                     f"{tps:.2f} | {tpot:.2f} | " + " | ".join("-" if x is None else f"{x:.3f}" for x in split)
+                     + f" | {'yes' if report.all_match(v) else 'NO'} |")
     for ref in sorted({r.reference for r in report.requests} - {AR_LABEL}):
         users = sorted({r.variant for r in report.requests if r.reference == ref})
         lines.append(f"{', '.join(users)}: checked against {ref}, the AR with the numerics these variants change")

@@ -43,6 +43,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="free generations from BOS, not a sampled user turn answered through the chat template")
     p.add_argument("--init", default=None, help="a saved drafter to continue training (its architecture wins); "
                                                 "give a new --seed so the run generates new data")
+    p.add_argument("--data-from", default=None, help="an earlier run's out dir: train on its saved sequences "
+                                                     "(features recomputed) instead of generating data")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -51,7 +53,8 @@ def run_train(args: argparse.Namespace) -> int:
     from specpilot.drafting.train import TrainConfig, train_drafter
 
     bundle = load_target(args.target, args.device, _dtype(args))
-    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s", "chat_free", "init")}
+    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s", "chat_free", "init",
+                                              "data_from")}
     cfg = replace(TrainConfig(), **knobs, device=args.device, progress=not args.no_progress)
     result = train_drafter(bundle, cfg, args.out)
     base = {r["mode"]: r for r in result.report["untrained"]["engine"]}

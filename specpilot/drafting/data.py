@@ -10,9 +10,12 @@ left-padded prompts, with a plain per-batch KV cache, so data generation costs s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.nn.attention import sdpa_kernel
 
 from specpilot.engines.llama import VARYING_LENGTH_SDPA, LlamaModel, rotate_half
@@ -192,3 +195,70 @@ def concat(parts: list[DraftData]) -> DraftData:
     return DraftData(torch.cat([F.pad(p.tokens, (0, t_max - p.tokens.shape[1])) for p in parts]),
                      torch.cat([F.pad(p.features, (0, 0, 0, t_max - p.features.shape[1])) for p in parts]),
                      torch.cat([p.prompt_len for p in parts]), torch.cat([p.length for p in parts]))
+
+
+# The token side of DraftData, saved with a trained drafter so a later training call can skip generation (half of
+# an H200 training call, session 9) and recompute the features with one teacher-forced forward per batch.
+SEQUENCES_FORMAT = "specpilot-draft-sequences/1"
+
+
+def save_sequences(data: DraftData, path: str | Path) -> Path:
+    """Every sequence's tokens (flat, unpadded), its length and its context length, as safetensors."""
+    length = data.length.cpu().long()
+    tokens = data.tokens.cpu()
+    flat = torch.cat([tokens[i, :n] for i, n in enumerate(length.tolist())])
+    # 16-bit ids where the vocabulary allows (half the bytes: a GPU call returns files of at most 16 MiB)
+    flat = flat.to(torch.uint16 if flat.numel() == 0 or int(flat.max()) < 1 << 16 else torch.int32)
+    path = Path(path)
+    save_file({"tokens": flat, "length": length.to(torch.int32), "prompt_len": data.prompt_len.cpu().to(torch.int32)},
+              str(path), metadata={"format": SEQUENCES_FORMAT})
+    return path
+
+
+def load_sequences(path: str | Path, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """(sequences, context lengths) saved by save_sequences; every token must be < vocab (the target's)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no saved training sequences (a training run's out dir has them)")
+    with safe_open(str(path), "pt") as f:
+        if (f.metadata() or {}).get("format") != SEQUENCES_FORMAT:
+            raise ValueError(f"{path}: not a {SEQUENCES_FORMAT} file")
+        flat, length, plen = (f.get_tensor(k).long() for k in ("tokens", "length", "prompt_len"))
+    if int(length.sum()) != flat.numel() or length.numel() != plen.numel() or bool((plen > length).any()):
+        raise ValueError(f"{path}: lengths do not add up to its {flat.numel()} tokens")
+    if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < vocab:
+        raise ValueError(f"{path}: token ids outside the target's vocabulary of {vocab} (another target's data?)")
+    return [s.tolist() for s in flat.split(length.tolist())], plen.tolist()
+
+
+@torch.no_grad()
+def recompute(model: LlamaModel, seqs: list[list[int]], prompt_lens: list[int], capture: tuple[int, ...],
+              batch: int, store: torch.device | str = "cpu", progress=None) -> DraftData:
+    """DraftData of saved sequences: every token's features from one causal forward per batch of right-padded,
+    similar-length sequences (what generate recorded step by step, up to rounding)."""
+    if not seqs or min(len(s) for s in seqs) < 2:
+        raise ValueError("recompute needs sequences of at least 2 tokens")
+    dev = model.embed_tokens.weight.device
+    sh = model.shape
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    parts = []
+    for s0 in range(0, len(order), batch):
+        idx = order[s0:s0 + batch]
+        n, t = len(idx), max(len(seqs[i]) for i in idx)
+        ids = torch.zeros(n, t, dtype=torch.long, device=dev)
+        length = torch.tensor([len(seqs[i]) for i in idx], device=dev)
+        for r, i in enumerate(idx):
+            ids[r, :len(seqs[i])] = torch.tensor(seqs[i], device=dev)
+        slot = torch.arange(t, device=dev)
+        keys_ok = slot[None] < length[:, None]  # right padding is never visible
+        visible = (torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))[None] & keys_ok[:, None]) | \
+            torch.eye(t, dtype=torch.bool, device=dev)  # padding rows see themselves only
+        kv = torch.zeros(sh.layers, 2, n, sh.kv_heads, t, sh.head_dim, dtype=model.embed_tokens.weight.dtype,
+                         device=dev)
+        _, feats = _forward(model, ids, slot[None].expand(n, -1), kv, 0, visible, capture)
+        feats = feats * (slot[None] < length[:, None] - 1)[..., None]  # the last token's features are never used
+        parts.append(DraftData(ids.to(store), feats.to(store), torch.tensor([prompt_lens[i] for i in idx],
+                                                                          device=store), length.to(store)))
+        if progress is not None:
+            progress(n)
+    return concat(parts)
