@@ -437,6 +437,20 @@ def test_training_continues_a_saved_drafter(tmp_path):
         new_drafter(bundle, TrainConfig(**{**QUICK, "init": str(tmp_path / "missing")}))
 
 
+@pytest.mark.parametrize("n,t,h,kvh,s", [(3, 1, 9, 3, 17), (2, 5, 4, 2, 9), (2, 4, 4, 4, 4)])
+def test_data_attention_folds_gqa_into_rows_as_sdpa_computes_it(n, t, h, kvh, s):
+    """Data generation's attention (query heads of a KV head folded into rows, so a masked call needs no GQA
+    support) equals SDPA's own enable_gqa result, decode (t=1), prefill and MHA shapes."""
+    from specpilot.drafting.data import _grouped_sdpa
+    g = torch.Generator().manual_seed(n * 100 + t)
+    q, k, v = torch.randn(n, t, h, 8, generator=g), torch.randn(n, kvh, s, 8, generator=g), torch.randn(n, kvh, s, 8,
+                                                                                                       generator=g)
+    vis = torch.rand(n, t, s, generator=g) > 0.3
+    vis[..., 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=vis[:, None],
+                                                            enable_gqa=True).transpose(1, 2).reshape(n, t, h * 8)
+    torch.testing.assert_close(_grouped_sdpa(q, k, v, vis, kvh), want, rtol=1e-5, atol=1e-6)
+
 def test_training_reuses_saved_sequences_with_recomputed_features(tmp_path):
     """data_from= (half of an H200 training call generates data): a run's saved sequences come back token for
     token; their features, recomputed by one causal forward, equal what generation recorded step by step (float32:

@@ -49,6 +49,19 @@ def _rotary(model: LlamaModel, positions: torch.Tensor, dtype: torch.dtype) -> t
     return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
 
 
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, kv_heads: int):
+    """Attention of q [N, T, H, D] over k, v [N, KVH, S, D] under visible [N, T, S] -> [N, T, H * D], GQA folded
+    into the query length (each KV head's G query heads as G * T rows): SDPA's memory-efficient kernel takes a mask
+    but not enable_gqa, so a masked GQA call ran its fp32 math fallback with 3x copied keys (an H200 ran that path
+    at ~107 us a layer for the block drafter; kernels/block_step.py)."""
+    n, t, h, d = q.shape
+    g = h // kv_heads
+    qg = q.view(n, t, kv_heads, g, d).permute(0, 2, 1, 3, 4).reshape(n, kv_heads, t * g, d)
+    mask = visible[:, None, :, None, :].expand(n, 1, t, g, visible.shape[-1]).reshape(n, 1, t * g, -1)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [N, KVH, T * G, D]
+    return o.view(n, kv_heads, t, g, d).permute(0, 2, 1, 3, 4).reshape(n, t, h * d)
+
+
 def _forward(model: LlamaModel, ids, positions, kv, start: int, visible, capture: tuple[int, ...]):
     """One batched step: ids/positions [N, T] written at cache slots start..start+T-1; visible [N, T, start+T]
     bool. Same arithmetic as LlamaModel.forward, batched. Returns (logits of the last token, features)."""
@@ -68,9 +81,8 @@ def _forward(model: LlamaModel, ids, positions, kv, start: int, visible, capture
         kv[i, 0, :, :, start:start + t] = k.transpose(1, 2)
         kv[i, 1, :, :, start:start + t] = v.view(n, t, sh.kv_heads, sh.head_dim).transpose(1, 2)
         with sdpa_kernel(VARYING_LENGTH_SDPA):  # every decode step attends over one key more
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kv[i, 0, :, :, :start + t],
-                                               kv[i, 1, :, :, :start + t], attn_mask=visible[:, None], enable_gqa=True)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(n, t, sh.q_dim))
+            o = _grouped_sdpa(q, kv[i, 0, :, :, :start + t], kv[i, 1, :, :, :start + t], visible, sh.kv_heads)
+        x = x + attn.o_proj(o)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in capture:
             captured.append(x)
