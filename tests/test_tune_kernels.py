@@ -232,7 +232,21 @@ def test_step_gate_keeps_only_kernels_that_make_the_step_faster():
     assert step["tokens"] == [1, 4] and step["default_ms"] == [1.0, 4.0]
     assert step["tuned_ms"] == [pytest.approx(0.9), pytest.approx(3.9)]
     assert step["gain"] == pytest.approx(5.0 / 4.8)
-    assert measured == [4, 4, 4]  # with and without (or untuned) judged in one interleaved measurement each
+    assert measured == [4, 4, 4, 4]  # each kernel with and without, then kept vs untuned in both orders
+
+
+def test_step_gate_drops_a_table_that_only_gains_by_being_measured_first():
+    """Entries that change nothing, timed by a clock where whatever is measured first reads 2% faster: each
+    kernel's own judgement (kept measured first) keeps them; the both-orders check of the table drops them all."""
+    from specpilot.stages.step_gate import gate
+    pairs = {"qkv": (("qkv@32x16@T1", "{}"),), "down": (("down@16x32@T1", "{}"),)}
+
+    def measure(configs):
+        first = configs[0][0]
+        return [tokens * (0.98 if table == first else 1.0) for table, tokens in configs]
+    kept, dropped, step = gate(pairs, measure, [1, 4], 1.002)
+    assert kept == [] and dropped[-1].startswith("together (qkv, down)") and len(dropped) == 1
+    assert step["gain"] == 1.0 and step["tuned_ms"] == step["default_ms"] == [pytest.approx(0.99), pytest.approx(3.96)]
 
 
 def test_tuning_runs_the_step_gate_on_a_real_engine():
