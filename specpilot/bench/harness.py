@@ -81,18 +81,18 @@ class BenchReport:
         return all(r.matches_ar for r in self.requests
                    if (variant is None and r.variant != AR_FAST_LABEL) or r.variant == variant)
 
+    def mean(self, variant: str, attr: str) -> float | None:
+        """The mean of a per-request number (tokens_per_step, tpot_ms, draft_ms, ...) over a variant's requests."""
+        return _mean([x for r in self.requests if r.variant == variant and (x := getattr(r, attr)) is not None])
+
     def benchmarks(self) -> list[str]:
         return sorted({r.benchmark for r in self.requests})
 
     def to_dict(self) -> dict:
         summary = {v: {"geomean_speedup": self.geomean(v), "all_match_ar": self.all_match(v),
                        "per_benchmark": {b: self.geomean(v, b) for b in self.benchmarks()},
-                       "tokens_per_step": _mean([r.tokens_per_step for r in self.requests if r.variant == v]),
-                       "tpot_ms": _mean([r.tpot_ms for r in self.requests if r.variant == v]),
-                       "draft_ms_per_step": _mean([r.draft_ms for r in self.requests if r.variant == v
-                                                   and r.draft_ms is not None]),
-                       "verify_ms_per_step": _mean([r.verify_ms for r in self.requests if r.variant == v
-                                                    and r.verify_ms is not None])}
+                       "tokens_per_step": self.mean(v, "tokens_per_step"), "tpot_ms": self.mean(v, "tpot_ms"),
+                       "draft_ms_per_step": self.mean(v, "draft_ms"), "verify_ms_per_step": self.mean(v, "verify_ms")}
                    for v in self.variants}
         return {"deployment": self.deployment, "device": self.device, "max_new_tokens": self.max_new_tokens,
                 "summary": summary, "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.requests]}
@@ -190,12 +190,10 @@ def format_report(report: BenchReport) -> str:
     lines.append("|---" * (len(benches) + 7) + "|")
     for v in report.variants:
         per = [report.geomean(v, b) for b in benches]
-        tps = _mean([r.tokens_per_step for r in report.requests if r.variant == v])
-        tpot = _mean([r.tpot_ms for r in report.requests if r.variant == v])
+        tps, tpot = report.mean(v, "tokens_per_step"), report.mean(v, "tpot_ms")
         cells = ["-" if x is None else f"{x:.2f}x" for x in per]
         overall = report.geomean(v)
-        split = [_mean([getattr(r, f) for r in report.requests if r.variant == v and getattr(r, f) is not None])
-                 for f in ("draft_ms", "verify_ms")]
+        split = [report.mean(v, "draft_ms"), report.mean(v, "verify_ms")]
         lines.append(f"| {v} | " + " | ".join(cells) + f" | {'-' if overall is None else f'{overall:.2f}x'} | "
                      f"{tps:.2f} | {tpot:.2f} | " + " | ".join("-" if x is None else f"{x:.3f}" for x in split)
                      + f" | {'yes' if report.all_match(v) else 'NO'} |")

@@ -224,7 +224,6 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
         fields = [f.name for f in dataclasses.fields(spec.params)]
 
         with tqdm(desc=f"tune {spec.name}@{n}x{k}", unit="setting") as bar:  # closed on an exception too
-
             def total(p: LaunchParams) -> float:
                 return sum(timed(lambda r=r: r(p)) for r in runs.values())
 
