@@ -41,8 +41,8 @@ YAML
 convert() {  # the parks' parts and this call's, joined, checked against the pinned sha256, converted
   pip install -q --no-deps --no-index --target /tmp/site "$ROOT"/.whl/gguf-*.whl 2>&1 | tail -2
   cp "$ROOT"/.tb/gguf.part.* $TB/ && cat $TB/gguf.part.a[a-c] > $TB/smollm2.gguf
-  python3 -c "from specpilot.testbed.fetch import SMOLLM2_135M_SOURCE as s, convert_gguf, verify_gguf
-verify_gguf('$TB/smollm2.gguf', s); convert_gguf('$TB/smollm2.gguf', '$TB/hf')" 2>&1 | tail -2 &&
+  python3 -c "from pathlib import Path; from specpilot.testbed.fetch import SMOLLM2_135M_SOURCE as s, convert_gguf, verify_gguf
+verify_gguf(Path('$TB/smollm2.gguf'), s); convert_gguf('$TB/smollm2.gguf', '$TB/hf')" 2>&1 | tail -2 &&
     cp "$ROOT"/.tb/tok/* $TB/hf/
 }
 bench_block() {  # chain, tree and two-level with one drafter (see d above), 5 benchmarks x PPB prompts
