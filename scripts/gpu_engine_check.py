@@ -19,6 +19,7 @@ import torch
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.loader import eos_ids, load_model, load_tokenizer
+from specpilot.kernels.table import read_pairs
 
 
 def timed_generate(engine, ids, n):
@@ -73,9 +74,7 @@ def main():
     modes = {k: v for k, v in modes.items() if k in a.modes.split(",")}
     for spec in a.kernel_table:
         name, path = spec.split("=", 1)
-        raw = json.loads(Path(path).read_text())
-        pairs = tuple(tuple(p) for p in (raw["kernel_table"] if isinstance(raw, dict) else raw))
-        modes[f"triton_graph_{name}"] = base.replace(kernel_backend="triton", kernel_table=pairs)
+        modes[f"triton_graph_{name}"] = base.replace(kernel_backend="triton", kernel_table=read_pairs(path))
     for name, cfg in modes.items():
         eng = build_engine(cfg, model, frozenset(), "cuda")
         n = 64 if "eager" in name else a.tokens

@@ -22,6 +22,7 @@ from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
+from specpilot.kernels.table import read_pairs
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
 
@@ -106,8 +107,7 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
     table = (attention_table(shape, *map(int, attn.split(":"))) if attn else ()) + row_tile_table(shape, row_tile,
                                                                                                    split_k)
     if table_file:  # a kernel tuner's table (its summary.json or a list of [key, params JSON] pairs)
-        loaded = json.load(open(table_file))
-        table += tuple(tuple(p) for p in (loaded["kernel_table"] if isinstance(loaded, dict) else loaded))
+        table += read_pairs(table_file)
     eng = build_engine(EngineConfig(drafter=DrafterKind.NONE, kernel_backend=backend, max_seq_len=2048,
                                     kernel_table=table, weight_format=weight_format), model, frozenset(), "cuda")
     eng.generate(prompt, tokens)  # same request size: the same graphs as the timed run

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.kernels.table import read_pairs
 from specpilot.stages.step_gate import step_timer
 from specpilot.testbed.synthetic import ShapeName
 
@@ -29,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda", help="cpu (TRITON_INTERPRET=1) checks the script, not speed")
     a = ap.parse_args(argv)
-    raw = json.loads(Path(a.table).read_text())
-    pairs = tuple(tuple(p) for p in (raw["kernel_table"] if isinstance(raw, dict) else raw))
+    pairs = read_pairs(a.table)
     shape, dev = ShapeName(a.shape).shape, torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = []

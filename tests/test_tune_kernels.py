@@ -97,6 +97,11 @@ def test_tuned_table_keeps_numerics_fields_per_shape_and_round_trips(tmp_path):
     assert back == cfg and back.digest() == cfg.digest()
     path = tk.write_kernel_table(table, tmp_path / "kernel_table.json")
     assert tk.read_kernel_table(path) == table
+    from specpilot.kernels.table import read_pairs  # what the GPU scripts read: a summary.json or a pair list
+    pairs = tuple(tuple(p) for p in table.config_pairs())
+    (tmp_path / "summary.json").write_text(json.dumps({"kernel_table": pairs}))
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    assert read_pairs(tmp_path / "summary.json") == read_pairs(tmp_path / "pairs.json") == pairs
     for key, text in back.kernel_table:  # what the engine will launch with at each tuned (shape, T)
         kernel, n, k, t = tk.parse_key(key)
         assert tk.launch_params(back.kernel_table, kernel, n, k, t) == json.loads(text)

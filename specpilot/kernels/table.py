@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Sequence
 
 from ._common import BLOCK_M
@@ -53,6 +54,13 @@ def order_fields(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
     """The fields of `params` that set the reduction order (not T-neutral)."""
     neutral = PARAMS[kernel](**params).t_neutral()  # a setting may make more fields numerics (row_tile=1)
     return {k: v for k, v in params.items() if k not in neutral}
+
+
+def read_pairs(path: str | Path) -> tuple[tuple[str, str], ...]:
+    """The (key, params JSON) pairs of a kernel-table file: a tuner's summary.json (its kernel_table) or a list of
+    [key, params JSON] pairs."""
+    raw = json.loads(Path(path).read_text())
+    return tuple(tuple(p) for p in (raw["kernel_table"] if isinstance(raw, dict) else raw))
 
 
 def check_invariance(pairs: Sequence[tuple[str, str]]) -> None:

@@ -102,12 +102,15 @@ def gate(pairs_by_kernel: dict[str, tuple[tuple[str, str], ...]], measure: StepT
             dropped.append(f"{kernel}: the step takes {_ms(tokens_list, without)} ms without its entries and "
                            f"{_ms(tokens_list, with_it)} ms with them (gain {gain:.4f} < {min_gain})")
             kept = rest
+    if not kept:  # nothing to compare the untuned step with
+        default = measure([((), t) for t in tokens_list])
+        return kept, dropped, {"tokens": list(tokens_list), "default_ms": default, "tuned_ms": default, "gain": 1.0}
     tuned_first = measure([(pairs(kept), t) for t in tokens_list] + [((), t) for t in tokens_list])
     default_first = measure([((), t) for t in tokens_list] + [(pairs(kept), t) for t in tokens_list])
     default = [(a + b) / 2 for a, b in zip(tuned_first[n:], default_first[:n])]
     tuned = [(a + b) / 2 for a, b in zip(tuned_first[:n], default_first[n:])]
     gain = sum(default) / sum(tuned)
-    if kept and gain < min_gain:
+    if gain < min_gain:
         dropped.append(f"together ({', '.join(kept)}): the step takes {_ms(tokens_list, default)} ms untuned and "
                        f"{_ms(tokens_list, tuned)} ms with them, both orders (gain {gain:.4f} < {min_gain})")
         kept, tuned, gain = [], default, 1.0
