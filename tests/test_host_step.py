@@ -23,8 +23,9 @@ NO_EOS: frozenset[int] = frozenset()
 
 def block_engine(model, verify: VerifyMode, block: int = 6):
     drafter = BlockDrafterModel(BlockDrafterConfig.for_target(model.shape, layers=1, block_size=block)).init_weights(0)
+    # device_steps=1: the host loop, whose per-step work these tests count (the device loop has none)
     cfg = EngineConfig(dtype="float32", max_seq_len=256, token_tile=8, drafter=DrafterKind.BLOCK, block_size=block,
-                       verify=verify)
+                       verify=verify, device_steps=1)
     return build_engine(cfg, model, NO_EOS, "cpu", block_drafter=drafter)
 
 

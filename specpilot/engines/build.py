@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, VerifyMode
+from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.device_loop import DeviceChainLoop
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
@@ -58,11 +59,18 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         try:
             # The drafter reads the stock target's embedding and LM head: drafts are only proposals.
             drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device,
-                                       cuda_graphs=cfg.cuda_graphs)
+                                       cuda_graphs=cfg.cuda_graphs,
+                                       fused=cfg.kernel_backend is KernelBackend.TRITON)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     else:
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
-    return SpecEngine(runner, drafter, eos, policy=policy)
+    loop = None
+    if isinstance(drafter, BlockTreeDrafter) and cfg.verify is VerifyMode.CHAIN and cfg.device_steps > 1:
+        try:
+            loop = DeviceChainLoop(runner, drafter, cfg.device_steps)
+        except ValueError:  # a chain wider than one forward at this tile: the host loop runs it (same tokens)
+            loop = None
+    return SpecEngine(runner, drafter, eos, policy=policy, device_loop=loop)

@@ -127,6 +127,9 @@ class EngineConfig(ConfigOps):
     level_one_layers: int = 0  # SHALLOW rule: target layers run by level one (0: a quarter of them)
     tree_depth: int = 0  # deepest tree level a block drafter grows (0: block_size - 1)
     block_size: int = 16  # block drafter: tokens drafted per forward
+    # Block drafter + chain verification: up to this many speculative steps run on the device (one CUDA graph)
+    # per host round trip; 1 = the host drives every step. Output is the same either way.
+    device_steps: int = 4
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
     kernel_backend: KernelBackend = KernelBackend.TORCH
@@ -161,6 +164,8 @@ class EngineConfig(ConfigOps):
         _check(1 <= self.level_one_keep <= self.tree_budget,
                f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
+        _check(not isinstance(self.device_steps, bool) and isinstance(self.device_steps, int)
+               and 1 <= self.device_steps <= 16, f"device_steps={self.device_steps!r}: must be an int in 1..16")
         _check(0 <= self.tree_depth < max(self.block_size, 2), f"tree_depth={self.tree_depth}: must be in 0..block_size-1")
         _check(self.level_one_layers >= 0, f"level_one_layers={self.level_one_layers}: must be >= 0")
         _check(self.token_tile in (1, 2, 4, 8, 16, 32, 64), f"token_tile={self.token_tile}: must be a power of 2 <= 64")
@@ -186,7 +191,7 @@ class EngineConfig(ConfigOps):
     # Fields that only shape what is drafted and verified, never how a row is computed.
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
-        "level_one_rule", "level_one_layers", "tree_depth", "block_size")
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from specpilot.engines.device_loop import DeviceChainLoop, LoopSteps
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.layout import draft_layout
@@ -63,13 +64,19 @@ class SpecEngine:
     """AR decoding when drafter is None; otherwise speculative decoding with greedy verification."""
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64,
-                 policy: EnginePolicy = STOCK, ar_steps: int = AR_STEPS_PER_SYNC):
+                 policy: EnginePolicy = STOCK, ar_steps: int = AR_STEPS_PER_SYNC,
+                 device_loop: DeviceChainLoop | None = None):
         self.target, self.drafter, self.eos, self.policy = target, drafter, frozenset(eos), policy
         self.max_depth = min(max_depth, target.block_width - 1)
         # Several AR steps per sync need a runner that can chain them, and the stock accept (a policy that
         # rewrites acceptance must see every step).
         chains = getattr(target, "decode", None) is not None and type(policy).accept is EnginePolicy.accept
         self.ar_steps = max(1, min(ar_steps, target.block_width)) if drafter is None and chains else 1
+        # Speculative steps on the device draft full depth and accept greedily: only where the policy turns
+        # neither (a policy that picks depths, shapes trees or rewrites acceptance must see every step).
+        stock = all(getattr(type(policy), hook) is getattr(EnginePolicy, hook)
+                    for hook in ("draft_depth", "shape_tree", "accept"))
+        self.device_loop = device_loop if stock else None
 
     def warm_up(self, prompt: list[int], max_new_tokens: int = 8) -> None:
         """A short generation, then every graph this engine's target can replay: one-time costs (allocation,
@@ -81,6 +88,8 @@ class SpecEngine:
         capture_drafter = getattr(self.drafter, "capture_all", None)  # graph-captured drafters (block drafter)
         if capture_drafter is not None:
             capture_drafter()
+        if self.device_loop is not None:
+            self.device_loop.capture_all()
 
     def generate(self, prompt: list[int], max_new_tokens: int, request_id: str = "") -> GenerationResult:
         if max_new_tokens < 1:
@@ -121,6 +130,15 @@ class SpecEngine:
                 seq.extend(new)
                 out.extend(new)
                 continue
+            loop = self.device_loop
+            if loop is not None and remaining > 1:
+                # Each step commits >= 1 token: k <= remaining steps never runs one whose tokens all fall past the
+                # limit. A power of two: few graphs.
+                k = 1 << (min(loop.max_steps, remaining).bit_length() - 1)
+                if loop.fits(base, k):
+                    stop = self._commit_loop_steps(loop.run(base, seq[-1], k), base, seq, out, steps,
+                                                   max_new_tokens, request_id)
+                    continue
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
             tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()
@@ -147,3 +165,24 @@ class SpecEngine:
             start = s.position - len(prompt)
             s.target_tokens = out[start:start + self.max_depth + 1]  # not out[start:][:k]: O(steps * len(out))
         return GenerationResult(out, stop, t1 - t0, time.perf_counter() - t1, steps)
+
+    def _commit_loop_steps(self, res: LoopSteps, base: int, seq: list[int], out: list[int], steps: list[StepTrace],
+                           max_new_tokens: int, request_id: str) -> str:
+        """Commits a device loop's steps in order up to a stop; their wall time is shared equally (in verify_s:
+        draft and verify are not timed apart on the device). Returns the stop reason ("" to go on)."""
+        per_step, depth = res.seconds / len(res.accepted), res.topk_tokens.shape[1]
+        for i, acc in enumerate(res.accepted.tolist()):
+            new, stopped = self.policy.commit(res.block_tokens[i, :acc + 1].tolist(), self.eos,
+                                              max_new_tokens - len(out))
+            steps.append(StepTrace(
+                request_id=request_id, step=len(steps), position=base + 1, drafted=depth, depth=depth, accepted=acc,
+                committed=len(new), verify_tokens=depth + 1, draft_s=0.0, verify_s=per_step,
+                topk_tokens=res.topk_tokens[i].tolist(), topk_probs=res.topk_probs[i].tolist()))
+            seq.extend(new)
+            out.extend(new)
+            base += len(new)
+            if stopped:
+                return "eos"
+            if len(out) >= max_new_tokens:
+                return "max_tokens"
+        return ""

@@ -21,6 +21,7 @@ from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block_fused import FusedBlockStep, fusable
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.llama import LlamaModel
 from specpilot.kernels._common import capture_graph
@@ -74,7 +75,7 @@ class DrafterGraph:
 
 class BlockTreeDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, shape: TreeShape, max_len: int,
-                 device: str | torch.device, cuda_graphs: bool = False):
+                 device: str | torch.device, cuda_graphs: bool = False, fused: bool = False):
         c = model.config
         c.check_target(target.shape)
         if shape.block_size > c.block_size:
@@ -87,8 +88,11 @@ class BlockTreeDrafter:
         self.shape, self.capture = shape, c.target_layers
         self.capacity = max_len
         self.topk = min(c.vocab, max(shape.width, TRACE_TOPK))
-        self.step = BlockStep(runtime, target.embed_tokens.weight, lm_head_weight(target), max_len,
-                              shape.block_size, self.topk)
+        # fused: the engine's Triton kernels, ~20 launches a draft instead of ~108 (other low bits than the
+        # trainer's reference: proposals only); drafters the kernels cannot run keep the reference step.
+        step = FusedBlockStep if fused and fusable(runtime) else BlockStep
+        self.step = step(runtime, target.embed_tokens.weight, lm_head_weight(target), max_len, shape.block_size,
+                         self.topk)
         self._graph: DrafterGraph | None = None
         self._observe_graphs: dict[int, DrafterGraph] = {}  # per observed count n <= block_size
         self.use_graph = cuda_graphs and self.device.type == "cuda"

@@ -1,0 +1,192 @@
+"""The block drafter's run-time step on the engine's fused Triton kernels (targets on KernelBackend.TRITON).
+
+BlockStep reproduces the trainer's reference bit for bit and so runs ~108 small ops a draft: inside a CUDA graph on
+an H200 that took 0.42 ms, half a SmolLM2 target step, for a 2-layer drafter. Drafts are only proposals
+(verification decides), so this step trades those bits for launches: per layer norm+QKV (one GEMM over q|k|v),
+q/k norms + rotary + the block's cache write (`qk_norm_rope` below), attention, o_proj+residual,
+norm+gate_up+SwiGLU, down+residual; then norm+LM head and the top-k. ~20 launches a draft; an observe is the fc
+GEMM, one norm+GEMM for every layer's context keys/values, and one `qk_norm_rope` per layer.
+Same cache layout, inputs and outputs as BlockStep, so the drafter and the device loop use either.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.engines.drafters.block import BlockDrafterModel
+from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
+from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
+from specpilot.kernels.norm_epilogues import rmsnorm_glu
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr,
+                         v_ptr, S, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    hh = tl.program_id(1)  # 0..H-1: q heads; H..H+KVH-1: k and v heads
+    D: tl.constexpr = 2 * HALF
+    i = tl.arange(0, HALF)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * HALF + i)
+    s = tl.load(sin_ptr + pos * HALF + i)
+    src = x_ptr + t.to(tl.int64) * row_stride + hh * D
+    x1 = tl.load(src + i).to(tl.float32)
+    x2 = tl.load(src + HALF + i).to(tl.float32)
+    if QK_NORM:  # llama.RMSNorm: normalise in fp32, round to the dtype, times the weight, round again
+        r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        is_q = hh < H
+        w1 = tl.where(is_q, tl.load(qn_ptr + i), tl.load(kn_ptr + i)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qn_ptr + HALF + i), tl.load(kn_ptr + HALF + i)).to(tl.float32)
+        dt = q_ptr.dtype.element_ty
+        x1 = ((x1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    o1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
+    o2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
+    if hh < H:
+        dst = q_ptr + (t.to(tl.int64) * H + hh) * D
+        tl.store(dst + i, o1)
+        tl.store(dst + HALF + i, o2)
+    else:
+        row = ((hh - H) * S + tl.load(slot_ptr + t)).to(tl.int64) * D
+        tl.store(k_ptr + row + i, o1)
+        tl.store(k_ptr + row + HALF + i, o2)
+        vsrc = src + KVH * D
+        tl.store(v_ptr + row + i, tl.load(vsrc + i))
+        tl.store(v_ptr + row + HALF + i, tl.load(vsrc + HALF + i))
+
+
+def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm):
+    check_tensor("k_cache", k_cache, (kv_heads, None, None), ACT_DTYPES)
+    dev, dt = k_cache.device, k_cache.dtype
+    S, D = k_cache.shape[1:]
+    if D < 8 or D & (D - 1):
+        raise ValueError(f"head_dim={D} must be a power of two >= 8")
+    check_tensor("v_cache", v_cache, (kv_heads, S, D), dt, dev)
+    check_tensor("x", x, (None, None), dt, dev, contiguous=False)
+    if x.stride(1) != 1 or x.shape[1] < (heads + 2 * kv_heads) * D:
+        raise ValueError(f"x rows must hold {heads} q, {kv_heads} k and {kv_heads} v heads of {D} contiguously, got "
+                         f"shape {list(x.shape)} strides {x.stride()}")
+    T = x.shape[0]
+    check_tensor("positions", positions, (T,), torch.int64, dev)
+    check_tensor("slots", slots, (T,), torch.int64, dev)
+    check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("give both q and k norm weights, or neither")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            check_tensor(name, w, (D,), dt, dev)
+    return T, S, D
+
+
+def qk_norm_rope(x: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor, slots: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6
+                 ) -> torch.Tensor | None:
+    """Rows of x [T, >= (heads + 2 kv_heads) * D] (unit column stride, any row stride) hold [q heads; k heads;
+    v heads]. Each q and k head is RMS-normed with q_norm / k_norm [D] (when given) and rotated (rotate_half) at
+    positions[t] (cos/sin fp32 [max_pos, D/2]); k and v go to k_cache / v_cache [kv_heads, S, D] at slots[t].
+    Returns q [T, heads, D], or None for heads == 0 (context keys/values only). Positions and slots must be in
+    range: they are not checked on the device (no host sync)."""
+    T, S, D = _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm)
+    check_tensor("sin", sin, cos.shape, torch.float32, x.device)
+    check_launchable(_qk_norm_rope_kernel, x.device)
+    q = check_out("q", None, (T, heads, D), x.dtype, x.device) if heads else None
+    norm = q_norm is not None
+    _qk_norm_rope_kernel[(T, heads + kv_heads)](
+        x, x.stride(0), positions, slots, cos, sin, q_norm if norm else cos, k_norm if norm else cos, float(eps),
+        k_cache if q is None else q, k_cache, v_cache, S, H=heads, KVH=kv_heads, HALF=D // 2, QK_NORM=norm,
+        num_warps=1)
+    return q
+
+
+def qk_norm_rope_ref(x, heads, kv_heads, positions, slots, cos, sin, k_cache, v_cache, q_norm=None, k_norm=None,
+                     eps=1e-6):
+    """Plain torch, the kernel's arithmetic: fp32 norm and rotary, rounded to the dtype where the kernel rounds."""
+    T, S, D = _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm)
+    dt = x.dtype
+    h = x[:, :(heads + 2 * kv_heads) * D].reshape(T, heads + 2 * kv_heads, D).float()
+    qk = h[:, :heads + kv_heads]
+    if q_norm is not None:
+        w = torch.cat([q_norm.expand(heads, D), k_norm.expand(kv_heads, D)]).float()
+        qk = ((qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)).to(dt).float() * w).to(dt).float()
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    x1, x2 = qk[..., :D // 2], qk[..., D // 2:]
+    rot = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(dt)
+    k_cache[:, slots] = rot[:, heads:].transpose(0, 1)
+    v_cache[:, slots] = h[:, heads + kv_heads:].to(dt).transpose(0, 1)
+    return rot[:, :heads] if heads else None
+
+
+def fusable(model: BlockDrafterModel) -> bool:
+    """Whether FusedBlockStep runs this drafter: no attention biases, a power-of-two head size (the kernels')."""
+    c = model.config
+    return not c.attention_bias and c.head_dim >= 16 and c.head_dim & (c.head_dim - 1) == 0
+
+
+class FusedBlockStep:
+    """BlockStep's interface and cache ([layers, k/v, kv_heads, capacity + block_size, D]) on fused kernels."""
+
+    def __init__(self, model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, capacity: int,
+                 block_size: int, topk: int):
+        if not fusable(model):
+            raise ValueError("the fused drafter step needs a drafter without attention biases and a power-of-two "
+                             "head size of at least 16")
+        c = self.config = model.config
+        self.model, self.embed, self.head, self.topk = model, embed, head, topk
+        self.capacity, self.width = capacity, block_size
+        dev, dtype = embed.device, embed.dtype
+        self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
+        self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
+        layers = model.layers
+        cat = lambda *ws: torch.cat([w.weight for w in ws]).contiguous()  # noqa: E731
+        self.w_qkv = [cat(a.q_proj, a.k_proj, a.v_proj) for a in (layer.self_attn for layer in layers)]
+        self.w_gate_up = [cat(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
+        # Every layer's context keys/values in one GEMM: [k_0; v_0; k_1; v_1; ...]
+        self.w_ctx = torch.cat([cat(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]).contiguous()
+        self.x = torch.zeros(block_size, c.hidden, dtype=dtype, device=dev)
+        self.x[1:] = model.mask_embed[:block_size - 1].to(dtype) * c.input_scale
+        self.block_offsets = torch.arange(block_size, device=dev)
+        self.block_visible = torch.ones(block_size, block_size, dtype=torch.bool, device=dev)  # non-causal block
+
+    def _qk(self, x, heads, i, positions, slots):
+        a = self.model.layers[i].self_attn
+        c = self.config
+        norms = (a.q_norm.weight, a.k_norm.weight) if c.qk_norm else (None, None)
+        return qk_norm_rope(x, heads, c.kv_heads, positions, slots, self.cos, self.sin, self.cache[i, 0],
+                            self.cache[i, 1], *norms, eps=c.rms_eps)
+
+    @torch.no_grad()
+    def project(self, features: torch.Tensor, slots: torch.Tensor) -> None:
+        """Target features [n, feature_dim] of positions `slots` ([n] long) -> keys/values in every layer's cache."""
+        m, c = self.model, self.config
+        ctx = linear(features.to(m.fc.weight.dtype).contiguous(), m.fc.weight)
+        kv = rmsnorm_linear(ctx, m.hidden_norm.weight, self.w_ctx, c.rms_eps)  # [n, layers * 2 kv_heads * D]
+        width = 2 * c.kv_heads * c.head_dim
+        for i in range(c.layers):
+            self._qk(kv[:, i * width:], 0, i, slots, slots)
+
+    @torch.no_grad()
+    def draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k]."""
+        m, c = self.model, self.config
+        if c.input_scale == 1.0:
+            torch.index_select(self.embed, 0, ints[:1], out=self.x[:1])
+        else:
+            torch.mul(self.embed[ints[:1]], c.input_scale, out=self.x[:1])
+        positions = ints[1] + self.block_offsets  # the block's keys go to the slots of its own positions
+        x = self.x
+        for i, layer in enumerate(m.layers):
+            q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps), c.heads, i,
+                         positions, positions)
+            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible)
+            x = linear(o, layer.self_attn.o_proj.weight, residual=x)
+            act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps)
+            x = linear(act, layer.mlp.down_proj.weight, residual=x)
+        logits = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32)
+        if c.logit_scale != 1.0:
+            logits = logits * c.logit_scale
+        if c.logit_softcap > 0:
+            logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
+        top = torch.topk(logits, self.topk, dim=-1)
+        return top.indices, torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))

@@ -1,0 +1,102 @@
+"""The block drafter's fused step (engine kernels, for Triton targets): its q/k norm + rotary + cache-write kernel
+against its torch reference, the step against the reference step's distributions, and engines that run it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import prompt, tiny_model
+from test_block_drafter import NO_EOS, cfg, damped, quick_drafter
+from test_block_step import drafter_for
+
+from specpilot.engines.build import build_engine
+from specpilot.engines.drafters.block_fused import FusedBlockStep, qk_norm_rope, qk_norm_rope_ref
+from specpilot.engines.drafters.block_step import BlockStep
+from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
+from specpilot.kernels import rope_tables
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,extra_cols,norm", [(4, 2, 0, True), (0, 2, 48, True), (6, 3, 32, False),
+                                                            (2, 2, 0, False)])
+def test_qk_norm_rope_matches_its_reference(dtype, heads, kv_heads, extra_cols, norm):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    D, T, S = 16, 5, 40
+    x = (torch.randn(T, (heads + 2 * kv_heads) * D + extra_cols, generator=g) * 3).to(dtype)
+    rows = x[:, extra_cols // 2:] if extra_cols else x  # a view: row stride wider than its columns
+    pos, slots = torch.tensor([3, 4, 5, 6, 30]), torch.tensor([1, 2, 3, 9, 20])
+    cos, sin = rope_tables(64, D, 500.0)
+    qn, kn = ((torch.randn(D, generator=g) + 1).to(dtype) for _ in range(2)) if norm else (None, None)
+    caches = [torch.full((kv_heads, S, D), 7.0, dtype=dtype) for _ in range(4)]
+    q = qk_norm_rope(rows, heads, kv_heads, pos, slots, cos, sin, caches[0], caches[1], qn, kn, 1e-5)
+    q_ref = qk_norm_rope_ref(rows, heads, kv_heads, pos, slots, cos, sin, caches[2], caches[3], qn, kn, 1e-5)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.0, rtol=1 / 128)  # bf16: one ulp
+    if heads:
+        torch.testing.assert_close(q, q_ref, **tol)
+    else:
+        assert q is None and q_ref is None
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    assert torch.equal(caches[1], caches[3])  # v is copied
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots] = False
+    assert (caches[0][:, untouched] == 7).all() and (caches[1][:, untouched] == 7).all()
+
+
+def test_qk_norm_rope_refuses_bad_inputs():
+    cos, sin = rope_tables(16, 16, 500.0)
+    k, v = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)
+    x, pos = torch.zeros(3, 6 * 16), torch.arange(3)
+    with pytest.raises(ValueError, match="rows must hold"):
+        qk_norm_rope(x[:, :80], 2, 2, pos, pos, cos, sin, k, v)
+    with pytest.raises(ValueError, match="both q and k norm"):
+        qk_norm_rope(x, 2, 2, pos, pos, cos, sin, k, v, q_norm=torch.ones(16))
+    with pytest.raises(ValueError, match="head_dim=12"):
+        qk_norm_rope(x, 2, 2, pos, pos, cos, sin, torch.zeros(2, 8, 12), torch.zeros(2, 8, 12))
+    with pytest.raises(ValueError, match="positions"):
+        qk_norm_rope(x, 2, 2, pos.int(), pos, cos, sin, k, v)
+
+
+@pytest.mark.parametrize("over", [{}, {"qk_norm": False}, {"input_scale": 1.7, "logit_scale": 0.8,
+                                                              "logit_softcap": 5.0}])
+def test_fused_step_gives_the_reference_steps_distributions(over):
+    """float32, under the interpreter: the same context caches up to rounding and the same top-1 tokens and
+    probabilities (to 1e-4) as the reference step with the same Triton attention, over contexts of several lengths."""
+    target = tiny_model("gqa", 3, torch.float32)
+    model = drafter_for(target, 3, 8, **over).eval()
+    head = target.lm_head.weight
+    ref = BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True)
+    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5)
+    g = torch.Generator().manual_seed(3)
+    n_ctx = 0
+    for n in (12, 1, 5, 3):
+        features = torch.randn(n, model.config.feature_dim, generator=g)
+        for s in (ref, fused):
+            s.project(features, torch.arange(n_ctx, n_ctx + n))
+        n_ctx += n
+        torch.testing.assert_close(fused.cache[..., :n_ctx, :], ref.cache[..., :n_ctx, :], atol=1e-5, rtol=1e-4)
+        ints = torch.tensor([int(torch.randint(target.shape.vocab, (1,), generator=g)), n_ctx])
+        (tok_r, p_r), (tok_f, p_f) = ref.draft(ints), fused.draft(ints)
+        assert torch.equal(tok_f[:, 0], tok_r[:, 0]), n_ctx
+        torch.testing.assert_close(p_f, p_r, atol=1e-4, rtol=1e-3)
+
+
+def test_the_drafter_keeps_the_reference_step_where_the_kernels_do_not_fit():
+    target = tiny_model("gqa", 0, torch.float32)
+    shape = TreeShape(False, 8, 8, 4, 7)
+    for over, want in (({}, FusedBlockStep), ({"attention_bias": True}, BlockStep)):
+        d = BlockTreeDrafter(drafter_for(target, 0, 8, **over), target, shape, 64, "cpu", fused=True)
+        assert type(d.step) is want, over
+    assert type(BlockTreeDrafter(drafter_for(target, 0, 8), target, shape, 64, "cpu").step) is BlockStep
+
+
+def test_a_triton_engine_drafts_with_the_fused_step_and_equals_ar():
+    """The host loop here; tests/test_device_loop.py runs the fused step inside the device loop."""
+    model = damped("mha_tied", 2)
+    drafter = quick_drafter(model, 2, 40)
+    p = prompt(model.shape.vocab, 10, 2)
+    want = build_engine(cfg(drafter="none", kernel_backend="triton"), model, NO_EOS, "cpu").generate(p, 16).tokens
+    eng = build_engine(cfg(device_steps=1, kernel_backend="triton"), model, NO_EOS, "cpu", block_drafter=drafter)
+    assert isinstance(eng.drafter.step, FusedBlockStep)
+    r = eng.generate(p, 16)
+    assert r.tokens == want and max(s.accepted for s in r.steps) == 3

@@ -1,0 +1,136 @@
+"""The device loop (block drafter, chain verification, several speculative steps per host round trip) gives the host
+loop's tokens and AR's, stops where they stop, hands over to the host loop where its steps would not fit, and stays
+out of the way of policies that must see every step."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import prompt, tiny_model
+from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
+
+from specpilot.engines.build import build_engine
+from specpilot.engines.config import ConfigError, EngineConfig
+from specpilot.engines.policy import EnginePolicy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def engine(model, drafter, eos=NO_EOS, **kw):
+    return build_engine(cfg(**kw), model, eos, "cpu", block_drafter=drafter)
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mha_tied"])
+def test_device_steps_equal_host_steps_and_ar(shape):
+    accepted = []
+    for seed in range(4):
+        model = damped(shape, seed)
+        drafter = quick_drafter(model, seed, 40)
+        p = prompt(model.shape.vocab, 10, seed)
+        want = ar(model, p, 37)  # not a multiple of any chunk's tokens
+        host = engine(model, drafter, device_steps=1)
+        assert host.device_loop is None
+        host_run = host.generate(p, 37)
+        assert host_run.tokens == want
+        for k in (2, 4, 8):
+            eng = engine(model, drafter, device_steps=k)
+            assert eng.device_loop is not None
+            r = eng.generate(p, 37)
+            assert r.tokens == want, (shape, seed, k)
+            assert r.stop_reason == "max_tokens"
+            assert sum(s.committed for s in r.steps) == len(r.tokens) - 1  # the first token comes from prefill
+            assert [s.position for s in r.steps] == [s.position for s in host_run.steps][:len(r.steps)]
+            # Device steps share one wall time (draft_s 0); only a last step with one token to go drafts nothing,
+            # on the host.
+            assert all(s.draft_s == 0.0 and s.verify_s > 0 and len(s.topk_tokens) == s.depth == 3 for s in r.steps
+                       if s.drafted)
+            assert [s.target_tokens[:s.committed] for s in r.steps] == \
+                [want[s.position - len(p):s.position - len(p) + s.committed] for s in r.steps]
+            accepted += [s.accepted for s in r.steps]
+    assert max(accepted) == 3 and sum(a > 0 for a in accepted) > 20  # steps really accept drafts
+
+
+def test_device_steps_stop_at_eos_inside_a_chunk():
+    model = damped("gqa", 1)
+    drafter = quick_drafter(model, 1, 40)
+    p = prompt(model.shape.vocab, 10, 1)
+    want = ar(model, p, 40)
+    eos = frozenset({want[17]})
+    cut = want[:want.index(want[17]) + 1]
+    for k in (1, 4, 8):
+        r = engine(model, drafter, eos, device_steps=k).generate(p, 40)
+        assert (r.tokens, r.stop_reason) == (cut, "eos"), k
+
+
+def test_the_host_loop_takes_over_where_device_steps_would_not_fit():
+    """Near the end of the cache a chunk of steps could write past it: those steps run on the host (draft_s > 0)."""
+    model = damped("mha_tied", 2)
+    drafter = quick_drafter(model, 2, 40)
+    p = prompt(model.shape.vocab, 10, 2)
+    eng = build_engine(cfg(device_steps=4, max_seq_len=64), model, NO_EOS, "cpu", block_drafter=drafter)
+    r = eng.generate(p, 52)
+    want = build_engine(cfg(drafter="none", max_seq_len=64), model, NO_EOS, "cpu").generate(p, 52).tokens
+    assert r.tokens == want
+    host_full_depth = [s.draft_s > 0 and s.drafted == 3 for s in r.steps]
+    assert not host_full_depth[0] and any(host_full_depth[-5:])  # device steps first, host steps at the end
+    with pytest.raises(ValueError, match="do not fit"):
+        eng.device_loop.run(60, want[0], 4)
+
+
+def test_run_refuses_a_drafter_that_has_not_seen_the_context():
+    model = tiny_model("gqa", 0)
+    eng = engine(model, quick_drafter(model, 0), device_steps=4)
+    with pytest.raises(RuntimeError, match="features for 0 positions"):
+        eng.device_loop.run(5, 7, 2)
+
+
+def test_a_policy_that_picks_depths_keeps_the_host_loop():
+    class Shallow(EnginePolicy):
+        def draft_depth(self, history, default):
+            return 1
+
+    model = damped("gqa", 0)
+    drafter = quick_drafter(model, 0, 40)
+    eng = build_engine(cfg(device_steps=4), model, NO_EOS, "cpu", block_drafter=drafter, policy=Shallow())
+    assert eng.device_loop is None
+    p = prompt(model.shape.vocab, 10, 0)
+    r = eng.generate(p, 20)
+    assert r.tokens == ar(model, p, 20) and all(s.drafted <= 1 for s in r.steps)
+
+
+def test_tree_verification_and_wide_chains_keep_the_host_loop():
+    model = tiny_model("gqa", 0)
+    drafter = quick_drafter(model, 0, block_size=16)
+    assert engine(model, drafter, verify="tree", device_steps=4, block_size=16).device_loop is None
+    # 16 rows at a tile of 8 take two forwards a step: the host loop runs them.
+    assert engine(model, drafter, device_steps=4, block_size=16).device_loop is None
+    assert engine(model, drafter, device_steps=4, block_size=16, token_tile=16).device_loop is not None
+
+
+@pytest.mark.parametrize("bad", [0, 17, True, 2.0])
+def test_device_steps_is_validated(bad):
+    with pytest.raises(ConfigError, match="device_steps"):
+        EngineConfig(device_steps=bad)
+
+
+def test_device_steps_triton_kernels_equal_ar():
+    model = damped("mha_tied", 2)  # a seed whose drafter gets whole chains accepted
+    drafter = quick_drafter(model, 2, 40)
+    p = prompt(model.shape.vocab, 10, 2)
+    want = build_engine(cfg(drafter="none", kernel_backend="triton"), model, NO_EOS, "cpu").generate(p, 16).tokens
+    r = engine(model, drafter, device_steps=4, kernel_backend="triton").generate(p, 16)
+    assert r.tokens == want and max(s.accepted for s in r.steps) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar():
+    model = damped("gqa", 4).to(device="cuda", dtype=torch.bfloat16)
+    drafter = quick_drafter(damped("gqa", 4), 4, 40)
+    p = prompt(model.shape.vocab, 10, 4)
+    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4)
+    want = build_engine(c.replace(drafter="none"), model, NO_EOS, "cuda").generate(p, 60).tokens
+    eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
+    eng.warm_up(p, 2)
+    graphs = set(eng.device_loop._graphs)
+    assert graphs == {1, 2, 4}
+    r = eng.generate(p, 60)
+    assert r.tokens == want and set(eng.device_loop._graphs) == graphs
