@@ -1,10 +1,13 @@
 """Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter).
 
-python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N]
-(a) the draft graph: one replay + sync (BlockTreeDrafter.distributions); (b) the observe graph of n accepted
-tokens, replayed alone (n = 1, 4, 16); (c) SpecEngine.generate with chain verification: ms/token, tokens/step
-and each step's draft/verify split; (d) kernels launched by (a) and (b), from torch.profiler, with their time.
-On CPU (no graphs) it times the eager calls and counts no kernels: a smoke test of the script.
+python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R]
+For each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's Triton
+kernels): (a) the draft graph, one replay + sync (BlockTreeDrafter.distributions); (b) the observe graph of n
+accepted tokens (n = 1, 4, 16); (c) the kernels (a) and (b) launch, from torch.profiler, with their time. Then
+(d) SpecEngine.generate with chain verification and the fused step, host loop (device_steps=1) and device loop
+(device_steps=4), beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the
+cost of a speculative step against AR's ms/token). On CPU (no graphs) it times eager calls and counts no kernels:
+a smoke test of the script.
 """
 import argparse
 import collections
@@ -18,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
 
@@ -25,6 +29,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--tokens", type=int, default=512)
+ap.add_argument("--reps", type=int, default=200, help="calls per timing (CPU smoke test: TRITON_INTERPRET=1, 1)")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 dev, cuda = args.device, args.device.startswith("cuda")
@@ -32,14 +37,12 @@ target = random_model(SMOLLM2_135M, torch.bfloat16, dev, seed=0)
 drafter = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
 cfg = EngineConfig(drafter=DrafterKind.BLOCK, block_size=16, max_seq_len=4096, cuda_graphs=cuda,
                    kernel_backend="triton" if cuda else "torch")
-engine = build_engine(cfg, target, frozenset(), dev, block_drafter=drafter)
 prompt = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(0)).tolist()
-engine.warm_up(prompt, 8)
-blocks = engine.drafter
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 
 
-def ms_per_call(fn, reps: int = 200) -> float:
+def ms_per_call(fn) -> float:
+    reps = args.reps
     fn()
     sync()
     t = time.perf_counter()
@@ -68,25 +71,41 @@ def kernels(fn) -> dict:
             "by_kernel": {k: [seen[k], round(us[k], 1)] for k, _ in us.most_common()}}
 
 
-engine.generate(prompt, 64)  # leaves the drafter a context to draft from; observes below rewrite its end
-position = blocks.n_ctx
-features = torch.randn(16, blocks.step.config.feature_dim, dtype=torch.bfloat16, device=dev)
-draft = lambda: blocks.distributions(prompt[0], blocks.n_ctx, 15)  # noqa: E731
+def step_costs(fused: bool) -> dict:
+    blocks = BlockTreeDrafter(drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, dev, cuda_graphs=cuda,
+                              fused=fused)
+    blocks.capture_all()
+    position = 200
+    blocks.observe(0, torch.randn(position, blocks.step.config.feature_dim, dtype=torch.bfloat16, device=dev))
+    features = torch.randn(16, blocks.step.config.feature_dim, dtype=torch.bfloat16, device=dev)
+    draft = lambda: blocks.distributions(prompt[0], position, 15)  # noqa: E731
+    observe = lambda n: (lambda: blocks.observe(position - 16, features[:n]))  # noqa: E731
+    out = {"step": type(blocks.step).__name__, "draft_ms": ms_per_call(draft),
+           "observe_ms": {n: ms_per_call(observe(n)) for n in (1, 4, 16)},
+           "draft_kernels": kernels(draft), "observe_kernels": {n: kernels(observe(n)) for n in (1, 16)}}
+    blocks.n_ctx = position  # the observes above ended at position - 16 + n
+    return out
 
 
-def observe(n: int):
-    return lambda: blocks.observe(position, features[:n])
+def engine_costs(c: EngineConfig) -> dict:
+    engine = build_engine(c, target, frozenset(), dev, block_drafter=drafter)
+    engine.warm_up(prompt, 8)
+    r = engine.generate(prompt, args.tokens)
+    steps = len(r.steps) or 1
+    return {"ms_per_token": 1e3 * r.decode_s / len(r.tokens), "ms_per_step": 1e3 * r.decode_s / steps,
+            "tokens_per_step": r.accepted_per_step}
 
 
-res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "draft_ms": ms_per_call(draft),
-       "observe_ms": {n: ms_per_call(observe(n)) for n in (1, 4, 16)},
-       "draft_kernels": kernels(draft), "observe_kernels": {n: kernels(observe(n)) for n in (1, 16)}}
-r = engine.generate(prompt, args.tokens)
-steps = r.steps
-res["engine"] = {"ms_per_token": 1e3 * r.decode_s / len(r.tokens), "tokens_per_step": r.accepted_per_step,
-                 "draft_ms_per_step": 1e3 * sum(s.draft_s for s in steps) / len(steps),
-                 "verify_and_observe_ms_per_step": 1e3 * sum(s.verify_s for s in steps) / len(steps)}
+res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+       "steps": {name: step_costs(name == "fused") for name in ("reference", "fused")},
+       "engine": {"ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
+                  "chain host loop": engine_costs(cfg.replace(device_steps=1)),
+                  "chain device loop x4": engine_costs(cfg.replace(device_steps=4))}}
 json.dump(res, open(os.path.join(args.out, "block_drafter_step.json"), "w"), indent=1)
-print(json.dumps({k: v for k, v in res.items() if not k.endswith("kernels")}, indent=1))
-for name in ("draft_kernels", "observe_kernels"):
-    print(name, json.dumps(res[name], indent=1)[:3000])
+for name, s in res["steps"].items():
+    print(name, s["step"], "draft ms", round(s["draft_ms"], 4), "observe ms",
+          {n: round(v, 4) for n, v in s["observe_ms"].items()},
+          "draft kernels", s["draft_kernels"].get("count"), s["draft_kernels"].get("device_us"))
+print("| engine | ms/token | ms/step | tokens/step |\n|---|---|---|---|")
+for name, e in res["engine"].items():
+    print(f"| {name} | {e['ms_per_token']:.4f} | {e['ms_per_step']:.4f} | {e['tokens_per_step']:.3f} |")

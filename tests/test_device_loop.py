@@ -1,6 +1,6 @@
-"""The device loop (block drafter, chain verification, several speculative steps per host round trip) gives the host
-loop's tokens and AR's, stops where they stop, hands over to the host loop where its steps would not fit, and stays
-out of the way of policies that must see every step."""
+"""The device loop (block drafter, several speculative steps per host round trip, chains and calibrated static
+trees) gives the host loop's tokens and AR's, stops where they stop, hands over to the host loop where its steps
+would not fit, and stays out of the way of policies that must see every step."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
+from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
 from specpilot.engines.policy import EnginePolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,13 +98,54 @@ def test_a_policy_that_picks_depths_keeps_the_host_loop():
     assert r.tokens == ar(model, p, 20) and all(s.drafted <= 1 for s in r.steps)
 
 
-def test_tree_verification_and_wide_chains_keep_the_host_loop():
+def test_wide_chains_and_two_level_keep_the_host_loop():
     model = tiny_model("gqa", 0)
     drafter = quick_drafter(model, 0, block_size=16)
-    assert engine(model, drafter, verify="tree", device_steps=4, block_size=16).device_loop is None
+    assert engine(model, drafter, verify="two_level", device_steps=4, block_size=16).device_loop is None
     # 16 rows at a tile of 8 take two forwards a step: the host loop runs them.
     assert engine(model, drafter, device_steps=4, block_size=16).device_loop is None
     assert engine(model, drafter, device_steps=4, block_size=16, token_tile=16).device_loop is not None
+
+
+def test_static_tree_is_the_best_first_tree_of_mean_probabilities():
+    mean = [[0.9, 0.05, 0.01], [0.8, 0.1, 0.0]]
+    # depth 1 rank 0 (0.9), its rank-0 child (0.72), then that node's rank-1 sibling (0.09) before depth-1 rank 1
+    assert StaticTree.calibrated(mean, 3, 2) == StaticTree((-1, 0, 0), (0, 0, 1))
+    assert StaticTree.calibrated(mean, 4, 3) == StaticTree((-1, 0, 0, -1), (0, 0, 1, 1))
+    assert StaticTree.calibrated(mean, 9, 1) == StaticTree.chain(2) == StaticTree((-1, 0), (0, 0))
+
+
+TREE = dict(verify="tree", tree_budget=7, level_one_keep=4, position_ordered_attention=True)
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mha_tied"])
+def test_tree_device_steps_calibrate_a_static_tree_and_equal_ar(shape):
+    deep = 0
+    for seed in range(2):
+        model = damped(shape, seed)
+        drafter = quick_drafter(model, seed, 40)
+        p = prompt(model.shape.vocab, 10, seed)
+        want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
+            p, 90).tokens
+        eng = engine(model, drafter, device_steps=4, **TREE)
+        assert not eng.device_loop.ready
+        r = eng.generate(p, 90)
+        assert r.tokens == want, (shape, seed)
+        host = [s for s in r.steps if s.draft_s > 0 and s.drafted]  # the calibrating host steps
+        device = [s for s in r.steps if s.draft_s == 0]
+        assert len(host) == CALIBRATION_STEPS and r.steps[:len(host)] == host and device and eng.device_loop.ready
+        tree = eng.device_loop.tree
+        assert len(tree.parents) == 7 and all(s.drafted == 7 and s.verify_tokens == 8 for s in device)
+        assert eng.generate(p, 90).tokens == want  # the next request runs on the device from its first step
+        deep += sum(s.accepted >= 2 for s in device)
+    assert deep >= 3  # static trees accept whole paths
+
+
+def test_warm_up_calibrates_the_static_tree():
+    model = damped("gqa", 0)
+    eng = engine(model, quick_drafter(model, 0, 40), device_steps=4, **TREE)
+    eng.warm_up(prompt(model.shape.vocab, 10, 0))
+    assert eng.device_loop.ready
 
 
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0])
@@ -122,15 +164,17 @@ def test_device_steps_triton_kernels_equal_ar():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
-def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar():
+@pytest.mark.parametrize("tree", [{}, TREE])
+def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(tree):
     model = damped("gqa", 4).to(device="cuda", dtype=torch.bfloat16)
     drafter = quick_drafter(damped("gqa", 4), 4, 40)
     p = prompt(model.shape.vocab, 10, 4)
-    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4)
-    want = build_engine(c.replace(drafter="none"), model, NO_EOS, "cuda").generate(p, 60).tokens
+    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, **tree)
+    want = build_engine(c.replace(drafter="none", verify="chain"), model, NO_EOS, "cuda").generate(p, 60).tokens
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
     eng.warm_up(p, 2)
     graphs = set(eng.device_loop._graphs)
     assert graphs == {1, 2, 4}
     r = eng.generate(p, 60)
     assert r.tokens == want and set(eng.device_loop._graphs) == graphs
+    assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2

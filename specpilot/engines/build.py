@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
-from specpilot.engines.device_loop import DeviceChainLoop
+from specpilot.engines.device_loop import DeviceLoop
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
@@ -68,9 +68,9 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
     loop = None
-    if isinstance(drafter, BlockTreeDrafter) and cfg.verify is VerifyMode.CHAIN and cfg.device_steps > 1:
+    if isinstance(drafter, BlockTreeDrafter) and cfg.device_steps > 1:  # chain or tree, not two-level
         try:
-            loop = DeviceChainLoop(runner, drafter, cfg.device_steps)
-        except ValueError:  # a chain wider than one forward at this tile: the host loop runs it (same tokens)
+            loop = DeviceLoop(runner, drafter, cfg.device_steps)
+        except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
             loop = None
     return SpecEngine(runner, drafter, eos, policy=policy, device_loop=loop)

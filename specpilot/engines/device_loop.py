@@ -1,17 +1,22 @@
-"""Speculative steps with no host round trip between them: block drafter, chain verification, k steps a sync.
+"""Speculative steps with no host round trip between them: block drafter, k steps per sync, chain or static tree.
 
 The host loop (SpecEngine.generate) syncs twice a step, to read the draft and the verify's argmax, and the GPU
-idles while the host builds the next step (on the H200 ~0.35 ms of a ~1.8 ms chain step went to such gaps). A
-chain step's whole dependency fits on the device: the draft's top-1 tokens are the block, the verify's argmax
-decides acceptance (accepted = length of the prefix where draft == argmax), the committed tokens are the argmax
-rows 0..accepted (an accepted draft token equals the argmax before it), the bonus token is the next step's
-pending token and base + accepted + 1 its slot. So k steps run as one CUDA graph replay; the host reads their
-tokens once, cuts them at EOS / the token limit and discards the rest (steps past a stop only cost time).
+idles while the host builds the next step (on the H200 ~0.35 ms of a ~1.8 ms chain step went to such gaps; a
+best-first tree adds its Python). A step whose draft shape is fixed fits on the device: node i's token is the
+drafter's candidate of rank r_i at depth d_i (one gather), the verify's argmax decides acceptance (a node is
+accepted when every node on its path equals the argmax at its parent: one small matmul against the ancestor
+matrix; siblings are distinct candidates, so the accepted nodes form one path and the deepest wins), the committed
+tokens are the argmax at the path's nodes in depth order, the path's keys/values and features move to slots
+base.., the bonus token becomes the next pending token. k steps run as one CUDA graph replay; the host reads their
+tokens once, cuts them at EOS / the token limit and drops the rest (steps past a stop only cost time).
 
-Exactness is the host loop's: every verify is the same forward (the runner's step function, the same layout).
-What differs is drafter state only: the drafter projects the features of all block rows (rejected rows land past
-the pending position, where no draft reads them before an observe or a draft overwrites them), so its proposals
-may differ from the host loop's in low bits; verification decides either way.
+Chains have that shape by construction. A tree's shape is the best-first tree of the drafter's *mean* top-k
+probabilities per depth and rank (`StaticTree.calibrated`), measured over the engine's first host-loop tree steps:
+the per-step dynamic tree tracks each step's probabilities, the static one costs no host work.
+
+Exactness is the host loop's: every verify is the runner's step function on the same layouts. What differs is
+drafter state only (rows past the accepted path are projected too, at positions no draft reads before they are
+rewritten), so proposals may differ in low bits; verification decides either way.
 """
 from __future__ import annotations
 
@@ -21,17 +26,45 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
-from specpilot.engines.layout import verify_layout
-from specpilot.engines.runner import ModelRunner, chain_anc
+from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
+from specpilot.engines.runner import ModelRunner
 from specpilot.kernels._common import capture_graph
+
+# Host-loop tree steps whose drafter probabilities fix a static tree's shape.
+CALIBRATION_STEPS = 16
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """Draft node i (0-based, parents before children; -1 = the root) is the drafter's candidate of rank ranks[i] at
+    depth depths[i]."""
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def chain(cls, depth: int) -> "StaticTree":
+        return cls(tuple(range(-1, depth - 1)), (0,) * depth)
+
+    @classmethod
+    def calibrated(cls, mean_probs: np.ndarray, budget: int, width: int) -> "StaticTree":
+        """The best-first tree of `budget` nodes over mean_probs [depth, K] (mean probability of each depth's rank-r
+        candidate), at most `width` candidates a depth."""
+        ranks = [list(range(min(width, len(p)))) for p in mean_probs]
+        tree = best_first_tree(ranks, [list(p[:len(r)]) for p, r in zip(mean_probs, ranks)], budget)
+        return cls(tuple(tree.parents), tuple(tree.tokens))  # the "tokens" were ranks
+
+    @property
+    def layout(self) -> DraftLayout:
+        return draft_layout(self.parents)
 
 
 @dataclass
 class LoopSteps:
     """Host copies of k device steps' results."""
-    block_tokens: np.ndarray  # [k, depth + 1] the target's argmax after each block row
-    accepted: np.ndarray  # [k] draft tokens accepted per step: commit block_tokens[i, :accepted[i] + 1]
+    path_tokens: np.ndarray  # [k, max_depth + 1]: commit path_tokens[i, :accepted[i] + 1] (drafts, then the bonus)
+    accepted: np.ndarray  # [k] draft tokens accepted per step
     topk_tokens: np.ndarray  # [k, depth, K] the drafter's candidates per depth (traces: exact replay)
     topk_probs: np.ndarray
     seconds: float  # wall time of the k steps, host round trip included
@@ -41,45 +74,58 @@ class LoopSteps:
 class LoopGraph:
     graph: "torch.cuda.CUDAGraph"
     host_state: torch.Tensor  # pinned (pending token, its slot): copied in by the graph
-    host_out: tuple[torch.Tensor, ...]  # pinned block tokens, accepted, top-k tokens, top-k probs
+    host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, top-k tokens, top-k probs
     done: "torch.cuda.Event"
 
 
-class DeviceChainLoop:
+class DeviceLoop:
     def __init__(self, runner: ModelRunner, drafter: BlockTreeDrafter, max_steps: int):
-        if drafter.shape.tree:
-            raise ValueError("the device loop runs chain verification only (the drafter grows trees)")
         if not runner.capture:
             raise ValueError("the device loop needs a runner that captures the block drafter's target features")
         self.runner, self.drafter, self.max_steps = runner, drafter, max_steps
-        self.depth = drafter.shape.depth
-        self.rows = self.depth + 1  # root + chain
-        lay = verify_layout(self.rows, chain_anc(self.rows), range(self.rows), runner.tile, runner.block_width)
-        if lay.padded != lay.width:
-            raise ValueError(f"a {self.rows}-token chain takes {lay.padded // lay.width} forwards at this runner's "
-                             f"tile ({lay.width}): the device loop needs one")
-        d = runner.device
-        # A chain's rows and the pad rows all sit at slot == position == base + row (verify_layout's layout).
-        self.offsets = torch.arange(lay.width, device=d)
-        self.anc = torch.from_numpy(np.array(lay.anc)).to(d)
-        self.pad = torch.zeros(lay.width - self.rows, dtype=torch.long, device=d)
-        self.state = torch.zeros(2, dtype=torch.long, device=d)  # (pending token, its slot == position)
+        self.state = torch.zeros(2, dtype=torch.long, device=runner.device)  # (pending token, its slot == position)
         self.use_graphs = runner.use_graphs and drafter.use_graph
         self._graphs: dict[int, LoopGraph] = {}
+        self.tree: StaticTree | None = None
+        self._prob_sum, self._calibrated_steps = 0.0, 0
+        if drafter.shape.tree:
+            self._check(drafter.shape.budget + 1)
+        else:
+            self._set_tree(StaticTree.chain(drafter.shape.depth))
+
+    @property
+    def ready(self) -> bool:
+        """False while a tree drafter's static shape is still being calibrated (the host loop runs meanwhile)."""
+        return self.tree is not None
+
+    def calibrate(self, topk_probs: list[list[float]]) -> None:
+        """One host-loop tree step's per-depth candidate probabilities; the CALIBRATION_STEPS-th fixes the shape.
+        Steps drafted shallower (few tokens left) are skipped: their missing depths are no evidence."""
+        if len(topk_probs) < self.drafter.shape.depth:
+            return
+        probs = np.zeros((self.drafter.shape.depth, self.drafter.topk))
+        for d, p in enumerate(topk_probs[:len(probs)]):
+            probs[d, :len(p)] = p
+        self._prob_sum = self._prob_sum + probs
+        self._calibrated_steps += 1
+        if self._calibrated_steps >= CALIBRATION_STEPS and self.tree is None:
+            s = self.drafter.shape
+            self._set_tree(StaticTree.calibrated(self._prob_sum / self._calibrated_steps, s.budget, s.width))
 
     def fits(self, base: int, steps: int) -> bool:
         """Whether `steps` steps from slot `base` stay inside the target's view and the drafter's cache (each step
         advances at most depth + 1 slots and writes a block past its base)."""
-        last = base + (steps - 1) * self.rows
-        return last + self.runner.block_width <= self.runner.view_slots and last + self.rows <= self.drafter.capacity
+        last = base + (steps - 1) * self.depth_rows
+        return last + self.runner.block_width <= self.runner.view_slots and last + self.width <= self.drafter.capacity
 
     @torch.no_grad()
     def run(self, base: int, pending: int, steps: int) -> LoopSteps:
         """`steps` speculative steps from the pending token at slot `base`; the drafter must have observed every
         position before it. Afterwards the drafter has observed every committed position of these steps."""
-        if not 1 <= steps <= self.max_steps or not self.fits(base, steps):
-            raise ValueError(f"device loop: {steps} steps from slot {base} do not fit (max {self.max_steps} steps, "
-                             f"view {self.runner.view_slots}, drafter cache {self.drafter.capacity})")
+        if not self.ready or not 1 <= steps <= self.max_steps or not self.fits(base, steps):
+            raise ValueError(f"device loop: {steps} steps from slot {base} do not fit (ready {self.ready}, max "
+                             f"{self.max_steps} steps, view {self.runner.view_slots}, drafter cache "
+                             f"{self.drafter.capacity})")
         if self.drafter.n_ctx != base:
             raise RuntimeError(f"device loop: the drafter has features for {self.drafter.n_ctx} positions, the pending "
                                f"token sits at {base}")
@@ -102,7 +148,7 @@ class DeviceChainLoop:
     @torch.no_grad()
     def capture_all(self) -> int:
         """Captures the graph of every power-of-two step count up to max_steps (between requests)."""
-        if not self.use_graphs:
+        if not self.use_graphs or not self.ready:
             return 0
         todo = [k for k in (1 << i for i in range(self.max_steps.bit_length())) if k <= self.max_steps
                 and k not in self._graphs]
@@ -110,32 +156,80 @@ class DeviceChainLoop:
             self._capture(k)
         return len(todo)
 
+    # ---- internals ------------------------------------------------------------------------------------
+    def _check(self, rows: int):
+        r = self.runner
+        lay = verify_layout(rows, np.tril(np.ones((rows, rows), dtype=bool)), range(rows), r.tile, r.block_width)
+        if lay.padded != lay.width:
+            raise ValueError(f"a {rows}-row block takes {lay.padded // lay.width} forwards at this runner's tile "
+                             f"({lay.width}): the device loop needs one")
+
+    def _set_tree(self, tree: StaticTree) -> None:
+        lay, d, r = tree.layout, self.runner.device, self.runner
+        rows = len(lay.parents)
+        self._check(rows)
+        v = verify_layout(rows, lay.anc, lay.depths, r.tile, r.block_width)
+        self.tree, self.chain, self.width = tree, lay.chain, v.width
+        self.max_depth = lay.max_depth
+        self.depth_rows = self.max_depth + 1  # root + the deepest path: a step's most committed tokens
+        as_long = lambda a: torch.tensor(np.asarray(a), dtype=torch.long, device=d)  # noqa: E731
+        depths = np.asarray(lay.depths)
+        self.node_src = as_long((depths[1:] - 1) * self.drafter.topk + np.asarray(tree.ranks))  # flat top-k index
+        self.parent_rows = as_long(lay.parents[1:])
+        self.positions, self.slots = as_long(v.positions), as_long(v.slots)
+        self.anc = torch.from_numpy(np.array(v.anc)).to(d)
+        self.path_matrix = torch.from_numpy(np.array(lay.anc, dtype=np.float32)).to(d)  # ancestors-or-self [rows, rows]
+        self.row_depths = as_long(depths)
+        self.row_index = torch.arange(rows, device=d)
+        self.depth_offsets = torch.arange(self.depth_rows, device=d)
+        self.pad = torch.zeros(v.width - rows, dtype=torch.long, device=d)
+        self._graphs.clear()
+
     def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """`steps` chain steps from self.state, all on the device -> block tokens, accepted, top-k tokens/probs."""
-        step, rows, depth = self.drafter.step, self.rows, self.depth
+        """`steps` steps from self.state, all on the device -> path tokens, accepted, top-k tokens/probs."""
+        step, rows, depth = self.drafter.step, len(self.row_depths), self.drafter.shape.depth
         outs = []
         for _ in range(steps):
             pending, base = self.state[:1], self.state[1]
             top_tokens, top_probs = step.draft(self.state)
-            chain = top_tokens[:depth, 0]
-            pos = base + self.offsets
-            target = self.runner._step_fn(torch.cat([pending, chain, self.pad]), pos, pos, base, self.anc)
-            argmax = target[0][:rows]
-            accepted = (chain == argmax[:depth]).long().cumprod(0).sum()
-            step.project(target[4][:rows], pos[:rows])
-            self.state.copy_(torch.cat([torch.index_select(argmax, 0, accepted.view(1)), (base + accepted + 1).view(1)]))
-            outs.append((argmax, accepted, top_tokens[:depth], top_probs[:depth]))
+            nodes = top_tokens[:depth].reshape(-1)[self.node_src]
+            slots = base + self.slots
+            target = self.runner._step_fn(torch.cat([pending, nodes, self.pad]), base + self.positions, slots, base,
+                                          self.anc)
+            argmax, features = target[0][:rows], target[4][:rows]
+            matched = nodes == argmax[self.parent_rows]
+            if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
+                accepted = matched.long().cumprod(0).sum()
+                path = self.depth_offsets
+            else:
+                misses = torch.cat([matched.new_zeros(1), ~matched]).float()  # the root always matches
+                ok = (self.path_matrix @ misses) == 0  # no miss among a node's ancestors-or-self
+                best = torch.argmax(ok.long() * self.row_depths).view(1)  # the deepest (unique: siblings differ)
+                accepted = torch.index_select(self.row_depths, 0, best)[0]
+                # path[d] = the row of best's ancestor at depth d (entries past `accepted` stay 0, the root: unused)
+                on_path = torch.index_select(self.path_matrix, 0, best)[0] > 0
+                path = torch.zeros(self.depth_rows + 1, dtype=torch.long, device=base.device)
+                path.scatter_(0, torch.where(on_path, self.row_depths, self.depth_rows), self.row_index)
+                path = path[:self.depth_rows]
+                kv = self.runner.kv
+                kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
+                features = features[path]
+            step.project(features[:self.depth_rows], base + self.depth_offsets)
+            bonus = torch.index_select(argmax, 0, torch.index_select(path, 0, accepted.view(1)))
+            self.state.copy_(torch.cat([bonus, (base + accepted + 1).view(1)]))
+            outs.append((argmax[path], accepted, top_tokens[:depth], top_probs[:depth]))
         return tuple(torch.stack(col) for col in zip(*outs))
 
     def _capture(self, steps: int) -> LoopGraph:
         """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots and
         the drafter's cache are restored afterwards (a capture mid-request must not clobber its context)."""
         runner, cache = self.runner, self.drafter.step.cache
-        scratch = steps * self.rows + runner.block_width
+        scratch = steps * self.depth_rows + runner.block_width
         saved_kv, saved_cache = runner.kv[:, :, :, :scratch].clone(), cache.clone()
         host_state = torch.zeros(2, dtype=torch.long).pin_memory()  # token 0 at slot 0 while capturing
-        k, depth, topk = steps, self.depth, self.drafter.topk
-        host_out = (torch.zeros(k, self.rows, dtype=torch.long).pin_memory(), torch.zeros(k, dtype=torch.long).pin_memory(),
+        k, depth, topk = steps, self.drafter.shape.depth, self.drafter.topk
+        host_out = (torch.zeros(k, self.depth_rows, dtype=torch.long).pin_memory(),
+                    torch.zeros(k, dtype=torch.long).pin_memory(),
                     torch.zeros(k, depth, topk, dtype=torch.long).pin_memory(),
                     torch.zeros(k, depth, topk, dtype=torch.float32).pin_memory())
 

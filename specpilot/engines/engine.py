@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specpilot.engines.device_loop import DeviceChainLoop, LoopSteps
+from specpilot.engines.device_loop import CALIBRATION_STEPS, DeviceLoop, LoopSteps
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.layout import draft_layout
@@ -65,7 +65,7 @@ class SpecEngine:
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64,
                  policy: EnginePolicy = STOCK, ar_steps: int = AR_STEPS_PER_SYNC,
-                 device_loop: DeviceChainLoop | None = None):
+                 device_loop: DeviceLoop | None = None):
         self.target, self.drafter, self.eos, self.policy = target, drafter, frozenset(eos), policy
         self.max_depth = min(max_depth, target.block_width - 1)
         # Several AR steps per sync need a runner that can chain them, and the stock accept (a policy that
@@ -80,8 +80,12 @@ class SpecEngine:
 
     def warm_up(self, prompt: list[int], max_new_tokens: int = 8) -> None:
         """A short generation, then every graph this engine's target can replay: one-time costs (allocation,
-        kernel compilation, graph capture) stay out of the timed generations that follow."""
+        kernel compilation, graph capture) stay out of the timed generations that follow. A device loop that still
+        calibrates its static tree gets a generation long enough to fix it first."""
         self.generate(prompt, max_new_tokens)
+        if self.device_loop is not None and not self.device_loop.ready:
+            room = self.target.cfg.max_seq_len - len(prompt) - 1
+            self.generate(prompt, max(1, min(room, 4 * CALIBRATION_STEPS)))
         capture_all = getattr(self.target, "capture_all", None)
         if capture_all is not None:
             capture_all(decode_steps=self.ar_steps if self.ar_steps > 1 else 0)
@@ -131,7 +135,7 @@ class SpecEngine:
                 out.extend(new)
                 continue
             loop = self.device_loop
-            if loop is not None and remaining > 1:
+            if loop is not None and loop.ready and remaining > 1:
                 # Each step commits >= 1 token: k <= remaining steps never runs one whose tokens all fall past the
                 # limit. A power of two: few graphs.
                 k = 1 << (min(loop.max_steps, remaining).bit_length() - 1)
@@ -142,6 +146,8 @@ class SpecEngine:
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
             tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()
+            if loop is not None and not loop.ready and tree.topk_probs:
+                loop.calibrate(tree.topk_probs)  # a tree device loop's static shape, from the host steps' drafts
             tv = time.perf_counter()
             block = [seq[-1]] + tree.tokens
             layout = draft_layout(tuple(tree.parents))  # parents, depths, ancestors: once per tree shape
@@ -170,13 +176,14 @@ class SpecEngine:
                            max_new_tokens: int, request_id: str) -> str:
         """Commits a device loop's steps in order up to a stop; their wall time is shared equally (in verify_s:
         draft and verify are not timed apart on the device). Returns the stop reason ("" to go on)."""
-        per_step, depth = res.seconds / len(res.accepted), res.topk_tokens.shape[1]
+        per_step, nodes, depth = res.seconds / len(res.accepted), len(self.device_loop.tree.parents), \
+            self.device_loop.max_depth
         for i, acc in enumerate(res.accepted.tolist()):
-            new, stopped = self.policy.commit(res.block_tokens[i, :acc + 1].tolist(), self.eos,
+            new, stopped = self.policy.commit(res.path_tokens[i, :acc + 1].tolist(), self.eos,
                                               max_new_tokens - len(out))
             steps.append(StepTrace(
-                request_id=request_id, step=len(steps), position=base + 1, drafted=depth, depth=depth, accepted=acc,
-                committed=len(new), verify_tokens=depth + 1, draft_s=0.0, verify_s=per_step,
+                request_id=request_id, step=len(steps), position=base + 1, drafted=nodes, depth=depth, accepted=acc,
+                committed=len(new), verify_tokens=nodes + 1, draft_s=0.0, verify_s=per_step,
                 topk_tokens=res.topk_tokens[i].tolist(), topk_probs=res.topk_probs[i].tolist()))
             seq.extend(new)
             out.extend(new)
