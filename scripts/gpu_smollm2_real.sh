@@ -11,9 +11,11 @@
 #                                                             drafter (with SEED, default 1: new data); DATA=DIR
 #                                                             trains on a run's saved sequences (no generation;
 #                                                             /root/tb/drafter after a c on this host)
-#   d: carry .gpu                                           -> block drafter bench: chain, tree, two-level, with
-#                                                             DRAFTER, else c's (/root/tb/drafter), else the
-#                                                             shipped one (specpilot/drafting/shipped)
+#   d: carry .gpu                                           -> block drafter bench: chain and tree, each on the
+#                                                             device loop (device_steps 4) and the host loop (1);
+#                                                             TWO_LEVEL=1 adds two-level; with DRAFTER, else c's
+#                                                             (/root/tb/drafter), else the shipped one
+#                                                             (specpilot/drafting/shipped)
 #   e: as b's carry                                         -> convert, W12 vs bf16 AR (tokens, speed), then d
 # Run from a snapshot of HEAD (.gpu/src: `bash scripts/gpu_snapshot.sh`), so work in progress never travels.
 set -uo pipefail
@@ -45,12 +47,16 @@ convert() {  # the parks' parts and this call's, joined, checked against the pin
 verify_gguf(Path('$TB/smollm2.gguf'), s); convert_gguf('$TB/smollm2.gguf', '$TB/hf')" 2>&1 | tail -2 &&
     cp "$ROOT"/.tb/tok/* $TB/hf/
 }
-bench_block() {  # chain, tree and two-level with one drafter (see d above), 5 benchmarks x PPB prompts
+bench_block() {  # chain and tree, device and host loop, with one drafter (see d above), 5 benchmarks x PPB prompts
   local d=${DRAFTER:-$TB/drafter}
   [ -f "$d/config.json" ] || d=$ROOT/specpilot/drafting/shipped/smollm2-135m
   echo "drafter: $d"
+  local tree="verify: tree, tree_budget: ${BUDGET:-31}, position_ordered_attention: true"
   local drafters="  - {kind: block, model: {path: $d}, engine: {verify: chain}}
-  - {kind: block, model: {path: $d}, engine: {verify: tree, tree_budget: 32, position_ordered_attention: true}}
+  - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
+  - {kind: block, model: {path: $d}, engine: {$tree}}
+  - {kind: block, model: {path: $d}, engine: {$tree, device_steps: 1}}"
+  [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
   python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
     > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt"

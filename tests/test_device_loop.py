@@ -10,7 +10,9 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
+from specpilot.engines.device_drafters import NgramDeviceDrafter
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
+from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.policy import EnginePolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,14 +76,14 @@ def test_the_host_loop_takes_over_where_device_steps_would_not_fit():
     host_full_depth = [s.draft_s > 0 and s.drafted == 3 for s in r.steps]
     assert not host_full_depth[0] and any(host_full_depth[-5:])  # device steps first, host steps at the end
     with pytest.raises(ValueError, match="do not fit"):
-        eng.device_loop.run(60, want[0], 4)
+        eng.device_loop.run(p + want[:51], 4)  # the pending token at slot 60
 
 
 def test_run_refuses_a_drafter_that_has_not_seen_the_context():
     model = tiny_model("gqa", 0)
     eng = engine(model, quick_drafter(model, 0), device_steps=4)
     with pytest.raises(RuntimeError, match="features for 0 positions"):
-        eng.device_loop.run(5, 7, 2)
+        eng.device_loop.run([7] * 6, 2)
 
 
 def test_a_policy_that_picks_depths_keeps_the_host_loop():
@@ -148,6 +150,45 @@ def test_warm_up_calibrates_the_static_tree():
     assert eng.device_loop.ready
 
 
+@pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 7), (1, 1, 3)])
+def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
+    """Over contexts with repeats (and none), the device lookup proposes NgramDrafter's tokens: as many as it
+    proposes (its proposal can end at the context's end), the rest filler not counted as proposed."""
+    g = torch.Generator().manual_seed(nmin * 100 + nmax * 10 + k)
+    host, dev = NgramDrafter(k, nmax, nmin), NgramDeviceDrafter(NgramDrafter(k, nmax, nmin), 96, torch.device("cpu"))
+    seen = 0
+    for trial in range(60):
+        vocab = int(torch.randint(3, 12, (1,), generator=g))  # small vocabularies: many matches
+        context = torch.randint(0, vocab, (int(torch.randint(1, 80, (1,), generator=g)),), generator=g).tolist()
+        if trial % 7 == 0:
+            context = list(range(len(context)))  # no repeats: no proposal
+        want = host.propose(context, k).tokens
+        seq = list(context)  # a new request to the device half
+        dev.begin(seq, len(seq) - 1)
+        tokens, _, proposed = dev.draft(torch.tensor([seq[-1], len(seq) - 1]))
+        assert int(proposed) == len(want) and tokens[:len(want), 0].tolist() == want, (trial, context)
+        seen += len(want) > 0
+    assert seen > 20
+
+
+def test_device_ngram_steps_equal_host_steps_and_ar():
+    model = damped("gqa", 2)  # its text repeats: the lookup finds matches that hold for 5 tokens
+    p = prompt(model.shape.vocab, 12, 2) * 3
+    want = ar(model, p, 60)
+    host = build_engine(cfg(drafter="ngram", draft_len=5, device_steps=1), model, NO_EOS, "cpu").generate(p, 60)
+    eng = build_engine(cfg(drafter="ngram", draft_len=5, device_steps=4), model, NO_EOS, "cpu")
+    assert isinstance(eng.device_loop.drafter, NgramDeviceDrafter)
+    for _ in range(2):  # a second request starts its device copy of the sequence afresh
+        r = eng.generate(p, 60)
+        assert r.tokens == want == host.tokens
+        device = [s for s in r.steps if s.draft_s == 0]
+        assert len(device) > len(r.steps) // 2 and any(s.accepted >= 3 for s in device)
+        assert all(s.accepted <= s.drafted <= 5 for s in r.steps)
+    # the same proposals as the host loop's: the same acceptance, step for step, until the last few tokens
+    n = len(r.steps) - 3
+    assert [s.accepted for s in r.steps[:n]] == [s.accepted for s in host.steps[:n]]
+
+
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0])
 def test_device_steps_is_validated(bad):
     with pytest.raises(ConfigError, match="device_steps"):
@@ -178,3 +219,39 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(tree):
     r = eng.generate(p, 60)
     assert r.tokens == want and set(eng.device_loop._graphs) == graphs
     assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
+
+
+SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique_consecutive",
+               "_unique2", "masked_select", "repeat_interleave"}
+
+
+@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram"])
+def test_device_steps_read_nothing_back_to_the_host(kind):
+    """What a CUDA graph of k steps captures must not sync: no aten op that reads a value to the host (.item(), a
+    tensor's truth value) or sizes an output from data (nonzero, masked_select). Counted on the CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in SYNCING_OPS:
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = damped("gqa", 2)
+    p = prompt(model.shape.vocab, 12, 2) * 3
+    if kind == "ngram":
+        eng = build_engine(cfg(drafter="ngram", draft_len=5), model, NO_EOS, "cpu")
+    else:
+        eng = engine(model, quick_drafter(model, 2, 40), device_steps=4, **(TREE if kind == "block tree" else {}))
+    eng.warm_up(p)
+    loop = eng.device_loop
+    assert loop.ready
+    seq = p + eng.generate(p, 20).tokens  # leaves a request's state to step from
+    if kind == "ngram":
+        loop.drafter.begin(seq, len(seq) - 1)  # the device copy of the sequence
+    loop.state.copy_(torch.tensor([seq[-1], len(seq) - 1]))
+    with Syncs() as mode:
+        loop._steps(4)
+    assert mode.seen == []

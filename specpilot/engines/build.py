@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.device_drafters import BlockDeviceDrafter, NgramDeviceDrafter
 from specpilot.engines.device_loop import DeviceLoop
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
@@ -67,10 +68,21 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
-    loop = None
-    if isinstance(drafter, BlockTreeDrafter) and cfg.device_steps > 1:  # chain or tree, not two-level
-        try:
-            loop = DeviceLoop(runner, drafter, cfg.device_steps)
-        except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
-            loop = None
-    return SpecEngine(runner, drafter, eos, policy=policy, device_loop=loop)
+    return SpecEngine(runner, drafter, eos, policy=policy, device_loop=device_loop(cfg, runner, drafter))
+
+
+def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop | None:
+    """The device loop of drafters that have a device half (block: chain or tree; n-gram: chain), or None: the host
+    loop runs every step (device_steps=1, two-level, draft models, blocks wider than one forward at the tile)."""
+    if cfg.device_steps <= 1:
+        return None
+    if isinstance(drafter, BlockTreeDrafter):
+        half, tree = BlockDeviceDrafter(drafter), drafter.shape if drafter.shape.tree else None
+    elif isinstance(drafter, NgramDrafter) and cfg.verify is VerifyMode.CHAIN:
+        half, tree = NgramDeviceDrafter(drafter, cfg.max_seq_len, runner.device), None
+    else:
+        return None
+    try:
+        return DeviceLoop(runner, half, cfg.device_steps, tree)
+    except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
+        return None

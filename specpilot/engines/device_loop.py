@@ -1,4 +1,5 @@
-"""Speculative steps with no host round trip between them: block drafter, k steps per sync, chain or static tree.
+"""Speculative steps with no host round trip between them: k steps per sync, chain or static tree, with a drafter
+that has a device half (engines.device_drafters: the block drafter, n-gram lookup).
 
 The host loop (SpecEngine.generate) syncs twice a step, to read the draft and the verify's argmax, and the GPU
 idles while the host builds the next step (on the H200 ~0.35 ms of a ~1.8 ms chain step went to such gaps; a
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 
 from specpilot.costmodel.acceptance import best_first_tree
-from specpilot.engines.drafters.block_tree import BlockTreeDrafter
+from specpilot.engines.device_drafters import DeviceDrafter
+from specpilot.engines.drafters.block_tree import TreeShape
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.runner import ModelRunner
 from specpilot.kernels._common import capture_graph
@@ -65,6 +67,7 @@ class LoopSteps:
     """Host copies of k device steps' results."""
     path_tokens: np.ndarray  # [k, max_depth + 1]: commit path_tokens[i, :accepted[i] + 1] (drafts, then the bonus)
     accepted: np.ndarray  # [k] draft tokens accepted per step
+    proposed: np.ndarray  # [k] depths the drafter really proposed (n-gram: up to its match's length; block: all)
     topk_tokens: np.ndarray  # [k, depth, K] the drafter's candidates per depth (traces: exact replay)
     topk_probs: np.ndarray
     seconds: float  # wall time of the k steps, host round trip included
@@ -74,24 +77,26 @@ class LoopSteps:
 class LoopGraph:
     graph: "torch.cuda.CUDAGraph"
     host_state: torch.Tensor  # pinned (pending token, its slot): copied in by the graph
-    host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, top-k tokens, top-k probs
+    host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, proposed, top-k tokens, top-k probs
     done: "torch.cuda.Event"
 
 
 class DeviceLoop:
-    def __init__(self, runner: ModelRunner, drafter: BlockTreeDrafter, max_steps: int):
-        if not runner.capture:
-            raise ValueError("the device loop needs a runner that captures the block drafter's target features")
-        self.runner, self.drafter, self.max_steps = runner, drafter, max_steps
+    """tree: the TreeShape (budget, width) of a static tree to calibrate; None: a chain of the drafter's depth."""
+
+    def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None):
+        if drafter.needs_features and not runner.capture:
+            raise ValueError("this drafter reads target features: the runner must capture them")
+        self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
         self.state = torch.zeros(2, dtype=torch.long, device=runner.device)  # (pending token, its slot == position)
         self.use_graphs = runner.use_graphs and drafter.use_graph
         self._graphs: dict[int, LoopGraph] = {}
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
-        if drafter.shape.tree:
-            self._check(drafter.shape.budget + 1)
+        if tree is not None:
+            self._check(tree.budget + 1)
         else:
-            self._set_tree(StaticTree.chain(drafter.shape.depth))
+            self._set_tree(StaticTree.chain(drafter.depth))
 
     @property
     def ready(self) -> bool:
@@ -101,15 +106,15 @@ class DeviceLoop:
     def calibrate(self, topk_probs: list[list[float]]) -> None:
         """One host-loop tree step's per-depth candidate probabilities; the CALIBRATION_STEPS-th fixes the shape.
         Steps drafted shallower (few tokens left) are skipped: their missing depths are no evidence."""
-        if len(topk_probs) < self.drafter.shape.depth:
+        if len(topk_probs) < self.drafter.depth:
             return
-        probs = np.zeros((self.drafter.shape.depth, self.drafter.topk))
+        probs = np.zeros((self.drafter.depth, self.drafter.topk))
         for d, p in enumerate(topk_probs[:len(probs)]):
             probs[d, :len(p)] = p
         self._prob_sum = self._prob_sum + probs
         self._calibrated_steps += 1
         if self._calibrated_steps >= CALIBRATION_STEPS and self.tree is None:
-            s = self.drafter.shape
+            s = self.tree_shape
             self._set_tree(StaticTree.calibrated(self._prob_sum / self._calibrated_steps, s.budget, s.width))
 
     def fits(self, base: int, steps: int) -> bool:
@@ -119,16 +124,15 @@ class DeviceLoop:
         return last + self.runner.block_width <= self.runner.view_slots and last + self.width <= self.drafter.capacity
 
     @torch.no_grad()
-    def run(self, base: int, pending: int, steps: int) -> LoopSteps:
-        """`steps` speculative steps from the pending token at slot `base`; the drafter must have observed every
-        position before it. Afterwards the drafter has observed every committed position of these steps."""
+    def run(self, seq: list[int], steps: int) -> LoopSteps:
+        """`steps` speculative steps from seq's last token (pending, at slot len(seq) - 1); a block drafter must have
+        observed every position before it, and has observed every committed one of these steps afterwards."""
+        base, pending = len(seq) - 1, seq[-1]
         if not self.ready or not 1 <= steps <= self.max_steps or not self.fits(base, steps):
             raise ValueError(f"device loop: {steps} steps from slot {base} do not fit (ready {self.ready}, max "
                              f"{self.max_steps} steps, view {self.runner.view_slots}, drafter cache "
                              f"{self.drafter.capacity})")
-        if self.drafter.n_ctx != base:
-            raise RuntimeError(f"device loop: the drafter has features for {self.drafter.n_ctx} positions, the pending "
-                               f"token sits at {base}")
+        self.drafter.begin(seq, base)
         t0 = time.perf_counter()
         if self.use_graphs:
             g = self._graphs.get(steps) or self._capture(steps)
@@ -142,7 +146,7 @@ class DeviceLoop:
             self.state.copy_(torch.tensor([pending, base]))
             out = [t.cpu().numpy() for t in self._steps(steps)]
         res = LoopSteps(*out, seconds=time.perf_counter() - t0)
-        self.drafter.n_ctx = base + int(res.accepted.sum()) + steps
+        self.drafter.end(base + int(res.accepted.sum()) + steps)
         return res
 
     @torch.no_grad()
@@ -186,20 +190,19 @@ class DeviceLoop:
         self._graphs.clear()
 
     def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """`steps` steps from self.state, all on the device -> path tokens, accepted, top-k tokens/probs."""
-        step, rows, depth = self.drafter.step, len(self.row_depths), self.drafter.shape.depth
+        """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs."""
+        drafter, rows = self.drafter, len(self.row_depths)
         outs = []
         for _ in range(steps):
             pending, base = self.state[:1], self.state[1]
-            top_tokens, top_probs = step.draft(self.state)
-            nodes = top_tokens[:depth].reshape(-1)[self.node_src]
-            slots = base + self.slots
-            target = self.runner._step_fn(torch.cat([pending, nodes, self.pad]), base + self.positions, slots, base,
-                                          self.anc)
-            argmax, features = target[0][:rows], target[4][:rows]
+            top_tokens, top_probs, proposed = drafter.draft(self.state)
+            nodes = top_tokens.reshape(-1)[self.node_src]
+            target = self.runner._step_fn(torch.cat([pending, nodes, self.pad]), base + self.positions,
+                                          base + self.slots, base, self.anc)
+            argmax, features = target[0][:rows], target[4]
             matched = nodes == argmax[self.parent_rows]
             if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
-                accepted = matched.long().cumprod(0).sum()
+                accepted = torch.minimum(matched.long().cumprod(0).sum(), proposed)  # filler is not a proposal
                 path = self.depth_offsets
             else:
                 misses = torch.cat([matched.new_zeros(1), ~matched]).float()  # the root always matches
@@ -213,23 +216,24 @@ class DeviceLoop:
                 path = path[:self.depth_rows]
                 kv = self.runner.kv
                 kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
-                features = features[path]
-            step.project(features[:self.depth_rows], base + self.depth_offsets)
-            bonus = torch.index_select(argmax, 0, torch.index_select(path, 0, accepted.view(1)))
+            path_tokens = argmax[path]
+            drafter.commit(self.state, path_tokens, None if features is None else features[path],
+                           base + self.depth_offsets)
+            bonus = torch.index_select(path_tokens, 0, accepted.view(1))
             self.state.copy_(torch.cat([bonus, (base + accepted + 1).view(1)]))
-            outs.append((argmax[path], accepted, top_tokens[:depth], top_probs[:depth]))
+            outs.append((path_tokens, accepted, proposed, top_tokens, top_probs))
         return tuple(torch.stack(col) for col in zip(*outs))
 
     def _capture(self, steps: int) -> LoopGraph:
         """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots and
-        the drafter's cache are restored afterwards (a capture mid-request must not clobber its context)."""
-        runner, cache = self.runner, self.drafter.step.cache
+        the drafter's state are restored afterwards (a capture mid-request must not clobber its context)."""
+        runner, buffers = self.runner, self.drafter.buffers()
         scratch = steps * self.depth_rows + runner.block_width
-        saved_kv, saved_cache = runner.kv[:, :, :, :scratch].clone(), cache.clone()
+        saved_kv, saved = runner.kv[:, :, :, :scratch].clone(), [b.clone() for b in buffers]
         host_state = torch.zeros(2, dtype=torch.long).pin_memory()  # token 0 at slot 0 while capturing
-        k, depth, topk = steps, self.drafter.shape.depth, self.drafter.topk
+        k, depth, topk = steps, self.drafter.depth, self.drafter.topk
         host_out = (torch.zeros(k, self.depth_rows, dtype=torch.long).pin_memory(),
-                    torch.zeros(k, dtype=torch.long).pin_memory(),
+                    torch.zeros(k, dtype=torch.long).pin_memory(), torch.zeros(k, dtype=torch.long).pin_memory(),
                     torch.zeros(k, depth, topk, dtype=torch.long).pin_memory(),
                     torch.zeros(k, depth, topk, dtype=torch.float32).pin_memory())
 
@@ -240,7 +244,8 @@ class DeviceLoop:
         graph, _ = capture_graph(body)
         torch.cuda.synchronize(runner.device)
         runner.kv[:, :, :, :scratch] = saved_kv
-        cache.copy_(saved_cache)
+        for b, copy in zip(buffers, saved):
+            b.copy_(copy)
         g = self._graphs[steps] = LoopGraph(graph, host_state, host_out, torch.cuda.Event())
         g.done.record()
         return g

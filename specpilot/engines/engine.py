@@ -140,8 +140,8 @@ class SpecEngine:
                 # limit. A power of two: few graphs.
                 k = 1 << (min(loop.max_steps, remaining).bit_length() - 1)
                 if loop.fits(base, k):
-                    stop = self._commit_loop_steps(loop.run(base, seq[-1], k), base, seq, out, steps,
-                                                   max_new_tokens, request_id)
+                    stop = self._commit_loop_steps(loop.run(seq, k), base, seq, out, steps, max_new_tokens,
+                                                   request_id)
                     continue
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
@@ -176,15 +176,17 @@ class SpecEngine:
                            max_new_tokens: int, request_id: str) -> str:
         """Commits a device loop's steps in order up to a stop; their wall time is shared equally (in verify_s:
         draft and verify are not timed apart on the device). Returns the stop reason ("" to go on)."""
-        per_step, nodes, depth = res.seconds / len(res.accepted), len(self.device_loop.tree.parents), \
-            self.device_loop.max_depth
+        loop = self.device_loop
+        per_step, nodes = res.seconds / len(res.accepted), len(loop.tree.parents)
         for i, acc in enumerate(res.accepted.tolist()):
             new, stopped = self.policy.commit(res.path_tokens[i, :acc + 1].tolist(), self.eos,
                                               max_new_tokens - len(out))
+            drafted = int(res.proposed[i]) if loop.chain else nodes  # a chain's filler depths are not drafts
             steps.append(StepTrace(
-                request_id=request_id, step=len(steps), position=base + 1, drafted=nodes, depth=depth, accepted=acc,
-                committed=len(new), verify_tokens=nodes + 1, draft_s=0.0, verify_s=per_step,
-                topk_tokens=res.topk_tokens[i].tolist(), topk_probs=res.topk_probs[i].tolist()))
+                request_id=request_id, step=len(steps), position=base + 1, drafted=drafted,
+                depth=drafted if loop.chain else loop.max_depth, accepted=acc, committed=len(new),
+                verify_tokens=nodes + 1, draft_s=0.0, verify_s=per_step,
+                topk_tokens=res.topk_tokens[i, :drafted].tolist(), topk_probs=res.topk_probs[i, :drafted].tolist()))
             seq.extend(new)
             out.extend(new)
             base += len(new)
