@@ -4,7 +4,8 @@
 # GGUF goes in three parts, from scripts/gpu_prepare.sh; see notes/h200.md):
 #   a: carry .tb/gguf.part.aa, then .tb/gguf.part.ab      -> parks the parts carried in /root/tb (two calls)
 #   b: carry .gpu + .tb/gguf.part.ac + tok + benchmarks    -> convert; AR speed (engine vs transformers);
-#                                                             n-gram bench, 5 benchmarks x 2048 tokens
+#                                                             n-gram bench (device loop and host loop), 5
+#                                                             benchmarks x 2048 tokens
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
@@ -68,7 +69,8 @@ case $stage in
     convert
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes "${MODES:-torch_graph_t1_fast,triton_graph}" \
       --skip-checks 2>&1 | grep -v Warning | tail -8
-    python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}')" --out "$OUT/bench_ngram" \
+    python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}
+  - {kind: ngram, engine: {device_steps: 1}}')" --out "$OUT/bench_ngram" \
       > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;
   ar)  # b's carry; AR speed only: the engine (and with each kernel table of KT="name=file ...") vs transformers
     convert

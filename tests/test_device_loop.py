@@ -10,7 +10,7 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
-from specpilot.engines.device_drafters import NgramDeviceDrafter
+from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup_ref
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.policy import EnginePolicy
@@ -165,8 +165,11 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
         want = host.propose(context, k).tokens
         seq = list(context)  # a new request to the device half
         dev.begin(seq, len(seq) - 1)
-        tokens, _, proposed = dev.draft(torch.tensor([seq[-1], len(seq) - 1]))
+        state = torch.tensor([seq[-1], len(seq) - 1])
+        tokens, _, proposed = dev.draft(state)  # the kernel (interpreted here)
         assert int(proposed) == len(want) and tokens[:len(want), 0].tolist() == want, (trial, context)
+        ref_tokens, ref_proposed = ngram_lookup_ref(dev.tokens, state, nmin, nmax, k)
+        assert torch.equal(ref_tokens, tokens[:, 0]) and int(ref_proposed) == int(proposed)
         seen += len(want) > 0
     assert seen > 20
 

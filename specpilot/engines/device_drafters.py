@@ -11,9 +11,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import triton
+import triton.language as tl
 
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.kernels._common import check_tensor, is_interpreted
 
 
 class DeviceDrafter(Protocol):
@@ -82,9 +85,7 @@ class NgramDeviceDrafter:
         # The sequence (prompt + output) by position; commits write depth + 1 tokens past the pending one.
         self.tokens = torch.zeros(capacity + self.depth + 2, dtype=torch.long, device=device)
         self.synced = 0  # positions 0..synced-1 of the current request hold its tokens
-        self.starts = torch.arange(len(self.tokens), device=device)
         self.offsets = torch.arange(self.depth + 1, device=device)
-        self.suffix_offsets = {n: torch.arange(n, device=device) for n in range(self.ngram_min, self.ngram_max + 1)}
         self.ones = torch.ones(self.depth, 1, device=device)
         self._seq: list[int] | None = None
 
@@ -96,23 +97,9 @@ class NgramDeviceDrafter:
         self.synced = base + 1
 
     def draft(self, state):
-        length = state[1] + 1  # tokens 0..base: the context, the pending token last
-        best = torch.full((), -1, dtype=torch.long, device=state.device)
-        best_n = torch.zeros((), dtype=torch.long, device=state.device)
-        for n in range(self.ngram_max, self.ngram_min - 1, -1):  # longest suffix first
-            suffix = torch.index_select(self.tokens, 0, (length - n).clamp(min=0) + self.suffix_offsets[n])
-            match = (self.tokens.unfold(0, n, 1) == suffix).all(1)
-            starts = self.starts[:match.shape[0]]
-            # an earlier occurrence followed by a token before the pending one (NgramDrafter indexes the context
-            # without its last token), with the suffix fully in context
-            ok = match & (starts + n <= length - 2) & (length - 1 >= n)
-            latest = torch.where(ok, starts, -1).max()
-            take = (best < 0) & (latest >= 0)
-            best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
-        first = torch.where(best >= 0, best + best_n, length)  # no match: filler from past the context
-        proposed = torch.where(best >= 0, (length - first).clamp(max=self.depth), 0)
-        draft = torch.index_select(self.tokens, 0, first + self.offsets[:self.depth])
-        return draft[:, None], self.ones, proposed
+        lookup = ngram_lookup if self.tokens.is_cuda or is_interpreted(_ngram_kernel) else ngram_lookup_ref
+        draft, proposed = lookup(self.tokens, state, self.ngram_min, self.ngram_max, self.depth)
+        return draft[:, None], self.ones, proposed[0]
 
     def commit(self, state, path_tokens, features, positions) -> None:
         self.tokens.index_copy_(0, state[1] + 1 + self.offsets[:len(path_tokens)], path_tokens)
@@ -122,3 +109,68 @@ class NgramDeviceDrafter:
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.tokens]
+
+
+# ---- prompt lookup on the device: one kernel (a single program scans the context), and its torch reference ----
+@triton.jit
+def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr,
+                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
+    best = length * 0 - 1
+    best_n = length * 0
+    for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
+        n: tl.constexpr = NMAX - i
+        latest = length * 0 - 1
+        for start in range(0, length, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            ok = (j + n <= length - 2) & (length - 1 >= n)
+            for t in tl.static_range(n):
+                ok = ok & (tl.load(tok_ptr + j + t, mask=ok, other=-1) == tl.load(tok_ptr + length - n + t))
+            latest = tl.maximum(latest, tl.max(tl.where(ok, j, -1), 0))
+        take = (best < 0) & (latest >= 0)
+        best = tl.where(take, latest, best)
+        best_n = tl.where(take, n, best_n)
+    first = tl.where(best >= 0, best + best_n, length)
+    tl.store(proposed_ptr, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
+    k = tl.arange(0, KP)
+    tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
+
+
+def _check_lookup(tokens, state, ngram_min, ngram_max, k):
+    check_tensor("tokens", tokens, (None,), torch.int64)
+    check_tensor("state", state, (2,), torch.int64, tokens.device)
+    if not 1 <= ngram_min <= ngram_max or k < 1:
+        raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
+
+
+def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngram_max: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NgramDrafter's proposal for the context tokens[0..state[1]] (state = (pending token, its slot)), read on the
+    device -> (k tokens from where the match continues, [1] how many of them are its proposal). tokens must hold
+    state[1] + k + 1 entries (the filler past the context is read, not proposed)."""
+    _check_lookup(tokens, state, ngram_min, ngram_max, k)
+    draft = torch.empty(k, dtype=torch.long, device=tokens.device)
+    proposed = torch.empty(1, dtype=torch.long, device=tokens.device)
+    _ngram_kernel[(1,)](tokens, state, draft, proposed, NMAX=ngram_max, NMIN=ngram_min, K=k,
+                        KP=triton.next_power_of_2(k), BLOCK=1024, num_warps=4)
+    return draft, proposed
+
+
+def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k):
+    """Plain torch (fixed-shape ops over the whole buffer, no host sync): ngram_lookup's results."""
+    _check_lookup(tokens, state, ngram_min, ngram_max, k)
+    length = state[1] + 1
+    starts = torch.arange(len(tokens), device=tokens.device)
+    best, best_n = torch.full_like(length, -1), torch.zeros_like(length)
+    for n in range(ngram_max, ngram_min - 1, -1):  # longest suffix first
+        suffix = torch.index_select(tokens, 0, (length - n).clamp(min=0) + starts[:n])
+        match = (tokens.unfold(0, n, 1) == suffix).all(1)
+        # an earlier occurrence followed by a token before the pending one (NgramDrafter indexes the context
+        # without its last token), with the suffix fully in context
+        ok = match & (starts[:len(match)] + n <= length - 2) & (length - 1 >= n)
+        latest = torch.where(ok, starts[:len(match)], -1).max()
+        take = (best < 0) & (latest >= 0)
+        best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
+    first = torch.where(best >= 0, best + best_n, length)  # no match: filler from past the context
+    proposed = torch.where(best >= 0, (length - first).clamp(max=k), 0)
+    return torch.index_select(tokens, 0, first + starts[:k]), proposed.view(1)
