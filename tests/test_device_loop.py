@@ -208,13 +208,15 @@ def test_device_steps_triton_kernels_equal_ar():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
-@pytest.mark.parametrize("tree", [{}, TREE])
-def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(tree):
-    model = damped("gqa", 4).to(device="cuda", dtype=torch.bfloat16)
-    drafter = quick_drafter(damped("gqa", 4), 4, 40)
-    p = prompt(model.shape.vocab, 10, 4)
-    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, **tree)
+@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram"])
+def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
+    """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed."""
+    model = damped("gqa", 2).to(device="cuda", dtype=torch.bfloat16)
+    p = prompt(model.shape.vocab, 12, 2) * 3
+    over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5}}.get(kind, {})
+    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, **over)
     want = build_engine(c.replace(drafter="none", verify="chain"), model, NO_EOS, "cuda").generate(p, 60).tokens
+    drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
     eng.warm_up(p, 2)
     graphs = set(eng.device_loop._graphs)
