@@ -52,6 +52,9 @@ class BlockDeviceDrafter:
         self.drafter, self.step = drafter, drafter.step
         self.depth, self.topk, self.capacity = drafter.shape.depth, drafter.topk, drafter.capacity
         self.use_graph = drafter.use_graph
+        # Every depth is a proposal. A device constant: a tensor made from a Python int inside a graph capture
+        # would be a pageable host-to-device copy, which capture refuses.
+        self.proposed = torch.tensor(self.depth, device=drafter.device)
 
     def begin(self, seq: list[int], base: int) -> None:
         if self.drafter.n_ctx != base:
@@ -60,7 +63,7 @@ class BlockDeviceDrafter:
 
     def draft(self, state):
         tokens, probs = self.step.draft(state)
-        return tokens[:self.depth], probs[:self.depth], state.new_tensor(self.depth)
+        return tokens[:self.depth], probs[:self.depth], self.proposed
 
     def commit(self, state, path_tokens, features, positions) -> None:
         self.step.project(features, positions)
