@@ -10,7 +10,7 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
-from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup_ref
+from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.policy import EnginePolicy
@@ -152,8 +152,8 @@ def test_warm_up_calibrates_the_static_tree():
 
 @pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 7), (1, 1, 3)])
 def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
-    """Over contexts with repeats (and none), the device lookup proposes NgramDrafter's tokens: as many as it
-    proposes (its proposal can end at the context's end), the rest filler not counted as proposed."""
+    """Over contexts with repeats (and none), the device lookup (kernel and torch reference) proposes NgramDrafter's
+    tokens: as many as it proposes (its proposal can end at the context's end), the rest filler not counted."""
     g = torch.Generator().manual_seed(nmin * 100 + nmax * 10 + k)
     host, dev = NgramDrafter(k, nmax, nmin), NgramDeviceDrafter(NgramDrafter(k, nmax, nmin), 96, torch.device("cpu"))
     seen = 0
@@ -166,10 +166,10 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
         seq = list(context)  # a new request to the device half
         dev.begin(seq, len(seq) - 1)
         state = torch.tensor([seq[-1], len(seq) - 1])
-        tokens, _, proposed = dev.draft(state)  # the kernel (interpreted here)
+        tokens, _, proposed = dev.draft(state)  # on CPU the torch reference
         assert int(proposed) == len(want) and tokens[:len(want), 0].tolist() == want, (trial, context)
-        ref_tokens, ref_proposed = ngram_lookup_ref(dev.tokens, state, nmin, nmax, k)
-        assert torch.equal(ref_tokens, tokens[:, 0]) and int(ref_proposed) == int(proposed)
+        kernel_tokens, kernel_proposed = ngram_lookup(dev.tokens, state, nmin, nmax, k)  # interpreted here
+        assert torch.equal(kernel_tokens, tokens[:, 0]) and int(kernel_proposed) == int(proposed)
         seen += len(want) > 0
     assert seen > 20
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
-from specpilot.kernels._common import check_tensor, is_interpreted
+from specpilot.kernels._common import check_launchable, check_tensor
 
 
 class DeviceDrafter(Protocol):
@@ -100,7 +100,8 @@ class NgramDeviceDrafter:
         self.synced = base + 1
 
     def draft(self, state):
-        lookup = ngram_lookup if self.tokens.is_cuda or is_interpreted(_ngram_kernel) else ngram_lookup_ref
+        # CPU: the torch reference (the interpreted kernel takes ~10 ms a lookup; tests run it directly)
+        lookup = ngram_lookup if self.tokens.is_cuda else ngram_lookup_ref
         draft, proposed = lookup(self.tokens, state, self.ngram_min, self.ngram_max, self.depth)
         return draft[:, None], self.ones, proposed[0]
 
@@ -152,6 +153,7 @@ def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngra
     device -> (k tokens from where the match continues, [1] how many of them are its proposal). tokens must hold
     state[1] + k + 1 entries (the filler past the context is read, not proposed)."""
     _check_lookup(tokens, state, ngram_min, ngram_max, k)
+    check_launchable(_ngram_kernel, tokens.device)
     draft = torch.empty(k, dtype=torch.long, device=tokens.device)
     proposed = torch.empty(1, dtype=torch.long, device=tokens.device)
     _ngram_kernel[(1,)](tokens, state, draft, proposed, NMAX=ngram_max, NMIN=ngram_min, K=k,
