@@ -127,9 +127,9 @@ class EngineConfig(ConfigOps):
     level_one_layers: int = 0  # SHALLOW rule: target layers run by level one (0: a quarter of them)
     tree_depth: int = 0  # deepest tree level a block drafter grows (0: block_size - 1)
     block_size: int = 16  # block drafter: tokens drafted per forward
-    # Block drafter, chain or tree verification: up to this many speculative steps run on the device (one CUDA
-    # graph) per host round trip, trees in a static shape calibrated on the first host steps (engines.device_loop);
-    # 1 = the host drives every step. Output is the same either way.
+    # Block drafter (chain or tree) and n-gram (chain): up to this many speculative steps run on the device (one
+    # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
+    # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
     device_steps: int = 4
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
