@@ -13,7 +13,8 @@
 #                                                             trains on a run's saved sequences (no generation;
 #                                                             /root/tb/drafter after a c on this host)
 #   d: carry .gpu                                           -> block drafter bench: chain and tree, each on the
-#                                                             device loop (device_steps 4) and the host loop (1);
+#                                                             device loop (device_steps 4) and the host loop (1),
+#                                                             and chain led by prompt lookup (ngram_prefix);
 #                                                             TWO_LEVEL=1 adds two-level; with DRAFTER, else c's
 #                                                             (/root/tb/drafter), else the shipped one
 #                                                             (specpilot/drafting/shipped)
@@ -55,6 +56,7 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   local tree="verify: tree, tree_budget: ${BUDGET:-31}, position_ordered_attention: true"
   local drafters="  - {kind: block, model: {path: $d}, engine: {verify: chain}}
   - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true}}
   - {kind: block, model: {path: $d}, engine: {$tree}}
   - {kind: block, model: {path: $d}, engine: {$tree, device_steps: 1}}"
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters

@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
-from specpilot.engines.device_drafters import BlockDeviceDrafter, NgramDeviceDrafter
+from specpilot.engines.device_drafters import BlockDeviceDrafter, NgramDeviceDrafter, NgramPrefixDeviceDrafter
 from specpilot.engines.device_loop import DeviceLoop
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.drafters.ngram_prefix import NgramPrefixDrafter
 from specpilot.engines.engine import SpecEngine
 from specpilot.engines.hybrid.build import build_hybrid_engine
 from specpilot.engines.hybrid.config import HybridConfig
@@ -64,6 +65,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
                                        fused=cfg.kernel_backend is KernelBackend.TRITON)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if cfg.ngram_prefix:
+            drafter = NgramPrefixDrafter(drafter, NgramDrafter(drafter.shape.depth, cfg.ngram_max, cfg.ngram_min))
     else:
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
@@ -78,6 +81,9 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
         return None
     if isinstance(drafter, BlockTreeDrafter):
         half, tree = BlockDeviceDrafter(drafter), drafter.shape if drafter.shape.tree else None
+    elif isinstance(drafter, NgramPrefixDrafter):
+        half, tree = NgramPrefixDeviceDrafter(BlockDeviceDrafter(drafter.block), NgramDeviceDrafter(
+            drafter.ngram, cfg.max_seq_len, runner.device)), None
     elif isinstance(drafter, NgramDrafter) and cfg.verify is VerifyMode.CHAIN:
         half, tree = NgramDeviceDrafter(drafter, cfg.max_seq_len, runner.device), None
     else:

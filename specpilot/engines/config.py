@@ -131,6 +131,9 @@ class EngineConfig(ConfigOps):
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
     device_steps: int = 4
+    # Block drafter, chain: the chain starts with the prompt-lookup proposal (ngram_max/ngram_min) where the
+    # context has a match, the block's tokens after it (engines.drafters.ngram_prefix).
+    ngram_prefix: bool = False
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
     kernel_backend: KernelBackend = KernelBackend.TORCH
@@ -175,12 +178,15 @@ class EngineConfig(ConfigOps):
                and 1 <= self.state_checkpoint_spacing <= MAX_CHECKPOINT_SPACING,
                f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in "
                f"1..{MAX_CHECKPOINT_SPACING}")
-        for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant"):
+        for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant", "ngram_prefix"):
             _check(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r}: must be a bool")
         if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON
                                                         or self.dtype is not DType.BF16):
             raise ConfigError("weight_format=w12 decodes inside the Triton matmuls: it needs kernel_backend=triton "
                               "and dtype=bfloat16")
+        if self.ngram_prefix and (self.drafter is not DrafterKind.BLOCK or self.verify is not VerifyMode.CHAIN):
+            raise ConfigError("ngram_prefix puts prompt lookup in front of a block drafter's chain: it needs "
+                              "drafter=block and verify=chain")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
@@ -192,7 +198,7 @@ class EngineConfig(ConfigOps):
     # Fields that only shape what is drafted and verified, never how a row is computed.
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
-        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps")
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "ngram_prefix")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

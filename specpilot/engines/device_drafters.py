@@ -75,6 +75,42 @@ class BlockDeviceDrafter:
         return [self.step.cache]
 
 
+class NgramPrefixDeviceDrafter:
+    """NgramPrefixDrafter's device half: the lookup's proposal at the depths it covers, the block's top-1 after."""
+    needs_features = True
+
+    def __init__(self, block: BlockDeviceDrafter, lookup: "NgramDeviceDrafter"):
+        if lookup.depth != block.depth:
+            raise ValueError(f"the lookup drafts {lookup.depth} tokens, the block {block.depth}: they must agree")
+        self.block, self.lookup = block, lookup
+        self.depth, self.topk = block.depth, block.topk
+        self.capacity, self.use_graph = min(block.capacity, lookup.capacity), block.use_graph
+        self.depths = torch.arange(block.depth, device=block.proposed.device)
+
+    def begin(self, seq: list[int], base: int) -> None:
+        self.block.begin(seq, base)
+        self.lookup.begin(seq, base)
+
+    def draft(self, state):
+        tokens, probs, proposed = self.block.draft(state)
+        looked_up, _, matched = self.lookup.draft(state)
+        use = self.depths < matched
+        top1 = torch.where(use, looked_up[:, 0], tokens[:, 0])
+        p1 = torch.where(use, torch.ones_like(probs[:, 0]), probs[:, 0])
+        return torch.cat([top1[:, None], tokens[:, 1:]], 1), torch.cat([p1[:, None], probs[:, 1:]], 1), proposed
+
+    def commit(self, state, path_tokens, features, positions) -> None:
+        self.block.commit(state, path_tokens, features, positions)
+        self.lookup.commit(state, path_tokens, features, positions)
+
+    def end(self, base: int) -> None:
+        self.block.end(base)
+        self.lookup.end(base)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return self.block.buffers() + self.lookup.buffers()
+
+
 class NgramDeviceDrafter:
     """Proposals equal NgramDrafter's where it proposes; where it finds no match, or its match runs out before
     draft_len tokens, the depths past the proposal hold filler (counted as not proposed)."""
