@@ -148,6 +148,16 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                       Knob("tree_budget", _INT, 4, 64), Knob("tree_width", _INT, 1, 8),
                       Knob("level_one_keep", _INT, 2, 32)),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
+    CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
+                     "block drafter chain led by prompt lookup: the lookup's match where the context repeats, the "
+                     "block's tokens after it", (Knob("ngram_prefix", _CHOICE, choices=(False, True)),),
+                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
+    # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
+    CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,
+                     "speculative steps per host round trip: draft, verify, accept and commit on the device, several "
+                     "steps one CUDA graph", (Knob("device_steps", _CHOICE, choices=(1, 2, 4, 8)),),
+                     frozenset({DirectionName.OVERHEAD}), frozenset({DrafterKind.NGRAM, DrafterKind.BLOCK}), _CUDA,
+                     _LLAMA),
     CatalogMechanism("token_tile", MechanismCategory.KERNEL, "batch-invariant forward width (every step runs at it)",
                      (Knob("token_tile", _CHOICE, choices=(8, 16)),),
                      frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD})),
