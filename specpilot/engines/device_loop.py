@@ -30,9 +30,9 @@ import torch
 from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.device_drafters import DeviceDrafter
 from specpilot.engines.drafters.block_tree import TreeShape
+from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.runner import ModelRunner
-from specpilot.kernels._common import capture_graph
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
 CALIBRATION_STEPS = 16
@@ -225,11 +225,11 @@ class DeviceLoop:
         return tuple(torch.stack(col) for col in zip(*outs))
 
     def _capture(self, steps: int) -> LoopGraph:
-        """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots and
-        the drafter's state are restored afterwards (a capture mid-request must not clobber its context)."""
-        runner, buffers = self.runner, self.drafter.buffers()
-        scratch = steps * self.depth_rows + runner.block_width
-        saved_kv, saved = runner.kv[:, :, :, :scratch].clone(), [b.clone() for b in buffers]
+        """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots
+        (graphs.capture_restoring) and the drafter's state are restored afterwards (a capture mid-request must not
+        clobber its context)."""
+        buffers = self.drafter.buffers()
+        saved = [b.clone() for b in buffers]
         host_state = torch.zeros(2, dtype=torch.long).pin_memory()  # token 0 at slot 0 while capturing
         k, depth, topk = steps, self.drafter.depth, self.drafter.topk
         host_out = (torch.zeros(k, self.depth_rows, dtype=torch.long).pin_memory(),
@@ -241,9 +241,7 @@ class DeviceLoop:
             self.state.copy_(host_state, non_blocking=True)
             for host, dev in zip(host_out, self._steps(steps)):
                 host.copy_(dev, non_blocking=True)
-        graph, _ = capture_graph(body)
-        torch.cuda.synchronize(runner.device)
-        runner.kv[:, :, :, :scratch] = saved_kv
+        graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width)
         for b, copy in zip(buffers, saved):
             b.copy_(copy)
         g = self._graphs[steps] = LoopGraph(graph, host_state, host_out, torch.cuda.Event())

@@ -49,7 +49,7 @@ def capture_step(runner: "ModelRunner", width: int) -> StepGraph:
         out = runner._step_fn(*static_in)
         host_argmax.copy_(out[0], non_blocking=True)
         return out
-    graph, static_out = _capture(runner, step, width + 1)
+    graph, static_out = capture_restoring(runner, step, width + 1)
     g = StepGraph(graph, host_ints, host_anc, host_argmax, static_out, torch.cuda.Event(), keep=(ints, anc))
     g.staged.record()
     return g
@@ -72,13 +72,13 @@ def capture_decode(runner: "ModelRunner", steps: int) -> StepGraph:
             token = runner._step_fn(token, slots[i:i + 1], slots[i:i + 1], slots[i], anc)[0]
             tokens.append(token)
         host_argmax.copy_(torch.cat(tokens), non_blocking=True)
-    graph, _ = _capture(runner, chain, steps + 1)
+    graph, _ = capture_restoring(runner, chain, steps + 1)
     g = StepGraph(graph, host_ints, anc, host_argmax, (), torch.cuda.Event(), keep=(ints, offsets, anc))
     g.staged.record()
     return g
 
 
-def _capture(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3):
+def capture_restoring(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3):
     """(graph, body's outputs): warm-up on a side stream (compilation, cuBLAS handles), then capture. Both write
     only KV slots < scratch_slots, which are restored afterwards (a request's context may live there)."""
     saved = runner.kv[:, :, :, :scratch_slots].clone()
