@@ -153,23 +153,29 @@ class NgramDeviceDrafter:
 
 # ---- prompt lookup on the device: one kernel (a single program scans the context), and its torch reference ----
 @triton.jit
+def _latest_match(tok_ptr, length, N: tl.constexpr, BLOCK: tl.constexpr):
+    """The last start j whose N tokens equal the context's last N (and leave a token after them), or -1."""
+    latest = length * 0 - 1
+    for start in range(0, length, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        ok = (j + N <= length - 2) & (length - 1 >= N)
+        for t in tl.static_range(N):
+            ok = ok & (tl.load(tok_ptr + j + t, mask=ok, other=-1) == tl.load(tok_ptr + length - N + t))
+        latest = tl.maximum(latest, tl.max(tl.where(ok, j, -1), 0))
+    return latest
+
+
+@triton.jit
 def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
     best = length * 0 - 1
     best_n = length * 0
     for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
-        n: tl.constexpr = NMAX - i
-        latest = length * 0 - 1
-        for start in range(0, length, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            ok = (j + n <= length - 2) & (length - 1 >= n)
-            for t in tl.static_range(n):
-                ok = ok & (tl.load(tok_ptr + j + t, mask=ok, other=-1) == tl.load(tok_ptr + length - n + t))
-            latest = tl.maximum(latest, tl.max(tl.where(ok, j, -1), 0))
+        latest = _latest_match(tok_ptr, length, NMAX - i, BLOCK)
         take = (best < 0) & (latest >= 0)
         best = tl.where(take, latest, best)
-        best_n = tl.where(take, n, best_n)
+        best_n = tl.where(take, NMAX - i, best_n)
     first = tl.where(best >= 0, best + best_n, length)
     tl.store(proposed_ptr, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
     k = tl.arange(0, KP)
