@@ -12,10 +12,12 @@
 #                                                             drafter (with SEED, default 1: new data); DATA=DIR
 #                                                             trains on a run's saved sequences (no generation;
 #                                                             /root/tb/drafter after a c on this host)
-#   d: carry .gpu                                           -> block drafter bench: chain and tree, each on the
-#                                                             device loop (device_steps 4) and the host loop (1),
-#                                                             and chain led by prompt lookup (ngram_prefix);
-#                                                             TWO_LEVEL=1 adds two-level; with DRAFTER, else c's
+#   d: carry .gpu                                           -> block drafter bench on the device loop: chain, and
+#                                                             trees of each budget in BUDGETS (default "15 31"),
+#                                                             each alone and led by prompt lookup (ngram_prefix);
+#                                                             HOST=1 adds the host loop (device_steps 1) of the
+#                                                             chain and the last tree, TWO_LEVEL=1 two-level;
+#                                                             with DRAFTER, else c's
 #                                                             (/root/tb/drafter), else the shipped one
 #                                                             (specpilot/drafting/shipped)
 #   e: as b's carry                                         -> convert, W12 vs bf16 AR (tokens, speed), then d
@@ -53,11 +55,16 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   local d=${DRAFTER:-$TB/drafter}
   [ -f "$d/config.json" ] || d=$ROOT/specpilot/drafting/shipped/smollm2-135m
   echo "drafter: $d"
-  local tree="verify: tree, tree_budget: ${BUDGET:-31}, position_ordered_attention: true"
   local drafters="  - {kind: block, model: {path: $d}, engine: {verify: chain}}
-  - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
-  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true}}
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true}}" b tree
+  for b in ${BUDGETS:-15 31}; do
+    tree="verify: tree, tree_budget: $b, position_ordered_attention: true"
+    drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {$tree}}
+  - {kind: block, model: {path: $d}, engine: {$tree, ngram_prefix: true}}"
+  done
+  [ -n "${HOST:-}" ] && drafters="$drafters
+  - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
   - {kind: block, model: {path: $d}, engine: {$tree, device_steps: 1}}"
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"

@@ -208,12 +208,13 @@ def test_device_steps_triton_kernels_equal_ar():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
-@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram"])
+@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed."""
     model = damped("gqa", 2).to(device="cuda", dtype=torch.bfloat16)
     p = prompt(model.shape.vocab, 12, 2) * 3
-    over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5}}.get(kind, {})
+    over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5},
+            "prefix tree": {**TREE, "ngram_prefix": True}}.get(kind, {})
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, **over)
     want = build_engine(c.replace(drafter="none", verify="chain"), model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
@@ -231,7 +232,7 @@ SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", 
                "lift_fresh"}  # a tensor from Python data: on CUDA a pageable copy, which graph capture refuses
 
 
-@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram"])
+@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree"])
 def test_device_steps_read_nothing_back_to_the_host(kind):
     """What a CUDA graph of k steps captures must not sync: no aten op that reads a value to the host (.item(), a
     tensor's truth value), sizes an output from data (nonzero, masked_select) or makes a tensor from Python data.
@@ -251,13 +252,14 @@ def test_device_steps_read_nothing_back_to_the_host(kind):
     if kind == "ngram":
         eng = build_engine(cfg(drafter="ngram", draft_len=5), model, NO_EOS, "cpu")
     else:
-        eng = engine(model, quick_drafter(model, 2, 40), device_steps=4, **(TREE if kind == "block tree" else {}))
+        over = {"block tree": TREE, "prefix tree": {**TREE, "ngram_prefix": True}}.get(kind, {})
+        eng = engine(model, quick_drafter(model, 2, 40), device_steps=4, **over)
     eng.warm_up(p)
     loop = eng.device_loop
     assert loop.ready
     seq = p + eng.generate(p, 20).tokens  # leaves a request's state to step from
-    if kind == "ngram":
-        loop.drafter.begin(seq, len(seq) - 1)  # the device copy of the sequence
+    if kind in ("ngram", "prefix tree"):  # the lookup's device copy of the sequence
+        (loop.drafter.lookup if kind == "prefix tree" else loop.drafter).begin(seq, len(seq) - 1)
     loop.state.copy_(torch.tensor([seq[-1], len(seq) - 1]))
     with Syncs() as mode:
         loop._steps(4)

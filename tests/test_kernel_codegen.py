@@ -25,6 +25,8 @@ from triton.compiler import ASTSource
 from specpilot.kernels import attn as sa
 from specpilot.engines.batch import paged_attn as pa
 from specpilot.kernels import gemm, norm_gemm
+from specpilot.engines import device_drafters as dd
+from specpilot.engines.drafters import block_fused as bf
 
 P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
@@ -94,6 +96,17 @@ print(json.dumps({
     "pdl_ptx": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=mode > 0).asm["ptx"]
                                    for op in PDL_OPS]
                 for mode in (0, 1) for name, fn, sig, consts, nw in PDL_KERNELS},
+    # the device loop's kernels: compiled for the GPU at all (the interpreter accepts what sm_90 code generation
+    # refuses, e.g. a constexpr reassigned in a static_range body)
+    "sm90": {name: "ld.global" in build(fn, sig, consts, nw).asm["ptx"] for name, fn, sig, consts, nw in (
+        ("ngram_lookup", dd._ngram_kernel, {"tok_ptr": "*i64", "state_ptr": "*i64", "draft_ptr": "*i64",
+                                            "proposed_ptr": "*i64"},
+         {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024}, 4),
+        ("qk_norm_rope", bf._qk_norm_rope_kernel, {"x_ptr": P, "row_stride": "i32", "pos_ptr": "*i64",
+                                                   "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                                   "qn_ptr": P, "kn_ptr": P, "eps": "fp32", "q_ptr": P, "k_ptr": P,
+                                                   "v_ptr": P, "S": "i32"},
+         {"H": 9, "KVH": 3, "HALF": 32, "QK_NORM": True}, 1))},
 }))
 
 '''
@@ -146,3 +159,7 @@ def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compile
 def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
     assert compiled["split4_linear"] == compiled["linear"]
     assert compiled["split4_norm_linear_epi1"] == compiled["norm_linear_epi1"]
+
+
+def test_device_loop_kernels_compile_for_sm90(compiled):
+    assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True}

@@ -1,6 +1,6 @@
-"""ngram_prefix: a block drafter's chain led by prompt lookup. Its proposals (host and device halves) are the lookup's
-tokens then the block's; engines with it equal AR on the host and the device loop; configs refuse it where it
-cannot apply."""
+"""ngram_prefix: a block drafter (chain or tree) led by prompt lookup. Its per-depth candidates (host and device
+halves) are the lookup's token then the block's; engines with it equal AR on the host and the device loop; configs
+refuse it where it cannot apply."""
 from __future__ import annotations
 
 import pytest
@@ -11,22 +11,33 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.engines.device_drafters import NgramPrefixDeviceDrafter
+from specpilot.engines.drafters.ngram_prefix import lead_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("kw,match", [({"drafter": "ngram"}, "drafter=block"),
-                                      ({"drafter": "block", "verify": "tree"}, "verify=chain"),
+                                      ({"drafter": "block", "verify": "two_level"}, "verify=chain or tree"),
                                       ({"drafter": "block", "ngram_prefix": 1}, "must be a bool")])
 def test_config_refuses_ngram_prefix_where_it_cannot_apply(kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**{"ngram_prefix": True, **kw})
 
 
-def test_proposals_are_the_lookup_then_the_block_on_host_and_device():
+TREE = dict(verify="tree", tree_budget=7, level_one_keep=4, position_ordered_attention=True)
+
+
+def test_lead_with_puts_the_lookup_first_and_drops_its_duplicate():
+    assert lead_with(5, [7, 5, 9], [0.5, 0.3, 0.1]) == ([5, 7, 9], [1.0, 0.5, 0.1])
+    assert lead_with(5, [7, 8, 9], [0.5, 0.3, 0.1]) == ([5, 7, 8], [1.0, 0.5, 0.3])
+    assert lead_with(5, [5], [0.9]) == ([5], [1.0])
+
+
+@pytest.mark.parametrize("shape", [{}, TREE], ids=["chain", "tree"])
+def test_candidates_are_the_lookup_then_the_block_on_host_and_device(shape):
     model = damped("gqa", 2)
     drafter = quick_drafter(model, 2, 40, block_size=8)
-    eng = build_engine(cfg(block_size=8, ngram_prefix=True, device_steps=4), model, NO_EOS, "cpu",
+    eng = build_engine(cfg(block_size=8, ngram_prefix=True, device_steps=4, **shape), model, NO_EOS, "cpu",
                        block_drafter=drafter)
     host, device = eng.drafter, eng.device_loop.drafter
     assert isinstance(device, NgramPrefixDeviceDrafter)
@@ -37,24 +48,35 @@ def test_proposals_are_the_lookup_then_the_block_on_host_and_device():
         eng.generate(context[:-1], 1)  # prefill: the block drafter has observed the context
         want = host.propose(context, 7)
         lookup = host.ngram.propose(context, 7).tokens
-        block = host.block.propose(context, 7).tokens
-        assert want.tokens == lookup + block[len(lookup):]
+        block = host.block.propose(context, 7)
+        rows = [lead_with(t, block.topk_tokens[d], block.topk_probs[d]) for d, t in enumerate(lookup)]
+        assert want.topk_tokens == [r[0] for r in rows] + block.topk_tokens[len(lookup):]
+        assert want.topk_probs == [r[1] for r in rows] + block.topk_probs[len(lookup):]
+        if not shape:
+            assert want.tokens == lookup + block.tokens[len(lookup):]
+        else:  # the match is the tree's main path: the first child at every depth it covers
+            path, node = [], -1
+            while len(path) < len(lookup):
+                node = next(i for i, p in enumerate(want.parents) if p == node)
+                path.append(want.tokens[node])
+            assert path == lookup
         seq = list(context)
         device.begin(seq, len(seq) - 1)
         tokens, probs, proposed = device.draft(torch.tensor([seq[-1], len(seq) - 1]))
-        assert tokens[:, 0].tolist() == want.tokens and int(proposed) == 7
-        assert probs[:len(lookup), 0].tolist() == [1.0] * len(lookup)
+        assert tokens[:7].tolist() == want.topk_tokens and int(proposed) == 7
+        assert probs[:7].tolist() == want.topk_probs
         looked_up += len(lookup) > 0
     assert 5 <= looked_up < 24  # contexts with and without a match
 
 
 @pytest.mark.parametrize("steps", [1, 4])
-def test_engines_with_ngram_prefix_equal_ar_and_commit_more_on_repeats(steps):
+@pytest.mark.parametrize("shape", [{}, TREE], ids=["chain", "tree"])
+def test_engines_with_ngram_prefix_equal_ar_and_commit_more_on_repeats(shape, steps):
     model = damped("gqa", 2)
     drafter = quick_drafter(model, 2, 40, block_size=8)
     p = prompt(model.shape.vocab, 12, 2) * 3  # repeats: lookup matches where the drafter alone guesses
     want = ar(model, p, 60)
-    runs = {on: build_engine(cfg(block_size=8, ngram_prefix=on, device_steps=steps), model, NO_EOS, "cpu",
+    runs = {on: build_engine(cfg(block_size=8, ngram_prefix=on, device_steps=steps, **shape), model, NO_EOS, "cpu",
                              block_drafter=drafter).generate(p, 60) for on in (False, True)}
     assert runs[True].tokens == runs[False].tokens == want
     assert runs[True].accepted_per_step > runs[False].accepted_per_step

@@ -75,15 +75,17 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
 
 
 def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop | None:
-    """The device loop of drafters that have a device half (block: chain or tree; n-gram: chain), or None: the host
-    loop runs every step (device_steps=1, two-level, draft models, blocks wider than one forward at the tile)."""
+    """The device loop of drafters that have a device half (block, alone or led by lookup: chain or tree; n-gram:
+    chain), or None: the host loop runs every step (device_steps=1, two-level, draft models, blocks wider than one
+    forward at the tile)."""
     if cfg.device_steps <= 1:
         return None
     if isinstance(drafter, BlockTreeDrafter):
         half, tree = BlockDeviceDrafter(drafter), drafter.shape if drafter.shape.tree else None
     elif isinstance(drafter, NgramPrefixDrafter):
-        half, tree = NgramPrefixDeviceDrafter(BlockDeviceDrafter(drafter.block), NgramDeviceDrafter(
-            drafter.ngram, cfg.max_seq_len, runner.device)), None
+        half = NgramPrefixDeviceDrafter(BlockDeviceDrafter(drafter.block), NgramDeviceDrafter(
+            drafter.ngram, cfg.max_seq_len, runner.device))
+        tree = drafter.block.shape if drafter.block.shape.tree else None
     elif isinstance(drafter, NgramDrafter) and cfg.verify is VerifyMode.CHAIN:
         half, tree = NgramDeviceDrafter(drafter, cfg.max_seq_len, runner.device), None
     else:

@@ -131,8 +131,8 @@ class EngineConfig(ConfigOps):
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
     device_steps: int = 4
-    # Block drafter, chain: the chain starts with the prompt-lookup proposal (ngram_max/ngram_min) where the
-    # context has a match, the block's tokens after it (engines.drafters.ngram_prefix).
+    # Block drafter, chain or tree: where the context has a prompt-lookup match (ngram_max/ngram_min), its tokens
+    # lead the block's candidates: the chain's first tokens, the tree's main path (engines.drafters.ngram_prefix).
     ngram_prefix: bool = False
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
@@ -184,9 +184,10 @@ class EngineConfig(ConfigOps):
                                                         or self.dtype is not DType.BF16):
             raise ConfigError("weight_format=w12 decodes inside the Triton matmuls: it needs kernel_backend=triton "
                               "and dtype=bfloat16")
-        if self.ngram_prefix and (self.drafter is not DrafterKind.BLOCK or self.verify is not VerifyMode.CHAIN):
-            raise ConfigError("ngram_prefix puts prompt lookup in front of a block drafter's chain: it needs "
-                              "drafter=block and verify=chain")
+        if self.ngram_prefix and (self.drafter is not DrafterKind.BLOCK
+                                  or self.verify not in (VerifyMode.CHAIN, VerifyMode.TREE)):
+            raise ConfigError("ngram_prefix puts prompt lookup in front of a block drafter's chain or tree: it needs "
+                              "drafter=block and verify=chain or tree")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))

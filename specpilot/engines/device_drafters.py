@@ -76,7 +76,7 @@ class BlockDeviceDrafter:
 
 
 class NgramPrefixDeviceDrafter:
-    """NgramPrefixDrafter's device half: the lookup's proposal at the depths it covers, the block's top-1 after."""
+    """NgramPrefixDrafter's device half: the lookup's token leads the block's candidates at the depths it covers."""
     needs_features = True
 
     def __init__(self, block: BlockDeviceDrafter, lookup: "NgramDeviceDrafter"):
@@ -94,10 +94,14 @@ class NgramPrefixDeviceDrafter:
     def draft(self, state):
         tokens, probs, proposed = self.block.draft(state)
         looked_up, _, matched = self.lookup.draft(state)
-        use = self.depths < matched
-        top1 = torch.where(use, looked_up[:, 0], tokens[:, 0])
-        p1 = torch.where(use, torch.ones_like(probs[:, 0]), probs[:, 0])
-        return torch.cat([top1[:, None], tokens[:, 1:]], 1), torch.cat([p1[:, None], probs[:, 1:]], 1), proposed
+        # NgramPrefixDrafter's lead_with at every depth the lookup covers: its token first (probability 1), the
+        # block's candidates after it in their order, a duplicate of it dropped (a stable sort moves it last)
+        lead = looked_up[:, :1]
+        order = torch.sort((tokens == lead).to(torch.int32), dim=1, stable=True).indices
+        led_tokens = torch.cat([lead, tokens.gather(1, order)[:, :-1]], 1)
+        led_probs = torch.cat([torch.ones_like(probs[:, :1]), probs.gather(1, order)[:, :-1]], 1)
+        use = (self.depths < matched)[:, None]
+        return torch.where(use, led_tokens, tokens), torch.where(use, led_probs, probs), proposed
 
     def commit(self, state, path_tokens, features, positions) -> None:
         self.block.commit(state, path_tokens, features, positions)

@@ -149,8 +149,9 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                       Knob("level_one_keep", _INT, 2, 32)),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
-                     "block drafter chain led by prompt lookup: the lookup's match where the context repeats, the "
-                     "block's tokens after it", (Knob("ngram_prefix", _CHOICE, choices=(False, True)),),
+                     "block drafter led by prompt lookup: where the context repeats, the lookup's match is the chain's "
+                     "first tokens or the tree's main path, the block's candidates after and beside it",
+                     (Knob("ngram_prefix", _CHOICE, choices=(False, True)),),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,

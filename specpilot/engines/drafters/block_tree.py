@@ -201,7 +201,10 @@ class BlockTreeDrafter:
         depth = min(self.shape.depth, max_depth)
         if depth <= 0:
             return DraftTree()
-        topk_tokens, topk_probs = self.distributions(context[-1], len(context) - 1, depth)
+        return self.tree_of(*self.distributions(context[-1], len(context) - 1, depth))
+
+    def tree_of(self, topk_tokens: list[list[int]], topk_probs: list[list[float]]) -> DraftTree:
+        """The draft of per-depth candidates (best first): the top-1 chain, or the best-first tree in budget."""
         if not self.shape.tree:
             scores, p = [], 1.0
             for probs in topk_probs:
