@@ -16,7 +16,8 @@
 #                                                             trees of each budget in BUDGETS (default "15 31"),
 #                                                             each alone and led by prompt lookup (ngram_prefix);
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
-#                                                             chain and the last tree, TWO_LEVEL=1 two-level;
+#                                                             chain and the last tree, TWO_LEVEL=1 two-level,
+#                                                             EXTRA more drafter lines (@D@: the drafter's path);
 #                                                             with DRAFTER, else c's
 #                                                             (/root/tb/drafter), else the shipped one
 #                                                             (specpilot/drafting/shipped)
@@ -66,6 +67,8 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   [ -n "${HOST:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
   - {kind: block, model: {path: $d}, engine: {$tree, device_steps: 1}}"
+  [ -n "${EXTRA:-}" ] && drafters="$drafters
+${EXTRA//@D@/$d}"
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
   python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
