@@ -12,7 +12,7 @@
 #                                                             drafter (with SEED, default 1: new data); DATA=DIR
 #                                                             trains on a run's saved sequences (no generation;
 #                                                             /root/tb/drafter after a c on this host)
-#   d: carry .gpu                                           -> block drafter bench on the device loop: chain, and
+#   d: carry .gpu (+ b's on a fresh host: it converts)      -> block drafter bench on the device loop: chain, and
 #                                                             trees of each budget in BUDGETS (default "15 31"),
 #                                                             each alone and led by prompt lookup (ngram_prefix);
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
@@ -101,5 +101,6 @@ case $stage in
       --skip-checks --skip-hf 2>&1 | grep -v Warning | tail -4  # W12 on real weights: the same tokens?
     bench_block ;;
   d)
+    [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     bench_block ;;
 esac

@@ -27,6 +27,7 @@ from specpilot.engines.batch import paged_attn as pa
 from specpilot.kernels import gemm, norm_gemm
 from specpilot.engines import device_drafters as dd
 from specpilot.engines.drafters import block_fused as bf
+from specpilot.kernels import topk
 
 P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
@@ -106,7 +107,14 @@ print(json.dumps({
                                                    "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                                                    "qn_ptr": P, "kn_ptr": P, "eps": "fp32", "q_ptr": P, "k_ptr": P,
                                                    "v_ptr": P, "S": "i32"},
-         {"H": 9, "KVH": 3, "HALF": 32, "QK_NORM": True}, 1))},
+         {"H": 9, "KVH": 3, "HALF": 32, "QK_NORM": True}, 1),
+        ("topk_chunk", topk._topk_chunk_kernel, {"x_ptr": "*fp32", "keys_ptr": "*i64", "m_ptr": "*fp32",
+                                                 "s_ptr": "*fp32", "V": "i32", "G": "i32"},
+         {"KP": 8, "BLOCK": 1024}, 4),
+        ("topk_merge", topk._topk_merge_kernel, {"keys_ptr": "*i64", "m_ptr": "*fp32", "s_ptr": "*fp32",
+                                                 "tok_ptr": "*i64", "prob_ptr": "*fp32", "V": "i32", "G": "i32",
+                                                 "K": "i32"},
+         {"KP": 8, "GP": 64}, 4))},
 }))
 
 '''
@@ -162,4 +170,4 @@ def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
 
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
-    assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True}
+    assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True, "topk_chunk": True, "topk_merge": True}

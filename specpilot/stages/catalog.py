@@ -151,7 +151,7 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
                      "block drafter led by prompt lookup: where the context repeats, the lookup's match is the chain's "
                      "first tokens or the tree's main path, the block's candidates after and beside it",
-                     (Knob("ngram_prefix", _CHOICE, choices=(False, True)),),
+                     (Knob("ngram_prefix", _CHOICE, choices=(False, True)), Knob("ngram_min", _INT, 1, 4)),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,

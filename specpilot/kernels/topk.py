@@ -1,0 +1,81 @@
+"""Top-k tokens and their softmax probabilities of each logits row, in two launches.
+
+torch.topk over a 49k vocabulary runs a multi-block radix select (about 20 launches on an H200, ~55 us for 16
+rows) and logsumexp two reductions more: most of a block drafter's step beyond its GEMMs (session 11). Here one
+launch gives each (row, chunk of BLOCK logits) its chunk's top KP and the chunk's max and sum of exp, and one
+more merges a row's chunks. Values and indices travel together as one int64 key (the float's order-preserving
+int32 above, the complement of the index below), so one integer top-k sorts both and ties go to the lower index.
+Drafting only: what a drafter proposes is verified, so these probabilities need not be bit-equal to torch's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_int, check_launchable, check_tensor, next_pow2
+
+BLOCK = 1024  # logits per program of the first launch (fewer for a smaller vocabulary)
+MAX_K = 64
+
+
+@triton.jit
+def _key(x, idx, V):
+    b = x.to(tl.int32, bitcast=True)
+    s = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # the float's order as a signed int (finite values)
+    return (s.to(tl.int64) << 32) | (V - 1 - idx).to(tl.int64)
+
+
+@triton.jit
+def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BLOCK: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    idx = g * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row.to(tl.int64) * V + idx, mask=idx < V, other=float("-inf"))
+    m = tl.max(x, 0)
+    tl.store(m_ptr + row * G + g, m)
+    tl.store(s_ptr + row * G + g, tl.sum(tl.exp(x - m), 0))
+    keys = tl.where(idx < V, _key(x, idx, V), -9223372036854775807 - 1)  # past the row: below every key
+    tl.store(keys_ptr + (row * G + g) * KP + tl.arange(0, KP), tl.topk(keys, KP))
+
+
+@triton.jit
+def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, tok_ptr, prob_ptr, V, G, K, KP: tl.constexpr, GP: tl.constexpr):
+    row = tl.program_id(0)
+    j = tl.arange(0, GP * KP)
+    keys = tl.load(keys_ptr + row * G * KP + j, mask=j < G * KP, other=-9223372036854775807 - 1)
+    top = tl.topk(keys, KP)
+    g = tl.arange(0, GP)
+    m = tl.load(m_ptr + row * G + g, mask=g < G, other=float("-inf"))
+    s = tl.load(s_ptr + row * G + g, mask=g < G, other=0.0)
+    big = tl.max(m, 0)
+    lse = big + tl.log(tl.sum(s * tl.exp(m - big), 0))
+    hi = top >> 32
+    s32 = hi.to(tl.int32)
+    value = tl.where(s32 >= 0, s32, s32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    token = V - 1 - (top - (hi << 32))
+    k = tl.arange(0, KP)
+    tl.store(tok_ptr + row * K + k, token, mask=k < K)
+    tl.store(prob_ptr + row * K + k, tl.exp(value - lse), mask=k < K)
+
+
+def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] float32 -> (top-k token ids [R, k] int64, best first; their softmax probabilities [R, k])."""
+    check_tensor("logits", logits, (None, None), torch.float32)
+    R, V = logits.shape
+    check_int("k", k, 1, min(V, MAX_K))
+    check_launchable(_topk_chunk_kernel, logits.device)
+    kp, block = next_pow2(k, 2), min(BLOCK, next_pow2(V, 16))  # tl.topk needs k >= 2
+    G = triton.cdiv(V, block)
+    keys = torch.empty(R, G, kp, dtype=torch.int64, device=logits.device)
+    m, s = (torch.empty(R, G, dtype=torch.float32, device=logits.device) for _ in range(2))
+    _topk_chunk_kernel[(R, G)](logits, keys, m, s, V, G, KP=kp, BLOCK=block, num_warps=4)
+    tokens = torch.empty(R, k, dtype=torch.int64, device=logits.device)
+    probs = torch.empty(R, k, dtype=torch.float32, device=logits.device)
+    _topk_merge_kernel[(R,)](keys, m, s, tokens, probs, V, G, k, KP=kp, GP=next_pow2(G, 2), num_warps=4)
+    return tokens, probs
+
+
+def topk_probs_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_probs in plain torch (ties in torch.topk's order)."""
+    top = torch.topk(logits, k, dim=-1)
+    return top.indices, torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))

@@ -1,0 +1,43 @@
+"""kernels.topk: the block drafter's top-k tokens and probabilities in two launches, against torch.topk + logsumexp
+on random rows (vocabularies across and within one chunk), ties, -inf logits, and bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.kernels.topk import topk_probs, topk_probs_ref
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (tests/conftest.py)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 7, 1), (2, 101, 5), (3, 1024, 8), (2, 2500, 8), (1, 3000, 16)])
+def test_topk_probs_match_torch(rows, vocab, k):
+    x = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 5).to(DEV)
+    tokens, probs = topk_probs(x, k)
+    want_tokens, want_probs = topk_probs_ref(x, k)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+
+
+def test_ties_go_to_the_lower_index_and_minus_infinity_counts_for_nothing():
+    x = torch.full((2, 1500), float("-inf"), device=DEV)
+    x[:, [1400, 3, 900]] = 2.0  # three equal bests: the lower indices first
+    x[:, 7] = -50.0  # a finite value below them
+    tokens, probs = topk_probs(x, 4)
+    assert tokens.tolist() == [[3, 900, 1400, 7]] * 2
+    torch.testing.assert_close(probs[:, :3], torch.full((2, 3), 1 / 3, device=DEV))
+    assert probs[0, 3].item() < 1e-20
+    assert topk_probs(torch.full((1, 40), 1.0, device=DEV), 2)[0].tolist() == [[0, 1]]
+
+
+def test_all_negative_rows():
+    x = (-torch.rand(2, 1300, generator=torch.Generator().manual_seed(1)) - 1).to(DEV)
+    assert torch.equal(topk_probs(x, 3)[0], topk_probs_ref(x, 3)[0])
+
+
+@pytest.mark.parametrize("logits,k,match", [(torch.zeros(2, 10, dtype=torch.bfloat16), 2, "dtype"),
+                                            (torch.zeros(10), 2, "shape"), (torch.zeros(2, 10), 11, "k=11"),
+                                            (torch.zeros(2, 10), 0, "k=0")])
+def test_bad_input_is_refused(logits, k, match):
+    with pytest.raises(ValueError, match=match):
+        topk_probs(logits.to(DEV), k)
