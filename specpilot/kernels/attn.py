@@ -100,20 +100,27 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     lo = split * SPLIT
-    if lo < end:
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if HAS_SLOTS:
+        # A split of context keys only (all below base) reads the same keys for every token: its rows are tiled
+        # as without slots (the programs past those tiles exit). Splits reaching base run one token per program
+        # (its G query heads): the token's own key slots feed one tl.dot. A row's result does not depend on the
+        # tile it shares (the batch invariance AR == chain verify rests on), so the bits are the per-token ones.
+        context = lo + SPLIT <= base
+        n_g = tl.cdiv(G, BLOCK_M)
+        tok = pid_m // n_g
+        g = (pid_m % n_g) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = tl.where(context, r < T * G, g < G)
+        t = tl.where(context, r // G, tok)
+        h = kvh * G + tl.where(context, r % G, g)
+        live = (lo < end) & ((lo + SPLIT > base) | (pid_m * BLOCK_M < T * G))
+    else:
+        row_ok = r < T * G
+        t = r // G
+        h = kvh * G + r % G
+        live = lo < end
+    if live:
         dtype = q_ptr.dtype.element_ty
-        if HAS_SLOTS:  # one token per program (its G query heads): the token's own key slots feed one tl.dot
-            n_g = tl.cdiv(G, BLOCK_M)
-            tok = pid_m // n_g
-            g = (pid_m % n_g) * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = g < G
-            t = tl.zeros([BLOCK_M], dtype=tl.int32) + tok
-            h = kvh * G + g
-        else:
-            r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = r < T * G
-            t = r // G
-            h = kvh * G + r % G
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + (t * H + h).to(tl.int64)[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
         ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(dtype)
