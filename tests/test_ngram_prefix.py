@@ -80,3 +80,14 @@ def test_engines_with_ngram_prefix_equal_ar_and_commit_more_on_repeats(shape, st
                              block_drafter=drafter).generate(p, 60) for on in (False, True)}
     assert runs[True].tokens == runs[False].tokens == want
     assert runs[True].accepted_per_step > runs[False].accepted_per_step
+
+
+def test_a_lookup_led_static_tree_keeps_the_full_depth_main_path():
+    model = damped("gqa", 2)
+    eng = build_engine(cfg(block_size=6, ngram_prefix=True, device_steps=4, **TREE), model, NO_EOS, "cpu",
+                       block_drafter=quick_drafter(model, 2, 40, block_size=6))  # depth 5, budget 7
+    eng.warm_up(prompt(model.shape.vocab, 12, 2) * 3)
+    tree = eng.device_loop.tree
+    assert eng.device_loop.spine and tree is not None
+    assert tree.parents[:5] == (-1, 0, 1, 2, 3) and tree.ranks[:5] == (0,) * 5  # the rank-0 path, full depth
+    assert len(tree.parents) == 7 and tree.ranks[5] == 1  # then the best sibling (and its rank-0 child)

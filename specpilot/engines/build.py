@@ -91,6 +91,6 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
     else:
         return None
     try:
-        return DeviceLoop(runner, half, cfg.device_steps, tree)
+        return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter))
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

@@ -82,12 +82,17 @@ class LoopGraph:
 
 
 class DeviceLoop:
-    """tree: the TreeShape (budget, width) of a static tree to calibrate; None: a chain of the drafter's depth."""
+    """tree: the TreeShape (budget, width) of a static tree to calibrate; None: a chain of the drafter's depth.
+    spine: the calibrated tree starts with the full-depth rank-0 path (as far as the budget goes), for drafters
+    whose rank 0 is prompt lookup's match where it has one: a match runs long or not at all, which its mean
+    probability per depth understates."""
 
-    def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None):
+    def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
+                 spine: bool = False):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
+        self.spine = spine
         self.state = torch.zeros(2, dtype=torch.long, device=runner.device)  # (pending token, its slot == position)
         self.use_graphs = runner.use_graphs and drafter.use_graph
         self._graphs: dict[int, LoopGraph] = {}
@@ -114,8 +119,10 @@ class DeviceLoop:
         self._prob_sum = self._prob_sum + probs
         self._calibrated_steps += 1
         if self._calibrated_steps >= CALIBRATION_STEPS and self.tree is None:
-            s = self.tree_shape
-            self._set_tree(StaticTree.calibrated(self._prob_sum / self._calibrated_steps, s.budget, s.width))
+            s, mean = self.tree_shape, self._prob_sum / self._calibrated_steps
+            if self.spine:
+                mean[:, 0] = 1.0  # best first: the rank-0 path before any sibling
+            self._set_tree(StaticTree.calibrated(mean, s.budget, s.width))
 
     def fits(self, base: int, steps: int) -> bool:
         """Whether `steps` steps from slot `base` stay inside the target's view and the drafter's cache (each step
