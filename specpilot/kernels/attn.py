@@ -264,7 +264,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
     block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
     (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
-    the keys AR would, in position order (anc is then not read). Tokens are then tiled one per program.
+    the keys AR would, in position order (anc is then not read). Splits that reach base then tile one token per
+    program; splits of context keys only tile as without block_slots (the same bits).
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)

@@ -198,10 +198,13 @@ class BlockTreeDrafter:
         return self._graph
 
     def propose(self, context: list[int], max_depth: int) -> DraftTree:
+        tokens, probs = self.candidates(context, max_depth)
+        return self.tree_of(tokens, probs) if tokens else DraftTree()
+
+    def candidates(self, context: list[int], max_depth: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Top-k tokens and probabilities of the depths after the context's last (pending) token."""
         depth = min(self.shape.depth, max_depth)
-        if depth <= 0:
-            return DraftTree()
-        return self.tree_of(*self.distributions(context[-1], len(context) - 1, depth))
+        return self.distributions(context[-1], len(context) - 1, depth) if depth > 0 else ([], [])
 
     def tree_of(self, topk_tokens: list[list[int]], topk_probs: list[list[float]]) -> DraftTree:
         """The draft of per-depth candidates (best first): the top-1 chain, or the best-first tree in budget."""

@@ -31,11 +31,9 @@ class NgramPrefixDrafter:
         self.ngram.reset()
 
     def propose(self, context: list[int], max_depth: int) -> DraftTree:
-        block = self.block.propose(context, max_depth)
-        depth = len(block.topk_tokens)
-        if depth == 0:
-            return block
-        tokens, probs = list(block.topk_tokens), list(block.topk_probs)
-        for d, t in enumerate(self.ngram.propose(context, depth).tokens):
+        tokens, probs = self.block.candidates(context, max_depth)
+        if not tokens:
+            return DraftTree()
+        for d, t in enumerate(self.ngram.propose(context, len(tokens)).tokens):
             tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
         return self.block.tree_of(tokens, probs)
