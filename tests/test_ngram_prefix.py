@@ -10,7 +10,7 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
-from specpilot.engines.device_drafters import NgramPrefixDeviceDrafter
+from specpilot.engines.device_drafters import NgramPrefixDeviceDrafter, lead_rows
 from specpilot.engines.drafters.ngram_prefix import lead_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,6 +31,19 @@ def test_lead_with_puts_the_lookup_first_and_drops_its_duplicate():
     assert lead_with(5, [7, 5, 9], [0.5, 0.3, 0.1]) == ([5, 7, 9], [1.0, 0.5, 0.1])
     assert lead_with(5, [7, 8, 9], [0.5, 0.3, 0.1]) == ([5, 7, 8], [1.0, 0.5, 0.3])
     assert lead_with(5, [5], [0.9]) == ([5], [1.0])
+
+
+def test_the_device_rows_lead_as_the_host_does():
+    tokens = [[7, 5, 9], [7, 8, 9], [5, 7, 9], [7, 9, 5], [4, 6, 2]]
+    probs = [[0.5, 0.3, 0.1], [0.5, 0.3, 0.1], [0.6, 0.2, 0.1], [0.4, 0.3, 0.2], [0.7, 0.1, 0.05]]
+    lead = [5, 5, 5, 5, 3]
+    use = [True, True, True, True, False]  # the last depth: past the lookup's match
+    got_t, got_p = lead_rows(torch.tensor(tokens), torch.tensor(probs), torch.tensor(lead), torch.tensor(use))
+    for d in range(5):
+        want = lead_with(lead[d], tokens[d], probs[d]) if use[d] else (tokens[d], probs[d])
+        assert got_t[d].tolist() == want[0]
+        torch.testing.assert_close(got_p[d], torch.tensor(want[1]))
+    assert got_t[:4].tolist() == [[5, 7, 9], [5, 7, 8], [5, 7, 9], [5, 7, 9]]
 
 
 @pytest.mark.parametrize("shape", [{}, TREE], ids=["chain", "tree"])

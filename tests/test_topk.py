@@ -30,6 +30,21 @@ def test_ties_go_to_the_lower_index_and_minus_infinity_counts_for_nothing():
     assert topk_probs(torch.full((1, 40), 1.0, device=DEV), 2)[0].tolist() == [[0, 1]]
 
 
+def test_a_chunk_of_minus_infinity_only_leaves_the_probabilities_finite():
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(3)).to(DEV)
+    x[:, 1024:] = float("-inf")  # the second chunk (1024 logits a chunk) holds no finite logit
+    tokens, probs = topk_probs(x, 4)
+    want_tokens, want_probs = topk_probs_ref(x, 4)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+
+
+def test_minus_zero_ties_with_zero():
+    x = torch.full((1, 40), -1.0, device=DEV)
+    x[0, 3], x[0, 9] = -0.0, 0.0
+    assert topk_probs(x, 2)[0].tolist() == [[3, 9]]
+
+
 def test_all_negative_rows():
     x = (-torch.rand(2, 1300, generator=torch.Generator().manual_seed(1)) - 1).to(DEV)
     assert torch.equal(topk_probs(x, 3)[0], topk_probs_ref(x, 3)[0])

@@ -75,6 +75,16 @@ class BlockDeviceDrafter:
         return [self.step.cache]
 
 
+def lead_rows(tokens: torch.Tensor, probs: torch.Tensor, lead: torch.Tensor, use: torch.Tensor):
+    """NgramPrefixDrafter's lead_with on the device, at the depths where `use`: lead [depth] first (probability 1),
+    the candidates tokens/probs [depth, k] after it in their order, a duplicate of it dropped (a stable sort moves it
+    last), k kept."""
+    order = torch.sort((tokens == lead[:, None]).to(torch.int32), dim=1, stable=True).indices
+    led_tokens = torch.cat([lead[:, None], tokens.gather(1, order)[:, :-1]], 1)
+    led_probs = torch.cat([torch.ones_like(probs[:, :1]), probs.gather(1, order)[:, :-1]], 1)
+    return torch.where(use[:, None], led_tokens, tokens), torch.where(use[:, None], led_probs, probs)
+
+
 class NgramPrefixDeviceDrafter:
     """NgramPrefixDrafter's device half: the lookup's token leads the block's candidates at the depths it covers."""
     needs_features = True
@@ -94,14 +104,7 @@ class NgramPrefixDeviceDrafter:
     def draft(self, state):
         tokens, probs, proposed = self.block.draft(state)
         looked_up, _, matched = self.lookup.draft(state)
-        # NgramPrefixDrafter's lead_with at every depth the lookup covers: its token first (probability 1), the
-        # block's candidates after it in their order, a duplicate of it dropped (a stable sort moves it last)
-        lead = looked_up[:, :1]
-        order = torch.sort((tokens == lead).to(torch.int32), dim=1, stable=True).indices
-        led_tokens = torch.cat([lead, tokens.gather(1, order)[:, :-1]], 1)
-        led_probs = torch.cat([torch.ones_like(probs[:, :1]), probs.gather(1, order)[:, :-1]], 1)
-        use = (self.depths < matched)[:, None]
-        return torch.where(use, led_tokens, tokens), torch.where(use, led_probs, probs), proposed
+        return (*lead_rows(tokens, probs, looked_up[:, 0], self.depths < matched), proposed)
 
     def commit(self, state, path_tokens, features, positions) -> None:
         self.block.commit(state, path_tokens, features, positions)
@@ -164,7 +167,8 @@ def _latest_match(tok_ptr, length, N: tl.constexpr, BLOCK: tl.constexpr):
         j = start + tl.arange(0, BLOCK)
         ok = (j + N <= length - 2) & (length - 1 >= N)
         for t in tl.static_range(N):
-            ok = ok & (tl.load(tok_ptr + j + t, mask=ok, other=-1) == tl.load(tok_ptr + length - N + t))
+            suffix = tl.load(tok_ptr + tl.maximum(length - N + t, 0))  # (a context shorter than N: ok is false)
+            ok = ok & (tl.load(tok_ptr + j + t, mask=ok, other=-1) == suffix)
         latest = tl.maximum(latest, tl.max(tl.where(ok, j, -1), 0))
     return latest
 

@@ -21,7 +21,7 @@ MAX_K = 64
 
 @triton.jit
 def _key(x, idx, V):
-    b = x.to(tl.int32, bitcast=True)
+    b = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes +0.0 (a tie, as in torch.topk)
     s = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # the float's order as a signed int (finite values)
     return (s.to(tl.int64) << 32) | (V - 1 - idx).to(tl.int64)
 
@@ -33,7 +33,8 @@ def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BL
     x = tl.load(x_ptr + row.to(tl.int64) * V + idx, mask=idx < V, other=float("-inf"))
     m = tl.max(x, 0)
     tl.store(m_ptr + row * G + g, m)
-    tl.store(s_ptr + row * G + g, tl.sum(tl.exp(x - m), 0))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # a chunk of -inf logits only: sum 0, not exp(NaN)
+    tl.store(s_ptr + row * G + g, tl.sum(tl.exp(x - m_safe), 0))
     keys = tl.where(idx < V, _key(x, idx, V), -9223372036854775807 - 1)  # past the row: below every key
     tl.store(keys_ptr + (row * G + g) * KP + tl.arange(0, KP), tl.topk(keys, KP))
 
