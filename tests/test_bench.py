@@ -47,6 +47,7 @@ def test_bench_runs_ar_and_every_drafter_with_equal_tokens(tiny_deployment, tmp_
             ar_times = [x["decode_s"] for x in reqs if x["prompt_id"] == r["prompt_id"] and x["variant"] in ("ar", "ar_fast")]
             assert r["speedup"] == pytest.approx(min(ar_times) / r["decode_s"])
     assert json.loads((tmp_path / "bench.json").read_text())["deployment"] == "tiny-cpu"
+    assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_table_and_mode_ar(tiny_deployment, capsys):

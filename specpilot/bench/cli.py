@@ -10,6 +10,7 @@ from specpilot.cliutil import run_standalone
 from specpilot.bench.batched import add_concurrency_args, bench_concurrency
 from specpilot.bench.harness import AR_FAST_LABEL, AR_LABEL, Variant, format_report, run_bench
 from specpilot.bench.session import DeploymentSession
+from specpilot.bench.plot import plot_speedups
 from specpilot.deployments import load_deployment
 from specpilot.engines.config import KernelBackend
 from specpilot.workload import Benchmark, WorkloadSpec
@@ -54,6 +55,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench.json").write_text(json.dumps(report.to_dict(), indent=1))
+        plot_speedups(report.to_dict(), Path(args.out) / "speedup.png")
     print(json.dumps(report.to_dict(), indent=1) if args.json else format_report(report))
     return 0 if report.all_match() else 3
 
@@ -80,7 +82,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--split", choices=["tune", "validate"], default="validate")
     p.add_argument("--benchmarks-dir", default=None, help="prompt sets (default $SPECPILOT_BENCHMARKS or ../shared/benchmarks)")
     p.add_argument("--device", default=None, help="override the deployment's device (cpu, cuda)")
-    p.add_argument("--out", default=None, help="also write bench.json here")
+    p.add_argument("--out", default=None, help="also write bench.json and speedup.png here")
     p.add_argument("--json", action="store_true")
     add_concurrency_args(p)
     p.set_defaults(func=_bench)

@@ -1,0 +1,42 @@
+"""A bench's speedups as one picture: per variant, its speedup on each benchmark and overall (geometric means over
+requests), the AR line at 1x, tokens per step beside each variant's name, and whether every token equalled AR."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_speedups(report: dict, path: str | Path) -> Path | None:
+    """report: BenchReport.to_dict() (or a saved bench.json) -> a PNG at path; None where matplotlib is absent
+    (bare GPU hosts), so a bench never fails for its picture."""
+    try:  # matplotlib's object API with the Agg canvas: nothing touches pyplot's global backend
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    rows = {v: s for v, s in report["summary"].items() if s.get("geomean_speedup")}
+    if not rows:
+        return None
+    benchmarks = sorted({b for s in rows.values() for b in s["per_benchmark"]}) + ["overall"]
+    fig = Figure(figsize=(10, 1.2 + 0.9 * len(rows)))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    height = 0.8 / len(benchmarks)
+    for i, b in enumerate(benchmarks):
+        ys = [n + (i - (len(benchmarks) - 1) / 2) * height for n in range(len(rows))]
+        xs = [(s["geomean_speedup"] if b == "overall" else s["per_benchmark"].get(b)) or 0.0 for s in rows.values()]
+        bars = ax.barh(ys, xs, height, label=b, color="black" if b == "overall" else None)
+        if b == "overall":
+            ax.bar_label(bars, fmt="%.2fx", padding=2, fontsize=8)
+    labels = [f"{v}\n{s['tokens_per_step']:.2f} tokens/step{'' if s['all_match_ar'] else ', NOT = AR'}"
+              for v, s in rows.items()]
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("speedup over the fastest AR (geometric mean over requests)")
+    ax.set_title(f"{report['deployment']} on {report['device']}, {report['max_new_tokens']} new tokens")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    return out
