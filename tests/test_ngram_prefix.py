@@ -7,6 +7,7 @@ import pytest
 import torch
 from _tiny import prompt
 from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
+from test_device_loop import TREE
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
@@ -22,9 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_config_refuses_ngram_prefix_where_it_cannot_apply(kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**{"ngram_prefix": True, **kw})
-
-
-TREE = dict(verify="tree", tree_budget=7, level_one_keep=4, position_ordered_attention=True)
 
 
 def test_lead_with_puts_the_lookup_first_and_drops_its_duplicate():
