@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 2048 (tiny: 6)")
     ap.add_argument("--per-benchmark", type=int, default=None, help="prompts per benchmark (default: enough for "
                     "the largest concurrency)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: the concurrency; "
+                    "more keep the batch full while the first ones finish)")
     ap.add_argument("--mechanisms", default=",".join([*MECHANISMS, ALL_LABEL]))
     ap.add_argument("--cost-curve", default=None, help="JSON [[tokens, seconds], ...]; default: measured")
     ap.add_argument("--benchmarks-dir", default=None, help="the five JSONL files (default $SPECPILOT_BENCHMARKS, "
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         ap.error("give MODEL_DIR, --random or --tiny")
     conc = [int(x) for x in (a.concurrency or ("2" if a.tiny else "16,20,24")).split(",")]
     max_new = a.max_new_tokens or (6 if a.tiny else 2048)
-    n_prompts = max(conc)
+    n_prompts = max(max(conc), a.requests or 0)
     device = "cpu" if a.tiny else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (use --tiny on CPU)")
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
            "single_ar": {"tokens": single_tokens, "seconds": single_s}}
     with torch.no_grad():
         report = run_concurrency_bench(model, eos, prompts, max_new, conc, [Arrival(x) for x in a.arrival.split(",")],
-                                       variants, device, rate=None, seed=a.seed, cost_curve=curve, reference=reference,
+                                       variants, device, requests=a.requests, rate=None, seed=a.seed, cost_curve=curve, reference=reference,
                                        progress=lambda s: print(s, flush=True), cost_repeats=1 if a.tiny else 5)
     out["report"] = report.to_dict()
     out["summary"] = summary(report)

@@ -67,6 +67,10 @@ class ConcurrencyRow:
     tokens_per_step: float  # committed tokens per decode step of a request
     rate: float | None  # poisson arrivals per second
     ahead_hit_rate: float | None  # overlap_draft: guesses that came true
+    step_ms: float = 0.0  # mean wall time of an engine step (host + forward + the step's sync)
+    host_ms: float = 0.0  # mean host time of a step before its forward launches (schedule, draft, pack)
+    forward_tokens: float = 0.0  # mean tokens in a step's forward (verify blocks + prompt chunks)
+    decode_rows: float = 0.0  # mean requests verifying per step
     speedup_vs_ar: float | None = None
     speedup_vs_stock: float | None = None
     matches_ar: bool = True
@@ -184,22 +188,29 @@ def _specs(reqs, max_new_tokens: int, times: list[float]) -> list[RequestSpec]:
 def _row(c: int, kind: Arrival, label: str, res, rate: float | None) -> ConcurrencyRow:
     tpots = [r.tpot_s * 1e3 for r in res.requests if r.tpot_s is not None]
     steps = sum(r.steps for r in res.requests)
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0  # noqa: E731
     return ConcurrencyRow(c, kind.value, label, len(res.requests), res.new_tokens, res.wall_s, res.throughput,
                           percentile(tpots, 50), percentile(tpots, 99),
                           sum(len(r.tokens) - 1 for r in res.requests) / max(1, steps), rate,
-                          res.ahead_hits / res.ahead_tried if res.ahead_tried else None)
+                          res.ahead_hits / res.ahead_tried if res.ahead_tried else None,
+                          step_ms=mean([s.wall_s for s in res.steps]) * 1e3,
+                          host_ms=mean([s.draft_s for s in res.steps]) * 1e3,
+                          forward_tokens=mean([s.tokens for s in res.steps]),
+                          decode_rows=mean([s.decode for s in res.steps]))
 
 
 def format_concurrency_report(report: ConcurrencyReport) -> str:
     lines = [f"batched serving on {report.device}, {report.max_new_tokens} new tokens max per request; speedup = "
              "throughput / AR throughput at the same concurrency and arrivals", "",
-             "| conc | arrival | variant | tok/s | TPOT p50 ms | TPOT p99 ms | tok/step | vs AR | vs stock | = AR |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| conc | arrival | variant | tok/s | TPOT p50 ms | TPOT p99 ms | tok/step | step ms (host) | forward tokens "
+             "| vs AR | vs stock | = AR |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.rows:
         def f(x, spec):
             return "-" if x is None else format(x, spec)
         lines.append(f"| {r.concurrency} | {r.arrival} | {r.variant} | {r.throughput:.1f} | "
                      f"{f(r.tpot_p50_ms, '.2f')} | {f(r.tpot_p99_ms, '.2f')} | {r.tokens_per_step:.2f} | "
+                     f"{r.step_ms:.2f} ({r.host_ms:.2f}) | {r.forward_tokens:.0f} | "
                      f"{f(r.speedup_vs_ar, '.2f')}x | "
                      f"{f(r.speedup_vs_stock, '.2f')}{'' if r.speedup_vs_stock is None else 'x'} | "
                      f"{'yes' if r.matches_ar else 'NO'} |")
