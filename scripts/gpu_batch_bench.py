@@ -84,6 +84,8 @@ def main(argv=None) -> int:
                     "../shared/benchmarks, /work/shared/benchmarks)")
     ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields for every engine (e.g. a tuned "
                     "kernel_table or weight_format); drafter and kernel_backend are set here")
+    ap.add_argument("--batch", default=None, help="JSON of BatchConfig fields for every variant (e.g. max_draft_len, "
+                    "graph_max_tokens); the mechanisms are turned on per variant here")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if not (a.tiny or a.random or a.model_dir):
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     mechanisms = [m for m in a.mechanisms.split(",") if m]
-    variants = standard_variants(ar_cfg, spec_cfg, mechanisms, BatchConfig(max_batch=max(conc)))
+    base = BatchConfig(**{**json.loads(a.batch or "{}"), "max_batch": max(conc)})
+    variants = standard_variants(ar_cfg, spec_cfg, mechanisms, base)
     curve = CostCurve(tuple(tuple(p) for p in json.loads(Path(a.cost_curve).read_text()))) if a.cost_curve else None
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "model": a.model_dir or ("random-smollm2-135m" if a.random else "micro"), "max_new_tokens": max_new,

@@ -21,6 +21,9 @@
 #                                                             with DRAFTER, else c's
 #                                                             (/root/tb/drafter), else the shipped one
 #                                                             (specpilot/drafting/shipped)
+#   batch: as d's carry (+ .tb/benchmarks)                 -> batched serving, AR vs stock vs each mechanism, c=16/20/24,
+#                                                             2048 tokens (scripts/gpu_batch_bench.py; BATCH_ARGS more
+#                                                             arguments, e.g. --requests 48 --batch '{...}')
 #   e: as b's carry                                         -> convert, W12 vs bf16 AR (tokens, speed), then d
 # Run from a snapshot of HEAD (.gpu/src: `bash scripts/gpu_snapshot.sh`), so work in progress never travels.
 set -uo pipefail
@@ -103,4 +106,8 @@ case $stage in
   d)
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     bench_block ;;
+  batch)
+    [ -f $TB/hf/config.json ] || convert
+    eval "python3 scripts/gpu_batch_bench.py $TB/hf $OUT/batch.json --max-new-tokens ${MAX_NEW:-2048} ${BATCH_ARGS:-}" \
+      > "$OUT/batch.txt" 2>&1; echo "batch rc=$?"; grep -v "^c=" "$OUT/batch.txt" | tail -48 ;;
 esac

@@ -40,17 +40,18 @@ class BatchVariant:
 def standard_variants(ar_cfg: EngineConfig, spec_cfg: EngineConfig,
                       mechanisms: Sequence[str] = (*MECHANISMS, ALL_LABEL),
                       batch: BatchConfig = BatchConfig()) -> list[BatchVariant]:
-    """AR, stock speculative decoding, then one variant per mechanism name (a MECHANISMS key or 'all')."""
+    """AR, stock speculative decoding, then one variant per mechanism name (a MECHANISMS key or 'all'). `batch`
+    is every variant's config (sizing, and the mechanisms' own knobs such as max_draft_len); a mechanism variant
+    turns its mechanisms on in it, AR and stock keep it as given (it should have every mechanism off)."""
+    if batch.mechanisms:
+        raise ValueError(f"the base batch config turns on {batch.mechanisms}: stock must have every mechanism off")
     out = [BatchVariant(AR_LABEL, ar_cfg.replace(drafter=DrafterKind.NONE), batch),
            BatchVariant(STOCK_LABEL, spec_cfg, batch)]
     for name in mechanisms:
         names = tuple(MECHANISMS) if name == ALL_LABEL else (name,)
-        out.append(BatchVariant(name, spec_cfg, BatchConfig.with_mechanisms(*names, **_sizing(batch))))
+        delta = {k: v for n in names for k, v in MECHANISMS[n].items()}
+        out.append(BatchVariant(name, spec_cfg, batch.replace(**delta)))
     return out
-
-
-def _sizing(batch: BatchConfig) -> dict:
-    return {k: getattr(batch, k) for k in ("max_batch", "prefill_chunk", "graph_max_tokens", "num_pages", "cost_curve")}
 
 
 @dataclass
