@@ -13,8 +13,11 @@ Usage (PYTHONPATH=repo root; needs torch, triton, transformers only):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
                     "kernel_table or weight_format); drafter and kernel_backend are set here")
     ap.add_argument("--batch", default=None, help="JSON of BatchConfig fields for every variant (e.g. max_draft_len, "
                     "graph_max_tokens); the mechanisms are turned on per variant here")
+    ap.add_argument("--profile", type=int, default=0, help="print the N host functions with the most own time "
+                    "(cProfile over the timed runs)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if not (a.tiny or a.random or a.model_dir):
@@ -137,10 +142,13 @@ def main(argv=None) -> int:
            "model": a.model_dir or ("random-smollm2-135m" if a.random else "micro"), "max_new_tokens": max_new,
            "concurrency": conc, "prompts": [k for k, _ in prompts],
            "single_ar": {"tokens": single_tokens, "seconds": single_s}}
-    with torch.no_grad():
+    prof = cProfile.Profile() if a.profile else None
+    with torch.no_grad(), (prof or contextlib.nullcontext()):
         report = run_concurrency_bench(model, eos, prompts, max_new, conc, [Arrival(x) for x in a.arrival.split(",")],
                                        variants, device, requests=a.requests, rate=None, seed=a.seed, cost_curve=curve, reference=reference,
                                        progress=lambda s: print(s, flush=True), cost_repeats=1 if a.tiny else 5)
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
     out["report"] = report.to_dict()
     out["summary"] = summary(report)
     out["total_s"] = time.perf_counter() - t_start
