@@ -69,7 +69,7 @@ class ConcurrencyRow:
     rate: float | None  # poisson arrivals per second
     ahead_hit_rate: float | None  # overlap_draft: guesses that came true
     step_ms: float = 0.0  # mean wall time of an engine step (host + forward + the step's sync)
-    host_ms: float = 0.0  # mean host time of a step before its forward launches (schedule, draft, pack)
+    host_ms: float = 0.0  # mean host time of a step outside launch-to-result (schedule, draft, pack, commit)
     forward_tokens: float = 0.0  # mean tokens in a step's forward (verify blocks + prompt chunks)
     decode_rows: float = 0.0  # mean requests verifying per step
     speedup_vs_ar: float | None = None
@@ -195,7 +195,7 @@ def _row(c: int, kind: Arrival, label: str, res, rate: float | None) -> Concurre
                           sum(len(r.tokens) - 1 for r in res.requests) / max(1, steps), rate,
                           res.ahead_hits / res.ahead_tried if res.ahead_tried else None,
                           step_ms=mean([s.wall_s for s in res.steps]) * 1e3,
-                          host_ms=mean([s.draft_s for s in res.steps]) * 1e3,
+                          host_ms=mean([s.wall_s - s.wait_s for s in res.steps]) * 1e3,
                           forward_tokens=mean([s.tokens for s in res.steps]),
                           decode_rows=mean([s.decode for s in res.steps]))
 
