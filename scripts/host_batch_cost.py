@@ -1,0 +1,143 @@
+"""Host cost of the batched engine's loop per step, with the forward taken out: a measurement tool for CPU.
+
+BatchEngine (scheduler, drafters, the mechanisms, packing, commit) runs unchanged over a runner whose forward is a
+lookup in known outputs: a verify block's argmax after position p is the known sequence's token p + 1, exactly what
+the target would answer where its output is that sequence. So the engine walks the same steps (same drafts, same
+acceptance) as on the GPU, and what the clock measures is the host's share of a step, per variant, which on the
+H200 sits between the ~1.3-1.8 ms forwards. cProfile with --profile N.
+
+Usage:
+  python scripts/host_batch_cost.py [--outputs FILE.json] [--requests 48] [--concurrency 16] [--profile 25]
+FILE.json: {key: {"prompt": [ids], "out": [ids]}} (e.g. greedy outputs of SmolLM2 on the benchmark prompts);
+without it, synthetic sequences that mix repeated phrases with fresh tokens (seeded).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specpilot.bench.batched import ALL_LABEL, standard_variants
+from specpilot.engines.batch import BatchConfig, BatchEngine, CostCurve, RequestSpec
+from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache
+from specpilot.engines.batch.runner import StepEntry
+from specpilot.engines.config import DrafterKind, EngineConfig
+
+# The H200's batched SmolLM2 forward (notes/h200-s12-batch-2048.txt): the mechanisms price tokens with it.
+H200_CURVE = ((1, 0.00127), (16, 0.00132), (32, 0.00146), (64, 0.00163), (128, 0.00192), (256, 0.00284),
+              (408, 0.00432))
+
+
+class _Done:
+    def __init__(self, out: np.ndarray):
+        self._out = out
+
+    def result(self) -> np.ndarray:
+        return self._out
+
+
+class ReplayRunner:
+    """BatchRunner's interface to the engine, answering each step from the known sequences (no forward)."""
+
+    def __init__(self, sequences: dict[tuple[int, ...], list[int]], rows: int, width: int, max_seq_len: int):
+        self.B, self.W = rows, width
+        self.cache = PagedKVCache(CacheShape(1, 1, 1, rows * (max_seq_len // 16 + 1), 16), torch.float32, "cpu")
+        self._by_prompt = sequences  # prompt -> prompt + known output
+        self._truth: dict[int, list[int]] = {}
+
+    def bind(self, row: int, pages: list[int]) -> None:
+        self._truth.pop(row, None)
+
+    def unbind(self, row: int) -> None:
+        self._truth.pop(row, None)
+
+    def launch(self, entries: list[StepEntry]) -> _Done:
+        out = np.zeros((self.B, 1 + self.W), dtype=np.int64)
+        for e in entries:
+            if e.last_only and e.start == 0:  # a request's first prompt chunk names its sequence
+                self._truth[e.row] = next(s for p, s in self._by_prompt.items() if tuple(e.tokens) == p[:len(e.tokens)])
+            truth = self._truth[e.row]
+            if e.last_only:
+                out[e.row, 1] = truth[e.start + len(e.tokens)]
+                continue
+            n = len(e.tokens)
+            argmax = [truth[min(e.start + j + 1, len(truth) - 1)] for j in range(n)]
+            acc = 0
+            while acc < n - 1 and e.tokens[acc + 1] == argmax[acc]:
+                acc += 1
+            out[e.row, 0], out[e.row, 1:1 + n] = acc, argmax
+        return _Done(out)
+
+
+def synthetic(n: int, length: int, seed: int = 0) -> dict[str, dict]:
+    rng = random.Random(seed)
+    data = {}
+    for i in range(n):
+        prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(40, 200))]
+        out: list[int] = []
+        while len(out) < length:
+            if out and rng.random() < 0.6:  # repeat a stretch of earlier text (lookup can find it)
+                a = rng.randrange(len(out))
+                out += out[a:a + rng.randrange(4, 40)]
+            else:
+                out += [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 12))]
+        data[f"synthetic/{i}"] = {"prompt": prompt, "out": out[:length]}
+    return data
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--outputs", type=Path, default=None)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-draft-len", type=int, default=32)
+    ap.add_argument("--profile", type=int, default=0, help="cProfile: the N functions with the most own time")
+    a = ap.parse_args(argv)
+    data = json.loads(a.outputs.read_text()) if a.outputs else synthetic(25, 1024)
+    items = list(data.values())
+    sequences = {tuple(v["prompt"]): list(v["prompt"]) + list(v["out"]) for v in items}
+    longest = max(len(s) for s in sequences.values())
+    max_seq_len = -(-(longest + 64) // 256) * 256
+    ar = EngineConfig.from_dict({"dtype": "float32", "max_seq_len": max_seq_len, "drafter": "none",
+                                 "kernel_backend": "triton", "cuda_graphs": False})
+    base = BatchConfig(max_batch=a.concurrency, max_draft_len=a.max_draft_len, cost_curve=H200_CURVE)
+    variants = standard_variants(ar, ar.replace(drafter=DrafterKind.NGRAM), ["goodput_draft", "verify_budget",
+                                                                             "overlap_draft", ALL_LABEL], base)
+    specs = [RequestSpec(f"r{i}", tuple(items[i % len(items)]["prompt"]), len(items[i % len(items)]["out"]))
+             for i in range(a.requests)]
+    print(f"{len(items)} sequences, {a.requests} requests at concurrency {a.concurrency}")
+    print("| variant | steps | tok/step | host us/step | host us per request-step |")
+    print("|---|---|---|---|---|")
+    prof = cProfile.Profile() if a.profile else None
+    for v in variants:
+        runner = ReplayRunner(sequences, a.concurrency, 1 + a.max_draft_len, max_seq_len)
+        engine = BatchEngine(runner, v.engine, v.batch, frozenset(), cost_curve=CostCurve(H200_CURVE))
+        if prof is not None and v.label == ALL_LABEL:
+            prof.enable()
+        t = time.perf_counter()
+        res = engine.run(specs)
+        wall = time.perf_counter() - t
+        if prof is not None:
+            prof.disable()
+        for r, s in zip(res.requests, specs):  # the replay is only meaningful if the engine committed the truth
+            truth = sequences[s.prompt][len(s.prompt):]
+            assert r.tokens == truth[:len(r.tokens)] and len(r.tokens) == len(truth), f"{v.label} {r.id}: diverged"
+        steps = len(res.steps)
+        rows = sum(s.decode for s in res.steps)
+        committed = sum(s.committed for s in res.steps)
+        print(f"| {v.label} | {steps} | {committed / max(1, rows):.2f} | {wall / steps * 1e6:.0f} | "
+              f"{wall / max(1, rows) * 1e6:.1f} |")
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
