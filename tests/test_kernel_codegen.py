@@ -97,6 +97,15 @@ print(json.dumps({
     "pdl_ptx": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=mode > 0).asm["ptx"]
                                    for op in PDL_OPS]
                 for mode in (0, 1) for name, fn, sig, consts, nw in PDL_KERNELS},
+    # the paged attention kernels under PDL: the same dots, the wait (nothing to prefetch: no weights)
+    "pdl1_paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4, "PDL": 1}, pdl=True),
+    "pdl_ptx_paged": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode}, 4, pdl=mode > 0).asm["ptx"]
+                                         for op in PDL_OPS]
+                      for mode in (0, 1) for name, fn, sig, consts in (
+                          ("split", pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
+                          ("combine", pa._paged_combine_kernel,
+                           {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "o_ptr": P,
+                            "tok_kvlen_ptr": "*i64", "NTOK": "i32"}, {"H": 9, "D": 64, "SPLIT": 64, "GROUP": 64}))},
     # the device loop's kernels: compiled for the GPU at all (the interpreter accepts what sm_90 code generation
     # refuses, e.g. a constexpr reassigned in a static_range body)
     "sm90": {name: "ld.global" in build(fn, sig, consts, nw).asm["ptx"] for name, fn, sig, consts, nw in (
@@ -162,6 +171,13 @@ def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compile
     for name in ("linear", "norm_linear_epi1"):
         assert compiled["pdl_ptx"][f"{name}_1"] == [True, True, True], name  # wait, trigger, weight prefetch
         assert compiled["pdl_ptx"][f"{name}_0"] == [False, False, False], name
+
+
+def test_paged_attention_under_pdl_compiles_the_same_dots_and_waits(compiled):
+    assert compiled["pdl1_paged"] == compiled["paged"]
+    for name in ("split", "combine"):
+        assert compiled["pdl_ptx_paged"][f"{name}_1"][:2] == [True, True], name  # wait, trigger
+        assert compiled["pdl_ptx_paged"][f"{name}_0"] == [False, False, False], name
 
 
 def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):

@@ -9,7 +9,7 @@ activations or write anything. Arithmetic is untouched: the same bits either way
 
 Every kernel launched with the attribute executes the wait unconditionally, before any early exit: a PDL kernel
 that completed without waiting could let a later, ordinary launch start before an earlier kernel finished.
-Kernels launched without it (torch ops, the paged kernels) keep plain stream order.
+Kernels launched without it (torch ops) keep plain stream order.
 """
 from __future__ import annotations
 

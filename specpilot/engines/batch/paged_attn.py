@@ -31,6 +31,7 @@ import triton.language as tl
 from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
 from specpilot.kernels.attn import (LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits,
                                     online_softmax_block)
+from specpilot.kernels.pdl import pdl_launch, wait_for_predecessor
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
 PAGE = ATTN.split_keys  # default page size == split_keys: one split of the reduction is one page
@@ -43,7 +44,8 @@ SPLITS_PER_PROGRAM = 4
 def _paged_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, tile_req_ptr, tile_row_ptr, qstart_ptr, qlen_ptr, kvlen_ptr,
                         ws_m_ptr, ws_l_ptr, ws_o_ptr, NTOK, S, P, qk_scale, H: tl.constexpr, G: tl.constexpr,
                         D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr):
+                        SPLIT: tl.constexpr, SPLITS_PER_PROGRAM: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # before the early exits below (kernels/pdl.py): q and the new keys come from QKV
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     first = tl.program_id(2) * SPLITS_PER_PROGRAM
@@ -91,7 +93,8 @@ def _paged_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, tile_req_ptr, tile_row_ptr,
 
 @triton.jit(do_not_specialize=["NTOK"])
 def _paged_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, tok_kvlen_ptr, NTOK, H: tl.constexpr,
-                          D: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr):
+                          D: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)  # row = token * H + head, one per program
     kvlen = tl.load(tok_kvlen_ptr + row // H)  # 0: a padding token, no split
     n_split = ((kvlen + SPLIT - 1) // SPLIT).to(tl.int32)
@@ -192,8 +195,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             meta.kv_len, ws_m, ws_l, ws_o, NTOK, S, P, LOG2E / math.sqrt(D), H=H, G=H // KVH, D=D,
             DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M, BLOCK_N=params.block_n, SPLIT=page,
             SPLITS_PER_PROGRAM=SPLITS_PER_PROGRAM, num_warps=params.num_warps, num_stages=params.num_stages,
-            **NO_FP_FUSION)
+            **NO_FP_FUSION, **pdl_launch(dev))
     _paged_combine_kernel[(NTOK * H,)](
         ws_m, ws_l, ws_o, out, meta.tok_kv_len, NTOK, H=H, D=D, SPLIT=page, GROUP=SPLIT_GROUP, num_warps=4,
-        **NO_FP_FUSION)
+        **NO_FP_FUSION, **pdl_launch(dev))
     return out
