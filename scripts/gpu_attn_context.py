@@ -68,7 +68,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
     json.dump(rows, open(a.out, "w"), indent=1)
-    print(f"\n| split:block | " + " | ".join(f"attn us/layer @{c}" for c in CONTEXTS) + f" | AR ms/token ({a.tokens}) |")
+    print("\n| split:block | " + " | ".join(f"attn us/layer @{c}" for c in CONTEXTS) + f" | AR ms/token ({a.tokens}) |")
     print("|---" * (len(CONTEXTS) + 2) + "|")
     for r in rows:
         print(f"| {r['variant']} | " + " | ".join(f"{r[f'attn_us_ctx{c}']:.1f}" for c in CONTEXTS)

@@ -1,6 +1,4 @@
 """Which CUDA-graph capture mode the Triton backend survives, and its AR speed (random SmolLM2 shapes)."""
-import sys
-import time
 import traceback
 
 import torch

@@ -214,7 +214,6 @@ def test_attention_matches_ref(dtype, T, H, KVH, D, base, tree, split, bn):
 
 def test_attention_ref_masks_exactly():
     """attention_ref against a hand computation: one query, context of 2 keys plus itself, one masked sibling."""
-    D = 4
     kc = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 1.0, 0], [9.0, 9, 9, 9]]])
     vc = torch.tensor([[[1.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 3.0, 0], [100.0, 100, 100, 100]]])
     q = torch.tensor([[[2.0, 0, 0, 0]], [[0, 0, 0, 2.0]]])
@@ -407,7 +406,7 @@ def test_greedy_accept_bad_parent_is_never_accepted():
 # ---------------------------------------------------------------- wrapper errors
 
 def _wrapper_error_cases():
-    f32, bf = torch.float32, torch.bfloat16
+    bf = torch.bfloat16
     x, W = torch.randn(3, 64, device=DEV), torch.randn(32, 64, device=DEV)
     nw = torch.ones(64, device=DEV)
     kc = torch.randn(2, 16, 16, device=DEV)
