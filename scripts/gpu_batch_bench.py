@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     mechanisms = [m for m in a.mechanisms.split(",") if m]
-    base = BatchConfig(**{**json.loads(a.batch or "{}"), "max_batch": max(conc)})
+    base = BatchConfig.from_dict({**json.loads(a.batch or "{}"), "max_batch": max(conc)})
     variants = standard_variants(ar_cfg, spec_cfg, mechanisms, base)
     curve = CostCurve(tuple(tuple(p) for p in json.loads(Path(a.cost_curve).read_text()))) if a.cost_curve else None
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
@@ -145,8 +145,8 @@ def main(argv=None) -> int:
     prof = cProfile.Profile() if a.profile else None
     with torch.no_grad(), (prof or contextlib.nullcontext()):
         report = run_concurrency_bench(model, eos, prompts, max_new, conc, [Arrival(x) for x in a.arrival.split(",")],
-                                       variants, device, requests=a.requests, rate=None, seed=a.seed, cost_curve=curve, reference=reference,
-                                       progress=lambda s: print(s, flush=True), cost_repeats=1 if a.tiny else 5)
+                                       variants, device, requests=a.requests, rate=None, seed=a.seed, cost_curve=curve,
+                                       reference=reference, progress=lambda s: print(s, flush=True), cost_repeats=1 if a.tiny else 5)
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
     out["report"] = report.to_dict()

@@ -23,9 +23,9 @@ CUDA = torch.cuda.is_available()
 
 import pytest  # noqa: E402
 
-from specpilot.engines.batch import (BatchConfig, BatchEngine, BatchRunner, CostCurve, DraftLength,  # noqa: E402
-                                     RequestSpec, StepClock, VerifyBudget, batch_knob_schema, block_width,
-                                     build_batch_engine)
+from specpilot.engines.batch import (MECHANISMS, BatchConfig, BatchEngine, BatchRunner, CostCurve,  # noqa: E402
+                                     DraftLength, RequestSpec, StepClock, VerifyBudget, batch_knob_schema,
+                                     block_width, build_batch_engine)
 from specpilot.engines.batch.cost import profile_tokens  # noqa: E402
 from specpilot.engines.batch.drafting import NgramChainDrafter  # noqa: E402
 from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_verify_budget,  # noqa: E402
@@ -480,6 +480,17 @@ def test_concurrency_bench_reports_and_catches_mismatches():
     assert json.loads(json.dumps(report.to_dict()))["rows"][0]["variant"] == "ar"
 
 
+def test_standard_variants_share_the_base_batch_config():
+    from specpilot.bench.batched import standard_variants
+    base = BatchConfig(max_batch=3, max_draft_len=7, graph_max_tokens=64)
+    variants = standard_variants(ecfg(), ecfg(drafter="ngram"), ["goodput_draft", "all"], base)
+    assert [v.label for v in variants] == ["ar", "stock", "goodput_draft", "all"]
+    assert all(v.batch.max_draft_len == 7 and v.batch.graph_max_tokens == 64 for v in variants)
+    assert [v.batch.mechanisms for v in variants] == [(), (), ("goodput_draft",), tuple(MECHANISMS)]
+    with pytest.raises(ValueError, match="stock must have every mechanism off"):
+        standard_variants(ecfg(), ecfg(drafter="ngram"), ["all"], BatchConfig(overlap_draft=True))
+
+
 def test_bench_cli_concurrency(monkeypatch, tmp_path, capsys):
     """`specpilot bench --concurrency`: the deployment's real workload prompts, a micro target in place of
     SmolLM2 (the session is replaced; everything after it is the real path)."""
@@ -498,10 +509,15 @@ def test_bench_cli_concurrency(monkeypatch, tmp_path, capsys):
     rc = bench_cli.main(["bench", "--deployment", "smollm2-135m-cpu", "--benchmarks", "gsm8k",
                          "--prompts-per-benchmark", "2", "--max-new-tokens", "3", "--concurrency", "2", "--arrival",
                          "all", "--mechanisms", "verify_budget", "--cost-curve", str(curve), "--json", "--out",
-                         str(tmp_path)])
+                         str(tmp_path), "--batch", '{"verify_budget_max": 2}'])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["all_match_ar"] and [r["variant"] for r in out["rows"]] == ["ar", "stock", "verify_budget"]
     assert json.loads((tmp_path / "bench_concurrency.json").read_text())["cost_curve"] == [list(p) for p in CURVE]
+    assert all(r["step_ms"] > 0 and r["forward_tokens"] >= 1 for r in out["rows"])
+    for bad in ('{"bogus": 1}', '{"max_draft_len": 0}', "[1]", "{"):  # unknown field, invalid value, not an object
+        with pytest.raises(SystemExit):
+            bench_cli.main(["bench", "--deployment", "smollm2-135m-cpu", "--concurrency", "2", "--batch", bad])
+        assert "--batch" in capsys.readouterr().err
 
 
 def test_gpu_batch_bench_script_runs_tiny(tmp_path, capsys):

@@ -24,7 +24,7 @@ import torch
 from specpilot.deployments.spec import Arrival  # a deployment's batch regime names its arrival process
 from specpilot.engines.batch import (MECHANISMS, BatchConfig, BatchEngine, BatchRunner, CostCurve, RequestSpec,
                                      block_width, measure_cost_curve)
-from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend
+from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend
 from specpilot.engines.llama import LlamaModel
 
 AR_LABEL, STOCK_LABEL, ALL_LABEL = "ar", "stock", "all"
@@ -203,8 +203,8 @@ def _row(c: int, kind: Arrival, label: str, res, rate: float | None) -> Concurre
 def format_concurrency_report(report: ConcurrencyReport) -> str:
     lines = [f"batched serving on {report.device}, {report.max_new_tokens} new tokens max per request; speedup = "
              "throughput / AR throughput at the same concurrency and arrivals", "",
-             "| conc | arrival | variant | tok/s | TPOT p50 ms | TPOT p99 ms | tok/step | step ms (host) | forward tokens "
-             "| vs AR | vs stock | = AR |",
+             "| conc | arrival | variant | tok/s | TPOT p50 ms | TPOT p99 ms | tok/step | step ms (host) "
+             "| forward tokens | vs AR | vs stock | = AR |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.rows:
         def f(x, spec):
@@ -234,6 +234,19 @@ def add_concurrency_args(p: argparse.ArgumentParser) -> None:
                    help=f"variants beyond AR and stock: any of {','.join(MECHANISMS)},{ALL_LABEL} (empty: none)")
     g.add_argument("--cost-curve", default=None,
                    help="JSON [[tokens, seconds], ...] of the target forward (default: measured)")
+    g.add_argument("--batch", type=_batch_config, default=BatchConfig(),
+                   help="JSON of BatchConfig fields for every variant, e.g. '{\"max_draft_len\": 32, "
+                        "\"graph_max_tokens\": 1024}' (the mechanisms are turned on per variant)")
+
+
+def _batch_config(text: str) -> BatchConfig:
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("not a JSON object")
+        return BatchConfig.from_dict(fields)
+    except (ValueError, ConfigError) as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"--batch {text!r}: {e}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -249,7 +262,7 @@ def bench_concurrency(args: argparse.Namespace, session, prompts, max_new_tokens
     unknown = set(args.mechanisms) - set(MECHANISMS) - {ALL_LABEL}
     if unknown:
         raise ValueError(f"unknown mechanism(s) {sorted(unknown)}: expected {sorted(MECHANISMS)} or {ALL_LABEL}")
-    variants = standard_variants(ar, ngram.replace(kernel_backend=KernelBackend.TRITON), args.mechanisms)
+    variants = standard_variants(ar, ngram.replace(kernel_backend=KernelBackend.TRITON), args.mechanisms, args.batch)
     curve = CostCurve(tuple((int(n), float(s)) for n, s in json.loads(Path(args.cost_curve).read_text()))) \
         if args.cost_curve else None
     with torch.no_grad():
