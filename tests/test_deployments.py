@@ -16,7 +16,8 @@ from specpilot.testbed import ModelDirError, TINY, make_random_model
 from specpilot.workload import Benchmark
 
 SHIPPED = ["llama8b-shape-h200", "micro-batch-cpu", "qwen3-next-80b-layers-h200", "qwen3-next-tiny-cpu",
-           "smollm2-135m-block-cpu", "smollm2-135m-cpu", "smollm2-135m-h200", "smollm2-shape-h200"]
+           "smollm2-135m-batch-h200", "smollm2-135m-block-cpu", "smollm2-135m-cpu", "smollm2-135m-h200",
+           "smollm2-shape-h200"]
 FP32 = ("micro-batch-cpu", "qwen3-next-tiny-cpu")  # the CPU development targets of random weights
 
 
@@ -43,6 +44,9 @@ def test_shipped_deployment_settings():
     assert llama.target == ModelRef(ModelRefKind.RANDOM, "llama3-8b", 0)
     assert llama.regime.kind is RegimeKind.BATCH and llama.regime.concurrency == (16, 20, 24)
     assert llama.regime.arrival is Arrival.ALL and llama.regime.label == "batch16-20-24" and llama.batched
+    batch = load_deployment("smollm2-135m-batch-h200")
+    assert batch.batched and batch.regime.label == "batch16-20-24" and batch.target == cpu.target
+    assert batch.engine.kernel_backend.value == "triton" and batch.workload.max_new_tokens == 2048
     micro = load_deployment("micro-batch-cpu")
     assert micro.batched and micro.regime.concurrency == (2, 3) and micro.engine.kernel_backend.value == "triton"
     assert micro.device.kind is DeviceKind.CPU and not cpu.batched and cpu.regime.label == "batch1"
