@@ -98,9 +98,11 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-draft-len", type=int, default=32)
+    ap.add_argument("--synthetic", default="25x1024", help="without --outputs: COUNTxLENGTH synthetic sequences")
     ap.add_argument("--profile", type=int, default=0, help="cProfile: the N functions with the most own time")
     a = ap.parse_args(argv)
-    data = json.loads(a.outputs.read_text()) if a.outputs else synthetic(25, 1024)
+    count, length = (int(x) for x in a.synthetic.split("x"))
+    data = json.loads(a.outputs.read_text()) if a.outputs else synthetic(count, length)
     items = list(data.values())
     sequences = {tuple(v["prompt"]): list(v["prompt"]) + list(v["out"]) for v in items}
     longest = max(len(s) for s in sequences.values())
