@@ -343,6 +343,21 @@ def test_verify_budget_goes_to_likeliest_slots():
     assert allocate_verify_budget([0.5], [0], 1, mid, 0.0) == [0] and allocate_verify_budget([], [], 0, mid, 0.0) == []
 
 
+def test_max_tiles_bounds_every_split_of_a_step():
+    """tile_map fits in max_tiles for any split of a step's tokens over its requests, and a small token bucket
+    needs few tiles however many request rows the runner has (the graph's attention grid)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        group, rows = rng.choice([1, 3, 4, 8]), rng.randrange(1, 30)
+        n_req = rng.randrange(1, rows + 1)
+        q_len = np.zeros(rows, dtype=np.int64)
+        q_len[rng.sample(range(rows), n_req)] = [rng.randrange(1, 40) for _ in range(n_req)]
+        bound = max_tiles(int(q_len.sum()), group, rows)
+        req, _ = tile_map(q_len, group, bound)  # raises if the tiles do not fit
+        assert (req >= 0).sum() <= bound
+    assert max_tiles(1, 3, 24) == 2 and max_tiles(8, 3, 24) == 2 + 8 and max_tiles(96, 3, 24) == 18 + 24
+
+
 def test_cost_curve():
     c = CostCurve(((1, 1.0), (16, 1.0), (32, 2.0)))
     assert c.at(8) == 1.0 and c.at(24) == 1.5 and c.at(48) == 3.0  # extended with the last slope

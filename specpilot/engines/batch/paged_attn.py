@@ -136,8 +136,10 @@ def tile_map(q_len: np.ndarray, group: int, n_tiles: int) -> tuple[np.ndarray, n
 
 
 def max_tiles(tokens: int, group: int, requests: int) -> int:
-    """Row tiles a step of `tokens` tokens over at most `requests` requests can need."""
-    return -(-tokens * group // BLOCK_M) + requests
+    """Row tiles a step of `tokens` tokens over at most `requests` requests can need: each request's rows start a
+    tile of their own, and a step has no more requests than tokens (a CUDA graph of a small token bucket then
+    launches attention over a few tiles, not one per request row of the runner)."""
+    return -(-tokens * group // BLOCK_M) + min(requests, tokens)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
