@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default=None, help="JSON of BatchConfig fields for every variant (e.g. max_draft_len, "
                     "graph_max_tokens); the mechanisms are turned on per variant here")
     ap.add_argument("--profile", type=int, default=0, help="print the N host functions with the most own time "
-                    "(cProfile over the timed runs)")
+                    "(cProfile over the whole bench: graph capture, cost curve and warm-up included)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if not (a.tiny or a.random or a.model_dir):

@@ -51,9 +51,11 @@ class ReplayRunner:
         self.cache = PagedKVCache(CacheShape(1, 1, 1, rows * (max_seq_len // 16 + 1), 16), torch.float32, "cpu")
         self._by_prompt = sequences  # prompt -> prompt + known output
         self._truth: dict[int, list[int]] = {}
+        self._prompt: dict[int, list[int]] = {}  # a row's prompt chunks so far
 
     def bind(self, row: int, pages: list[int]) -> None:
         self._truth.pop(row, None)
+        self._prompt[row] = []
 
     def unbind(self, row: int) -> None:
         self._truth.pop(row, None)
@@ -61,12 +63,14 @@ class ReplayRunner:
     def launch(self, entries: list[StepEntry]) -> _Done:
         out = np.zeros((self.B, 1 + self.W), dtype=np.int64)
         for e in entries:
-            if e.last_only and e.start == 0:  # a request's first prompt chunk names its sequence
-                self._truth[e.row] = next(s for p, s in self._by_prompt.items() if tuple(e.tokens) == p[:len(e.tokens)])
-            truth = self._truth[e.row]
-            if e.last_only:
-                out[e.row, 1] = truth[e.start + len(e.tokens)]
+            if e.last_only:  # a prompt chunk: the whole prompt, once its last chunk is in, names the sequence
+                prompt = self._prompt[e.row]
+                prompt += e.tokens
+                if tuple(prompt) in self._by_prompt:  # only the last chunk's answer is read
+                    self._truth[e.row] = self._by_prompt[tuple(prompt)]
+                    out[e.row, 1] = self._truth[e.row][len(prompt)]
                 continue
+            truth = self._truth[e.row]
             n = len(e.tokens)
             argmax = [truth[min(e.start + j + 1, len(truth) - 1)] for j in range(n)]
             acc = 0

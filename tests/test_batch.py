@@ -354,7 +354,7 @@ def test_max_tiles_bounds_every_split_of_a_step():
         q_len[rng.sample(range(rows), n_req)] = [rng.randrange(1, 40) for _ in range(n_req)]
         bound = max_tiles(int(q_len.sum()), group, rows)
         req, _ = tile_map(q_len, group, bound)  # raises if the tiles do not fit
-        assert (req >= 0).sum() <= bound
+        assert (req >= 0).sum() == sum(-(-int(q) * group // 16) for q in q_len)
     assert max_tiles(1, 3, 24) == 2 and max_tiles(8, 3, 24) == 2 + 8 and max_tiles(96, 3, 24) == 18 + 24
 
 
@@ -503,6 +503,8 @@ def test_standard_variants_share_the_base_batch_config():
     assert [v.label for v in variants] == ["ar", "stock", "goodput_draft", "all"]
     assert all(v.batch.max_draft_len == 7 and v.batch.graph_max_tokens == 64 for v in variants)
     assert [v.batch.mechanisms for v in variants] == [(), (), ("goodput_draft",), tuple(MECHANISMS)]
+    with pytest.raises(ConfigError, match="unknown mechanism"):
+        standard_variants(ecfg(), ecfg(drafter="ngram"), ["bogus"], base)
     with pytest.raises(ValueError, match="stock must have every mechanism off"):
         standard_variants(ecfg(), ecfg(drafter="ngram"), ["all"], BatchConfig(overlap_draft=True))
 
@@ -530,7 +532,7 @@ def test_bench_cli_concurrency(monkeypatch, tmp_path, capsys):
     assert rc == 0 and out["all_match_ar"] and [r["variant"] for r in out["rows"]] == ["ar", "stock", "verify_budget"]
     assert json.loads((tmp_path / "bench_concurrency.json").read_text())["cost_curve"] == [list(p) for p in CURVE]
     assert all(r["step_ms"] > 0 and r["forward_tokens"] >= 1 for r in out["rows"])
-    for bad in ('{"bogus": 1}', '{"max_draft_len": 0}', "[1]", "{"):  # unknown field, invalid value, not an object
+    for bad in ('{"bogus": 1}', '{"max_draft_len": 0}', '{"accept_decay": "0.5"}', "[1]", "{"):
         with pytest.raises(SystemExit):
             bench_cli.main(["bench", "--deployment", "smollm2-135m-cpu", "--concurrency", "2", "--batch", bad])
         assert "--batch" in capsys.readouterr().err

@@ -47,6 +47,9 @@ def standard_variants(ar_cfg: EngineConfig, spec_cfg: EngineConfig,
         raise ValueError(f"the base batch config turns on {batch.mechanisms}: stock must have every mechanism off")
     out = [BatchVariant(AR_LABEL, ar_cfg.replace(drafter=DrafterKind.NONE), batch),
            BatchVariant(STOCK_LABEL, spec_cfg, batch)]
+    unknown = [n for n in mechanisms if n not in MECHANISMS and n != ALL_LABEL]
+    if unknown:
+        raise ConfigError(f"unknown mechanism(s) {unknown}: expected any of {sorted(MECHANISMS)} or {ALL_LABEL!r}")
     for name in mechanisms:
         names = tuple(MECHANISMS) if name == ALL_LABEL else (name,)
         delta = {k: v for n in names for k, v in MECHANISMS[n].items()}
@@ -69,7 +72,8 @@ class ConcurrencyRow:
     rate: float | None  # poisson arrivals per second
     ahead_hit_rate: float | None  # overlap_draft: guesses that came true
     step_ms: float = 0.0  # mean wall time of an engine step (host + forward + the step's sync)
-    host_ms: float = 0.0  # mean host time of a step outside launch-to-result (schedule, draft, pack, commit)
+    host_ms: float = 0.0  # mean host time of a step outside its wait for the forward (schedule, draft, pack and
+    # launch, commit); drafting ahead under overlap_draft runs inside the wait
     forward_tokens: float = 0.0  # mean tokens in a step's forward (verify blocks + prompt chunks)
     decode_rows: float = 0.0  # mean requests verifying per step
     speedup_vs_ar: float | None = None
@@ -236,7 +240,8 @@ def add_concurrency_args(p: argparse.ArgumentParser) -> None:
                    help="JSON [[tokens, seconds], ...] of the target forward (default: measured)")
     g.add_argument("--batch", type=_batch_config, default=BatchConfig(),
                    help="JSON of BatchConfig fields for every variant, e.g. '{\"max_draft_len\": 32, "
-                        "\"graph_max_tokens\": 1024}' (the mechanisms are turned on per variant)")
+                        "\"graph_max_tokens\": 1024}' (the mechanisms are turned on per variant; max_batch is each "
+                        "concurrency, the cost curve comes from --cost-curve or is measured)")
 
 
 def _batch_config(text: str) -> BatchConfig:
@@ -245,7 +250,7 @@ def _batch_config(text: str) -> BatchConfig:
         if not isinstance(fields, dict):
             raise ValueError("not a JSON object")
         return BatchConfig.from_dict(fields)
-    except (ValueError, ConfigError) as e:  # json.JSONDecodeError is a ValueError
+    except (ValueError, TypeError, ConfigError) as e:  # json.JSONDecodeError is a ValueError
         raise argparse.ArgumentTypeError(f"--batch {text!r}: {e}") from None
 
 

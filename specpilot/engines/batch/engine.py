@@ -65,8 +65,8 @@ class StepStat:
     tokens: int  # tokens in the forward
     committed: int
     wall_s: float
-    draft_s: float  # host time before the forward launches: schedule, draft (outside the forward's shadow), pack
-    wait_s: float = 0.0  # launch to result: the forward (and any drafting ahead in its shadow) and the sync
+    draft_s: float  # host time before the launch: schedule, draft (outside the forward's shadow)
+    wait_s: float = 0.0  # launched to result: the forward's remainder (and drafting ahead in its shadow), the sync
 
 
 @dataclass
@@ -159,7 +159,8 @@ class BatchEngine:
         entries = [StepEntry(r.row, r.prompt[s:e], s, last_only=True) for r, s, e in plan.prefill]
         entries += [StepEntry(r.row, [r.seq[-1]] + d, len(r.seq) - 1) for r, d in zip(plan.decode, drafts)]
         t1 = time.perf_counter()
-        handle = self.runner.launch(entries)
+        handle = self.runner.launch(entries)  # packs the inputs, uploads them, replays (asynchronous on CUDA)
+        t_launched = time.perf_counter()
         if self.batch.overlap_draft:  # runs while the device verifies (CUDA is asynchronous)
             for req, d in zip(plan.decode, drafts):
                 self._draft_ahead(req, d)
@@ -190,7 +191,7 @@ class BatchEngine:
         self._last_tokens = tokens
         if self._stats is not None:
             self._stats.steps.append(StepStat(len(plan.decode), prefill_tokens, tokens, committed, wall, t1 - t0,
-                                                t2 - t1))
+                                                t2 - t_launched))
 
     # ---- drafting -----------------------------------------------------------------------------------
     def _draft(self, decode: list[Request], prefill_tokens: int) -> list[list[int]]:

@@ -16,7 +16,8 @@ fixed BLOCK_M, and a row never depends on the other rows of its tile.
 
 Grid: (tile, kv head, group of SPLITS_PER_PROGRAM splits). The host lists each request's row tiles in
 tile_req/tile_row (-1: no tile), so a CUDA graph can be captured once per token bucket with the largest tile
-count and every page a request may hold; unused programs exit at once.
+count and every page a request may hold; unused programs exit once their predecessor is done (they wait for it
+first under programmatic dependent launch, kernels/pdl.py).
 """
 from __future__ import annotations
 
