@@ -54,6 +54,15 @@ def wall(fn, reps: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
+def measure(results: list[dict], label: str, step, **case) -> None:
+    """Wall time and kernels of `step`, printed and appended to results."""
+    ms, kernels = wall(step), kernel_table(step)
+    results.append({**case, "ms": ms, "kernels": kernels})
+    print(f"{label}: {ms:.3f} ms", flush=True)
+    for name, n, us in kernels:
+        print(f"   {us:8.1f} us  {n:4d}x  {name}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -72,14 +81,9 @@ def main(argv=None) -> int:
             for r, p in enumerate(pages):
                 runner.bind(r, p)
             entries = [StepEntry(r, [1] * per, context) for r in range(requests)]
-            step = lambda: runner.launch(entries).result()  # noqa: E731
-            ms = wall(step)
-            kernels = kernel_table(step)
-            results.append({"requests": requests, "tokens_per_request": per, "context": context, "ms": ms,
-                            "kernels": kernels})
-            print(f"batched {requests} x {per} tokens at context {context}: {ms:.3f} ms", flush=True)
-            for name, n, us in kernels:
-                print(f"   {us:8.1f} us  {n:4d}x  {name}")
+            measure(results, f"batched {requests} x {per} tokens at context {context}",
+                    lambda: runner.launch(entries).result(), requests=requests, tokens_per_request=per,
+                    context=context)
             for r, p in enumerate(pages):
                 runner.unbind(r)
                 runner.cache.release(p)
@@ -89,14 +93,10 @@ def main(argv=None) -> int:
             single.begin_request(context + 64)
             single.prefill([1] * context)
             for per in (1, 16):
-                step = lambda: single.verify(context, [1] * per, list(range(per)),  # noqa: E731
-                                             np.tril(np.ones((per, per), dtype=bool)))
-                ms = wall(step)
-                kernels = kernel_table(step)
-                results.append({"single": True, "tokens": per, "context": context, "ms": ms, "kernels": kernels})
-                print(f"single request, {per} tokens at context {context}: {ms:.3f} ms", flush=True)
-                for name, n, us in kernels:
-                    print(f"   {us:8.1f} us  {n:4d}x  {name}")
+                anc = np.tril(np.ones((per, per), dtype=bool))
+                measure(results, f"single request, {per} tokens at context {context}",
+                        lambda: single.verify(context, [1] * per, list(range(per)), anc), single=True, tokens=per,
+                        context=context)
     Path(a.out).write_text(json.dumps(results, indent=1))
     return 0
 

@@ -27,20 +27,12 @@ import torch
 from specpilot.bench.batched import ALL_LABEL, standard_variants
 from specpilot.engines.batch import BatchConfig, BatchEngine, CostCurve, RequestSpec
 from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache
-from specpilot.engines.batch.runner import StepEntry
+from specpilot.engines.batch.runner import StepEntry, StepHandle
 from specpilot.engines.config import DrafterKind, EngineConfig
 
 # The H200's batched SmolLM2 forward (notes/h200-s12-batch-2048.txt): the mechanisms price tokens with it.
 H200_CURVE = ((1, 0.00127), (16, 0.00132), (32, 0.00146), (64, 0.00163), (128, 0.00192), (256, 0.00284),
               (408, 0.00432))
-
-
-class _Done:
-    def __init__(self, out: np.ndarray):
-        self._out = out
-
-    def result(self) -> np.ndarray:
-        return self._out
 
 
 class ReplayRunner:
@@ -60,7 +52,7 @@ class ReplayRunner:
     def unbind(self, row: int) -> None:
         self._truth.pop(row, None)
 
-    def launch(self, entries: list[StepEntry]) -> _Done:
+    def launch(self, entries: list[StepEntry]) -> StepHandle:
         out = np.zeros((self.B, 1 + self.W), dtype=np.int64)
         for e in entries:
             if e.last_only:  # a prompt chunk: the whole prompt, once its last chunk is in, names the sequence
@@ -77,7 +69,7 @@ class ReplayRunner:
             while acc < n - 1 and e.tokens[acc + 1] == argmax[acc]:
                 acc += 1
             out[e.row, 0], out[e.row, 1:1 + n] = acc, argmax
-        return _Done(out)
+        return StepHandle(torch.from_numpy(out))
 
 
 def synthetic(n: int, length: int, seed: int = 0) -> dict[str, dict]:

@@ -24,6 +24,7 @@ import torch
 from specpilot.deployments.spec import Arrival  # a deployment's batch regime names its arrival process
 from specpilot.engines.batch import (MECHANISMS, BatchConfig, BatchEngine, BatchRunner, CostCurve, RequestSpec,
                                      block_width, measure_cost_curve)
+from specpilot.engines.batch.config import mechanism_fields
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend
 from specpilot.engines.llama import LlamaModel
 
@@ -47,14 +48,7 @@ def standard_variants(ar_cfg: EngineConfig, spec_cfg: EngineConfig,
         raise ValueError(f"the base batch config turns on {batch.mechanisms}: stock must have every mechanism off")
     out = [BatchVariant(AR_LABEL, ar_cfg.replace(drafter=DrafterKind.NONE), batch),
            BatchVariant(STOCK_LABEL, spec_cfg, batch)]
-    unknown = [n for n in mechanisms if n not in MECHANISMS and n != ALL_LABEL]
-    if unknown:
-        raise ConfigError(f"unknown mechanism(s) {unknown}: expected any of {sorted(MECHANISMS)} or {ALL_LABEL!r}")
-    for name in mechanisms:
-        names = tuple(MECHANISMS) if name == ALL_LABEL else (name,)
-        delta = {k: v for n in names for k, v in MECHANISMS[n].items()}
-        out.append(BatchVariant(name, spec_cfg, batch.replace(**delta)))
-    return out
+    return out + [BatchVariant(name, spec_cfg, batch.replace(**mechanism_fields(name))) for name in mechanisms]
 
 
 @dataclass
@@ -264,10 +258,8 @@ def bench_concurrency(args: argparse.Namespace, session, prompts, max_new_tokens
     ar = dep.ar_config().replace(kernel_backend=KernelBackend.TRITON)
     ngram = next((c for c in dep.drafter_configs().values() if c.drafter is DrafterKind.NGRAM),
                  ar.replace(drafter=DrafterKind.NGRAM))
-    unknown = set(args.mechanisms) - set(MECHANISMS) - {ALL_LABEL}
-    if unknown:
-        raise ValueError(f"unknown mechanism(s) {sorted(unknown)}: expected {sorted(MECHANISMS)} or {ALL_LABEL}")
-    variants = standard_variants(ar, ngram.replace(kernel_backend=KernelBackend.TRITON), args.mechanisms, args.batch)
+    variants = standard_variants(  # ConfigError for an unknown mechanism name, before anything runs
+        ar, ngram.replace(kernel_backend=KernelBackend.TRITON), args.mechanisms, args.batch)
     curve = CostCurve(tuple((int(n), float(s)) for n, s in json.loads(Path(args.cost_curve).read_text()))) \
         if args.cost_curve else None
     with torch.no_grad():

@@ -94,12 +94,17 @@ class BatchConfig(ConfigOps):
     @classmethod
     def with_mechanisms(cls, *names: str, **fields: Any) -> "BatchConfig":
         """Stock plus the named mechanisms (MECHANISMS keys, or "all"), plus any field overrides."""
-        delta: dict[str, Any] = {}
-        for name in (list(MECHANISMS) if names == ("all",) else names):
-            if name not in MECHANISMS:
-                raise ConfigError(f"unknown mechanism {name!r}: expected one of {sorted(MECHANISMS)} or 'all'")
-            delta.update(MECHANISMS[name])
-        return cls(**{**delta, **fields})
+        return cls(**{**mechanism_fields(*names), **fields})
+
+
+def mechanism_fields(*names: str) -> dict[str, Any]:
+    """The BatchConfig fields that turn the named mechanisms on (MECHANISMS keys, or "all" alone)."""
+    delta: dict[str, Any] = {}
+    for name in (list(MECHANISMS) if names == ("all",) else names):
+        if name not in MECHANISMS:
+            raise ConfigError(f"unknown mechanism {name!r}: expected one of {sorted(MECHANISMS)} or 'all'")
+        delta.update(MECHANISMS[name])
+    return delta
 
 
 
