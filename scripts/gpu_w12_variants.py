@@ -1,0 +1,237 @@
+"""Experiment (GPU): which W12 tile decode can feed the batch-invariant dot chain at bf16 speed or better?
+
+Standalone kernels, escape-free weights (every exponent inside a 15-wide window, code = exponent - base), so only
+the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit for bit against the bf16 kernel's.
+Layouts (derived with torch from the same weights):
+- aff8:  lo uint8 [N, K]; codes uint8 [N, K/2], element 2j in the low nibble of byte j (the stored format today)
+- pair:  codes paired within each 128-block: byte j holds elements j (low) and 64 + j (high); two 64-wide dots
+- quad:  lo as int32 [N, K/4], word j of a 128-block = elements j, 32+j, 64+j, 96+j (bytes 0..3); codes int16
+         [N, K/4] likewise (nibbles 0..3); four 32-wide dots
+- *_pf:  the same with the next chunk's raw bytes loaded before this chunk's decode (register double buffer)
+
+python3 scripts/gpu_w12_variants.py OUT.json [--shapes 4096x4096,14336x4096] [--tokens 1,16]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128
+
+
+@triton.jit
+def _dec(lo, code, base):
+    bits = ((lo & 0x80) << 8) | ((code + base) << 7) | (lo & 0x7F)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _bf16_kernel(x_ptr, w_ptr, y_ptr, T, N, K, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        kk = k0 + tl.arange(0, 128)
+        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < T, other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None])
+        acc = tl.dot(a, w, acc)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
+
+
+@triton.jit
+def _aff8_kernel(x_ptr, lo_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c64 = cols[None, :].to(tl.int64)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        kk = k0 + tl.arange(0, 128)
+        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < T, other=0.0)
+        lo = tl.load(lo_ptr + c64 * K + kk[:, None]).to(tl.int32)
+        cb = tl.load(c_ptr + c64 * (K // 2) + (kk // 2)[:, None]).to(tl.int32)
+        code = (cb >> ((kk % 2) * 4)[:, None]) & 15
+        acc = tl.dot(a, _dec(lo, code, base), acc)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
+
+
+@triton.jit
+def _pair_kernel(x_ptr, lo_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexpr, PF: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c64 = cols[None, :].to(tl.int64)
+    j = tl.arange(0, 64)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    lo_a = tl.load(lo_ptr + c64 * K + j[:, None])
+    lo_b = tl.load(lo_ptr + c64 * K + 64 + j[:, None])
+    cb = tl.load(c_ptr + c64 * (K // 2) + j[:, None])
+    for k0 in range(0, K, 128):
+        if PF:
+            nk = tl.minimum(k0 + 128, K - 128)
+            n_a = tl.load(lo_ptr + c64 * K + nk + j[:, None])
+            n_b = tl.load(lo_ptr + c64 * K + nk + 64 + j[:, None])
+            n_c = tl.load(c_ptr + c64 * (K // 2) + nk // 2 + j[:, None])
+        else:
+            lo_a = tl.load(lo_ptr + c64 * K + k0 + j[:, None])
+            lo_b = tl.load(lo_ptr + c64 * K + k0 + 64 + j[:, None])
+            cb = tl.load(c_ptr + c64 * (K // 2) + k0 // 2 + j[:, None])
+        ci = cb.to(tl.int32)
+        xa = tl.load(x_ptr + rows[:, None] * K + k0 + j[None, :], mask=rows[:, None] < T, other=0.0)
+        xb = tl.load(x_ptr + rows[:, None] * K + k0 + 64 + j[None, :], mask=rows[:, None] < T, other=0.0)
+        acc = tl.dot(xa, _dec(lo_a.to(tl.int32), ci & 15, base), acc)
+        acc = tl.dot(xb, _dec(lo_b.to(tl.int32), ci >> 4, base), acc)
+        if PF:
+            lo_a = n_a
+            lo_b = n_b
+            cb = n_c
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
+
+
+@triton.jit
+def _quad_kernel(x_ptr, l_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexpr, PF: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, 16)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c64 = cols[None, :].to(tl.int64)
+    K4 = K // 4
+    j = tl.arange(0, 32)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    L = tl.load(l_ptr + c64 * K4 + j[:, None])
+    C = tl.load(c_ptr + c64 * K4 + j[:, None])
+    for k0 in range(0, K, 128):
+        if PF:
+            nk = tl.minimum(k0 + 128, K - 128) // 4
+            nL = tl.load(l_ptr + c64 * K4 + nk + j[:, None])
+            nC = tl.load(c_ptr + c64 * K4 + nk + j[:, None])
+        else:
+            L = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
+            C = tl.load(c_ptr + c64 * K4 + k0 // 4 + j[:, None])
+        Ci = C.to(tl.int32)
+        for q in tl.static_range(4):
+            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * q + j[None, :], mask=rows[:, None] < T, other=0.0)
+            w = _dec((L >> (8 * q)) & 0xFF, (Ci >> (4 * q)) & 15, base)
+            acc = tl.dot(xq, w, acc)
+        if PF:
+            L = nL
+            C = nC
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
+
+
+def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """bf16 W [N, K] ~ 0.02 randn with every exponent clamped into the 15-wide window ending at the largest."""
+    w = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16).view(torch.int16).to(torch.int32)
+    e = (w >> 7) & 0xFF
+    top = int(e.max())
+    base = top - 14
+    e = e.clamp(base, top)
+    bits = (w & 0x807F) | (e << 7)
+    W = bits.to(torch.int16).view(torch.bfloat16)
+    return W, base, (e - base).to(torch.uint8)
+
+
+def layouts(W: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
+    N, K = W.shape
+    b = W.view(torch.int16).to(torch.int32)
+    lo = (((b >> 8) & 0x80) | (b & 0x7F)).to(torch.uint8)
+    c = codes.to(torch.int32)
+    aff8 = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8)
+    blk = c.view(N, K // CHUNK, CHUNK)
+    pair = (blk[:, :, :64] | (blk[:, :, 64:] << 4)).reshape(N, K // 2).to(torch.uint8)
+    lb = lo.to(torch.int32).view(N, K // CHUNK, 4, 32)
+    quad_l = (lb[:, :, 0] | (lb[:, :, 1] << 8) | (lb[:, :, 2] << 16) | (lb[:, :, 3] << 24)).reshape(N, K // 4)
+    cq = blk.view(N, K // CHUNK, 4, 32)
+    quad_c = (cq[:, :, 0] | (cq[:, :, 1] << 4) | (cq[:, :, 2] << 8) | (cq[:, :, 3] << 12)).reshape(N, K // 4)
+    return {"lo": lo.contiguous(), "aff8": aff8.contiguous(), "pair": pair.contiguous(),
+            "quad_l": quad_l.to(torch.int32).contiguous(),
+            "quad_c": quad_c.to(torch.int32).to(torch.int16).contiguous()}
+
+
+def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
+    T, K = x.shape
+    N = W.shape[0]
+    grid = (triton.cdiv(N, bn),)
+    kw = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if variant == "bf16":
+        return lambda: _bf16_kernel[grid](x, W, y, T, N, K, **kw)
+    if variant == "aff8":
+        return lambda: _aff8_kernel[grid](x, lay["lo"], lay["aff8"], y, T, N, K, base, **kw)
+    if variant.startswith("pair"):
+        return lambda: _pair_kernel[grid](x, lay["lo"], lay["pair"], y, T, N, K, base, PF=variant.endswith("_pf"), **kw)
+    if variant.startswith("quad"):
+        return lambda: _quad_kernel[grid](x, lay["quad_l"], lay["quad_c"], y, T, N, K, base,
+                                          PF=variant.endswith("_pf"), **kw)
+    raise ValueError(variant)
+
+
+def main() -> None:
+    from specpilot.kernels.bench import time_graph
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shapes", default="4096x4096,14336x4096")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--variants", default="bf16,aff8,pair,pair_pf,quad,quad_pf")
+    ap.add_argument("--block-n", default="16,32,64")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,3")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--budget-s", type=float, default=400)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    rows, t0 = [], time.time()
+    for shape in a.shapes.split(","):
+        N, K = (int(v) for v in shape.split("x"))
+        copies = max(1, min(16, -(-4 * l2 // (N * K * 2))))
+        data = []
+        for _ in range(copies):
+            W, base, codes = escape_free(N, K, g, dev)
+            data.append((W, base, layouts(W, codes)))
+        for T in (int(v) for v in a.tokens.split(",")):
+            x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
+            ref = torch.empty(T, N, device=dev)
+            launcher("bf16", x, data[0][0], None, ref, 0, 32, 4, 3)()
+            for variant in a.variants.split(","):
+                best = None
+                for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
+                                                            (a.block_n, a.warps, a.stages))):
+                    if time.time() - t0 > a.budget_s:
+                        break
+                    y = torch.empty(T, N, device=dev)
+                    try:
+                        launcher(variant, x, data[0][0], data[0][2], y, data[0][1], bn, warps, stages)()
+                        torch.cuda.synchronize()
+                        equal = bool(torch.equal(y.view(torch.int32), ref.view(torch.int32)))
+                        ys = [torch.empty(T, N, device=dev) for _ in data]
+                        fns = [launcher(variant, x, W, lay, yy, base, bn, warps, stages)
+                               for (W, base, lay), yy in zip(data, ys)]
+                        us = time_graph(fns, a.reps) * 1e3
+                    except Exception as e:  # noqa: BLE001 - an experiment: record and go on
+                        rows.append({"shape": shape, "T": T, "variant": variant, "bn": bn, "warps": warps,
+                                     "stages": stages, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                        continue
+                    row = {"shape": shape, "T": T, "variant": variant, "bn": bn, "warps": warps, "stages": stages,
+                           "us": us, "equal": equal}
+                    rows.append(row)
+                    if best is None or us < best["us"]:
+                        best = row
+                if best:
+                    print(f"{shape:>11} T={T:<3} {variant:>8} best {best['us']:8.1f} us  bn={best['bn']} "
+                          f"warps={best['warps']} stages={best['stages']} equal={best['equal']}", flush=True)
+        del data
+        torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
