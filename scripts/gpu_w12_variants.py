@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specpilot.kernels.gemm import _counters, linear, split_k_combine
+
 CHUNK = 128
 
 
@@ -125,6 +127,49 @@ def _quad_kernel(x_ptr, l_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexp
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
 
 
+@triton.jit
+def _quad_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_k = pid // tiles
+    rows = tl.arange(0, 16)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    c64 = cols[None, :].to(tl.int64)
+    K4 = K // 4
+    j = tl.arange(0, 32)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, 128):
+        L = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
+        Ci = tl.load(c_ptr + c64 * K4 + k0 // 4 + j[:, None]).to(tl.int32)
+        for q in tl.static_range(4):
+            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * q + j[None, :], mask=rows[:, None] < T, other=0.0)
+            w = _dec((L >> (8 * q)) & 0xFF, (Ci >> (4 * q)) & 15, base)
+            acc = tl.dot(xq, w, acc)
+    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
+
+
+@triton.jit
+def _bf16_split_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, BLOCK_N: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_k = pid // tiles
+    rows = tl.arange(0, 16)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, 128):
+        kk = k0 + tl.arange(0, 128)
+        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < T, other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None])
+        acc = tl.dot(a, w, acc)
+    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
+
+
 def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
     """bf16 W [N, K] ~ 0.02 randn with every exponent clamped into the 15-wide window ending at the largest."""
     w = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16).view(torch.int16).to(torch.int32)
@@ -159,6 +204,19 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     N = W.shape[0]
     grid = (triton.cdiv(N, bn),)
     kw = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if variant.startswith(("quads", "bf16s", "pkg")):
+        split = int(variant.split("_")[1])
+        if variant.startswith("pkg"):
+            return lambda: linear(x, W, out_dtype=torch.float32, out=y, block_n=bn, num_warps=warps,
+                                  num_stages=stages, split_k=split)
+        ws = torch.empty(grid[0] * split * 16 * bn, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device)
+        kw["SPLIT_K"] = split
+        per = K // split
+        grid = (grid[0] * split,)
+        if variant.startswith("quads"):
+            return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], y, ws, cnt, T, N, K, per, base, **kw)
+        return lambda: _bf16_split_kernel[grid](x, W, y, ws, cnt, T, N, K, per, **kw)
     if variant == "bf16":
         return lambda: _bf16_kernel[grid](x, W, y, T, N, K, **kw)
     if variant == "aff8":
@@ -198,10 +256,11 @@ def main() -> None:
             data.append((W, base, layouts(W, codes)))
         for T in (int(v) for v in a.tokens.split(",")):
             x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
-            ref = torch.empty(T, N, device=dev)
-            launcher("bf16", x, data[0][0], None, ref, 0, 32, 4, 3)()
             for variant in a.variants.split(","):
                 best = None
+                ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
+                split = variant.split("_")[1] if variant.startswith(("quads", "bf16s", "pkg")) else None
+                launcher(f"pkg_{split}" if split else "bf16", x, data[0][0], None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
                     if time.time() - t0 > a.budget_s:
