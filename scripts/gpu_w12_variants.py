@@ -170,6 +170,73 @@ def _bf16_split_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, B
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
+# Eight bf16 from two lo words (bytes of elements 0-3 and 4-7) and a code word (nibble e = element e's code):
+# per output pair (e, e+4): one byte permute spreads [l_e, l_e, l_e+4, l_e+4] over two 16-bit halves, whose
+# sign and mantissa bits one lop3 keeps while or-ing in the exponents (code shifted to bit 7 of each half,
+# plus base): five integer instructions per two weights.
+OCT_ASM = tl.constexpr("""{
+.reg .b32 t, u, r, m;
+mov.b32 m, 0x807F807F;
+prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$0, $4}, r;
+prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$1, $5}, r;
+prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$2, $6}, r;
+prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$3, $7}, r;
+}""")
+
+
+@triton.jit
+def _oct_one(La, Lb, Cw, b2, e: tl.constexpr):
+    lo = ((La if e < 4 else Lb) >> (8 * (e % 4))) & 0xFF
+    return _dec(lo, (Cw >> (4 * e)) & 15, (b2 >> 7) & 0xFF)
+
+
+@triton.jit
+def _oct_decode(La, Lb, Cw, b2, ASM: tl.constexpr):
+    if ASM:
+        h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
+            OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [La, Lb, Cw, b2], dtype=(tl.uint16,) * 8, is_pure=True,
+            pack=1)
+        return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
+                h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
+                h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
+                h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
+    else:  # the interpreter runs no PTX: the same bits from plain integer ops
+        return (_oct_one(La, Lb, Cw, b2, 0), _oct_one(La, Lb, Cw, b2, 1), _oct_one(La, Lb, Cw, b2, 2),
+                _oct_one(La, Lb, Cw, b2, 3), _oct_one(La, Lb, Cw, b2, 4), _oct_one(La, Lb, Cw, b2, 5),
+                _oct_one(La, Lb, Cw, b2, 6), _oct_one(La, Lb, Cw, b2, 7))
+
+
+@triton.jit
+def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
+                      SPLIT_K: tl.constexpr, ASM: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(N, BLOCK_N)
+    tile = pid % tiles
+    pid_k = pid // tiles
+    rows = tl.arange(0, 16)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    c64 = cols[None, :].to(tl.int64)
+    K4 = K // 4
+    K8 = K // 8
+    j = tl.arange(0, 32)
+    b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, 256):
+        La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
+        Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
+        Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
+        ws = _oct_decode(La, Lb, Cw, b2, ASM)
+        for e in tl.static_range(8):
+            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :], mask=rows[:, None] < T, other=0.0)
+            acc = tl.dot(xq, ws[e], acc)
+    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
+
+
 def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
     """bf16 W [N, K] ~ 0.02 randn with every exponent clamped into the 15-wide window ending at the largest."""
     w = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16).view(torch.int16).to(torch.int32)
@@ -194,7 +261,12 @@ def layouts(W: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
     quad_l = (lb[:, :, 0] | (lb[:, :, 1] << 8) | (lb[:, :, 2] << 16) | (lb[:, :, 3] << 24)).reshape(N, K // 4)
     cq = blk.view(N, K // CHUNK, 4, 32)
     quad_c = (cq[:, :, 0] | (cq[:, :, 1] << 4) | (cq[:, :, 2] << 8) | (cq[:, :, 3] << 12)).reshape(N, K // 4)
-    return {"lo": lo.contiguous(), "aff8": aff8.contiguous(), "pair": pair.contiguous(),
+    ob = lo.to(torch.int32).view(N, K // 256, 2, 4, 32)
+    oct_l = (ob[:, :, :, 0] | (ob[:, :, :, 1] << 8) | (ob[:, :, :, 2] << 16) | (ob[:, :, :, 3] << 24)).reshape(N, K // 4)
+    oc = c.view(N, K // 256, 8, 32)
+    oct_c = sum(oc[:, :, e] << (4 * e) for e in range(8)).reshape(N, K // 8)
+    return {"oct_l": oct_l.to(torch.int32).contiguous(), "oct_c": oct_c.to(torch.int32).contiguous(),
+            "lo": lo.contiguous(), "aff8": aff8.contiguous(), "pair": pair.contiguous(),
             "quad_l": quad_l.to(torch.int32).contiguous(),
             "quad_c": quad_c.to(torch.int32).to(torch.int16).contiguous()}
 
@@ -204,7 +276,7 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     N = W.shape[0]
     grid = (triton.cdiv(N, bn),)
     kw = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    if variant.startswith(("quads", "bf16s", "pkg")):
+    if variant.startswith(("quads", "bf16s", "pkg", "octs")):
         split = int(variant.split("_")[1])
         if variant.startswith("pkg"):
             return lambda: linear(x, W, out_dtype=torch.float32, out=y, block_n=bn, num_warps=warps,
@@ -214,6 +286,9 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
         kw["SPLIT_K"] = split
         per = K // split
         grid = (grid[0] * split,)
+        if variant.startswith("octs"):
+            return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], y, ws, cnt, T, N, K, per, base,
+                                                   ASM=x.is_cuda, **kw)
         if variant.startswith("quads"):
             return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], y, ws, cnt, T, N, K, per, base, **kw)
         return lambda: _bf16_split_kernel[grid](x, W, y, ws, cnt, T, N, K, per, **kw)
@@ -259,7 +334,7 @@ def main() -> None:
             for variant in a.variants.split(","):
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
-                split = variant.split("_")[1] if variant.startswith(("quads", "bf16s", "pkg")) else None
+                split = variant.split("_")[1] if variant.startswith(("quads", "bf16s", "pkg", "octs")) else None
                 launcher(f"pkg_{split}" if split else "bf16", x, data[0][0], None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
