@@ -212,7 +212,8 @@ def _oct_decode(La, Lb, Cw, b2, ASM: tl.constexpr):
 
 @triton.jit
 def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
-                      SPLIT_K: tl.constexpr, ASM: tl.constexpr):
+                      SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+                      PF: tl.constexpr = False):
     pid = tl.program_id(0)
     tiles = tl.cdiv(N, BLOCK_N)
     tile = pid % tiles
@@ -225,14 +226,29 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
     j = tl.arange(0, 32)
     b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, 256):
-        La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
-        Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
-        Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
+    k_first = pid_k * K_SPLIT
+    k_last = (pid_k + 1) * K_SPLIT - 256
+    La = tl.load(l_ptr + c64 * K4 + k_first // 4 + j[:, None])
+    Lb = tl.load(l_ptr + c64 * K4 + k_first // 4 + 32 + j[:, None])
+    Cw = tl.load(c_ptr + c64 * K8 + k_first // 8 + j[:, None])
+    for k0 in range(k_first, k_last + 256, 256):
+        if PF:  # the next block's bytes are in flight while this one is decoded and multiplied
+            nk = tl.minimum(k0 + 256, k_last)
+            nLa = tl.load(l_ptr + c64 * K4 + nk // 4 + j[:, None])
+            nLb = tl.load(l_ptr + c64 * K4 + nk // 4 + 32 + j[:, None])
+            nCw = tl.load(c_ptr + c64 * K8 + nk // 8 + j[:, None])
+        else:
+            La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
+            Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
+            Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
         ws = _oct_decode(La, Lb, Cw, b2, ASM)
         for e in tl.static_range(8):
             xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :], mask=rows[:, None] < T, other=0.0)
             acc = tl.dot(xq, ws[e], acc)
+        if PF:
+            La = nLa
+            Lb = nLb
+            Cw = nCw
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
@@ -277,7 +293,7 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     grid = (triton.cdiv(N, bn),)
     kw = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
     if variant.startswith(("quads", "bf16s", "pkg", "octs")):
-        split = int(variant.split("_")[1])
+        split = int(variant.split("_")[1].rstrip("pf"))
         if variant.startswith("pkg"):
             return lambda: linear(x, W, out_dtype=torch.float32, out=y, block_n=bn, num_warps=warps,
                                   num_stages=stages, split_k=split)
@@ -288,7 +304,7 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
         grid = (grid[0] * split,)
         if variant.startswith("octs"):
             return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], y, ws, cnt, T, N, K, per, base,
-                                                   ASM=x.is_cuda, **kw)
+                                                   ASM=x.is_cuda, PF=variant.endswith("pf"), **kw)
         if variant.startswith("quads"):
             return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], y, ws, cnt, T, N, K, per, base, **kw)
         return lambda: _bf16_split_kernel[grid](x, W, y, ws, cnt, T, N, K, per, **kw)
@@ -334,7 +350,7 @@ def main() -> None:
             for variant in a.variants.split(","):
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
-                split = variant.split("_")[1] if variant.startswith(("quads", "bf16s", "pkg", "octs")) else None
+                split = variant.split("_")[1].rstrip("pf") if variant.startswith(("quads", "bf16s", "pkg", "octs")) else None
                 launcher(f"pkg_{split}" if split else "bf16", x, data[0][0], None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
