@@ -523,6 +523,15 @@ def test_t_neutral_params_change_no_bit(dtype):
         except OutOfResources:  # a launch that does not fit (fp32 tiles with deep pipelines): not numerics
             continue
     assert checked >= len(combos) * 2 // 3
+    # the statistic's chunks loaded 1..8 at a time (K=256: two 64-chunks and masked ones past K), residual too
+    x2, r2 = rnd(g, 5, 256, dtype=dtype), rnd(g, 5, 256, dtype=dtype)
+    base_res = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64)
+    for unroll in (1, 2, 4, 8):
+        assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, stat_unroll=unroll), base_norm), unroll
+        got = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64, stat_unroll=unroll)
+        assert all(torch.equal(a, b) for a, b in zip(got, base_res)), unroll
+    with pytest.raises(ValueError, match="stat_unroll"):
+        K.rmsnorm_linear(x, nw, W, 1e-5, stat_unroll=3)
     KVH, G, D, b, T = 2, 4, 32, 300, 16
     kc, vc = rnd(g, KVH, 400, D, dtype=dtype), rnd(g, KVH, 400, D, dtype=dtype)
     q = rnd(g, T, KVH * G, D, dtype=dtype)
