@@ -14,6 +14,8 @@ import json
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from specpilot.engines.shapes import LLAMA3_8B
 from specpilot.kernels.bench import time_graph
@@ -21,6 +23,29 @@ from specpilot.kernels.gemm import linear
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
 from specpilot.kernels.norm_gemm import rmsnorm_linear
 from specpilot.kernels.rope_kv import rope_tables
+
+
+@triton.jit
+def _row_norm_kernel(x_ptr, nw_ptr, n_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """n = round(nw * round(x * rstd)) for one row per program (the statistic's order here is not the fused one's)."""
+    row = tl.program_id(0)
+    ks = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        h = tl.load(x_ptr + row * K + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
+        sq += h * h
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(sq, axis=0) / K + eps)
+    for k0 in range(0, K, BLOCK_K):
+        m = k0 + ks < K
+        h = tl.load(x_ptr + row * K + k0 + ks, mask=m, other=0.0)
+        nw = tl.load(nw_ptr + k0 + ks, mask=m, other=0.0).to(tl.float32)
+        hn = (h.to(tl.float32) * rstd).to(h.dtype)
+        tl.store(n_ptr + row * K + k0 + ks, (hn.to(tl.float32) * nw).to(h.dtype), mask=m)
+
+
+def row_norm(x, nw, out):
+    _row_norm_kernel[(x.shape[0],)](x, nw, out, x.shape[1], 1e-5, BLOCK_K=1024, num_warps=4)
+    return out
 
 
 def main() -> None:
@@ -59,6 +84,23 @@ def main() -> None:
                 return lambda: rmsnorm_glu(x, nw, W, 1e-5, **kw)
             return lambda: rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, pos, cos, sin, kc, vc, H, KVH, **kw)
 
+        # fixed cost of the fused norm: one program (64 W rows), fused vs plain; and norm launch + plain GEMM
+        W64 = [W[:64].contiguous() for W in Ws]
+        nbuf = torch.empty_like(x)
+        qkv_out = torch.empty(T, n_qkv, device=dev, dtype=torch.bfloat16)
+        from specpilot.kernels.rope_kv import rope_kv_write
+        probes = {
+            "one_program_linear": [lambda W=W: linear(x, W, block_n=64) for W in W64],
+            "one_program_norm_linear": [lambda W=W: rmsnorm_linear(x, nw, W, 1e-5, block_n=64) for W in W64],
+            "row_norm_only": [lambda: row_norm(x, nw, nbuf)] * len(Ws),
+            "row_norm+linear": [lambda W=W: linear(row_norm(x, nw, nbuf), W) for W in Ws],
+            "row_norm+linear+rope_kv": [lambda W=W: rope_kv_write(linear(row_norm(x, nw, nbuf), W, out=qkv_out), pos,
+                                                                  pos, cos, sin, kc, vc, H, KVH) for W in Ws],
+        }
+        for label, fns in probes.items():
+            us = time_graph(fns, 15) * 1e3
+            rows.append({"T": T, "kind": label, "us": us})
+            print(f"T={T:<3} {label:<26} {us:7.1f} us", flush=True)
         for kind in ("linear", "norm_linear", "qkv_rope", "gate_up"):
             weights = Wgu if kind == "gate_up" else Ws
             best = default = None
