@@ -526,10 +526,13 @@ def test_t_neutral_params_change_no_bit(dtype):
     # the statistic's chunks loaded 1..8 at a time (K=256: two 64-chunks and masked ones past K), residual too
     x2, r2 = rnd(g, 5, 256, dtype=dtype), rnd(g, 5, 256, dtype=dtype)
     base_res = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64)
-    for unroll in (1, 2, 4, 8):
-        assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, stat_unroll=unroll), base_norm), unroll
-        got = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64, stat_unroll=unroll)
-        assert all(torch.equal(a, b) for a, b in zip(got, base_res)), unroll
+    for unroll, prefetch in ((1, False), (2, True), (4, False), (8, True)):
+        kw = dict(stat_unroll=unroll, act_prefetch=prefetch)
+        assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, **kw), base_norm), kw
+        got = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, base_res)), kw
+        assert torch.equal(K.rmsnorm_linear(x2, nw, W, 1e-5, block_k=64, split_k=2, **kw),
+                           K.rmsnorm_linear(x2, nw, W, 1e-5, block_k=64, split_k=2)), kw
     with pytest.raises(ValueError, match="stat_unroll"):
         K.rmsnorm_linear(x, nw, W, 1e-5, stat_unroll=3)
     KVH, G, D, b, T = 2, 4, 32, 300, 16
