@@ -87,7 +87,7 @@ class LaunchParams:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "num_warps" and v not in _POW2_WARPS:
+            if f.name == "num_warps" and v not in _POW2_WARPS + ((None,) if f.default is None else ()):
                 raise ValueError(f"num_warps={v} must be one of {_POW2_WARPS}")
             if f.name == "num_stages" and v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"num_stages={v} must be a positive int (or None: a default)")

@@ -19,7 +19,7 @@ from ..weights.format import W12Tensor
 from ._common import check_int, check_out, check_tensor, dot_precision
 from .act import swiglu_ref
 from .gemm import BLOCK_K
-from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_pdl,
+from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_pdl, norm_warps,
                         rmsnorm_linear_ref)
 from .rope_kv import rope_kv_write_ref
 
@@ -38,9 +38,9 @@ def rmsnorm_glu_ref(x, norm_w, W, eps, residual=None):
 def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
                      positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, *,
-                     out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
+                     out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                     split_k: int = 1, stat_unroll: int = 4, act_prefetch: bool = True) -> torch.Tensor:
+                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: bool = True) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -50,6 +50,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
                                                 act_prefetch=act_prefetch)
+    num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
     check_int("kv_heads", kv_heads, 1)
@@ -83,15 +84,16 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
 
 def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
+                residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-                stat_unroll: int = 4, act_prefetch: bool = True):
+                stat_unroll: int = 8, act_prefetch: bool = True):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, w_rows_per_out=2,
                                                            row_tile=row_tile, split_k=split_k,
                                                            stat_unroll=stat_unroll, act_prefetch=act_prefetch)
+    num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)

@@ -32,6 +32,17 @@ from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
+# Default warps of a norm + projection launch by its K. H200, captured decode step, every norm launch at 4 warps
+# against 8 (notes/h200.md, session 13): SmolLM2-135M (K=576) 5-6% faster, Llama-3-8B (K=4096) 0.6% slower at
+# T=1 and 5% at T=16.
+NORM_WARPS_SMALL_K = 2048
+
+
+def norm_warps(k: int, num_warps: int | None) -> int:
+    """num_warps, or when None the default for a launch whose rows have k features."""
+    if num_warps is not None:
+        return num_warps
+    return 4 if k <= NORM_WARPS_SMALL_K else 8
 
 # What a norm + projection kernel does with its tile (constexpr: each kind compiles to its own kernel).
 EPI_STORE = tl.constexpr(0)  # store y (and/or the argmax partials)
@@ -45,12 +56,12 @@ class RMSNormLinearParams(LaunchParams):
     recomputes), num_stages from shared memory. Defaults from a sweep on an H200 at Llama-3-8B shapes."""
 
     block_n: int | None = None
-    num_warps: int = 8
+    num_warps: int | None = None  # None: norm_warps(K)
     num_stages: int | None = None
     block_k: int = BLOCK_K  # K chunk of the norm statistic and the accumulation chain: reduction order
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES, see gemm.py): reduction order
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
-    stat_unroll: int = 4  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
+    stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
     act_prefetch: bool = True  # load the next chunk's x a K iteration ahead (latency, not order: T-neutral)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
@@ -191,7 +202,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 4,
+                           SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
                            ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
                            PF_LINES: tl.constexpr = 16):
     pid = tl.program_id(0)
@@ -284,7 +295,7 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
-                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 4,
+                      w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
                       act_prefetch: bool = True) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
@@ -324,9 +335,9 @@ def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int
 def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
                    residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                   residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 8,
+                   residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                   argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 4,
+                   argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
                    act_prefetch: bool = True):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
@@ -339,6 +350,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
                                                            split_k=split_k, stat_unroll=stat_unroll,
                                                            act_prefetch=act_prefetch)
+    num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
