@@ -1,5 +1,6 @@
 """GPU check: the norm + projection kernels give the same bits with every T-neutral latency setting
-(stat_unroll, act_prefetch) at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16 (the CPU test runs small shapes).
+(stat_unroll, act_prefetch), and `linear` with early_residual, at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16
+(the CPU tests run small shapes).
 
 python3 scripts/gpu_norm_bits.py
 """
@@ -10,6 +11,7 @@ import itertools
 import torch
 
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
+from specpilot.kernels.gemm import linear
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
 from specpilot.kernels.norm_gemm import rmsnorm_linear
 from specpilot.kernels.rope_kv import rope_tables
@@ -39,11 +41,19 @@ def main() -> None:
                 return [t.view(torch.int16) for t in (q, kc, vc, act, hh, y)]
 
             base = run()
-            for unroll, pf in itertools.product((1, 2, 4, 8), (True, False)):
+            for unroll, pf in itertools.product((1, 2, 4, 8), (0, 1, 2)):
                 got = run(stat_unroll=unroll, act_prefetch=pf)
                 assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, unroll, pf)
                 checked += 1
-    print(f"norm kernels: {checked} settings x 6 outputs equal to the defaults, bit for bit")
+            Wo = (torch.randn(h, s.intermediate, generator=g, device=dev) * s.intermediate ** -0.5).to(torch.bfloat16)
+            a = torch.randn(T, s.intermediate, generator=g, device=dev).to(torch.bfloat16)
+            bias = torch.randn(h, generator=g, device=dev).to(torch.bfloat16)
+            for split in (1, 2, 4):
+                want = linear(a, Wo, r, bias=bias, split_k=split).view(torch.int16)
+                assert torch.equal(linear(a, Wo, r, bias=bias, split_k=split, early_residual=True).view(torch.int16),
+                                   want), (s, T, split)
+                checked += 1
+    print(f"{checked} latency settings equal to the defaults, bit for bit")
 
 
 if __name__ == "__main__":

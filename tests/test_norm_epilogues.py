@@ -25,7 +25,8 @@ def rnd(g, *shape, scale=1.0, dtype=BF):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 32)])
 @pytest.mark.parametrize("T", [1, 5, 17])
 @pytest.mark.parametrize("row_tile", K.ROW_TILES)
-def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_tile):
+@pytest.mark.parametrize("act_prefetch", [1, 2])  # 2: the rotary inputs are loaded before the K loop
+def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_tile, act_prefetch):
     g = torch.Generator().manual_seed(T * 7 + heads)
     K_in = 64
     x, nw = rnd(g, T, K_in), rnd(g, K_in)
@@ -36,7 +37,8 @@ def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_
     kc, vc = rnd(g, kv_heads, 40, head_dim), rnd(g, kv_heads, 40, head_dim)
     kc2, vc2 = kc.clone(), vc.clone()
     tile = {"block_n": 16, "row_tile": row_tile}  # with one row per program block_n shapes the sum: keep it
-    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, **tile)
+    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, act_prefetch=act_prefetch,
+                           **tile)
     q2 = K.rope_kv_write(K.rmsnorm_linear(x, nw, W, 1e-5, **tile), pos, slots, cos, sin, kc2, vc2, heads, kv_heads)
     assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
     kc3, vc3 = kc.clone(), vc.clone()  # the reference, to tolerance (it rounds through torch's ops)
@@ -49,13 +51,14 @@ def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_
         assert torch.equal(q4[0], q[0]) and torch.equal(kc4[:, slots[0]], kc[:, slots[0]])
 
 
-def test_qkv_rope_out_of_range_position_writes_nothing():
+@pytest.mark.parametrize("act_prefetch", [0, 2])
+def test_qkv_rope_out_of_range_position_writes_nothing(act_prefetch):
     g = torch.Generator().manual_seed(1)
     x, nw, W = rnd(g, 2, 32), rnd(g, 32), rnd(g, (2 + 2) * 16, 32, scale=0.1)
     cos, sin = (t.to(DEV) for t in K.rope_tables(8, 16, 10000.0))
     kc, vc = torch.zeros(1, 4, 16, dtype=BF, device=DEV), torch.zeros(1, 4, 16, dtype=BF, device=DEV)
     q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, torch.tensor([3, 99], device=DEV), torch.tensor([1, 2], device=DEV),
-                           cos, sin, kc, vc, 2, 1)
+                           cos, sin, kc, vc, 2, 1, act_prefetch=act_prefetch)
     assert q[1].isnan().all() and not q[0].isnan().any()
     assert kc[0, 2].eq(0).all() and vc[0, 2].eq(0).all() and kc[0, 1].ne(0).any()
 

@@ -56,10 +56,16 @@ class LinearParams(LaunchParams):
     block_k: int = BLOCK_K  # the K chunk of the accumulation chain: a reduction-order field (per shape, all T)
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES): a reduction-order field
     split_k: int = 1  # K runs per output tile, added in a fixed order: a reduction-order field (more programs)
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages")
+    early_residual: bool = False  # load residual and bias before the K loop, not after it (latency: T-neutral)
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
-                                                "row_tile": ROW_TILES, "split_k": SPLIT_KS}
+                                                "row_tile": ROW_TILES, "split_k": SPLIT_KS, "early_residual": (False, True)}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.early_residual, bool):
+            raise ValueError(f"early_residual={self.early_residual!r} must be a bool")
 
 
 @triton.jit
@@ -173,11 +179,24 @@ def fit_block_n(block_n: int, block_k: int, elem_size: int, smem_budget: int = 1
     return block_n
 
 
+@triton.jit
+def _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    """(bias fp32 [BLOCK_N] or 0, residual tile or 0): what the epilogue adds to the accumulator."""
+    bias = 0.0
+    r = 0.0
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + offs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    return bias, r
+
+
 @triton.jit(do_not_specialize=["T"])
 def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
                    ws_ptr, cnt_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = 0,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                   EARLY_RES: tl.constexpr = 0, PDL: tl.constexpr = 0,
                    PF_LINES: tl.constexpr = 16):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
@@ -197,6 +216,9 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     if not W12:
         prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if EARLY_RES:  # their L2 latency overlaps the K loop instead of following it
+        bias, r = _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS, HAS_RES)
     if W12:  # W12 weights (w12_tile.py): the W tile load below is the only other difference
         lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -218,13 +240,13 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
             w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, BLOCK_M, BLOCK_N)
+    if not EARLY_RES:
+        bias, r = _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS, HAS_RES)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     y = acc.to(y_ptr.dtype.element_ty)
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     om = row_ok[:, None] & col_ok[None, :] & last
     if HAS_RES:
-        r = tl.load(r_ptr + offs, mask=om, other=0.0)
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=om)
 
@@ -247,9 +269,9 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-            split_k: int = 1) -> torch.Tensor:
+            split_k: int = 1, early_residual: bool = False) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
-                 split_k=split_k)
+                 split_k=split_k, early_residual=early_residual)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -278,28 +300,29 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
                              N, K, per_split, x.shape[1], SWIGLU=swiglu,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
                              W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                             num_warps=num_warps, num_stages=stages, **pdl)
+                             EARLY_RES=int(early_residual), num_warps=num_warps, num_stages=stages, **pdl)
     return out
 
 
 def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-           block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1) -> torch.Tensor:
+           block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
+           early_residual: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
-                   split_k)
+                   split_k, early_residual)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                  split_k: int = 1) -> torch.Tensor:
+                  split_k: int = 1, early_residual: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -307,4 +330,4 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
-                   row_tile, split_k)
+                   row_tile, split_k, early_residual)

@@ -40,7 +40,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, *,
                      out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: bool = True) -> torch.Tensor:
+                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 1) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -76,7 +76,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
-                                     SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=int(act_prefetch),
+                                     SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
                                      num_warps=num_warps,
                                      num_stages=stages, **norm_pdl(x, N, K))
     return out
@@ -86,7 +86,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-                stat_unroll: int = 8, act_prefetch: bool = True):
+                stat_unroll: int = 8, act_prefetch: int = 1):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
@@ -105,6 +105,6 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                                     STAT_UNROLL=stat_unroll, ACT_PREFETCH=int(act_prefetch), num_warps=num_warps,
+                                     STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, num_warps=num_warps,
                                      num_stages=stages, **norm_pdl(x, 2 * N, K))
     return out if residual is None else (out, residual_out)

@@ -32,6 +32,9 @@ from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
+# Loads a norm launch issues ahead of their use: 0 none; 1 the next K chunk's x (and norm weight) one iteration ahead;
+# 2 that, and the rotary epilogue's positions, slots and cos/sin rows before the K loop instead of after it.
+ACT_PREFETCHES = (0, 1, 2)
 # Default warps of a norm + projection launch by its K. H200, captured decode step, every norm launch at 4 warps
 # against 8 (notes/h200.md, session 13): SmolLM2-135M (K=576) 5-6% faster, Llama-3-8B (K=4096) 0.6% slower at
 # T=1 and 5% at T=16.
@@ -62,19 +65,19 @@ class RMSNormLinearParams(LaunchParams):
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES, see gemm.py): reduction order
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
-    act_prefetch: bool = True  # load the next chunk's x a K iteration ahead (latency, not order: T-neutral)
+    act_prefetch: int = 1  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
-                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": (True, False)}
+                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.stat_unroll not in STAT_UNROLLS:
             raise ValueError(f"stat_unroll={self.stat_unroll!r} must be one of {STAT_UNROLLS}")
-        if not isinstance(self.act_prefetch, bool):
-            raise ValueError(f"act_prefetch={self.act_prefetch!r} must be a bool")
+        if not isinstance(self.act_prefetch, int) or self.act_prefetch not in ACT_PREFETCHES:
+            raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
 
 
 @triton.jit
@@ -127,7 +130,7 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
             lo_cols2, code_cols2, tab_base2, esc_next2 = w12_cols(rowtab_ptr, rowesc_ptr, cols2, col_ok2, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # ACT_PREFETCH: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise sits
+    # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise sits
     # on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not pipeline it): one
     # program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
     kk = k_lo + ks
@@ -136,7 +139,7 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
-        if ACT_PREFETCH:
+        if ACT_PREFETCH >= 1:
             h, nw = h_next, nw_next
             kn = kk + BLOCK_K
             h_next = _load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
@@ -164,23 +167,29 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
 
 
 @triton.jit
-def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                   S, max_pos, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr):
-    """rope_kv_write's arithmetic on a QKV tile: q rotated to q [T, H*D]; k rotated and v to the caches at slots."""
+def _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr, sin_ptr, S, max_pos, HALF: tl.constexpr):
+    """The rotary epilogue's loads for a QKV tile: (rows with a valid position and slot, slots, cos, sin)."""
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    ok = row_ok & (pos >= 0) & (pos < max_pos) & (slot >= 0) & (slot < S)
+    tab = pos.to(tl.int64)[:, None] * HALF + ((cols % (2 * HALF)) % HALF)[None, :]
+    tm = ok[:, None] & col_ok[None, :]
+    return ok, slot, tl.load(cos_ptr + tab, mask=tm, other=0.0), tl.load(sin_ptr + tab, mask=tm, other=0.0)
+
+
+@triton.jit
+def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr, S, ok, slot, c, s,
+                   H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr):
+    """rope_kv_write's arithmetic on a QKV tile: q rotated to q [T, H*D]; k rotated and v to the caches at slots.
+    ok, slot, c, s: _rope_inputs; row_ok: the rows this program stores."""
     D: tl.constexpr = 2 * HALF
     dtype = q_ptr.dtype.element_ty
     y = acc.to(dtype)
     x = y.to(tl.float32)  # the rotation reads the rounded projection, as rope_kv_write reads qkv
     xp = acc2.to(dtype).to(tl.float32)
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
-    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-    ok = row_ok & (pos >= 0) & (pos < max_pos) & (slot >= 0) & (slot < S)
+    ok = ok & row_ok
     d = cols % D
     first = d < HALF
-    tab = pos.to(tl.int64)[:, None] * HALF + (d % HALF)[None, :]
-    tm = ok[:, None] & col_ok[None, :]
-    c = tl.load(cos_ptr + tab, mask=tm, other=0.0)
-    s = tl.load(sin_ptr + tab, mask=tm, other=0.0)
     rot = rotate(x, c, tl.where(first[None, :], -(xp * s), xp * s)).to(dtype)  # [x1 c - x2 s, x2 c + x1 s]
     is_q = col_ok & (cols < H * D)
     is_k = col_ok & (cols >= H * D) & (cols < (H + KVH) * D)
@@ -235,6 +244,9 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
             last2 = 2 * N - 1 if EPI == EPI_GLU else N - 1
             prefetch_rows(w_ptr + tl.minimum(cols2, last2).to(tl.int64) * K, K, PDL, PF_LINES)
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
+    if EPI == EPI_ROPE and ACT_PREFETCH >= 2:  # positions may come from the previous kernel too (device loop)
+        rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
+                                                          sin_ptr, S, max_pos, HALF)
     k_lo = pid_k * K_SPLIT
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
                           code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
@@ -248,8 +260,11 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], silu_mul(acc.to(dtype), acc2.to(dtype)),
                  mask=row_ok[:, None] & col_ok[None, :])
     elif EPI == EPI_ROPE:
-        _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, y_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr,
-                       vc_ptr, S, max_pos, H, KVH, HALF)
+        if ACT_PREFETCH < 2:
+            rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
+                                                              sin_ptr, S, max_pos, HALF)
+        _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, y_ptr, kc_ptr, vc_ptr, S, rope_ok, rope_slot, rope_c,
+                       rope_s, H, KVH, HALF)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -296,7 +311,7 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: bool = True) -> tuple:
+                      act_prefetch: int = 1) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
@@ -338,7 +353,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: bool = True):
+                   act_prefetch: int = 1):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
@@ -375,7 +390,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
-                                 ACT_PREFETCH=int(act_prefetch),
+                                 ACT_PREFETCH=act_prefetch,
                                  num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
