@@ -1,15 +1,18 @@
 """Experiment (GPU): which W12 tile decode can feed the batch-invariant dot chain at bf16 speed or better?
 
 Standalone kernels, escape-free weights (every exponent inside a 15-wide window, code = exponent - base), so only
-the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit for bit against the bf16 kernel's.
-Layouts (derived with torch from the same weights):
-- aff8:  lo uint8 [N, K]; codes uint8 [N, K/2], element 2j in the low nibble of byte j (the stored format today)
-- pair:  codes paired within each 128-block: byte j holds elements j (low) and 64 + j (high); two 64-wide dots
-- quad:  lo as int32 [N, K/4], word j of a 128-block = elements j, 32+j, 64+j, 96+j (bytes 0..3); codes int16
-         [N, K/4] likewise (nibbles 0..3); four 32-wide dots
-- *_pf:  the same with the next chunk's raw bytes loaded before this chunk's decode (register double buffer)
+the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit for bit against the package's bf16
+`linear` at the same split-K. Variants (NAME_S: split-K S):
+- pkg_S:   specpilot.kernels.linear on the bf16 weights (the bf16 path)
+- quads_S: lo as int32 [N, K/4], word j of a 128-block = elements j, 32+j, 64+j, 96+j (bytes 0..3), codes int16
+           likewise (nibbles 0..3); decoded with Triton integer ops into four 32-wide slices, four dots
+- octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word (nibble e:
+           element 32e+j); eight slices decoded by 20 PTX integer instructions (OCT_ASM), eight dots
+- octs_Spf: the same with the next block's bytes loaded before this block's decode
+Earlier variants (one byte per element with a table gather, paired 64-wide halves: 2-3x slower than these) are in
+notes/h200-s13-w12-variants.json and this file's history.
 
-python3 scripts/gpu_w12_variants.py OUT.json [--shapes 4096x4096,14336x4096] [--tokens 1,16]
+python3 scripts/gpu_w12_variants.py OUT.json --variants pkg_1,pkg_4,octs_1,octs_4pf [--shapes 4096x4096,...]
 """
 from __future__ import annotations
 
@@ -31,100 +34,6 @@ CHUNK = 128
 def _dec(lo, code, base):
     bits = ((lo & 0x80) << 8) | ((code + base) << 7) | (lo & 0x7F)
     return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _bf16_kernel(x_ptr, w_ptr, y_ptr, T, N, K, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, 16)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        kk = k0 + tl.arange(0, 128)
-        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < T, other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None])
-        acc = tl.dot(a, w, acc)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
-
-
-@triton.jit
-def _aff8_kernel(x_ptr, lo_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, 16)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    c64 = cols[None, :].to(tl.int64)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        kk = k0 + tl.arange(0, 128)
-        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < T, other=0.0)
-        lo = tl.load(lo_ptr + c64 * K + kk[:, None]).to(tl.int32)
-        cb = tl.load(c_ptr + c64 * (K // 2) + (kk // 2)[:, None]).to(tl.int32)
-        code = (cb >> ((kk % 2) * 4)[:, None]) & 15
-        acc = tl.dot(a, _dec(lo, code, base), acc)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
-
-
-@triton.jit
-def _pair_kernel(x_ptr, lo_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexpr, PF: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, 16)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    c64 = cols[None, :].to(tl.int64)
-    j = tl.arange(0, 64)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    lo_a = tl.load(lo_ptr + c64 * K + j[:, None])
-    lo_b = tl.load(lo_ptr + c64 * K + 64 + j[:, None])
-    cb = tl.load(c_ptr + c64 * (K // 2) + j[:, None])
-    for k0 in range(0, K, 128):
-        if PF:
-            nk = tl.minimum(k0 + 128, K - 128)
-            n_a = tl.load(lo_ptr + c64 * K + nk + j[:, None])
-            n_b = tl.load(lo_ptr + c64 * K + nk + 64 + j[:, None])
-            n_c = tl.load(c_ptr + c64 * (K // 2) + nk // 2 + j[:, None])
-        else:
-            lo_a = tl.load(lo_ptr + c64 * K + k0 + j[:, None])
-            lo_b = tl.load(lo_ptr + c64 * K + k0 + 64 + j[:, None])
-            cb = tl.load(c_ptr + c64 * (K // 2) + k0 // 2 + j[:, None])
-        ci = cb.to(tl.int32)
-        xa = tl.load(x_ptr + rows[:, None] * K + k0 + j[None, :], mask=rows[:, None] < T, other=0.0)
-        xb = tl.load(x_ptr + rows[:, None] * K + k0 + 64 + j[None, :], mask=rows[:, None] < T, other=0.0)
-        acc = tl.dot(xa, _dec(lo_a.to(tl.int32), ci & 15, base), acc)
-        acc = tl.dot(xb, _dec(lo_b.to(tl.int32), ci >> 4, base), acc)
-        if PF:
-            lo_a = n_a
-            lo_b = n_b
-            cb = n_c
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
-
-
-@triton.jit
-def _quad_kernel(x_ptr, l_ptr, c_ptr, y_ptr, T, N, K, base, BLOCK_N: tl.constexpr, PF: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = tl.arange(0, 16)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    c64 = cols[None, :].to(tl.int64)
-    K4 = K // 4
-    j = tl.arange(0, 32)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    L = tl.load(l_ptr + c64 * K4 + j[:, None])
-    C = tl.load(c_ptr + c64 * K4 + j[:, None])
-    for k0 in range(0, K, 128):
-        if PF:
-            nk = tl.minimum(k0 + 128, K - 128) // 4
-            nL = tl.load(l_ptr + c64 * K4 + nk + j[:, None])
-            nC = tl.load(c_ptr + c64 * K4 + nk + j[:, None])
-        else:
-            L = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
-            C = tl.load(c_ptr + c64 * K4 + k0 // 4 + j[:, None])
-        Ci = C.to(tl.int32)
-        for q in tl.static_range(4):
-            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * q + j[None, :], mask=rows[:, None] < T, other=0.0)
-            w = _dec((L >> (8 * q)) & 0xFF, (Ci >> (4 * q)) & 15, base)
-            acc = tl.dot(xq, w, acc)
-        if PF:
-            L = nL
-            C = nC
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=rows[:, None] < T)
 
 
 @triton.jit
@@ -150,24 +59,6 @@ def _quad_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_S
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
-
-@triton.jit
-def _bf16_split_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, BLOCK_N: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(N, BLOCK_N)
-    tile = pid % tiles
-    pid_k = pid // tiles
-    rows = tl.arange(0, 16)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(pid_k * K_SPLIT, (pid_k + 1) * K_SPLIT, 128):
-        kk = k0 + tl.arange(0, 128)
-        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=rows[:, None] < T, other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None])
-        acc = tl.dot(a, w, acc)
-    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
 # Eight bf16 from two lo words (bytes of elements 0-3 and 4-7) and a code word (nibble e = element e's code):
@@ -268,56 +159,39 @@ def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, 
 def layouts(W: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
     N, K = W.shape
     b = W.view(torch.int16).to(torch.int32)
-    lo = (((b >> 8) & 0x80) | (b & 0x7F)).to(torch.uint8)
+    lo = (((b >> 8) & 0x80) | (b & 0x7F)).to(torch.int32)
     c = codes.to(torch.int32)
-    aff8 = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8)
-    blk = c.view(N, K // CHUNK, CHUNK)
-    pair = (blk[:, :, :64] | (blk[:, :, 64:] << 4)).reshape(N, K // 2).to(torch.uint8)
-    lb = lo.to(torch.int32).view(N, K // CHUNK, 4, 32)
+    lb = lo.view(N, K // CHUNK, 4, 32)
     quad_l = (lb[:, :, 0] | (lb[:, :, 1] << 8) | (lb[:, :, 2] << 16) | (lb[:, :, 3] << 24)).reshape(N, K // 4)
-    cq = blk.view(N, K // CHUNK, 4, 32)
+    cq = c.view(N, K // CHUNK, 4, 32)
     quad_c = (cq[:, :, 0] | (cq[:, :, 1] << 4) | (cq[:, :, 2] << 8) | (cq[:, :, 3] << 12)).reshape(N, K // 4)
-    ob = lo.to(torch.int32).view(N, K // 256, 2, 4, 32)
+    ob = lo.view(N, K // 256, 2, 4, 32)
     oct_l = (ob[:, :, :, 0] | (ob[:, :, :, 1] << 8) | (ob[:, :, :, 2] << 16) | (ob[:, :, :, 3] << 24)).reshape(N, K // 4)
     oc = c.view(N, K // 256, 8, 32)
     oct_c = sum(oc[:, :, e] << (4 * e) for e in range(8)).reshape(N, K // 8)
-    return {"oct_l": oct_l.to(torch.int32).contiguous(), "oct_c": oct_c.to(torch.int32).contiguous(),
-            "lo": lo.contiguous(), "aff8": aff8.contiguous(), "pair": pair.contiguous(),
-            "quad_l": quad_l.to(torch.int32).contiguous(),
-            "quad_c": quad_c.to(torch.int32).to(torch.int16).contiguous()}
+    return {"oct_l": oct_l.contiguous(), "oct_c": oct_c.to(torch.int32).contiguous(), "quad_l": quad_l.contiguous(),
+            "quad_c": quad_c.to(torch.int16).contiguous()}
 
 
 def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
+    """A call of `variant` (NAME_S[pf], see the module doc) writing y fp32 [T, N]."""
     T, K = x.shape
     N = W.shape[0]
-    grid = (triton.cdiv(N, bn),)
-    kw = dict(BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    if variant.startswith(("quads", "bf16s", "pkg", "octs")):
-        split = int(variant.split("_")[1].rstrip("pf"))
-        if variant.startswith("pkg"):
-            return lambda: linear(x, W, out_dtype=torch.float32, out=y, block_n=bn, num_warps=warps,
-                                  num_stages=stages, split_k=split)
-        ws = torch.empty(grid[0] * split * 16 * bn, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device)
-        kw["SPLIT_K"] = split
-        per = K // split
-        grid = (grid[0] * split,)
-        if variant.startswith("octs"):
-            return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], y, ws, cnt, T, N, K, per, base,
-                                                   ASM=x.is_cuda, PF=variant.endswith("pf"), **kw)
-        if variant.startswith("quads"):
-            return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], y, ws, cnt, T, N, K, per, base, **kw)
-        return lambda: _bf16_split_kernel[grid](x, W, y, ws, cnt, T, N, K, per, **kw)
-    if variant == "bf16":
-        return lambda: _bf16_kernel[grid](x, W, y, T, N, K, **kw)
-    if variant == "aff8":
-        return lambda: _aff8_kernel[grid](x, lay["lo"], lay["aff8"], y, T, N, K, base, **kw)
-    if variant.startswith("pair"):
-        return lambda: _pair_kernel[grid](x, lay["lo"], lay["pair"], y, T, N, K, base, PF=variant.endswith("_pf"), **kw)
-    if variant.startswith("quad"):
-        return lambda: _quad_kernel[grid](x, lay["quad_l"], lay["quad_c"], y, T, N, K, base,
-                                          PF=variant.endswith("_pf"), **kw)
-    raise ValueError(variant)
+    name, tail = variant.split("_")
+    split = int(tail.removesuffix("pf"))
+    if name == "pkg":
+        return lambda: linear(x, W, out_dtype=torch.float32, out=y, block_n=bn, num_warps=warps, num_stages=stages,
+                              split_k=split)
+    grid = (triton.cdiv(N, bn) * split,)
+    ws = torch.empty(grid[0] * 16 * bn, dtype=torch.float32, device=x.device)
+    args = (y, ws, _counters(x.device), T, N, K, K // split, base)
+    kw = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    if name == "octs":
+        return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args, ASM=x.is_cuda,
+                                               PF=tail.endswith("pf"), **kw)
+    if name == "quads":
+        return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], *args, **kw)
+    raise ValueError(f"unknown variant {variant!r}")
 
 
 def main() -> None:
@@ -327,7 +201,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shapes", default="4096x4096,14336x4096")
     ap.add_argument("--tokens", default="1,16")
-    ap.add_argument("--variants", default="bf16,aff8,pair,pair_pf,quad,quad_pf")
+    ap.add_argument("--variants", default="pkg_1,pkg_4,quads_4,octs_1,octs_1pf,octs_4pf")
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="1,3")
@@ -350,8 +224,8 @@ def main() -> None:
             for variant in a.variants.split(","):
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
-                split = variant.split("_")[1].rstrip("pf") if variant.startswith(("quads", "bf16s", "pkg", "octs")) else None
-                launcher(f"pkg_{split}" if split else "bf16", x, data[0][0], None, ref, 0, 32, 4, 3)()
+                split = variant.split("_")[1].removesuffix("pf")
+                launcher(f"pkg_{split}", x, data[0][0], None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
                     if time.time() - t0 > a.budget_s:
