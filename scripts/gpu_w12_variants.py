@@ -37,15 +37,18 @@ def _dec(lo, code, base):
 
 
 @triton.jit
-def _quad_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+def _program_tile(N, BLOCK_N: tl.constexpr):
+    """(column tile, split-K run, token rows, W rows, W rows as int64 [1, BLOCK_N]) of this program."""
     pid = tl.program_id(0)
     tiles = tl.cdiv(N, BLOCK_N)
-    tile = pid % tiles
-    pid_k = pid // tiles
-    rows = tl.arange(0, 16)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    c64 = cols[None, :].to(tl.int64)
+    cols = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid % tiles, pid // tiles, tl.arange(0, 16), cols, cols[None, :].to(tl.int64)
+
+
+@triton.jit
+def _quad_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+    tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
     K4 = K // 4
     j = tl.arange(0, 32)
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -105,13 +108,7 @@ def _oct_decode(La, Lb, Cw, b2, ASM: tl.constexpr):
 def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
                       SPLIT_K: tl.constexpr, ASM: tl.constexpr,
                       PF: tl.constexpr = False):
-    pid = tl.program_id(0)
-    tiles = tl.cdiv(N, BLOCK_N)
-    tile = pid % tiles
-    pid_k = pid // tiles
-    rows = tl.arange(0, 16)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    c64 = cols[None, :].to(tl.int64)
+    tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
     K4 = K // 4
     K8 = K // 8
     j = tl.arange(0, 32)
