@@ -192,6 +192,7 @@ ATTN_CASES = [  # T, heads, kv_heads, D, base, tree?, split_keys, block_n
     (40, 6, 2, 16, 100, True, 64, 64),
     (40, 4, 4, 16, 63, False, 256, 64),
     (5, 6, 2, 16, 300, True, 256, 64),
+    (3, 2, 1, 16, 1100, True, 16, 16),  # 69 splits: the combine's multi-group loops (<= 64: one round of loads)
 ]
 
 

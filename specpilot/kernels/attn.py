@@ -174,22 +174,37 @@ def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.con
     (m = -inf) or past n_split adds an exact zero."""
     sp = tl.arange(0, GROUP)
     dd = tl.arange(0, D)
-    mx = tl.full([GROUP], float("-inf"), tl.float32)
-    for g0 in range(0, n_split, GROUP):
-        w = ((g0 + sp) * stride + row).to(tl.int64)
-        mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf")))
-    top = tl.max(mx, axis=0)
-    top = tl.where(top > float("-inf"), top, 0.0)
-    lv = tl.zeros([GROUP], dtype=tl.float32)
-    accv = tl.zeros([GROUP, D], dtype=tl.float32)
-    for g0 in range(0, n_split, GROUP):
-        w = ((g0 + sp) * stride + row).to(tl.int64)
-        ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"))
+    if n_split <= GROUP:  # one group: every partial in one round of loads (the loops below take two, one L2 trip
+        # after the other), the same arithmetic: the group's max is its loads', its sums start from zero
+        w = (sp * stride + row).to(tl.int64)
+        ms = tl.load(ws_m_ptr + w, mask=sp < n_split, other=float("-inf"))
+        ls = tl.load(ws_l_ptr + w, mask=sp < n_split, other=0.0)
+        os = tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=(sp < n_split)[:, None], other=0.0)
+        top = tl.max(tl.maximum(tl.full([GROUP], float("-inf"), tl.float32), ms), axis=0)
+        top = tl.where(top > float("-inf"), top, 0.0)
         use = ms > float("-inf")
         scale = tl.where(use, tl.exp2(ms - top), 0.0)
-        lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0)
-        accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0)
-    return tl.sum(accv, axis=0), tl.sum(lv, axis=0)
+        lv = tl.zeros([GROUP], dtype=tl.float32) + scale * tl.where(use, ls, 0.0)
+        accv = tl.zeros([GROUP, D], dtype=tl.float32) + scale[:, None] * tl.where(use[:, None], os, 0.0)
+        acc, l = tl.sum(accv, axis=0), tl.sum(lv, axis=0)
+    else:
+        mx = tl.full([GROUP], float("-inf"), tl.float32)
+        for g0 in range(0, n_split, GROUP):
+            w = ((g0 + sp) * stride + row).to(tl.int64)
+            mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf")))
+        top = tl.max(mx, axis=0)
+        top = tl.where(top > float("-inf"), top, 0.0)
+        lv = tl.zeros([GROUP], dtype=tl.float32)
+        accv = tl.zeros([GROUP, D], dtype=tl.float32)
+        for g0 in range(0, n_split, GROUP):
+            w = ((g0 + sp) * stride + row).to(tl.int64)
+            ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"))
+            use = ms > float("-inf")
+            scale = tl.where(use, tl.exp2(ms - top), 0.0)
+            lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0)
+            accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0)
+        acc, l = tl.sum(accv, axis=0), tl.sum(lv, axis=0)
+    return acc, l
 
 
 @triton.jit(do_not_specialize=["T", "base_val"])
