@@ -163,7 +163,8 @@ def layouts(W: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
     cq = c.view(N, K // CHUNK, 4, 32)
     quad_c = (cq[:, :, 0] | (cq[:, :, 1] << 4) | (cq[:, :, 2] << 8) | (cq[:, :, 3] << 12)).reshape(N, K // 4)
     ob = lo.view(N, K // 256, 2, 4, 32)
-    oct_l = (ob[:, :, :, 0] | (ob[:, :, :, 1] << 8) | (ob[:, :, :, 2] << 16) | (ob[:, :, :, 3] << 24)).reshape(N, K // 4)
+    oct_l = (ob[:, :, :, 0] | (ob[:, :, :, 1] << 8) | (ob[:, :, :, 2] << 16) | (ob[:, :, :, 3] << 24))
+    oct_l = oct_l.reshape(N, K // 4)
     oc = c.view(N, K // 256, 8, 32)
     oct_c = sum(oc[:, :, e] << (4 * e) for e in range(8)).reshape(N, K // 8)
     return {"oct_l": oct_l.contiguous(), "oct_c": oct_c.to(torch.int32).contiguous(), "quad_l": quad_l.contiguous(),

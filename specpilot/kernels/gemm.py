@@ -60,7 +60,8 @@ class LinearParams(LaunchParams):
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
-                                                "row_tile": ROW_TILES, "split_k": SPLIT_KS, "early_residual": (False, True)}
+                                                "row_tile": ROW_TILES, "split_k": SPLIT_KS,
+                                                "early_residual": (False, True)}
 
     def __post_init__(self) -> None:
         super().__post_init__()

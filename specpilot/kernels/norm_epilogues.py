@@ -77,8 +77,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
-                                     num_warps=num_warps,
-                                     num_stages=stages, **norm_pdl(x, N, K))
+                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
     return out
 
 

@@ -130,12 +130,13 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
             lo_cols2, code_cols2, tab_base2, esc_next2 = w12_cols(rowtab_ptr, rowesc_ptr, cols2, col_ok2, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise sits
-    # on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not pipeline it): one
-    # program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
-    kk = k_lo + ks
-    h_next = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
-    nw_next = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise
+    # sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not pipeline it):
+    # one program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
+    if ACT_PREFETCH >= 1:
+        kk = k_lo + ks
+        h_next = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
+        nw_next = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
