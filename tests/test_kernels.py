@@ -527,15 +527,15 @@ def test_t_neutral_params_change_no_bit(dtype):
     # the statistic's chunks loaded 1..8 at a time (K=256: two 64-chunks and masked ones past K), residual too
     x2, r2 = rnd(g, 5, 256, dtype=dtype), rnd(g, 5, 256, dtype=dtype)
     base_res = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64)
-    b = rnd(g, 200, dtype=dtype)  # residual and bias loaded before the K loop: the same bits
+    bias = rnd(g, 200, dtype=dtype)  # residual and bias loaded before the K loop: the same bits
     for split in (1, 2):
-        assert torch.equal(K.linear(x, W, res, bias=b, split_k=split, early_residual=True),
-                           K.linear(x, W, res, bias=b, split_k=split)), split
+        assert torch.equal(K.linear(x, W, res, bias=bias, split_k=split, early_residual=True),
+                           K.linear(x, W, res, bias=bias, split_k=split)), split
     for unroll, prefetch in ((1, 0), (2, 1), (4, 2), (8, 0)):
         kw = dict(stat_unroll=unroll, act_prefetch=prefetch)
         assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, **kw), base_norm), kw
         got = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(got, base_res)), kw
+        assert all(torch.equal(out, want) for out, want in zip(got, base_res)), kw
         assert torch.equal(K.rmsnorm_linear(x2, nw, W, 1e-5, block_k=64, split_k=2, **kw),
                            K.rmsnorm_linear(x2, nw, W, 1e-5, block_k=64, split_k=2)), kw
     with pytest.raises(ValueError, match="stat_unroll"):

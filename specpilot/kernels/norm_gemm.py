@@ -391,8 +391,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
-                                 ACT_PREFETCH=act_prefetch,
-                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
+                                 ACT_PREFETCH=act_prefetch, num_warps=num_warps, num_stages=stages,
+                                 **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
