@@ -41,8 +41,8 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
-    defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 1),
-                ("EARLY_RES", 0))
+    defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
+                ("EARLY_RES", 1))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

@@ -527,9 +527,9 @@ def test_t_neutral_params_change_no_bit(dtype):
     # the statistic's chunks loaded 1..8 at a time (K=256: two 64-chunks and masked ones past K), residual too
     x2, r2 = rnd(g, 5, 256, dtype=dtype), rnd(g, 5, 256, dtype=dtype)
     base_res = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64)
-    bias = rnd(g, 200, dtype=dtype)  # residual and bias loaded before the K loop: the same bits
+    bias = rnd(g, 200, dtype=dtype)  # residual and bias loaded after the K loop (not before, the default): the same bits
     for split in (1, 2):
-        assert torch.equal(K.linear(x, W, res, bias=bias, split_k=split, early_residual=True),
+        assert torch.equal(K.linear(x, W, res, bias=bias, split_k=split, early_residual=False),
                            K.linear(x, W, res, bias=bias, split_k=split)), split
     for unroll, prefetch in ((1, 0), (2, 1), (4, 2), (8, 0)):
         kw = dict(stat_unroll=unroll, act_prefetch=prefetch)

@@ -56,7 +56,7 @@ class LinearParams(LaunchParams):
     block_k: int = BLOCK_K  # the K chunk of the accumulation chain: a reduction-order field (per shape, all T)
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES): a reduction-order field
     split_k: int = 1  # K runs per output tile, added in a fixed order: a reduction-order field (more programs)
-    early_residual: bool = False  # load residual and bias before the K loop, not after it (latency: T-neutral)
+    early_residual: bool = True  # load residual and bias before the K loop, not after it (latency: T-neutral)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
@@ -270,7 +270,7 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-            split_k: int = 1, early_residual: bool = False) -> torch.Tensor:
+            split_k: int = 1, early_residual: bool = True) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
                  split_k=split_k, early_residual=early_residual)
     xname = "gate_up" if swiglu else "x"
@@ -309,7 +309,7 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-           early_residual: bool = False) -> torch.Tensor:
+           early_residual: bool = True) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
@@ -323,7 +323,7 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                  split_k: int = 1, early_residual: bool = False) -> torch.Tensor:
+                  split_k: int = 1, early_residual: bool = True) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of

@@ -40,7 +40,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, *,
                      out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 1) -> torch.Tensor:
+                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -85,7 +85,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-                stat_unroll: int = 8, act_prefetch: int = 1):
+                stat_unroll: int = 8, act_prefetch: int = 2):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,

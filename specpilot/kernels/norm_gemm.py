@@ -65,7 +65,7 @@ class RMSNormLinearParams(LaunchParams):
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES, see gemm.py): reduction order
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
-    act_prefetch: int = 1  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
+    act_prefetch: int = 2  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
@@ -312,7 +312,7 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: int = 1) -> tuple:
+                      act_prefetch: int = 2) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
@@ -354,7 +354,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: int = 1):
+                   act_prefetch: int = 2):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
