@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from specpilot.engines.collector import collector_paused
 from specpilot.engines.device_loop import CALIBRATION_STEPS, DeviceLoop, LoopSteps
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy
@@ -108,6 +109,10 @@ class SpecEngine:
         if self.drafter is not None:
             self.drafter.reset()
         self.target.begin_request(len(prompt) + max_new_tokens)
+        with collector_paused():
+            return self._generate(prompt, max_new_tokens, request_id)
+
+    def _generate(self, prompt: list[int], max_new_tokens: int, request_id: str) -> GenerationResult:
         t0 = time.perf_counter()
         pre = self.target.prefill(prompt)
         first = pre.argmax[0]

@@ -10,7 +10,6 @@ single-request AR output from SpecEngine (kernel_backend=triton).
 """
 from __future__ import annotations
 
-import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_ver
                                                 request_costs)
 from specpilot.engines.batch.runner import BatchRunner, StepEntry
 from specpilot.engines.batch.scheduler import Request, RequestState, Scheduler, StopReason
+from specpilot.engines.collector import collector_paused
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, VerifyMode
 
 
@@ -120,14 +120,9 @@ class BatchEngine:
         pending = deque(sorted(specs, key=lambda s: s.arrival_s))
         reqs: list[Request] = []
         self._stats = RunResult([], 0.0)
-        collecting = gc.isenabled()
-        gc.disable()  # a full collection over every request's growing lists stalls a step by milliseconds
-        try:
+        with collector_paused():  # a full collection over every request's growing lists stalls a step
             clock.start()
             self._serve(pending, reqs, clock)
-        finally:
-            if collecting:
-                gc.enable()
         stats, self._stats = self._stats, None
         stats.wall_s = clock.now()
         stats.requests = [RequestResult(r.id, list(r.out), r.stop.value, len(r.prompt), r.arrival_s,
