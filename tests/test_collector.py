@@ -1,4 +1,4 @@
-"""engines.collector: the decode loops run with the cyclic collector paused, and leave its state as they found it."""
+"""specpilot.collector: the decode loops run with the cyclic collector paused, and leave its state as they found it."""
 from __future__ import annotations
 
 import gc
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.engines.build import build_engine
-from specpilot.engines.collector import collector_paused
+from specpilot.collector import collector_paused
 from specpilot.engines.config import DrafterKind, EngineConfig
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import LlamaShape

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from specpilot.engines.collector import collector_paused
+from specpilot.collector import collector_paused
 from specpilot.engines.device_loop import CALIBRATION_STEPS, DeviceLoop, LoopSteps
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy

@@ -13,10 +13,11 @@ tokens the call holds or on what the other rows contain. Every kernel here gets 
 from __future__ import annotations
 
 import dataclasses
-import gc
 from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
+
+from specpilot.collector import collector_paused
 
 BLOCK_M = 16  # token tile of every token-tiled kernel; part of the numerics, never tuned
 # Token tiles of the projections: BLOCK_M rows through tensor-core dots, or one row per program through
@@ -45,14 +46,9 @@ def capture_graph(body, warmups: int = 2, pool=None):
     # H200 in about one tuner run in three). torch.cuda.graph no longer collects on entry (force_cudagraph_gc).
     # The likely cause, read from that failure's trace; dropping a replayed graph in a cycle during a capture did
     # not reproduce it in isolation on the H200 (session 9), so no test pins it.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE):
-            out = body()
-    finally:
-        if collecting:
-            gc.enable()
+    with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=stream,
+                                              capture_error_mode=CAPTURE_ERROR_MODE):
+        out = body()
     return graph, out
 # Launch option of kernels whose bits two different kernels must reproduce (single-request and paged attention):
 # without it the compiler contracts a*b+c into one FMA wherever the surrounding code lets it, so two kernels

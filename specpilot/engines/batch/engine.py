@@ -23,7 +23,7 @@ from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_ver
                                                 request_costs)
 from specpilot.engines.batch.runner import BatchRunner, StepEntry
 from specpilot.engines.batch.scheduler import Request, RequestState, Scheduler, StopReason
-from specpilot.engines.collector import collector_paused
+from specpilot.collector import collector_paused
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, VerifyMode
 
 
