@@ -18,12 +18,9 @@ from pathlib import Path
 
 import torch
 
-from specpilot.engines.batch import BatchConfig, BatchRunner
+from gpu_batch_profile import smollm2_batch_runner  # scripts/ is on sys.path when run as scripts/gpu_batch_host.py
 from specpilot.engines.batch.paged_attn import max_tiles
 from specpilot.engines.batch.runner import StepEntry, bucket
-from specpilot.engines.config import EngineConfig
-from specpilot.engines.loader import random_model
-from specpilot.engines.shapes import SMOLLM2_135M
 
 
 def med_us(xs: list[float]) -> float:
@@ -35,11 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--reps", type=int, default=200)
     a = ap.parse_args(argv)
-    model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
-    cfg = EngineConfig.from_dict({"dtype": "bfloat16", "max_seq_len": 2560, "kernel_backend": "triton",
-                                  "cuda_graphs": True, "drafter": "ngram"})
-    runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
-                         max_block=33)
+    runner = smollm2_batch_runner()[0]
     rows = []
     with torch.no_grad():
         for requests, per, context in ((16, 1, 1024), (16, 6, 1024)):

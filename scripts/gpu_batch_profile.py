@@ -63,16 +63,23 @@ def measure(results: list[dict], label: str, step, **case) -> None:
         print(f"   {us:8.1f} us  {n:4d}x  {name}")
 
 
+def smollm2_batch_runner(max_seq_len: int = 2560) -> tuple[BatchRunner, object, EngineConfig]:
+    """(runner, model, cfg): random SmolLM2-135M weights in bf16 behind the batched bench's runner (24 rows,
+    drafts up to 32 tokens, graphs up to 1024 tokens)."""
+    model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
+    cfg = EngineConfig.from_dict({"dtype": "bfloat16", "max_seq_len": max_seq_len, "kernel_backend": "triton",
+                                  "cuda_graphs": True, "drafter": "ngram"})
+    runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
+                         max_block=33)
+    return runner, model, cfg
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--max-seq-len", type=int, default=2560)
     a = ap.parse_args(argv)
-    model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
-    cfg = EngineConfig.from_dict({"dtype": "bfloat16", "max_seq_len": a.max_seq_len, "kernel_backend": "triton",
-                                  "cuda_graphs": True, "drafter": "ngram"})
-    runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
-                         max_block=33)
+    runner, model, cfg = smollm2_batch_runner(a.max_seq_len)
     results = []
     with torch.no_grad():
         for requests, per, context in ((1, 1, 256), (16, 1, 256), (16, 1, 1024), (16, 6, 1024), (16, 16, 1024),

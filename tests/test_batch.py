@@ -366,6 +366,14 @@ def test_cost_curve():
     with pytest.raises(ValueError):
         CostCurve(((4, 1.0), (2, 1.0)))
     assert profile_tokens(24, 6) == [1, 16, 32, 64, 128, 144] and profile_tokens(1, 1) == [1, 2]
+    # one number takes a plain-float path: the same bits as the array path (np.interp), knots and extension too
+    h200 = CostCurve(((1, 0.00127), (16, 0.00132), (32, 0.00146), (64, 0.00163), (128, 0.00192), (408, 0.00432)))
+    rng = random.Random(0)
+    xs = [0, 0.5, 1, 1.5, 16, 16.25, 31.999, 32, 100, 128, 407, 408, 409.5, 2000]
+    xs += [rng.uniform(0, 600) for _ in range(500)]
+    for curve in (c, h200):
+        assert [curve.at(x) for x in xs] == curve.at(np.array(xs)).tolist()
+        assert all(isinstance(curve.at(x), float) for x in (3, 3.5))
 
 
 def test_ngram_chain_drafter_equals_ngram_drafter():

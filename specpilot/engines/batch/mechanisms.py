@@ -83,8 +83,9 @@ def allocate_verify_budget(alphas: list[float], proposed: list[int], base_tokens
     (every decode request's pending token, prefill chunks). cap > 0 bounds n."""
     if not proposed or max(proposed, default=0) == 0:
         return [0] * len(proposed)
-    req = np.repeat(np.arange(len(proposed)), proposed)
-    depth = np.concatenate([np.arange(1, k + 1) for k in proposed]).astype(float)
+    counts = np.asarray(proposed)
+    req = np.repeat(np.arange(len(proposed)), counts)
+    depth = (np.arange(len(req)) - np.repeat(np.cumsum(counts) - counts, counts) + 1).astype(float)  # 1..k each
     value = np.asarray(alphas, dtype=float)[req] ** depth
     order = np.lexsort((req, depth, -value))  # by value desc, then depth asc, then request
     gain = np.concatenate([[0.0], np.cumsum(value[order])])

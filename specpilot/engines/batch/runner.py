@@ -43,12 +43,16 @@ class StepEntry:
 class StepHandle:
     """A launched step; result() waits for it (the step's one host sync)."""
 
-    def __init__(self, out: torch.Tensor):
-        self._out = out
+    def __init__(self, out: torch.Tensor, done: "torch.cuda.Event | None" = None):
+        self._out, self._done = out, done  # done: out is a pinned host copy, complete once `done` fires
 
     def result(self) -> np.ndarray:
         """[max_batch, 1 + block width] int64: per row, accepted draft tokens, then the argmax after each
-        block token (the committed tokens are the first accepted + 1 of them)."""
+        block token (the committed tokens are the first accepted + 1 of them). On CUDA a view of the runner's
+        pinned buffer: valid until the next launch."""
+        if self._done is not None:
+            self._done.synchronize()
+            return self._out.numpy()
         return self._out.cpu().numpy()
 
 
@@ -91,6 +95,11 @@ class BatchRunner:
         self._pool = None
         # The host buffer is pinned and copied asynchronously: it is rewritten only once the last copy ran.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
+        # The result comes back through a pinned buffer, copied as soon as the forward ends (on the H200 a
+        # synchronous .cpu() of the small result took 36-49 us of host time a step; scripts/gpu_batch_host.py).
+        self._result_ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._host_out = torch.empty((self.B, 1 + self.W), dtype=torch.int64,
+                                     pin_memory=self._result_ready is not None)
         self._alloc_buffers()
 
     # ---- buffers ----------------------------------------------------------------------------------
@@ -195,12 +204,20 @@ class BatchRunner:
             graph = self._graph(nb)  # captured before the buffers are filled: capture runs a null step
             self._fill(entries, nb, max_tiles(nb, self.group, self.B))
             self._upload()
-            return StepHandle(graph.replay() if self.emulate else _replay(graph))
+            return self._handle(graph.replay() if self.emulate else _replay(graph))
         lens = np.fromiter((len(e.tokens) for e in entries), np.int64, len(entries))
         n_tiles = int((-(-lens * self.group // 16)).sum())
         max_kv = self._fill(entries, total, n_tiles)
         self._upload()
-        return StepHandle(self._forward(total, n_tiles, max_kv))
+        return self._handle(self._forward(total, n_tiles, max_kv))
+
+    def _handle(self, out: torch.Tensor) -> StepHandle:
+        if self._result_ready is None:
+            return StepHandle(out)
+        self._result_ready.synchronize()  # the previous step's copy has been read (normally long done)
+        self._host_out.copy_(out, non_blocking=True)
+        self._result_ready.record()
+        return StepHandle(self._host_out, self._result_ready)
 
     def _upload(self) -> None:
         self._dev_all.copy_(self._host_all, non_blocking=True)
