@@ -6,8 +6,9 @@ kernels): (a) the draft graph, one replay + sync (BlockTreeDrafter.distributions
 accepted tokens (n = 1, 4, 16); (c) the kernels (a) and (b) launch, from torch.profiler, with their time. Then
 (d) SpecEngine.generate with chain verification and the fused step, host loop (device_steps=1) and device loop
 (device_steps=4), beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the
-cost of a speculative step against AR's ms/token). On CPU (no graphs) it times eager calls and counts no kernels:
-a smoke test of the script.
+cost of a speculative step against AR's ms/token); (e) the kernels per step of a chain + ngram_prefix generate on
+the device loop (the glue around the target's forward: acceptance, lead_rows, the lookup). On CPU (no graphs) it
+times eager calls and counts no kernels: a smoke test of the script.
 """
 import argparse
 import collections
@@ -96,11 +97,36 @@ def engine_costs(c: EngineConfig) -> dict:
             "tokens_per_step": r.accepted_per_step}
 
 
+def loop_kernels(c: EngineConfig, tokens: int = 128) -> dict:
+    """Kernels per speculative step of a generate on the device loop (graph replays included; the prefill's
+    kernels are counted too, spread over the steps): where a step's time goes besides the target's forward."""
+    if not cuda:
+        return {}
+    engine = build_engine(c, target, frozenset(), dev, block_drafter=drafter)
+    engine.warm_up(prompt, 8)
+    engine.generate(prompt, tokens)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = engine.generate(prompt, tokens)
+        sync()
+    steps = len(r.steps) or 1
+    seen, us = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            seen[e.name[:90]] += 1
+            us[e.name[:90]] += e.device_time
+    return {"steps": steps, "kernels_per_step": round(sum(seen.values()) / steps, 1),
+            "device_us_per_step": round(sum(us.values()) / steps, 1),
+            "by_kernel": {k: [round(seen[k] / steps, 2), round(us[k] / steps, 2)] for k, _ in us.most_common()}}
+
+
 res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
        "steps": {name: step_costs(name == "fused") for name in ("reference", "fused")},
        "engine": {"ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
                   "chain host loop": engine_costs(cfg.replace(device_steps=1)),
-                  "chain device loop x4": engine_costs(cfg.replace(device_steps=4))}}
+                  "chain device loop x4": engine_costs(cfg.replace(device_steps=4))},
+       "loop_kernels": {"chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4,
+                                                                                         ngram_prefix=True))}}
 json.dump(res, open(os.path.join(args.out, "block_drafter_step.json"), "w"), indent=1)
 for name, s in res["steps"].items():
     print(name, s["step"], "draft ms", round(s["draft_ms"], 4), "observe ms",
@@ -109,3 +135,8 @@ for name, s in res["steps"].items():
 print("| engine | ms/token | ms/step | tokens/step |\n|---|---|---|---|")
 for name, e in res["engine"].items():
     print(f"| {name} | {e['ms_per_token']:.4f} | {e['ms_per_step']:.4f} | {e['tokens_per_step']:.3f} |")
+for name, k in res["loop_kernels"].items():
+    if k:
+        print(f"{name}: {k['kernels_per_step']} kernels, {k['device_us_per_step']} us of kernels per step; top:")
+        for kern, (n, t) in list(k["by_kernel"].items())[:25]:
+            print(f"   {t:8.2f} us  {n:6.2f}x  {kern}")
