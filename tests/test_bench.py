@@ -142,3 +142,23 @@ def test_reference_label_names_only_numerics_knobs():
     assert reference_label(ar, EngineConfig(token_tile=8, draft_len=9, verify="chain")) == "ar"
     assert reference_label(ar, EngineConfig(drafter="block", verify="tree", token_tile=8)) == "ar"
     assert reference_label(ar, EngineConfig(token_tile=16, dtype="float32")) == "ar{dtype=float32,token_tile=16}"
+
+
+def test_report_names_a_stalled_request():
+    """A request whose decode ran mostly outside its timed steps (session 14: a collection inside one request on the
+    H200, 11 ms a step) is named in the table's notes; one with the usual few ms between steps is not."""
+    from specpilot.bench.harness import BenchReport, RequestResult, format_report
+
+    def request(prompt_id: str, decode_s: float, outside_ms: float) -> RequestResult:
+        return RequestResult(benchmark="mbpp", prompt_id=prompt_id, variant="spec", prompt_tokens=95, new_tokens=99,
+                             decode_s=decode_s, prefill_s=0.01, steps=45, stop_reason="eos", tokens_per_step=2.2,
+                             step_hist={2: 45}, matches_ar=True, first_divergence=None, speedup=1.5, draft_ms=0.0,
+                             verify_ms=0.98, outside_ms=outside_ms)
+
+    report = BenchReport("dep", "cuda", 2048, ["spec"], [request("485", 0.495, 451.0), request("48", 0.045, 1.2),
+                                                         request("1", 0.030, 40.0)])  # 40 ms: under STALL_MS
+    text = format_report(report)
+    assert "spec mbpp/485: STALL, 451 ms of its 495 ms decode" in text
+    assert "mbpp/48:" not in text and "mbpp/1:" not in text
+    assert [r.stalled for r in report.requests] == [True, False, False]
+    assert report.to_dict()["requests"][0]["outside_ms"] == 451.0

@@ -21,6 +21,7 @@ from specpilot.engines.traces import RequestTrace, StepTrace
 AR_LABEL = "ar"  # the exact AR reference (batch-invariant shapes): every variant's tokens must equal it
 AR_FAST_LABEL = "ar_fast"  # the engine's fastest AR mode (per-step shapes); speedups are measured against
 # the faster of the two AR modes, so a speedup never comes from a slowed-down baseline
+STALL_MS = 50.0  # decode time outside a request's steps above which the report names the request
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,18 @@ class RequestResult:
     # step itself): where a speculative step's time goes.
     draft_ms: float | None = None
     verify_ms: float | None = None
+    # Decode wall time outside the timed steps (the host between steps; device-loop chunks are timed whole): a few
+    # ms at most, unless something stalled the loop (a collection, a compile, a capture).
+    outside_ms: float | None = None
 
     @property
     def tpot_ms(self) -> float:
         return 1e3 * self.decode_s / max(1, self.new_tokens - 1)
+
+    @property
+    def stalled(self) -> bool:
+        """More than STALL_MS and a fifth of the decode outside its steps: its speedup measures the stall."""
+        return self.outside_ms is not None and self.outside_ms > max(STALL_MS, 200 * self.decode_s)
 
 
 @dataclass
@@ -166,7 +175,8 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
                 speedup=None if is_ar else fastest_ar_s / max(res.decode_s, 1e-9),
                 speedup_vs_exact_ar=None if is_ar else ar.decode_s / max(res.decode_s, 1e-9), reference=ref_label,
                 draft_ms=_mean([1e3 * s.draft_s for s in res.steps]),
-                verify_ms=_mean([1e3 * s.verify_s for s in res.steps]))
+                verify_ms=_mean([1e3 * s.verify_s for s in res.steps]),
+                outside_ms=1e3 * (res.decode_s - sum(s.draft_s + s.verify_s for s in res.steps)))
             report.requests.append(rr)
             report.outputs.setdefault(v.label, {})[tp.key] = res.tokens
             steps[v.label].extend(res.steps)
@@ -205,4 +215,8 @@ def format_report(report: BenchReport) -> str:
                 else "MISMATCH")
         lines.append(f"{r.variant} {r.benchmark}/{r.prompt_id}: {what} (vs {r.reference}), first divergence at token "
                      f"{r.first_divergence}")
+    for r in (r for r in report.requests if r.stalled):
+        lines.append(f"{r.variant} {r.benchmark}/{r.prompt_id}: STALL, {r.outside_ms:.0f} ms of its "
+                     f"{1e3 * r.decode_s:.0f} ms decode ran outside its steps (a collection, a compile or a capture?): "
+                     "its speedup measures it")
     return "\n".join(lines)
