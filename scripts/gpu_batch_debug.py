@@ -190,7 +190,7 @@ def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int
     k_single = sa._attn_split_kernel[(triton.cdiv(q_len * G, BLOCK_M), kvh, n_split)](
         q, kc, vc, anc.view(torch.uint8), single[0], *single, single[0], q_len, kv - q_len, S, 0, scale, H=h, G=G, D=d,
         BASE_IS_PTR=False, DOT_PREC=dot_precision(DT), BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, HAS_SLOTS=False,
-        **NO_FP_FUSION, num_warps=4, num_stages=2)
+        TILES=1, **NO_FP_FUSION, num_warps=4, num_stages=2)
     t_req, t_row = tile_map(np.array([q_len]), G, max_tiles(q_len, G, 1))
     meta = [torch.arange(n_split, device=DEV)[None], torch.from_numpy(t_req).to(DEV), torch.from_numpy(t_row).to(DEV),
             torch.tensor([0], device=DEV), torch.tensor([q_len], device=DEV), torch.tensor([kv], device=DEV)]

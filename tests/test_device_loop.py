@@ -166,7 +166,8 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
         seq = list(context)  # a new request to the device half
         dev.begin(seq, len(seq) - 1)
         state = torch.tensor([seq[-1], len(seq) - 1])
-        tokens, _, proposed = dev.draft(state)  # on CPU the torch reference
+        draft = dev.draft(state)  # on CPU the torch reference
+        tokens, proposed = draft.tokens, draft.proposed
         assert int(proposed) == len(want) and tokens[:len(want), 0].tolist() == want, (trial, context)
         kernel_tokens, kernel_proposed = ngram_lookup(dev.tokens, state, nmin, nmax, k)  # interpreted here
         assert torch.equal(kernel_tokens, tokens[:, 0]) and int(kernel_proposed) == int(proposed)
@@ -198,7 +199,15 @@ def test_device_steps_is_validated(bad):
         EngineConfig(device_steps=bad)
 
 
-def test_device_steps_triton_kernels_equal_ar():
+@pytest.mark.parametrize("glue", ["torch", "kernels"])
+def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
+    """The fused forward's kernels, and (glue=kernels) the loop's own assemble / commit kernels, interpreted where
+    the CPU loop would run their torch references."""
+    if glue == "kernels":
+        import specpilot.engines.device_loop as device_loop
+
+        monkeypatch.setattr(device_loop, "assemble_ref", device_loop.assemble)
+        monkeypatch.setattr(device_loop, "chain_commit_ref", device_loop.chain_commit)
     model = damped("mha_tied", 2)  # a seed whose drafter gets whole chains accepted
     drafter = quick_drafter(model, 2, 40)
     p = prompt(model.shape.vocab, 10, 2)

@@ -26,6 +26,7 @@ from specpilot.kernels import attn as sa
 from specpilot.engines.batch import paged_attn as pa
 from specpilot.kernels import gemm, norm_gemm
 from specpilot.engines import device_drafters as dd
+from specpilot.engines import loop_kernels as lk
 from specpilot.engines.drafters import block_fused as bf
 from specpilot.kernels import topk
 
@@ -80,8 +81,11 @@ PDL_KERNELS = [("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False
 PDL_OPS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")
 
 print(json.dumps({
-    "single_chain": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False}),
-    "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True}),
+    **{f"single_chain{'' if tiles == 1 else f'_tiles{tiles}'}": dots(
+        sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False, "TILES": tiles})
+       for tiles in (1, 4)},
+    "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True,
+                                                         "TILES": 1}),
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
     **{f"{'w12_' if w12 else ''}linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
                                                                           "W12": w12, **TILE})
@@ -125,7 +129,16 @@ print(json.dumps({
         ("topk_merge", topk._topk_merge_kernel, {"keys_ptr": "*i64", "m_ptr": "*fp32", "s_ptr": "*fp32",
                                                  "tok_ptr": "*i64", "prob_ptr": "*fp32", "V": "i32", "G": "i32",
                                                  "K": "i32"},
-         {"KP": 8, "GP": 64}, 4))},
+         {"KP": 8, "GP": 64}, 4),
+        ("assemble", lk._assemble_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "state_ptr",
+                                                                 "src_ptr", "rpos_ptr", "rslot_ptr", "out_tok_ptr",
+                                                                 "ids_ptr", "pos_ptr", "slot_ptr")}
+         | {"prob_ptr": "*fp32", "out_prob_ptr": "*fp32"},
+         {"D": 15, "K": 4, "N": 15, "W": 16, "HAS_LEAD": True, "DP": 16, "KP": 4, "NP": 16, "WP": 16}, 1),
+        ("chain_commit", lk._chain_commit_kernel, {n: "*i64" for n in ("argmax_ptr", "ids_ptr", "proposed_ptr",
+                                                                      "state_ptr", "seq_ptr", "path_ptr",
+                                                                      "acc_ptr")},
+         {"R": 16, "RP": 16, "HAS_SEQ": True}, 1))},
 }))
 
 '''
@@ -154,6 +167,7 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert len(compiled["paged"]) == 3, compiled["paged"]
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
+    assert compiled["single_chain_tiles4"] == compiled["single_chain"] * 4  # row tiles in turn: the same dots
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
@@ -188,4 +202,5 @@ def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
 
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
-    assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True, "topk_chunk": True, "topk_merge": True}
+    assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True, "topk_chunk": True, "topk_merge": True,
+                                "assemble": True, "chain_commit": True}

@@ -312,10 +312,12 @@ def test_rope_kv_write_batch_invariant(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("KVH,G", [(2, 1), (1, 3)])
 @pytest.mark.parametrize("bn,split", [(64, 64), (32, 128)])
-def test_attention_batch_invariant(dtype, KVH, G, bn, split):
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles):
     """The token at slot b seeing slots 0..b gives the same bits as a T=1 decode step (base=b) and inside a
     verify step of T tokens (base=b-p, the token at index p, its ancestors = the chain 0..p, other branches
-    beside it), however many extra masked key blocks and splits the bigger call iterates."""
+    beside it), however many extra masked key blocks and splits the bigger call iterates, and however many row
+    tiles one program runs in turn (tiles_per_program, T-neutral)."""
     g = torch.Generator().manual_seed(15 + KVH)
     rng = random.Random(G)
     H, D, b, S = KVH * G, 16, 60, 128
@@ -330,7 +332,8 @@ def test_attention_batch_invariant(dtype, KVH, G, bn, split):
         vc2[:, b + 1:] = rnd(g, KVH, S - b - 1, D, dtype=dtype)
         q = rnd(g, n, H, D, dtype=dtype)
         q[p] = q_row
-        o = K.attention(q, kc2, vc2, b - p, anc_from_parents(parents), block_n=bn, split_keys=split)
+        o = K.attention(q, kc2, vc2, b - p, anc_from_parents(parents), block_n=bn, split_keys=split,
+                        tiles_per_program=tiles)
         assert torch.equal(o[p], single), f"row differs inside a T={n} call (index {p})"
 
 

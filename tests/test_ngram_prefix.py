@@ -11,7 +11,8 @@ from test_device_loop import TREE
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
-from specpilot.engines.device_drafters import NgramPrefixDeviceDrafter, lead_rows
+from specpilot.engines.device_drafters import NgramPrefixDeviceDrafter
+from specpilot.engines.loop_kernels import lead_rows
 from specpilot.engines.drafters.ngram_prefix import lead_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,8 +74,9 @@ def test_candidates_are_the_lookup_then_the_block_on_host_and_device(shape):
             assert path == lookup
         seq = list(context)
         device.begin(seq, len(seq) - 1)
-        tokens, probs, proposed = device.draft(torch.tensor([seq[-1], len(seq) - 1]))
-        assert tokens[:7].tolist() == want.topk_tokens and int(proposed) == 7
+        draft = device.draft(torch.tensor([seq[-1], len(seq) - 1]))
+        tokens, probs = draft.led()
+        assert tokens[:7].tolist() == want.topk_tokens and int(draft.proposed) == 7
         assert probs[:7].tolist() == want.topk_probs
         looked_up += len(lookup) > 0
     assert 5 <= looked_up < 24  # contexts with and without a match

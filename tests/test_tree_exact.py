@@ -205,5 +205,8 @@ def test_attention_block_slots_matches_ref_and_reads_keys_in_position_order(dtyp
     ar = K.attention(q[7:8], kc2, vc2, base + 4, one, block_slots=ancestor_slots(torch.tensor(base + 4), one),
                      block_n=16, split_keys=32)
     assert torch.equal(ar[0], o[7])
+    for tiles in (2, 4):  # row tiles run in turn by one program: the same bits, spare tiles past the tokens idle
+        assert torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32,
+                                       tiles_per_program=tiles), o)
     with pytest.raises(ValueError, match="block_slots"):
         K.attention(q, kc, vc, base, anc, block_slots=bs.int(), block_n=16, split_keys=32)

@@ -8,6 +8,7 @@ occurrence, the tokens that followed it) as fixed-shape tensor ops over the whol
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,7 +17,28 @@ import triton.language as tl
 
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.loop_kernels import lead_rows
 from specpilot.kernels._common import check_launchable, check_tensor
+
+
+@dataclass(frozen=True)
+class DeviceDraft:
+    """A draft on the device: candidates [depth, topk] per depth and their probabilities, how many depths hold a real
+    proposal (a one-element tensor; depths past it are filler that may still match), and optionally a token per
+    depth that goes first at the depths below lead_depths (prompt lookup's match leading a block drafter's
+    candidates; the device loop leads them in the same launch that gathers the block's tokens)."""
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    proposed: torch.Tensor
+    lead: torch.Tensor | None = None
+    lead_depths: torch.Tensor | None = None
+
+    def led(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidates and probabilities with the lead applied (torch; the loop's assemble kernel does it too)."""
+        if self.lead is None:
+            return self.tokens, self.probs
+        depths = torch.arange(self.tokens.shape[0], device=self.tokens.device)
+        return lead_rows(self.tokens, self.probs, self.lead, depths < self.lead_depths.reshape(()))
 
 
 class DeviceDrafter(Protocol):
@@ -25,18 +47,19 @@ class DeviceDrafter(Protocol):
     capacity: int  # positions its state can hold: a step must end below it
     needs_features: bool  # commit reads the target's captured features
     use_graph: bool  # may run inside the loop's CUDA graphs
+    # A device copy of the sequence by position (prompt lookup reads it), or None: the loop writes each step's
+    # committed tokens into it (in its commit launch), so commit need not.
+    sequence: torch.Tensor | None
 
     def begin(self, seq: list[int], base: int) -> None:
         """Host side, before a chunk of steps from the pending token at slot base (seq = prompt + output)."""
 
-    def draft(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """state = (pending token, its slot) -> candidates [depth, topk], their probabilities, and how many
-        depths hold a real proposal (a 0-d tensor; depths past it are filler that may still match)."""
+    def draft(self, state: torch.Tensor) -> DeviceDraft:
+        """state = (pending token, its slot) -> the step's draft."""
 
-    def commit(self, state: torch.Tensor, path_tokens: torch.Tensor, features: torch.Tensor | None,
-               positions: torch.Tensor) -> None:
-        """The step's outcome, before state moves on: path_tokens [rows] = the target's argmax along the accepted
-        path in depth order (tokens of positions base+1..), features of its rows at positions base...."""
+    def commit(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """The step's outcome: the target's features of the accepted path's rows (positions base.., in depth
+        order)."""
 
     def end(self, base: int) -> None:
         """Host side, after a chunk: the pending token now sits at slot base."""
@@ -47,6 +70,7 @@ class DeviceDrafter(Protocol):
 
 class BlockDeviceDrafter:
     needs_features = True
+    sequence = None
 
     def __init__(self, drafter: BlockTreeDrafter):
         self.drafter, self.step = drafter, drafter.step
@@ -61,11 +85,11 @@ class BlockDeviceDrafter:
             raise RuntimeError(f"device loop: the drafter has features for {self.drafter.n_ctx} positions, the "
                                f"pending token sits at {base}")
 
-    def draft(self, state):
+    def draft(self, state) -> DeviceDraft:
         tokens, probs = self.step.draft(state)
-        return tokens[:self.depth], probs[:self.depth], self.proposed
+        return DeviceDraft(tokens[:self.depth], probs[:self.depth], self.proposed)
 
-    def commit(self, state, path_tokens, features, positions) -> None:
+    def commit(self, features, positions) -> None:
         self.step.project(features, positions)
 
     def end(self, base: int) -> None:
@@ -73,16 +97,6 @@ class BlockDeviceDrafter:
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.step.cache]
-
-
-def lead_rows(tokens: torch.Tensor, probs: torch.Tensor, lead: torch.Tensor, use: torch.Tensor):
-    """NgramPrefixDrafter's lead_with on the device, at the depths where `use`: lead [depth] first (probability 1),
-    the candidates tokens/probs [depth, k] after it in their order, a duplicate of it dropped (a stable sort moves it
-    last), k kept."""
-    order = torch.sort((tokens == lead[:, None]).to(torch.int32), dim=1, stable=True).indices
-    led_tokens = torch.cat([lead[:, None], tokens.gather(1, order)[:, :-1]], 1)
-    led_probs = torch.cat([torch.ones_like(probs[:, :1]), probs.gather(1, order)[:, :-1]], 1)
-    return torch.where(use[:, None], led_tokens, tokens), torch.where(use[:, None], led_probs, probs)
 
 
 class NgramPrefixDeviceDrafter:
@@ -95,20 +109,18 @@ class NgramPrefixDeviceDrafter:
         self.block, self.lookup = block, lookup
         self.depth, self.topk = block.depth, block.topk
         self.capacity, self.use_graph = min(block.capacity, lookup.capacity), block.use_graph
-        self.depths = torch.arange(block.depth, device=block.proposed.device)
+        self.sequence = lookup.sequence
 
     def begin(self, seq: list[int], base: int) -> None:
         self.block.begin(seq, base)
         self.lookup.begin(seq, base)
 
-    def draft(self, state):
-        tokens, probs, proposed = self.block.draft(state)
-        looked_up, _, matched = self.lookup.draft(state)
-        return (*lead_rows(tokens, probs, looked_up[:, 0], self.depths < matched), proposed)
+    def draft(self, state) -> DeviceDraft:
+        block, lookup = self.block.draft(state), self.lookup.draft(state)
+        return DeviceDraft(block.tokens, block.probs, block.proposed, lookup.tokens[:, 0], lookup.proposed)
 
-    def commit(self, state, path_tokens, features, positions) -> None:
-        self.block.commit(state, path_tokens, features, positions)
-        self.lookup.commit(state, path_tokens, features, positions)
+    def commit(self, features, positions) -> None:
+        self.block.commit(features, positions)
 
     def end(self, base: int) -> None:
         self.block.end(base)
@@ -128,10 +140,10 @@ class NgramDeviceDrafter:
     def __init__(self, drafter: NgramDrafter, capacity: int, device: torch.device):
         self.depth, self.ngram_max, self.ngram_min = drafter.draft_len, drafter.ngram_max, drafter.ngram_min
         self.capacity = capacity
-        # The sequence (prompt + output) by position; commits write depth + 1 tokens past the pending one.
+        # The sequence (prompt + output) by position; the loop writes depth + 1 tokens past the pending one a step.
         self.tokens = torch.zeros(capacity + self.depth + 2, dtype=torch.long, device=device)
+        self.sequence = self.tokens
         self.synced = 0  # positions 0..synced-1 of the current request hold its tokens
-        self.offsets = torch.arange(self.depth + 1, device=device)
         self.ones = torch.ones(self.depth, 1, device=device)
         self._seq: list[int] | None = None
 
@@ -142,14 +154,14 @@ class NgramDeviceDrafter:
             self.tokens[self.synced:base + 1].copy_(torch.tensor(seq[self.synced:base + 1]))
         self.synced = base + 1
 
-    def draft(self, state):
+    def draft(self, state) -> DeviceDraft:
         # CPU: the torch reference (the interpreted kernel takes ~10 ms a lookup; tests run it directly)
         lookup = ngram_lookup if self.tokens.is_cuda else ngram_lookup_ref
         draft, proposed = lookup(self.tokens, state, self.ngram_min, self.ngram_max, self.depth)
-        return draft[:, None], self.ones, proposed[0]
+        return DeviceDraft(draft[:, None], self.ones, proposed[0])
 
-    def commit(self, state, path_tokens, features, positions) -> None:
-        self.tokens.index_copy_(0, state[1] + 1 + self.offsets[:len(path_tokens)], path_tokens)
+    def commit(self, features, positions) -> None:
+        pass  # the loop writes the committed tokens into `sequence`
 
     def end(self, base: int) -> None:
         self.synced = base + 1  # the loop wrote every committed token itself

@@ -32,6 +32,7 @@ from specpilot.engines.device_drafters import DeviceDrafter
 from specpilot.engines.drafters.block_tree import TreeShape
 from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
+from specpilot.engines.loop_kernels import assemble, assemble_ref, chain_commit, chain_commit_ref
 from specpilot.engines.runner import ModelRunner
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
@@ -193,25 +194,28 @@ class DeviceLoop:
         self.row_depths = as_long(depths)
         self.row_index = torch.arange(rows, device=d)
         self.depth_offsets = torch.arange(self.depth_rows, device=d)
-        self.pad = torch.zeros(v.width - rows, dtype=torch.long, device=d)
+        if lay.chain and list(v.positions[:rows]) != list(range(rows)):
+            raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
         self._graphs.clear()
 
     def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
         """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs."""
         drafter, rows = self.drafter, len(self.row_depths)
+        on_gpu = self.runner.device.type == "cuda"  # CPU: the glue's torch references (interpreted kernels: slow)
+        assemble_block, commit_chain = (assemble, chain_commit) if on_gpu else (assemble_ref, chain_commit_ref)
         outs = []
         for _ in range(steps):
-            pending, base = self.state[:1], self.state[1]
-            top_tokens, top_probs, proposed = drafter.draft(self.state)
-            nodes = top_tokens.reshape(-1)[self.node_src]
-            target = self.runner._step_fn(torch.cat([pending, nodes, self.pad]), base + self.positions,
-                                          base + self.slots, base, self.anc)
+            base = self.state[1]  # a view: read it before the state moves on
+            d = drafter.draft(self.state)
+            top_tokens, top_probs, ids, positions, slots = assemble_block(
+                d.tokens, d.probs, d.lead, d.lead_depths, self.state, self.node_src, self.positions, self.slots)
+            target = self.runner._step_fn(ids, positions, slots, base, self.anc)
             argmax, features = target[0][:rows], target[4]
-            matched = nodes == argmax[self.parent_rows]
             if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
-                accepted = torch.minimum(matched.long().cumprod(0).sum(), proposed)  # filler is not a proposal
-                path = self.depth_offsets
+                path_tokens, accepted = commit_chain(argmax, ids, d.proposed, self.state, drafter.sequence)
+                drafter.commit(None if features is None else features[:rows], positions[:rows])
             else:
+                matched = ids[1:rows] == argmax[self.parent_rows]
                 misses = torch.cat([matched.new_zeros(1), ~matched]).float()  # the root always matches
                 ok = (self.path_matrix @ misses) == 0  # no miss among a node's ancestors-or-self
                 best = torch.argmax(ok.long() * self.row_depths).view(1)  # the deepest (unique: siblings differ)
@@ -223,12 +227,13 @@ class DeviceLoop:
                 path = path[:self.depth_rows]
                 kv = self.runner.kv
                 kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
-            path_tokens = argmax[path]
-            drafter.commit(self.state, path_tokens, None if features is None else features[path],
-                           base + self.depth_offsets)
-            bonus = torch.index_select(path_tokens, 0, accepted.view(1))
-            self.state.copy_(torch.cat([bonus, (base + accepted + 1).view(1)]))
-            outs.append((path_tokens, accepted, proposed, top_tokens, top_probs))
+                path_tokens = argmax[path]
+                if drafter.sequence is not None:
+                    drafter.sequence.index_copy_(0, base + 1 + self.depth_offsets, path_tokens)
+                drafter.commit(None if features is None else features[path], base + self.depth_offsets)
+                bonus = torch.index_select(path_tokens, 0, accepted.view(1))
+                self.state.copy_(torch.cat([bonus, (base + accepted + 1).view(1)]))
+            outs.append((path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs))
         return tuple(torch.stack(col) for col in zip(*outs))
 
     def _capture(self, steps: int) -> LoopGraph:

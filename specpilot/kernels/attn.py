@@ -46,14 +46,20 @@ class AttentionParams(LaunchParams):
     split_keys: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages")
+    # Row tiles one split program runs one after another (the same statements per tile, so the same bits): fewer
+    # programs re-reading one split's keys when a verify's rows span several tiles (T * group > BLOCK_M).
+    tiles_per_program: int = 1
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
-                                                "num_warps": (2, 4, 8), "num_stages": (1, 2, 3)}
+                                                "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
+                                                "tiles_per_program": (1, 2, 4)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.split_keys % self.block_n:
             raise ValueError(f"split_keys={self.split_keys} must be a multiple of block_n={self.block_n}")
+        if self.tiles_per_program not in (1, 2, 4, 8):
+            raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
 
 
 @triton.jit
@@ -91,15 +97,27 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                        T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
                        PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
-    pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     lo = split * SPLIT
+    for tile in tl.static_range(TILES):
+        _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
+                         tl.program_id(0) * TILES + tile, kvh, split, base, end, lo, T, S, A, qk_scale, H, G, D,
+                         DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
+
+
+@triton.jit
+def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, split,
+                     base, end, lo, T, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_SLOTS: tl.constexpr):
+    """Row tile pid_m of one (kv head, split): the online softmax over the split's visible keys, its partials
+    stored. A tile past the rows (the last program's spare tiles) does nothing."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if HAS_SLOTS:
         # A split of context keys only (all below base) reads the same keys for every token: its rows are tiled
@@ -113,12 +131,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         row_ok = tl.where(context, r < T * G, g < G)
         t = tl.where(context, r // G, tok)
         h = kvh * G + tl.where(context, r % G, g)
-        live = (lo < end) & ((lo + SPLIT > base) | (pid_m * BLOCK_M < T * G))
+        live = (lo < end) & tl.where(lo + SPLIT > base, tok < T, pid_m * BLOCK_M < T * G)
     else:
         row_ok = r < T * G
         t = r // G
         h = kvh * G + r % G
-        live = lo < end
+        live = (lo < end) & (pid_m * BLOCK_M < T * G)
     if live:
         dtype = q_ptr.dtype.element_ty
         dd = tl.arange(0, D)
@@ -273,7 +291,8 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+              block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
+              tiles_per_program: int = 1) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -282,7 +301,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     the keys AR would, in position order (anc is then not read). Splits that reach base then tile one token per
     program; splits of context keys only tile as without block_slots (the same bits).
     """
-    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages)
+    params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
+                             tiles_per_program=tiles_per_program)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -304,12 +324,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     qk_scale = LOG2E / math.sqrt(D)
     has_slots = block_slots is not None
     n_m = T * triton.cdiv(G, BLOCK_M) if has_slots else triton.cdiv(T * G, BLOCK_M)
-    _attn_split_kernel[(n_m, KVH, n_split)](
+    tiles = min(params.tiles_per_program, n_m)
+    _attn_split_kernel[(triton.cdiv(n_m, tiles), KVH, n_split)](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
         T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
-        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, **NO_FP_FUSION, num_warps=num_warps,
-        num_stages=num_stages, **pdl_launch(dev))
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
         SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION, **pdl_launch(dev))

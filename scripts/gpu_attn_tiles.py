@@ -1,0 +1,57 @@
+"""Attention's tiles_per_program (row tiles one split program runs in turn) on the GPU: the same bits as one tile a
+program, and what it saves where a verify's rows span several tiles (T * group > 16).
+
+Per shape (SmolLM2-135M, Llama-3-8B heads), context and token count: the split + combine launches over one cache
+per layer, CUDA-graph timed with the base on the device (as the engine runs them), us per layer, for each tiles
+setting; every setting's output compared bit for bit with tiles 1. Prints a table last; JSON to OUT.
+
+    PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4] [--contexts 128,1024,2048]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
+from specpilot.kernels import attention
+from specpilot.kernels.bench import time_graph
+
+
+def case(name: str, sh, context: int, T: int, tiles: list[int], layers: int = 8, S: int = 4096) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(context + T)
+    caches = [tuple(torch.randn(sh.kv_heads, S, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
+                    for _ in range(2)) for _ in range(layers)]
+    q = torch.randn(T, sh.heads, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
+    base = torch.tensor([context], device="cuda")
+    anc = torch.tril(torch.ones(T, T, dtype=torch.bool, device="cuda"))
+    row = {"shape": name, "context": context, "T": T}
+    want = attention(q, *caches[0], base, anc)
+    for t in tiles:
+        got = attention(q, *caches[0], base, anc, tiles_per_program=t)
+        row[f"equal_{t}"] = bool(torch.equal(got, want))
+        fns = [lambda kc=kc, vc=vc: attention(q, kc, vc, base, anc, tiles_per_program=t) for kc, vc in caches]
+        row[f"us_{t}"] = round(1e3 * time_graph(fns, 50), 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tiles", default="1,2,4")
+    ap.add_argument("--contexts", default="128,1024,2048")
+    a = ap.parse_args()
+    tiles = [int(t) for t in a.tiles.split(",")]
+    shapes = (("smollm2", SMOLLM2_135M), ("llama8b", LLAMA3_8B))
+    rows = [case(name, sh, c, T, tiles) for name, sh in shapes for c in map(int, a.contexts.split(",")) for T in (1, 16)]
+    json.dump(rows, open(a.out, "w"), indent=1)
+    print("| shape | context | T | " + " | ".join(f"tiles {t} us (bits equal)" for t in tiles) + " |")
+    print("|---|---|---|" + "---|" * len(tiles))
+    for r in rows:
+        print(f"| {r['shape']} | {r['context']} | {r['T']} | "
+              + " | ".join(f"{r[f'us_{t}']} ({r[f'equal_{t}']})" for t in tiles) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The device loop's glue around the target's forward, as two one-program kernels (engines.device_loop): a step's
+draft block assembled from the drafter's candidates, and a chain step's outcome committed.
+
+In torch each side was ~15 small launches a step (gather, cat, compare, cumprod, index_select, the lookup's
+sort/gather/cat/where, state updates), ~33 a chain + lookup step at ~1.5 us each inside the loop's CUDA graph
+(`scripts/gpu_block_drafter_step.py`, section loop_kernels). The work is integer selection (and copies of
+probabilities), so the kernels equal their torch references exactly; the device loop runs the references on CPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.kernels._common import check_launchable, check_tensor
+
+
+def lead_rows(tokens: torch.Tensor, probs: torch.Tensor, lead: torch.Tensor, use: torch.Tensor):
+    """NgramPrefixDrafter's lead_with at the depths where `use`: lead [depth] first (probability 1), the candidates
+    tokens/probs [depth, k] after it in their order, a duplicate of it dropped (a stable sort moves it last), k
+    kept."""
+    order = torch.sort((tokens == lead[:, None]).to(torch.int32), dim=1, stable=True).indices
+    led_tokens = torch.cat([lead[:, None], tokens.gather(1, order)[:, :-1]], 1)
+    led_probs = torch.cat([torch.ones_like(probs[:, :1]), probs.gather(1, order)[:, :-1]], 1)
+    return torch.where(use[:, None], led_tokens, tokens), torch.where(use[:, None], led_probs, probs)
+
+
+def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots):
+    check_tensor("tokens", tokens, (None, None), torch.int64)
+    dev, (depth, k) = tokens.device, tokens.shape
+    check_tensor("probs", probs, (depth, k), torch.float32, dev)
+    if (lead is None) != (lead_depths is None):
+        raise ValueError("lead and lead_depths come together (a lookup's tokens and how many depths they cover)")
+    if lead is not None:
+        check_tensor("lead", lead, (depth,), torch.int64, dev)
+        check_tensor("lead_depths", lead_depths, None, torch.int64, dev)
+        if lead_depths.numel() != 1:
+            raise ValueError(f"lead_depths must hold one count, got shape {list(lead_depths.shape)}")
+    check_tensor("state", state, (2,), torch.int64, dev)
+    check_tensor("node_src", node_src, (None,), torch.int64, dev)
+    check_tensor("rel_positions", rel_positions, (None,), torch.int64, dev)
+    check_tensor("rel_slots", rel_slots, rel_positions.shape, torch.int64, dev)
+    if node_src.shape[0] + 1 > rel_positions.shape[0]:
+        raise ValueError(f"{node_src.shape[0]} draft nodes and the root do not fit a {rel_positions.shape[0]}-row "
+                         "block")
+
+
+def assemble_ref(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots):
+    """A step's draft block -> (candidates [depth, k] and their probabilities, led by `lead` at depths below
+    lead_depths when given; the block's token ids [W]: the pending token state[0], then node i's candidate
+    (flat index node_src[i] into the led candidates), then zeros; its positions and slots: state[1] + rel_*)."""
+    _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots)
+    if lead is not None:
+        depths = torch.arange(tokens.shape[0], device=tokens.device)
+        tokens, probs = lead_rows(tokens, probs, lead, depths < lead_depths.reshape(()))
+    pad = torch.zeros(rel_positions.shape[0] - node_src.shape[0] - 1, dtype=torch.int64, device=tokens.device)
+    ids = torch.cat([state[:1], tokens.reshape(-1)[node_src], pad])
+    return tokens, probs, ids, state[1] + rel_positions, state[1] + rel_slots
+
+
+@triton.jit
+def _led_source(tok_ptr, lead_ptr, n_lead, d, j, row_ok, K: tl.constexpr, KP: tl.constexpr):
+    """(token, flat source index or -1 for the lead itself) of candidate j at depth d after leading: the lead
+    first, the others in order without its duplicate. d, j: broadcastable [R, 1] / [R, 1] or [1, KP]."""
+    kk = tl.arange(0, KP)[None, :]
+    row = tl.load(tok_ptr + d * K + kk, mask=row_ok & (kk < K), other=-1)
+    lead = tl.load(lead_ptr + d, mask=row_ok, other=-2)  # token ids are >= 0: -1 and -2 never match
+    dup = tl.min(tl.where((kk < K) & (row == lead), kk, K), axis=1)[:, None]  # K: no duplicate
+    src = tl.where(j - 1 < dup, j - 1, j)
+    use = d < n_lead
+    flat = tl.where(use, tl.where(j == 0, -1, d * K + src), d * K + j)
+    return tl.where(use & (j == 0), lead, tl.load(tok_ptr + tl.maximum(flat, 0), mask=row_ok & (j < K))), flat
+
+
+@triton.jit
+def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr, rpos_ptr, rslot_ptr,
+                     out_tok_ptr, out_prob_ptr, ids_ptr, pos_ptr, slot_ptr,
+                     D: tl.constexpr, K: tl.constexpr, N: tl.constexpr, W: tl.constexpr, HAS_LEAD: tl.constexpr,
+                     DP: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr):
+    d = tl.arange(0, DP)[:, None]
+    j = tl.arange(0, KP)[None, :]
+    ok = (d < D) & (j < K)
+    i = tl.arange(0, NP)
+    i_ok = i < N
+    src = tl.load(src_ptr + i, mask=i_ok, other=0)
+    if HAS_LEAD:
+        n_lead = tl.load(lead_n_ptr)
+        tok, flat = _led_source(tok_ptr, lead_ptr, n_lead, d, j, d < D, K, KP)
+        prob = tl.where(flat < 0, 1.0, tl.load(prob_ptr + tl.maximum(flat, 0), mask=ok, other=0.0))
+        node, _ = _led_source(tok_ptr, lead_ptr, n_lead, (src // K)[:, None], (src % K)[:, None], i_ok[:, None],
+                              K, KP)
+        node = tl.reshape(node, [NP])
+    else:
+        tok = tl.load(tok_ptr + d * K + j, mask=ok, other=0)
+        prob = tl.load(prob_ptr + d * K + j, mask=ok, other=0.0)
+        node = tl.load(tok_ptr + src, mask=i_ok, other=0)
+    tl.store(out_tok_ptr + d * K + j, tok, mask=ok)
+    tl.store(out_prob_ptr + d * K + j, prob, mask=ok)
+    w = tl.arange(0, WP)
+    w_ok = w < W
+    base = tl.load(state_ptr + 1)
+    tl.store(ids_ptr + w, tl.where(w == 0, tl.load(state_ptr), 0), mask=w_ok & ((w == 0) | (w > N)))
+    tl.store(ids_ptr + 1 + i, node, mask=i_ok)
+    tl.store(pos_ptr + w, base + tl.load(rpos_ptr + w, mask=w_ok, other=0), mask=w_ok)
+    tl.store(slot_ptr + w, base + tl.load(rslot_ptr + w, mask=w_ok, other=0), mask=w_ok)
+
+
+def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots):
+    """assemble_ref's results in one launch."""
+    _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots)
+    dev, (depth, k), n, w = tokens.device, tokens.shape, node_src.shape[0], rel_positions.shape[0]
+    check_launchable(_assemble_kernel, dev)
+    out_tok, out_prob = torch.empty_like(tokens), torch.empty_like(probs)
+    ids, pos, slots = (torch.empty(w, dtype=torch.int64, device=dev) for _ in range(3))
+    p2 = triton.next_power_of_2
+    _assemble_kernel[(1,)](tokens, probs, tokens if lead is None else lead,
+                           state if lead_depths is None else lead_depths, state, node_src, rel_positions, rel_slots,
+                           out_tok, out_prob, ids, pos, slots, D=depth, K=k, N=n, W=w, HAS_LEAD=lead is not None,
+                           DP=p2(depth), KP=p2(k), NP=p2(max(n, 1)), WP=p2(w), num_warps=1)
+    return out_tok, out_prob, ids, pos, slots
+
+
+def _check_commit(argmax, ids, proposed, state, sequence):
+    check_tensor("argmax", argmax, (None,), torch.int64)
+    dev, rows = argmax.device, argmax.shape[0]
+    check_tensor("ids", ids, (None,), torch.int64, dev)
+    if ids.shape[0] < rows:
+        raise ValueError(f"ids has {ids.shape[0]} rows, the chain {rows}")
+    check_tensor("proposed", proposed, None, torch.int64, dev)
+    if proposed.numel() != 1:
+        raise ValueError(f"proposed must hold one count, got shape {list(proposed.shape)}")
+    check_tensor("state", state, (2,), torch.int64, dev)
+    if sequence is not None:
+        check_tensor("sequence", sequence, (None,), torch.int64, dev)
+
+
+def chain_commit_ref(argmax, ids, proposed, state, sequence=None):
+    """A chain step's outcome: argmax [R] of the block ids[:R] (root, then R - 1 draft tokens). Accepted = the
+    leading drafts equal to the argmax at their parent, at most `proposed`; path tokens = argmax [R] (commit the
+    first accepted + 1: the drafts, then the bonus). state = (pending, base) becomes (bonus, base + accepted + 1);
+    sequence (a lookup's copy of the sequence by position), when given, gets the path tokens at base + 1...
+    Returns (path tokens [R], accepted 0-d)."""
+    _check_commit(argmax, ids, proposed, state, sequence)
+    rows = argmax.shape[0]
+    matched = ids[1:rows] == argmax[:rows - 1]
+    accepted = torch.minimum(matched.long().cumprod(0).sum(), proposed.reshape(()))
+    path = argmax.clone()
+    base = state[1].clone()
+    if sequence is not None:
+        sequence.index_copy_(0, base + 1 + torch.arange(rows, device=argmax.device), path)
+    state.copy_(torch.cat([torch.index_select(path, 0, accepted.view(1)), (base + accepted + 1).view(1)]))
+    return path, accepted
+
+
+@triton.jit
+def _chain_commit_kernel(argmax_ptr, ids_ptr, proposed_ptr, state_ptr, seq_ptr, path_ptr, acc_ptr,
+                         R: tl.constexpr, RP: tl.constexpr, HAS_SEQ: tl.constexpr):
+    i = tl.arange(0, RP)
+    ok = i < R
+    am = tl.load(argmax_ptr + i, mask=ok, other=0)
+    draft = i >= 1
+    parent = tl.load(argmax_ptr + i - 1, mask=ok & draft, other=-1)
+    node = tl.load(ids_ptr + i, mask=ok & draft, other=-2)
+    first_miss = tl.min(tl.where(ok & draft & (node != parent), i, R), axis=0)
+    accepted = tl.minimum(first_miss.to(tl.int64) - 1, tl.load(proposed_ptr))
+    base = tl.load(state_ptr + 1)
+    bonus = tl.sum(tl.where(i == accepted, am, 0), axis=0)
+    tl.store(path_ptr + i, am, mask=ok)
+    tl.store(acc_ptr, accepted)
+    if HAS_SEQ:
+        tl.store(seq_ptr + base + 1 + i, am, mask=ok)
+    tl.debug_barrier()  # every thread has read the old state before any writes the new one
+    tl.store(state_ptr, bonus)
+    tl.store(state_ptr + 1, base + accepted + 1)
+
+
+def chain_commit(argmax, ids, proposed, state, sequence=None):
+    """chain_commit_ref's results and writes in one launch."""
+    _check_commit(argmax, ids, proposed, state, sequence)
+    rows = argmax.shape[0]
+    check_launchable(_chain_commit_kernel, argmax.device)
+    path = torch.empty_like(argmax)
+    accepted = torch.empty((), dtype=torch.int64, device=argmax.device)
+    _chain_commit_kernel[(1,)](argmax, ids, proposed, state, state if sequence is None else sequence, path,
+                               accepted, R=rows, RP=triton.next_power_of_2(rows), HAS_SEQ=sequence is not None,
+                               num_warps=1)
+    return path, accepted

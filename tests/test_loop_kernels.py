@@ -1,0 +1,105 @@
+"""The device loop's two glue kernels (engines.loop_kernels, interpreted here) equal their torch references on
+hand-built edge cases and random drafts, write what the references write, and refuse bad inputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpilot.engines.loop_kernels import assemble, assemble_ref, chain_commit, chain_commit_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels run interpreted (tests/conftest.py)
+
+
+def on_dev(*ts):
+    return [None if t is None else t.to(DEV) for t in ts]
+
+
+def _assemble_inputs(g, depth, k, n_nodes, width, lead_depth, vocab=9):
+    tokens = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(depth)])  # distinct per depth
+    probs = torch.rand(depth, k, generator=g)
+    lead = torch.randint(0, vocab, (depth,), generator=g)
+    node_src = torch.randint(0, depth * k, (n_nodes,), generator=g)
+    rel_positions = torch.randint(0, 40, (width,), generator=g)
+    rel_slots = torch.randint(0, 40, (width,), generator=g)
+    state = torch.tensor([int(torch.randint(0, vocab, (1,), generator=g)), int(torch.randint(0, 50, (1,),
+                                                                                                generator=g))])
+    lead_args = (None, None) if lead_depth is None else (lead, torch.tensor([lead_depth]))
+    return on_dev(tokens, probs, *lead_args, state, node_src, rel_positions, rel_slots)
+
+
+def _equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w.reshape(g.shape)), (g, w)
+
+
+@pytest.mark.parametrize("depth,k,n_nodes,width", [(3, 1, 3, 4), (5, 4, 15, 16), (7, 3, 9, 16), (16, 8, 31, 32)])
+@pytest.mark.parametrize("lead_depth", [None, 0, 2, 99])
+def test_assemble_equals_its_reference(depth, k, n_nodes, width, lead_depth):
+    g = torch.Generator().manual_seed(depth * 100 + k * 10 + (lead_depth or 0))
+    for _ in range(3):
+        args = _assemble_inputs(g, depth, k, n_nodes, width, lead_depth, vocab=max(9, k + 1))
+        _equal(assemble(*args), assemble_ref(*args))
+
+
+def test_assemble_leads_each_depth_and_gathers_the_led_nodes():
+    tokens = torch.tensor([[7, 5, 9], [7, 8, 9], [5, 7, 9], [7, 9, 5], [4, 6, 2]])  # lead duplicate at 1, none, 0, 2
+    probs = torch.tensor([[0.5, 0.3, 0.1], [0.5, 0.3, 0.1], [0.6, 0.2, 0.1], [0.4, 0.3, 0.2], [0.7, 0.1, 0.05]])
+    lead, n_lead = torch.tensor([5, 5, 5, 5, 3]), torch.tensor([4])  # the last depth is past the lookup's match
+    state = torch.tensor([11, 20])
+    node_src = torch.tensor([0, 1, 3, 4, 13, 14])  # (depth, rank) (0,0) (0,1) (1,0) (1,1) (4,1) (4,2)
+    rel = torch.arange(8)
+    for fn in (assemble, assemble_ref):
+        tok, prob, ids, pos, slots = fn(*on_dev(tokens, probs, lead, n_lead, state, node_src, rel, rel * 2))
+        assert tok.tolist() == [[5, 7, 9], [5, 7, 8], [5, 7, 9], [5, 7, 9], [4, 6, 2]]
+        assert prob[1].tolist() == pytest.approx([1.0, 0.5, 0.3]) and prob[4].tolist() == probs[4].tolist()
+        assert ids.tolist() == [11, 5, 7, 5, 7, 6, 2, 0]
+        assert pos.tolist() == list(range(20, 28)) and slots.tolist() == list(range(20, 36, 2))
+
+
+@pytest.mark.parametrize("argmax,ids,proposed,accepted", [
+    ([5, 6, 7, 8], [1, 5, 6, 7], 3, 3),  # every draft right
+    ([5, 6, 7, 8], [1, 5, 6, 7], 2, 2),  # right past what was proposed (filler): capped
+    ([5, 6, 7, 8], [1, 4, 6, 7], 3, 0),  # the first wrong: later matches do not count
+    ([5, 6, 7, 8], [1, 5, 0, 7], 3, 1),
+    ([5], [1], 0, 0),  # a chain of the root only
+])
+def test_chain_commit_hand_built(argmax, ids, proposed, accepted):
+    for fn in (chain_commit, chain_commit_ref):
+        state, seq = on_dev(torch.tensor([1, 10]), torch.full((20,), -1))
+        path, acc = fn(*on_dev(torch.tensor(argmax), torch.tensor(ids + [0, 0]), torch.tensor(proposed)), state, seq)
+        assert int(acc) == accepted and path.tolist() == argmax
+        assert state.tolist() == [argmax[accepted], 10 + accepted + 1]
+        assert seq[11:11 + len(argmax)].tolist() == argmax and (seq[:11] == -1).all()
+        assert (seq[11 + len(argmax):] == -1).all()
+
+
+def test_chain_commit_equals_its_reference_on_random_chains():
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        rows = int(torch.randint(1, 17, (1,), generator=g))
+        argmax = torch.randint(0, 3, (rows,), generator=g)  # 3 tokens: long accepted runs happen
+        ids = torch.cat([torch.tensor([9]), torch.randint(0, 3, (rows + 2,), generator=g)])
+        proposed = torch.randint(0, rows, (1,), generator=g)
+        base = int(torch.randint(0, 30, (1,), generator=g))
+        got, want = [], []
+        for fn, out in ((chain_commit, got), (chain_commit_ref, want)):
+            state, seq = on_dev(torch.tensor([9, base]), torch.zeros(64, dtype=torch.long))
+            path, acc = fn(*on_dev(argmax, ids, proposed), state, seq if trial % 2 else None)
+            out += [path, acc.reshape(()), state, seq]
+        _equal(got, want)
+
+
+def test_bad_inputs_are_refused():
+    t, p, state, src, rel = on_dev(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2),
+                                   torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.arange(4))
+    with pytest.raises(ValueError, match="come together"):
+        assemble(t, p, torch.zeros(2, dtype=torch.long, device=DEV), None, state, src, rel, rel)
+    with pytest.raises(ValueError, match="probs must have dtype"):
+        assemble(t, p.double(), None, None, state, src, rel, rel)
+    with pytest.raises(ValueError, match="do not fit"):
+        assemble(t, p, None, None, state, torch.zeros(4, dtype=torch.long, device=DEV), rel, rel)
+    with pytest.raises(ValueError, match="argmax must have dtype"):
+        chain_commit(*on_dev(torch.zeros(3, dtype=torch.int32), rel, torch.tensor(1)), state)
+    with pytest.raises(ValueError, match="proposed must hold one"):
+        chain_commit(*on_dev(torch.zeros(3, dtype=torch.long), rel, torch.tensor([1, 2])), state)
