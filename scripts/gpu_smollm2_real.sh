@@ -9,7 +9,9 @@
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
-#                                                             drafter (with SEED, default 1: new data); DATA=DIR
+#                                                             drafter (with SEED, default 1: new data; LR: a
+#                                                             continuation wants ~1e-4, not the default 1e-3);
+#                                                             DATA=DIR
 #                                                             trains on a run's saved sequences (no generation;
 #                                                             /root/tb/drafter after a c on this host)
 #   d: carry .gpu (+ b's on a fresh host: it converts)      -> block drafter bench on the device loop: chain, and
@@ -95,6 +97,7 @@ case $stage in
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
       --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} ${INIT:+--init $INIT --seed ${SEED:-1}} ${DATA:+--data-from $DATA} \
+      ${LR:+--lr $LR} \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
     mkdir -p "$OUT/drafter/sequences" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" &&
       cp $TB/drafter/sequences/* "$OUT/drafter/sequences/" ;;

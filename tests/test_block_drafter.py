@@ -228,6 +228,13 @@ def test_training_keeps_the_state_with_the_best_held_out_acceptance():
     assert round(again, 4) == scored[kept]
     with pytest.raises(ValueError, match="eval_every"):
         TrainConfig(eval_every=-1)
+    # A continuation (keep_start) that only gets worse keeps the state it started from.
+    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    worse = fit(drafter, model, data, TrainConfig(**{**QUICK, "steps": 20, "eval_every": 10, "seed": 7, "lr": 5.0,
+                                                     "warmup": 1}), held=held, keep_start=True)
+    scored = {r["step"]: r["held_out"]["accepted"] for r in worse if "held_out" in r}
+    assert sorted(scored) == [0, 10, 20] and worse[-1]["kept_step"] == 0 and scored[0] > max(scored[10], scored[20])
+    assert all(torch.equal(v, start[k]) for k, v in drafter.state_dict().items())
 
 
 def test_chat_free_generations_answer_a_user_turn_the_target_sampled():
