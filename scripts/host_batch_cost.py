@@ -6,6 +6,14 @@ the target would answer where its output is that sequence. So the engine walks t
 acceptance) as on the GPU, and what the clock measures is the host's share of a step, per variant, which on the
 H200 sits between the ~1.3-1.8 ms forwards. cProfile with --profile N.
 
+It also predicts each variant's H200 throughput from the same walk: committed tokens over the sum, per step, of the
+forward's cost at that step's token count (the H200 cost curve below) plus a host cost per step, once the same for
+every variant (--host-ms: the mechanisms' effect on the GPU's work alone) and once this CPU's measured host time
+scaled by --host-scale (the H200 host runs this loop ~2x slower). --oracle adds a bound: stock batching whose
+n-gram proposals (up to --max-draft-len tokens) are cut to the prefix the target accepts, so no verify token is
+wasted and none is missed that the lookup had: what any draft-length or verify-budget policy over this drafter
+could reach at most.
+
 Usage:
   python scripts/host_batch_cost.py [--outputs FILE.json] [--requests 48] [--concurrency 16] [--profile 25]
 FILE.json: {key: {"prompt": [ids], "out": [ids]}} (e.g. greedy outputs of SmolLM2 on the benchmark prompts);
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import random
@@ -26,6 +35,7 @@ import torch
 
 from specpilot.bench.batched import ALL_LABEL, standard_variants
 from specpilot.engines.batch import BatchConfig, BatchEngine, CostCurve, RequestSpec
+from specpilot.engines.batch.drafting import NgramChainDrafter
 from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache
 from specpilot.engines.batch.runner import StepEntry, StepHandle
 from specpilot.engines.config import DrafterKind, EngineConfig
@@ -72,6 +82,20 @@ class ReplayRunner:
         return StepHandle(torch.from_numpy(out))
 
 
+class OracleCut:
+    """An n-gram drafter's proposals cut to the prefix the known sequence continues with."""
+
+    def __init__(self, truth: list[int], draft_len: int, ngram_max: int, ngram_min: int):
+        self.truth, self.drafter = truth, NgramChainDrafter(draft_len, ngram_max, ngram_min)
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        proposal, n = self.drafter.propose(seq, k), len(seq)
+        keep = 0
+        while keep < len(proposal) and n + keep < len(self.truth) and proposal[keep] == self.truth[n + keep]:
+            keep += 1
+        return proposal[:keep]
+
+
 def synthetic(n: int, length: int, seed: int = 0) -> dict[str, dict]:
     rng = random.Random(seed)
     data = {}
@@ -96,6 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-draft-len", type=int, default=32)
     ap.add_argument("--synthetic", default="25x1024", help="without --outputs: COUNTxLENGTH synthetic sequences")
     ap.add_argument("--profile", type=int, default=0, help="cProfile: the N functions with the most own time")
+    ap.add_argument("--host-ms", type=float, default=0.48, help="host ms per step for the equal-host prediction "
+                    "(stock's on the H200, session 14)")
+    ap.add_argument("--host-scale", type=float, default=2.0, help="H200 host time / this CPU's")
+    ap.add_argument("--oracle", action="store_true", help="add the oracle-cut lookup bound (see above)")
     a = ap.parse_args(argv)
     count, length = (int(x) for x in a.synthetic.split("x"))
     data = json.loads(a.outputs.read_text()) if a.outputs else synthetic(count, length)
@@ -111,12 +139,22 @@ def main(argv=None) -> int:
     specs = [RequestSpec(f"r{i}", tuple(items[i % len(items)]["prompt"]), len(items[i % len(items)]["out"]))
              for i in range(a.requests)]
     print(f"{len(items)} sequences, {a.requests} requests at concurrency {a.concurrency}")
-    print("| variant | steps | tok/step | host us/step | host us per request-step |")
-    print("|---|---|---|---|---|")
+    print("| variant | steps | tok/step | host us/step | host us per request-step | forward tokens/step | "
+          "predicted H200 tok/s, equal host | predicted, scaled host |")
+    print("|---|---|---|---|---|---|---|---|")
+    curve = CostCurve(H200_CURVE)
     prof = cProfile.Profile() if a.profile else None
-    for v in variants:
+    runs = [(v, None) for v in variants]
+    if a.oracle:
+        stock = next(v for v in variants if v.label == "stock")
+        oracle_engine = stock.engine.replace(draft_len=a.max_draft_len)
+
+        def oracle(req, e=oracle_engine):
+            return OracleCut(sequences[tuple(req.prompt)], e.draft_len, e.ngram_max, e.ngram_min)
+        runs.append((dataclasses.replace(stock, label="oracle-cut lookup", engine=oracle_engine), oracle))
+    for v, factory in runs:
         runner = ReplayRunner(sequences, a.concurrency, 1 + a.max_draft_len, max_seq_len)
-        engine = BatchEngine(runner, v.engine, v.batch, frozenset(), cost_curve=CostCurve(H200_CURVE))
+        engine = BatchEngine(runner, v.engine, v.batch, frozenset(), cost_curve=curve, drafter_factory=factory)
         if prof is not None and v.label == ALL_LABEL:
             prof.enable()
         t = time.perf_counter()
@@ -130,8 +168,12 @@ def main(argv=None) -> int:
         steps = len(res.steps)
         rows = sum(s.decode for s in res.steps)
         committed = sum(s.committed for s in res.steps)
+        forward_s = sum(float(curve.at(st.tokens)) for st in res.steps)
+        equal = committed / (forward_s + steps * a.host_ms * 1e-3)
+        scaled = committed / (forward_s + wall * a.host_scale)
         print(f"| {v.label} | {steps} | {committed / max(1, rows):.2f} | {wall / steps * 1e6:.0f} | "
-              f"{wall / max(1, rows) * 1e6:.1f} |")
+              f"{wall / max(1, rows) * 1e6:.1f} | {sum(st.tokens for st in res.steps) / steps:.1f} | {equal:.0f} | "
+              f"{scaled:.0f} |")
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
     return 0

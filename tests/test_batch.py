@@ -574,12 +574,17 @@ def test_host_cost_harness_replays_known_outputs_through_the_engine(capsys):
     spec = importlib.util.spec_from_file_location("host_batch_cost", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.main(["--synthetic", "6x200", "--requests", "9", "--concurrency", "4"]) == 0
+    assert mod.main(["--synthetic", "6x200", "--requests", "9", "--concurrency", "4", "--oracle"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
     tok_step = {r.split("|")[1].strip(): float(r.split("|")[3]) for r in rows}
-    assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "all"}
+    predicted = {r.split("|")[1].strip(): float(r.split("|")[7]) for r in rows}  # equal host cost per step
+    assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "all",
+                             "oracle-cut lookup"}
     assert 1.0 <= tok_step["ar"] < 1.1 and tok_step["stock"] > 1.5  # (prefill commits one token with no decode row)
     assert tok_step["goodput_draft"] > tok_step["stock"]
+    # the bound: the lookup's proposals cut to what is accepted commit the most a step and waste no verify token
+    assert tok_step["oracle-cut lookup"] >= max(tok_step.values())
+    assert predicted["oracle-cut lookup"] >= max(predicted.values()) and predicted["stock"] > predicted["ar"]
 
 
 def test_batch_engine_serves_with_the_collector_off_and_restores_it():
