@@ -143,6 +143,23 @@ def test_tree_device_steps_calibrate_a_static_tree_and_equal_ar(shape):
     assert deep >= 3  # static trees accept whole paths
 
 
+def test_tree_device_steps_with_the_glue_kernels_equal_ar(monkeypatch):
+    """The loop's assemble and tree commit kernels (interpreted) where the CPU loop runs their torch references."""
+    import specpilot.engines.device_loop as device_loop
+
+    monkeypatch.setattr(device_loop, "assemble_ref", device_loop.assemble)
+    monkeypatch.setattr(device_loop, "tree_commit_ref", device_loop.tree_commit)
+    model = damped("gqa", 1)
+    p = prompt(model.shape.vocab, 10, 1)
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
+        p, 60).tokens
+    eng = engine(model, quick_drafter(model, 1, 40), device_steps=4, **TREE)
+    eng.warm_up(p)
+    r = eng.generate(p, 60)
+    device = [s for s in r.steps if s.draft_s == 0]
+    assert r.tokens == want and device and any(s.accepted >= 2 for s in device)
+
+
 def test_warm_up_calibrates_the_static_tree():
     model = damped("gqa", 0)
     eng = engine(model, quick_drafter(model, 0, 40), device_steps=4, **TREE)

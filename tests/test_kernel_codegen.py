@@ -131,14 +131,20 @@ print(json.dumps({
                                                  "K": "i32"},
          {"KP": 8, "GP": 64}, 4),
         ("assemble", lk._assemble_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "state_ptr",
-                                                                 "src_ptr", "rpos_ptr", "rslot_ptr", "out_tok_ptr",
-                                                                 "ids_ptr", "pos_ptr", "slot_ptr")}
+                                                                 "src_ptr", "rpos_ptr", "rslot_ptr", "rbs_ptr",
+                                                                 "out_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr",
+                                                                 "bs_ptr")}
          | {"prob_ptr": "*fp32", "out_prob_ptr": "*fp32"},
-         {"D": 15, "K": 4, "N": 15, "W": 16, "HAS_LEAD": True, "DP": 16, "KP": 4, "NP": 16, "WP": 16}, 1),
+         {"D": 15, "K": 4, "N": 31, "W": 32, "A": 32, "HAS_LEAD": True, "HAS_BS": True, "DP": 16, "KP": 4,
+          "NP": 32, "WP": 32, "AP": 32}, 1),
         ("chain_commit", lk._chain_commit_kernel, {n: "*i64" for n in ("argmax_ptr", "ids_ptr", "proposed_ptr",
                                                                       "state_ptr", "seq_ptr", "path_ptr",
                                                                       "acc_ptr")},
-         {"R": 16, "RP": 16, "HAS_SEQ": True}, 1))},
+         {"R": 16, "RP": 16, "HAS_SEQ": True}, 1),
+        ("tree_commit", lk._tree_commit_kernel, {n: "*i64" for n in ("argmax_ptr", "ids_ptr", "par_ptr", "depth_ptr",
+                                                                    "state_ptr", "seq_ptr", "path_ptr", "tok_ptr",
+                                                                    "acc_ptr", "next_ptr")} | {"anc_ptr": "*u8"},
+         {"R": 32, "RP": 32, "DR": 9, "DRP": 16, "HAS_SEQ": True}, 1))},
 }))
 
 '''
@@ -203,4 +209,4 @@ def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True, "topk_chunk": True, "topk_merge": True,
-                                "assemble": True, "chain_commit": True}
+                                "assemble": True, "chain_commit": True, "tree_commit": True}

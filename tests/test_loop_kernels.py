@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specpilot.engines.loop_kernels import assemble, assemble_ref, chain_commit, chain_commit_ref
+from specpilot.engines.layout import draft_layout
+from specpilot.engines.llama import ancestor_slots
+from specpilot.engines.loop_kernels import (assemble, assemble_ref, chain_commit, chain_commit_ref, tree_commit,
+                                            tree_commit_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels run interpreted (tests/conftest.py)
 
@@ -27,19 +30,32 @@ def _assemble_inputs(g, depth, k, n_nodes, width, lead_depth, vocab=9):
     return on_dev(tokens, probs, *lead_args, state, node_src, rel_positions, rel_slots)
 
 
+def _block_layout(parents):
+    """The layout of a block whose row i hangs off row parents[i] (parents[0] = -1: the root)."""
+    return draft_layout(tuple(p - 1 for p in parents[1:]))
+
+
 def _equal(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want):
-        assert g.dtype == w.dtype and torch.equal(g, w.reshape(g.shape)), (g, w)
+        assert (g is None) == (w is None)
+        assert g is None or (g.dtype == w.dtype and torch.equal(g, w.reshape(g.shape))), (g, w)
 
 
 @pytest.mark.parametrize("depth,k,n_nodes,width", [(3, 1, 3, 4), (5, 4, 15, 16), (7, 3, 9, 16), (16, 8, 31, 32)])
 @pytest.mark.parametrize("lead_depth", [None, 0, 2, 99])
 def test_assemble_equals_its_reference(depth, k, n_nodes, width, lead_depth):
     g = torch.Generator().manual_seed(depth * 100 + k * 10 + (lead_depth or 0))
-    for _ in range(3):
+    for trial in range(3):
         args = _assemble_inputs(g, depth, k, n_nodes, width, lead_depth, vocab=max(9, k + 1))
         _equal(assemble(*args), assemble_ref(*args))
+        # with a static tree's relative block slots: base added where a row has an ancestor at that depth
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, width)]
+        anc = torch.from_numpy(_block_layout(parents).anc.copy())
+        rel = ancestor_slots(torch.tensor(0), anc)
+        got, want = assemble(*args, rel.to(DEV)), assemble_ref(*args, rel.to(DEV))
+        _equal(got, want)
+        assert torch.equal(got[5].cpu(), ancestor_slots(args[4][1].cpu(), anc))  # what the runner would derive
 
 
 def test_assemble_leads_each_depth_and_gathers_the_led_nodes():
@@ -50,7 +66,9 @@ def test_assemble_leads_each_depth_and_gathers_the_led_nodes():
     node_src = torch.tensor([0, 1, 3, 4, 13, 14])  # (depth, rank) (0,0) (0,1) (1,0) (1,1) (4,1) (4,2)
     rel = torch.arange(8)
     for fn in (assemble, assemble_ref):
-        tok, prob, ids, pos, slots = fn(*on_dev(tokens, probs, lead, n_lead, state, node_src, rel, rel * 2))
+        tok, prob, ids, pos, slots, block_slots = fn(*on_dev(tokens, probs, lead, n_lead, state, node_src, rel,
+                                                             rel * 2))
+        assert block_slots is None
         assert tok.tolist() == [[5, 7, 9], [5, 7, 8], [5, 7, 9], [5, 7, 9], [4, 6, 2]]
         assert prob[1].tolist() == pytest.approx([1.0, 0.5, 0.3]) and prob[4].tolist() == probs[4].tolist()
         assert ids.tolist() == [11, 5, 7, 5, 7, 6, 2, 0]
@@ -103,3 +121,46 @@ def test_bad_inputs_are_refused():
         chain_commit(*on_dev(torch.zeros(3, dtype=torch.int32), rel, torch.tensor(1)), state)
     with pytest.raises(ValueError, match="proposed must hold one"):
         chain_commit(*on_dev(torch.zeros(3, dtype=torch.long), rel, torch.tensor([1, 2])), state)
+
+
+def _tree(parents):
+    lay = _block_layout(parents)
+    return (torch.tensor(lay.parents), torch.from_numpy(lay.anc.astype("uint8")), torch.tensor(lay.depths),
+            lay.max_depth + 1)
+
+
+def test_tree_commit_hand_built():
+    """Root 0; 1 and 2 children of 0; 3 child of 1; 4 and 5 children of 2; 6 child of 5."""
+    parents, anc, depths, depth_rows = _tree([-1, 0, 0, 1, 2, 2, 5])
+    argmax = torch.tensor([10, 11, 20, 12, 21, 22, 23])  # the target's token after each node
+    cases = [  # ids (the block), accepted, path rows
+        ([0, 10, 9, 11, 20, 20, 22], 2, [0, 1, 3, 0]),  # 1 and 3 right; 2 wrong, so its subtree (4, 5, 6) too
+        ([0, 9, 10, 0, 20, 0, 0], 2, [0, 2, 4, 0]),  # 1 wrong; 2 right, then 4
+        ([0, 9, 10, 0, 0, 20, 22], 3, [0, 2, 5, 6]),  # the deepest path: 2, 5, 6
+        ([0, 9, 8, 0, 20, 20, 22], 0, [0, 0, 0, 0]),  # no depth-1 node right: the bonus only
+    ]
+    for ids, acc, rows in cases:
+        for fn in (tree_commit, tree_commit_ref):
+            state, seq = on_dev(torch.tensor([10, 30]), torch.full((40,), -1))
+            path, tokens, accepted, nxt = fn(*on_dev(argmax, torch.tensor(ids), parents, anc, depths), state,
+                                             depth_rows, seq)
+            assert int(accepted) == acc and path.tolist() == rows, (fn.__name__, ids)
+            assert tokens.tolist() == argmax[rows].tolist()
+            assert nxt.tolist() == [int(argmax[rows[acc]]), 30 + acc + 1] and state.tolist() == [10, 30]
+            assert seq[31:31 + depth_rows].tolist() == argmax[rows].tolist() and (seq[:31] == -1).all()
+
+
+def test_tree_commit_equals_its_reference_on_random_trees():
+    g = torch.Generator().manual_seed(5)
+    for trial in range(30):
+        rows = int(torch.randint(2, 33, (1,), generator=g))
+        parents, anc, depths, depth_rows = _tree([-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=g))
+                                                         for i in range(1, rows)])
+        argmax = torch.randint(0, 3, (rows,), generator=g)
+        ids = torch.cat([torch.tensor([7]), torch.randint(0, 3, (rows + 1,), generator=g)])
+        got, want = [], []
+        for fn, out in ((tree_commit, got), (tree_commit_ref, want)):
+            state, seq = on_dev(torch.tensor([7, 5]), torch.zeros(48, dtype=torch.long))
+            res = fn(*on_dev(argmax, ids, parents, anc, depths), state, depth_rows, seq if trial % 2 else None)
+            out += [*res, state, seq]
+        _equal(got, want)

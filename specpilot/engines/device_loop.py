@@ -32,7 +32,9 @@ from specpilot.engines.device_drafters import DeviceDrafter
 from specpilot.engines.drafters.block_tree import TreeShape
 from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
-from specpilot.engines.loop_kernels import assemble, assemble_ref, chain_commit, chain_commit_ref
+from specpilot.engines.llama import ancestor_slots
+from specpilot.engines.loop_kernels import (assemble, assemble_ref, chain_commit, chain_commit_ref, tree_commit,
+                                            tree_commit_ref)
 from specpilot.engines.runner import ModelRunner
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
@@ -187,12 +189,17 @@ class DeviceLoop:
         as_long = lambda a: torch.tensor(np.asarray(a), dtype=torch.long, device=d)  # noqa: E731
         depths = np.asarray(lay.depths)
         self.node_src = as_long((depths[1:] - 1) * self.drafter.topk + np.asarray(tree.ranks))  # flat top-k index
-        self.parent_rows = as_long(lay.parents[1:])
+        self.parents = as_long(lay.parents)
         self.positions, self.slots = as_long(v.positions), as_long(v.slots)
-        self.anc = torch.from_numpy(np.array(v.anc)).to(d)
-        self.path_matrix = torch.from_numpy(np.array(lay.anc, dtype=np.float32)).to(d)  # ancestors-or-self [rows, rows]
+        anc = torch.from_numpy(np.array(v.anc[:, :v.width]))  # the runner's step reads [width, width]: no copy
+        self.anc = anc.to(d)
+        # Position-ordered attention's block slots are base + a static offset per (row, depth): the assemble launch
+        # adds base, instead of the runner deriving them from anc every step.
+        self.rel_block_slots = None
+        if r.fused is not None and r.cfg.position_ordered_attention:
+            self.rel_block_slots = ancestor_slots(torch.tensor(0), anc).to(d)
+        self.tree_anc = torch.from_numpy(np.array(lay.anc, dtype=np.uint8)).to(d)  # ancestors-or-self [rows, rows]
         self.row_depths = as_long(depths)
-        self.row_index = torch.arange(rows, device=d)
         self.depth_offsets = torch.arange(self.depth_rows, device=d)
         if lay.chain and list(v.positions[:rows]) != list(range(rows)):
             raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
@@ -201,38 +208,30 @@ class DeviceLoop:
     def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
         """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs."""
         drafter, rows = self.drafter, len(self.row_depths)
-        on_gpu = self.runner.device.type == "cuda"  # CPU: the glue's torch references (interpreted kernels: slow)
-        assemble_block, commit_chain = (assemble, chain_commit) if on_gpu else (assemble_ref, chain_commit_ref)
+        if self.runner.device.type == "cuda":
+            assemble_block, commit_chain, commit_tree = assemble, chain_commit, tree_commit
+        else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
+            assemble_block, commit_chain, commit_tree = assemble_ref, chain_commit_ref, tree_commit_ref
         outs = []
         for _ in range(steps):
             base = self.state[1]  # a view: read it before the state moves on
             d = drafter.draft(self.state)
-            top_tokens, top_probs, ids, positions, slots = assemble_block(
-                d.tokens, d.probs, d.lead, d.lead_depths, self.state, self.node_src, self.positions, self.slots)
-            target = self.runner._step_fn(ids, positions, slots, base, self.anc)
+            top_tokens, top_probs, ids, positions, slots, block_slots = assemble_block(
+                d.tokens, d.probs, d.lead, d.lead_depths, self.state, self.node_src, self.positions, self.slots,
+                self.rel_block_slots)
+            target = self.runner._step_fn(ids, positions, slots, base, self.anc, block_slots)
             argmax, features = target[0][:rows], target[4]
             if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
                 path_tokens, accepted = commit_chain(argmax, ids, d.proposed, self.state, drafter.sequence)
                 drafter.commit(None if features is None else features[:rows], positions[:rows])
             else:
-                matched = ids[1:rows] == argmax[self.parent_rows]
-                misses = torch.cat([matched.new_zeros(1), ~matched]).float()  # the root always matches
-                ok = (self.path_matrix @ misses) == 0  # no miss among a node's ancestors-or-self
-                best = torch.argmax(ok.long() * self.row_depths).view(1)  # the deepest (unique: siblings differ)
-                accepted = torch.index_select(self.row_depths, 0, best)[0]
-                # path[d] = the row of best's ancestor at depth d (entries past `accepted` stay 0, the root: unused)
-                on_path = torch.index_select(self.path_matrix, 0, best)[0] > 0
-                path = torch.zeros(self.depth_rows + 1, dtype=torch.long, device=base.device)
-                path.scatter_(0, torch.where(on_path, self.row_depths, self.depth_rows), self.row_index)
-                path = path[:self.depth_rows]
-                kv = self.runner.kv
+                path, path_tokens, accepted, next_state = commit_tree(
+                    argmax, ids, self.parents, self.tree_anc, self.row_depths, self.state, self.depth_rows,
+                    drafter.sequence)
+                kv = self.runner.kv  # the path's keys/values to slots base.. (entries past `accepted`: the root's)
                 kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
-                path_tokens = argmax[path]
-                if drafter.sequence is not None:
-                    drafter.sequence.index_copy_(0, base + 1 + self.depth_offsets, path_tokens)
                 drafter.commit(None if features is None else features[path], base + self.depth_offsets)
-                bonus = torch.index_select(path_tokens, 0, accepted.view(1))
-                self.state.copy_(torch.cat([bonus, (base + accepted + 1).view(1)]))
+                self.state.copy_(next_state)
             outs.append((path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs))
         return tuple(torch.stack(col) for col in zip(*outs))
 

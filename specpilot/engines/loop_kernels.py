@@ -1,10 +1,12 @@
-"""The device loop's glue around the target's forward, as two one-program kernels (engines.device_loop): a step's
-draft block assembled from the drafter's candidates, and a chain step's outcome committed.
+"""The device loop's glue around the target's forward, as one-program kernels (engines.device_loop): a step's draft
+block assembled from the drafter's candidates (and, for position-ordered attention, its ancestor slots), and a
+chain's or a static tree's outcome committed.
 
 In torch each side was ~15 small launches a step (gather, cat, compare, cumprod, index_select, the lookup's
-sort/gather/cat/where, state updates), ~33 a chain + lookup step at ~1.5 us each inside the loop's CUDA graph
-(`scripts/gpu_block_drafter_step.py`, section loop_kernels). The work is integer selection (and copies of
-probabilities), so the kernels equal their torch references exactly; the device loop runs the references on CPU.
+sort/gather/cat/where, the tree's ancestor matmul/argmax/scatter, llama.ancestor_slots' ~8, state updates): ~33 a
+chain + lookup step at ~1.5 us each inside the loop's CUDA graph (`scripts/gpu_block_drafter_step.py`, section
+loop_kernels). The work is integer selection (and copies of probabilities), so the kernels equal their torch
+references exactly; the device loop runs the references on CPU.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def lead_rows(tokens: torch.Tensor, probs: torch.Tensor, lead: torch.Tensor, use
     return torch.where(use[:, None], led_tokens, tokens), torch.where(use[:, None], led_probs, probs)
 
 
-def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots):
+def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots):
     check_tensor("tokens", tokens, (None, None), torch.int64)
     dev, (depth, k) = tokens.device, tokens.shape
     check_tensor("probs", probs, (depth, k), torch.float32, dev)
@@ -43,19 +45,26 @@ def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_posit
     if node_src.shape[0] + 1 > rel_positions.shape[0]:
         raise ValueError(f"{node_src.shape[0]} draft nodes and the root do not fit a {rel_positions.shape[0]}-row "
                          "block")
+    if rel_block_slots is not None:
+        check_tensor("rel_block_slots", rel_block_slots, (rel_positions.shape[0], None), torch.int64, dev)
 
 
-def assemble_ref(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots):
+def assemble_ref(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots=None):
     """A step's draft block -> (candidates [depth, k] and their probabilities, led by `lead` at depths below
     lead_depths when given; the block's token ids [W]: the pending token state[0], then node i's candidate
-    (flat index node_src[i] into the led candidates), then zeros; its positions and slots: state[1] + rel_*)."""
-    _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots)
+    (flat index node_src[i] into the led candidates), then zeros; its positions and slots: state[1] + rel_*;
+    with rel_block_slots [W, A] (a static tree's ancestor slots relative to its base, -1: none), the attention's
+    block_slots: state[1] + rel where rel >= 0, else -1 (llama.ancestor_slots of the block, without its ~8
+    launches a step), else None)."""
+    _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots)
     if lead is not None:
         depths = torch.arange(tokens.shape[0], device=tokens.device)
         tokens, probs = lead_rows(tokens, probs, lead, depths < lead_depths.reshape(()))
     pad = torch.zeros(rel_positions.shape[0] - node_src.shape[0] - 1, dtype=torch.int64, device=tokens.device)
     ids = torch.cat([state[:1], tokens.reshape(-1)[node_src], pad])
-    return tokens, probs, ids, state[1] + rel_positions, state[1] + rel_slots
+    block_slots = None if rel_block_slots is None else torch.where(rel_block_slots >= 0, state[1] + rel_block_slots,
+                                                                   -1)
+    return tokens, probs, ids, state[1] + rel_positions, state[1] + rel_slots, block_slots
 
 
 @triton.jit
@@ -73,10 +82,11 @@ def _led_source(tok_ptr, lead_ptr, n_lead, d, j, row_ok, K: tl.constexpr, KP: tl
 
 
 @triton.jit
-def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr, rpos_ptr, rslot_ptr,
-                     out_tok_ptr, out_prob_ptr, ids_ptr, pos_ptr, slot_ptr,
-                     D: tl.constexpr, K: tl.constexpr, N: tl.constexpr, W: tl.constexpr, HAS_LEAD: tl.constexpr,
-                     DP: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, WP: tl.constexpr):
+def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr, rpos_ptr, rslot_ptr, rbs_ptr,
+                     out_tok_ptr, out_prob_ptr, ids_ptr, pos_ptr, slot_ptr, bs_ptr,
+                     D: tl.constexpr, K: tl.constexpr, N: tl.constexpr, W: tl.constexpr, A: tl.constexpr,
+                     HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
+                     NP: tl.constexpr, WP: tl.constexpr, AP: tl.constexpr):
     d = tl.arange(0, DP)[:, None]
     j = tl.arange(0, KP)[None, :]
     ok = (d < D) & (j < K)
@@ -103,21 +113,31 @@ def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr
     tl.store(ids_ptr + 1 + i, node, mask=i_ok)
     tl.store(pos_ptr + w, base + tl.load(rpos_ptr + w, mask=w_ok, other=0), mask=w_ok)
     tl.store(slot_ptr + w, base + tl.load(rslot_ptr + w, mask=w_ok, other=0), mask=w_ok)
+    if HAS_BS:
+        e = tl.arange(0, AP)[None, :]
+        bs_ok = w_ok[:, None] & (e < A)
+        rel = tl.load(rbs_ptr + w[:, None] * A + e, mask=bs_ok, other=-1)
+        tl.store(bs_ptr + w[:, None] * A + e, tl.where(rel >= 0, base + rel, -1), mask=bs_ok)
 
 
-def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots):
+def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots=None):
     """assemble_ref's results in one launch."""
-    _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots)
+    _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots)
     dev, (depth, k), n, w = tokens.device, tokens.shape, node_src.shape[0], rel_positions.shape[0]
     check_launchable(_assemble_kernel, dev)
     out_tok, out_prob = torch.empty_like(tokens), torch.empty_like(probs)
     ids, pos, slots = (torch.empty(w, dtype=torch.int64, device=dev) for _ in range(3))
+    has_bs = rel_block_slots is not None
+    a = rel_block_slots.shape[1] if has_bs else 1
+    block_slots = torch.empty(w, a, dtype=torch.int64, device=dev) if has_bs else None
     p2 = triton.next_power_of_2
     _assemble_kernel[(1,)](tokens, probs, tokens if lead is None else lead,
                            state if lead_depths is None else lead_depths, state, node_src, rel_positions, rel_slots,
-                           out_tok, out_prob, ids, pos, slots, D=depth, K=k, N=n, W=w, HAS_LEAD=lead is not None,
-                           DP=p2(depth), KP=p2(k), NP=p2(max(n, 1)), WP=p2(w), num_warps=1)
-    return out_tok, out_prob, ids, pos, slots
+                           rel_block_slots if has_bs else ids, out_tok, out_prob, ids, pos, slots,
+                           block_slots if has_bs else ids, D=depth, K=k, N=n, W=w, A=a, HAS_LEAD=lead is not None,
+                           HAS_BS=has_bs, DP=p2(depth), KP=p2(k), NP=p2(max(n, 1)), WP=p2(w), AP=p2(a),
+                           num_warps=1)
+    return out_tok, out_prob, ids, pos, slots, block_slots
 
 
 def _check_commit(argmax, ids, proposed, state, sequence):
@@ -185,3 +205,96 @@ def chain_commit(argmax, ids, proposed, state, sequence=None):
                                accepted, R=rows, RP=triton.next_power_of_2(rows), HAS_SEQ=sequence is not None,
                                num_warps=1)
     return path, accepted
+
+
+def _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows):
+    check_tensor("argmax", argmax, (None,), torch.int64)
+    dev, rows = argmax.device, argmax.shape[0]
+    check_tensor("ids", ids, (None,), torch.int64, dev)
+    if ids.shape[0] < rows:
+        raise ValueError(f"ids has {ids.shape[0]} rows, the tree {rows}")
+    check_tensor("parents", parents, (rows,), torch.int64, dev)
+    check_tensor("anc", anc, (rows, rows), torch.uint8, dev)
+    check_tensor("depths", depths, (rows,), torch.int64, dev)
+    check_tensor("state", state, (2,), torch.int64, dev)
+    if sequence is not None:
+        check_tensor("sequence", sequence, (None,), torch.int64, dev)
+    if not 1 <= depth_rows <= rows:
+        raise ValueError(f"depth_rows={depth_rows} must be in 1..{rows}")
+
+
+def tree_commit_ref(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None):
+    """A static tree step's outcome: argmax [R] of the block ids[:R] (root, then draft node i at row i with parent
+    parents[i] (-1: the root's), ancestors-or-self anc [R, R] (uint8), depth depths[i]). A node is accepted when
+    every node on its path equals the argmax at its parent; the deepest wins (siblings differ; ties: the lowest
+    row). Returns (path rows [depth_rows]: the row of its ancestor at each depth, 0 past it; path tokens
+    [depth_rows] = argmax at those rows (commit the first accepted + 1); accepted 0-d; the next state (bonus,
+    base + accepted + 1)). state itself is left alone (the caller moves the path's keys/values from base first);
+    sequence, when given, gets the path tokens at base + 1..."""
+    _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows)
+    rows = argmax.shape[0]
+    matched = torch.cat([torch.ones(1, dtype=torch.bool, device=argmax.device),
+                         ids[1:rows] == argmax[parents[1:].clamp(min=0)]])
+    ok = ~((anc != 0) & ~matched[None, :]).any(1)  # no miss among a node's ancestors-or-self
+    best = torch.argmax(ok.long() * depths).view(1)  # the first deepest
+    accepted = torch.index_select(depths, 0, best)[0]
+    on_path = torch.index_select(anc, 0, best)[0] != 0
+    d = torch.arange(depth_rows, device=argmax.device)
+    rows_at = torch.arange(rows, device=argmax.device)
+    path = ((on_path[None, :] & (depths[None, :] == d[:, None])).long() * rows_at[None, :]).sum(1)
+    tokens = argmax[path]
+    if sequence is not None:
+        sequence.index_copy_(0, state[1] + 1 + d, tokens)
+    next_state = torch.cat([torch.index_select(tokens, 0, accepted.view(1)), (state[1] + accepted + 1).view(1)])
+    return path, tokens, accepted, next_state
+
+
+@triton.jit
+def _tree_commit_kernel(argmax_ptr, ids_ptr, par_ptr, anc_ptr, depth_ptr, state_ptr, seq_ptr, path_ptr, tok_ptr,
+                        acc_ptr, next_ptr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr,
+                        HAS_SEQ: tl.constexpr):
+    i = tl.arange(0, RP)
+    row_ok = i < R
+    draft = row_ok & (i >= 1)
+    parent = tl.load(par_ptr + i, mask=draft, other=0)
+    matched = (i == 0) | (tl.load(ids_ptr + i, mask=draft, other=-1) ==
+                          tl.load(argmax_ptr + tl.maximum(parent, 0), mask=draft, other=-2))
+    r = i[:, None]
+    j = i[None, :]
+    anc = tl.load(anc_ptr + r * R + j, mask=(r < R) & (j < R), other=0)
+    miss = (anc != 0) & (matched[None, :] == 0)
+    ok = row_ok & (tl.max(miss.to(tl.int32), axis=1) == 0)
+    depth = tl.load(depth_ptr + i, mask=row_ok, other=0)
+    key = tl.where(ok, depth * RP + (RP - 1 - i), -1)  # deepest first, then the lowest row
+    best_key = tl.max(key, axis=0)  # the root always qualifies: >= 0
+    accepted = best_key // RP
+    best = RP - 1 - best_key % RP
+    on_path = tl.load(anc_ptr + best * R + i, mask=row_ok, other=0) != 0
+    d = tl.arange(0, DRP)
+    hit = on_path[None, :] & (depth[None, :] == d[:, None])
+    path = tl.sum(tl.where(hit, i[None, :], 0), axis=1).to(tl.int64)  # [DRP]; 0 past the accepted depth
+    d_ok = d < DR
+    tokens = tl.load(argmax_ptr + path, mask=d_ok, other=0)
+    base = tl.load(state_ptr + 1)
+    tl.store(path_ptr + d, path, mask=d_ok)
+    tl.store(tok_ptr + d, tokens, mask=d_ok)
+    tl.store(acc_ptr, accepted.to(tl.int64))
+    tl.store(next_ptr, tl.sum(tl.where(d == accepted, tokens, 0), axis=0))
+    tl.store(next_ptr + 1, base + accepted + 1)
+    if HAS_SEQ:
+        tl.store(seq_ptr + base + 1 + d, tokens, mask=d_ok)
+
+
+def tree_commit(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None):
+    """tree_commit_ref's results and writes in one launch."""
+    _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows)
+    rows, dev = argmax.shape[0], argmax.device
+    check_launchable(_tree_commit_kernel, dev)
+    path, tokens = (torch.empty(depth_rows, dtype=torch.int64, device=dev) for _ in range(2))
+    accepted = torch.empty((), dtype=torch.int64, device=dev)
+    next_state = torch.empty(2, dtype=torch.int64, device=dev)
+    p2 = triton.next_power_of_2
+    _tree_commit_kernel[(1,)](argmax, ids, parents, anc, depths, state, state if sequence is None else sequence,
+                              path, tokens, accepted, next_state, R=rows, RP=p2(rows), DR=depth_rows,
+                              DRP=p2(depth_rows), HAS_SEQ=sequence is not None, num_warps=1)
+    return path, tokens, accepted, next_state

@@ -67,14 +67,19 @@ class ModelRunner:
         self._step_fn = step
 
     # ---- hot path -------------------------------------------------------------------------------
-    def _step(self, ids, positions, slots, base, anc):
+    def _step(self, ids, positions, slots, base, anc, block_slots=None):
         """-> (argmax [T], top-k values, top-k indices, top-k probs, features); the top-k entries are None unless
-        this runner serves top-k (drafters, token forcing's margins): the decode hot path needs only the argmax."""
+        this runner serves top-k (drafters, token forcing's margins): the decode hot path needs only the argmax.
+        block_slots: ancestor_slots(base, anc) precomputed by a caller whose block shape is static (the device
+        loop), for the fused path with position-ordered attention; derived here when None."""
         need_logits = self.topk > 0
         if self.fused is not None:
             blk = anc[:, :ids.shape[0]].contiguous()
             # Position-ordered: keys read through each token's ancestors' slots (tree nodes too): bit-exact vs AR.
-            block_slots = ancestor_slots(base, blk) if self.cfg.position_ordered_attention else None
+            if block_slots is None and self.cfg.position_ordered_attention:
+                block_slots = ancestor_slots(base, blk)
+            elif not self.cfg.position_ordered_attention:
+                block_slots = None
             logits, argmax, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
                                                      blk, self.kv[0], self.kv[1], self.capture,
                                                      block_slots=block_slots, want_logits=need_logits)
