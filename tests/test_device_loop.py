@@ -186,7 +186,7 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
         draft = dev.draft(state)  # on CPU the torch reference
         tokens, proposed = draft.tokens, draft.proposed
         assert int(proposed) == len(want) and tokens[:len(want), 0].tolist() == want, (trial, context)
-        kernel_tokens, kernel_proposed = ngram_lookup(dev.tokens, state, nmin, nmax, k)  # interpreted here
+        kernel_tokens, kernel_proposed = ngram_lookup(dev.sequence, state, nmin, nmax, k)  # interpreted here
         assert torch.equal(kernel_tokens, tokens[:, 0]) and int(kernel_proposed) == int(proposed)
         seen += len(want) > 0
     assert seen > 20

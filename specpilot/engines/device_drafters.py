@@ -17,7 +17,6 @@ import triton.language as tl
 
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
-from specpilot.engines.loop_kernels import lead_rows
 from specpilot.kernels._common import check_launchable, check_tensor
 
 
@@ -32,13 +31,6 @@ class DeviceDraft:
     proposed: torch.Tensor
     lead: torch.Tensor | None = None
     lead_depths: torch.Tensor | None = None
-
-    def led(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The candidates and probabilities with the lead applied (torch; the loop's assemble kernel does it too)."""
-        if self.lead is None:
-            return self.tokens, self.probs
-        depths = torch.arange(self.tokens.shape[0], device=self.tokens.device)
-        return lead_rows(self.tokens, self.probs, self.lead, depths < self.lead_depths.reshape(()))
 
 
 class DeviceDrafter(Protocol):
@@ -141,8 +133,7 @@ class NgramDeviceDrafter:
         self.depth, self.ngram_max, self.ngram_min = drafter.draft_len, drafter.ngram_max, drafter.ngram_min
         self.capacity = capacity
         # The sequence (prompt + output) by position; the loop writes depth + 1 tokens past the pending one a step.
-        self.tokens = torch.zeros(capacity + self.depth + 2, dtype=torch.long, device=device)
-        self.sequence = self.tokens
+        self.sequence = torch.zeros(capacity + self.depth + 2, dtype=torch.long, device=device)
         self.synced = 0  # positions 0..synced-1 of the current request hold its tokens
         self.ones = torch.ones(self.depth, 1, device=device)
         self._seq: list[int] | None = None
@@ -151,13 +142,13 @@ class NgramDeviceDrafter:
         if self._seq is not seq:  # a new request: its tokens from the start
             self._seq, self.synced = seq, 0
         if self.synced < base + 1:  # host steps ran since: their tokens (a small copy, not per step)
-            self.tokens[self.synced:base + 1].copy_(torch.tensor(seq[self.synced:base + 1]))
+            self.sequence[self.synced:base + 1].copy_(torch.tensor(seq[self.synced:base + 1]))
         self.synced = base + 1
 
     def draft(self, state) -> DeviceDraft:
         # CPU: the torch reference (the interpreted kernel takes ~10 ms a lookup; tests run it directly)
-        lookup = ngram_lookup if self.tokens.is_cuda else ngram_lookup_ref
-        draft, proposed = lookup(self.tokens, state, self.ngram_min, self.ngram_max, self.depth)
+        lookup = ngram_lookup if self.sequence.is_cuda else ngram_lookup_ref
+        draft, proposed = lookup(self.sequence, state, self.ngram_min, self.ngram_max, self.depth)
         return DeviceDraft(draft[:, None], self.ones, proposed[0])
 
     def commit(self, features, positions) -> None:
@@ -167,7 +158,7 @@ class NgramDeviceDrafter:
         self.synced = base + 1  # the loop wrote every committed token itself
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.tokens]
+        return [self.sequence]
 
 
 # ---- prompt lookup on the device: one kernel (a single program scans the context), and its torch reference ----
