@@ -474,7 +474,10 @@ def test_launch_params():
         p = cls()
         fields = set(p.as_kwargs())
         assert set(cls.T_NEUTRAL) <= fields and set(cls.SEARCH_SPACE) <= fields
-    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages"}  # block_n/split_keys set the order
+    # block_n/split_keys set the order; row tiles run in turn by one program keep each tile's dots
+    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program"}
+    with pytest.raises(ValueError, match="tiles_per_program"):
+        K.AttentionParams(tiles_per_program=3)
     with pytest.raises(ValueError, match="num_stages"):
         K.LinearParams(num_stages=0)
     with pytest.raises(ValueError, match="split_keys"):
