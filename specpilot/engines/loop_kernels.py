@@ -35,9 +35,7 @@ def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_posit
         raise ValueError("lead and lead_depths come together (a lookup's tokens and how many depths they cover)")
     if lead is not None:
         check_tensor("lead", lead, (depth,), torch.int64, dev)
-        check_tensor("lead_depths", lead_depths, None, torch.int64, dev)
-        if lead_depths.numel() != 1:
-            raise ValueError(f"lead_depths must hold one count, got shape {list(lead_depths.shape)}")
+        _check_count("lead_depths", lead_depths, dev)
     check_tensor("state", state, (2,), torch.int64, dev)
     check_tensor("node_src", node_src, (None,), torch.int64, dev)
     check_tensor("rel_positions", rel_positions, (None,), torch.int64, dev)
@@ -140,18 +138,29 @@ def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, r
     return out_tok, out_prob, ids, pos, slots, block_slots
 
 
-def _check_commit(argmax, ids, proposed, state, sequence):
+def _check_count(name, t, dev):
+    """A one-element int64 count on the device (a 0-d or [1] tensor)."""
+    check_tensor(name, t, None, torch.int64, dev)
+    if t.numel() != 1:
+        raise ValueError(f"{name} must hold one count, got shape {list(t.shape)}")
+
+
+def _check_outcome(argmax, ids, state, sequence) -> tuple[torch.device, int]:
+    """What both commits read: argmax [R] of a block whose ids hold at least R rows, the state, the sequence copy."""
     check_tensor("argmax", argmax, (None,), torch.int64)
     dev, rows = argmax.device, argmax.shape[0]
     check_tensor("ids", ids, (None,), torch.int64, dev)
     if ids.shape[0] < rows:
-        raise ValueError(f"ids has {ids.shape[0]} rows, the chain {rows}")
-    check_tensor("proposed", proposed, None, torch.int64, dev)
-    if proposed.numel() != 1:
-        raise ValueError(f"proposed must hold one count, got shape {list(proposed.shape)}")
+        raise ValueError(f"ids has {ids.shape[0]} rows, the block's argmax {rows}")
     check_tensor("state", state, (2,), torch.int64, dev)
     if sequence is not None:
         check_tensor("sequence", sequence, (None,), torch.int64, dev)
+    return dev, rows
+
+
+def _check_commit(argmax, ids, proposed, state, sequence):
+    dev, _ = _check_outcome(argmax, ids, state, sequence)
+    _check_count("proposed", proposed, dev)
 
 
 def chain_commit_ref(argmax, ids, proposed, state, sequence=None):
@@ -208,17 +217,10 @@ def chain_commit(argmax, ids, proposed, state, sequence=None):
 
 
 def _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows):
-    check_tensor("argmax", argmax, (None,), torch.int64)
-    dev, rows = argmax.device, argmax.shape[0]
-    check_tensor("ids", ids, (None,), torch.int64, dev)
-    if ids.shape[0] < rows:
-        raise ValueError(f"ids has {ids.shape[0]} rows, the tree {rows}")
+    dev, rows = _check_outcome(argmax, ids, state, sequence)
     check_tensor("parents", parents, (rows,), torch.int64, dev)
     check_tensor("anc", anc, (rows, rows), torch.uint8, dev)
     check_tensor("depths", depths, (rows,), torch.int64, dev)
-    check_tensor("state", state, (2,), torch.int64, dev)
-    if sequence is not None:
-        check_tensor("sequence", sequence, (None,), torch.int64, dev)
     if not 1 <= depth_rows <= rows:
         raise ValueError(f"depth_rows={depth_rows} must be in 1..{rows}")
 

@@ -76,10 +76,10 @@ class ModelRunner:
         if self.fused is not None:
             blk = anc[:, :ids.shape[0]].contiguous()
             # Position-ordered: keys read through each token's ancestors' slots (tree nodes too): bit-exact vs AR.
-            if block_slots is None and self.cfg.position_ordered_attention:
-                block_slots = ancestor_slots(base, blk)
-            elif not self.cfg.position_ordered_attention:
+            if not self.cfg.position_ordered_attention:
                 block_slots = None
+            elif block_slots is None:
+                block_slots = ancestor_slots(base, blk)
             logits, argmax, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
                                                      blk, self.kv[0], self.kv[1], self.capture,
                                                      block_slots=block_slots, want_logits=need_logits)
