@@ -182,12 +182,13 @@ def test_verify_rejects_blocks_whose_parents_follow_children():
 @pytest.mark.parametrize("H,KVH", [(4, 2), (3, 3), (20, 1)])  # G = 20 > BLOCK_M: two programs per token
 def test_attention_block_slots_matches_ref_and_reads_keys_in_position_order(dtype, H, KVH):
     g = torch.Generator().manual_seed(H * 10 + KVH)
+    dev = "cuda" if CUDA else "cpu"  # the compiled kernel on a GPU, the interpreter on CPU
     T, D, S, base = 9, 16, 90, 41
     parents = [-1, 0, 0, 2, 2, 4, 3, 5, 1]
-    anc = torch.from_numpy(tree_anc(parents))
-    q = torch.randn(T, H, D, generator=g).to(dtype)
-    kc, vc = torch.randn(KVH, S, D, generator=g).to(dtype), torch.randn(KVH, S, D, generator=g).to(dtype)
-    bs = ancestor_slots(torch.tensor(base), anc)
+    anc = torch.from_numpy(tree_anc(parents)).to(dev)
+    q = torch.randn(T, H, D, generator=g).to(dev, dtype)
+    kc, vc = (torch.randn(KVH, S, D, generator=g).to(dev, dtype) for _ in range(2))
+    bs = ancestor_slots(torch.tensor(base, device=dev), anc)
     o = K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32)
     ref = K.attention_ref(q, kc, vc, base, anc, block_slots=bs)
     err = ((o.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -201,8 +202,9 @@ def test_attention_block_slots_matches_ref_and_reads_keys_in_position_order(dtyp
     kc2, vc2 = kc.clone(), vc.clone()
     for d, node in enumerate(path):
         kc2[:, base + d], vc2[:, base + d] = kc[:, base + node], vc[:, base + node]
-    one = torch.ones(1, 1, dtype=torch.bool)
-    ar = K.attention(q[7:8], kc2, vc2, base + 4, one, block_slots=ancestor_slots(torch.tensor(base + 4), one),
+    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    ar = K.attention(q[7:8], kc2, vc2, base + 4, one,
+                     block_slots=ancestor_slots(torch.tensor(base + 4, device=dev), one),
                      block_n=16, split_keys=32)
     assert torch.equal(ar[0], o[7])
     for tiles in (2, 4):  # row tiles run in turn by one program: the same bits, spare tiles past the tokens idle
