@@ -134,7 +134,7 @@ def check_batch_forward(model) -> None:
         meta = PagedMeta(pages, torch.tensor([0, n], device=DEV), torch.tensor([n, 2], device=DEV),
                          torch.tensor([hi, 2], device=DEV), torch.from_numpy(t_req).to(DEV),
                          torch.from_numpy(t_row).to(DEV), torch.tensor([hi] * n + [2, 2], device=DEV))
-        logits, argmax = batch_forward(model, tables, both, positions, slots, meta, paged[0], paged[1], page,
+        logits, argmax, _ = batch_forward(model, tables, both, positions, slots, meta, paged[0], paged[1], page,
                                        want_logits=True)
         same = torch.equal(logits[:n], ref)
         report(f"batch_forward == fused_forward rows [{lo}, {hi})", same, "" if same else diff(logits[:n], ref))

@@ -62,7 +62,9 @@ class ReplayRunner:
     def unbind(self, row: int) -> None:
         self._truth.pop(row, None)
 
-    def launch(self, entries: list[StepEntry]) -> StepHandle:
+    def launch(self, entries: list[StepEntry], features: bool = False) -> StepHandle:
+        if features:
+            raise ValueError("the replayed runner computes no target features: no block drafter here")
         out = np.zeros((self.B, 1 + self.W), dtype=np.int64)
         for e in entries:
             if e.last_only:  # a prompt chunk: the whole prompt, once its last chunk is in, names the sequence

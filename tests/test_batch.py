@@ -35,6 +35,7 @@ from specpilot.engines.batch.model import attention_params, batch_forward  # noq
 from specpilot.engines.batch.paged_attn import (PagedMeta, max_tiles, paged_attention,  # noqa: E402
                                                 paged_attention_ref, tile_map)
 from specpilot.engines.batch.paged_cache import CacheShape, OutOfPages, PagedKVCache  # noqa: E402
+from specpilot.engines.batch.runner import StepEntry  # noqa: E402
 from specpilot.engines.batch.scheduler import Request, RequestState, Scheduler, StopReason  # noqa: E402
 from specpilot.engines.build import build_engine  # noqa: E402
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig  # noqa: E402
@@ -221,7 +222,7 @@ def test_batch_forward_is_fused_forward_per_row():
         t_req, t_row = tile_map(np.array([n, 2]), 2, 8)
         meta = PagedMeta(pages, torch.tensor([0, n]), torch.tensor([n, 2]), torch.tensor([hi, 2]),
                          torch.from_numpy(t_req), torch.from_numpy(t_row), torch.tensor([hi] * n + [2, 2]))
-        logits, argmax = batch_forward(model, tables, both, positions, slots, meta, kv_paged[0], kv_paged[1], page,
+        logits, argmax, _ = batch_forward(model, tables, both, positions, slots, meta, kv_paged[0], kv_paged[1], page,
                                        want_logits=True)
         assert torch.equal(logits[:n], ref) and torch.equal(argmax[:n], ref.argmax(-1))
     logical = pages[0, torch.arange(12) // page] * page + torch.arange(12) % page
@@ -436,6 +437,111 @@ def test_graph_buckets_emulated_on_cpu_equal_single_ar():
     assert set(engine.runner._graphs) and max(s.tokens for s in res.steps) > 16  # graphs and eager steps both ran
 
 
+# ---- the batched block drafter -------------------------------------------------------------------------------
+def block_model(shape: str, seed: int, block_size: int = 5):
+    """A random block drafter for a micro target, with weights large enough for sharp, context-dependent tops."""
+    from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+    return BlockDrafterModel(BlockDrafterConfig.for_target(MICRO[shape], layers=2, block_size=block_size)).init_weights(
+        seed, std=0.3)
+
+
+def test_batch_block_drafter_chains_equal_the_single_request_drafter():
+    """Three requests' contexts (different lengths) in one cache, with a rejected draft's junk written past one
+    request's pending position and padding tokens: each row's batched top-1 chain equals BlockTreeDrafter's (the
+    single-request engine's drafter) over that request's context alone."""
+    from specpilot.engines.batch.block_drafting import BatchBlockDrafter
+    from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
+    target, drafter = micro("mha", 0), block_model("mha", 1)
+    feat = drafter.config.feature_dim
+    g = torch.Generator().manual_seed(2)
+    batched = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu")
+    lengths, rows = (7, 30, 12), (2, 0, 3)
+    contexts = [torch.randn(n, feat, generator=g) for n in lengths]
+    junk = torch.randn(3, feat, generator=g)
+    f = torch.cat([contexts[0], contexts[1], junk, contexts[2], torch.randn(2, feat, generator=g)])
+    r = torch.tensor([2] * 7 + [0] * 30 + [2] * 3 + [3] * 12 + [-1, -1])
+    pos = torch.cat([torch.arange(7), torch.arange(30), torch.arange(7, 10), torch.arange(12), torch.zeros(2)]).long()
+    batched.observe(f[:20], r[:20], pos[:20])  # in two steps, as the engine observes them
+    batched.observe(f[20:], r[20:], pos[20:])
+    pending = [5, 9, 11]
+    chains = batched.draft(list(rows), pending, list(lengths))
+    shape = TreeShape(tree=False, block_size=5, budget=4, width=1, depth=4)
+    for ctx, tok, chain in zip(contexts, pending, chains):
+        single = BlockTreeDrafter(drafter, target, shape, 64, "cpu")
+        single.observe(0, ctx)
+        tokens, _ = single.candidates([1] * ctx.shape[0] + [tok], 4)
+        assert chain == [t[0] for t in tokens]
+    assert len(set(map(tuple, chains))) > 1, "degenerate drafter: the chains must depend on the context"
+    with pytest.raises(ValueError, match="features"):
+        batched.observe(f[:, :-1], r, pos)
+    with pytest.raises(ValueError, match="positions"):
+        batched.draft([0], [1], [65])
+    with pytest.raises(ValueError, match="rows"):
+        batched.draft([4], [1], [3])
+
+
+@pytest.mark.parametrize("mode", ["block", "lookup_goodput"])
+def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
+    """The batched engine drafting with the block drafter (its features read from the step's own forward, graph
+    buckets emulated) alone at its block depth, or led by prompt lookup with goodput draft lengths: every request's
+    output equals its single-request AR output, and the block proposed the drafts."""
+    specs, refs, eos, want = scenario("mha", 0)
+    cfg = ecfg(drafter="block", block_size=5, ngram_prefix=mode != "block")
+    batch = BatchConfig(max_batch=3, prefill_chunk=16, graph_max_tokens=16,
+                        **({"draft_length": "goodput", "max_draft_len": 6, "cost_curve": CURVE}
+                           if mode != "block" else {}))
+    engine = build_batch_engine(micro("mha", 0), cfg, batch, eos, "cpu", emulate_graphs=True,
+                                block_drafter=block_model("mha", 1))
+    calls = []
+    draft = engine.block.draft
+
+    def recorded(rows, pending, positions):
+        chains = draft(rows, pending, positions)
+        seqs = {r.row: list(r.seq) for r in engine.sched.running if r.row in rows}
+        calls.extend((seqs[row], chain) for row, chain in zip(rows, chains))
+        return chains
+
+    engine.block.draft = recorded
+    res = engine.run(specs, StepClock())
+    assert {r.id: r.tokens for r in res.requests} == want
+    assert sum(r.drafted for r in res.requests) > 0 and calls
+    assert any(k[1] for k in engine.runner._graphs)  # the features variant of the graphs ran
+    # Each chain equals a fresh drafter's from one prefill of the request's committed sequence: the engine observed
+    # every committed token's features at its position, and what it wrote past the pending one stayed hidden.
+    from specpilot.engines.batch import BatchBlockDrafter
+    runner = BatchRunner(engine.runner.model, cfg, BatchConfig(max_batch=1, prefill_chunk=64), "cpu", max_block=5,
+                         capture=engine.block.target_layers)
+    runner.bind(0, list(range(runner.pages_per_request)))
+    for seq, chain in calls:
+        fresh = BatchBlockDrafter(block_model("mha", 1), engine.runner.model, 1, MAX_SEQ, "cpu")
+        runner.launch([StepEntry(0, seq[:-1], 0, last_only=True)], features=True)
+        fresh.observe(*runner.step_tokens())
+        assert fresh.draft([0], [seq[-1]], [len(seq) - 1]) == [chain]
+
+
+def test_block_drafter_batching_rejects_what_it_cannot_serve():
+    model, drafter = micro("mha", 0), block_model("mha", 1)
+    with pytest.raises(ConfigError, match="needs the drafter"):
+        build_batch_engine(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), NO_EOS, "cpu")
+    with pytest.raises(ConfigError, match="overlap_draft"):
+        build_batch_engine(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2, overlap_draft=True),
+                           NO_EOS, "cpu", block_drafter=drafter)
+    with pytest.raises(ConfigError, match="trained block size"):
+        build_batch_engine(model, ecfg(drafter="block", block_size=8), BatchConfig(max_batch=2), NO_EOS, "cpu",
+                           block_drafter=drafter)
+    with pytest.raises(ConfigError, match="captures target layers"):
+        from specpilot.engines.batch import BatchBlockDrafter
+        runner = BatchRunner(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), "cpu", max_block=5)
+        BatchEngine(runner, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), NO_EOS,
+                    block_drafter=BatchBlockDrafter(drafter, model, 2, MAX_SEQ, "cpu"))
+    with pytest.raises(ValueError, match="does not fit"):
+        from specpilot.engines.batch import BatchBlockDrafter
+        BatchBlockDrafter(block_model("g2", 1), model, 2, MAX_SEQ, "cpu")
+    with pytest.raises(ValueError, match="capture"):
+        BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1).launch(
+            [StepEntry(0, [1], 0)], features=True)
+
+
 def test_engine_rejects_what_it_cannot_serve():
     model = micro("g2", 0)
     with pytest.raises(ConfigError, match="kernel_backend=triton"):
@@ -553,12 +659,18 @@ def test_gpu_batch_bench_script_runs_tiny(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_batch_bench", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    from specpilot.drafting.checkpoint import save_drafter
+    from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+    drafter = BlockDrafterModel(BlockDrafterConfig.for_target(script.MICRO, layers=1, block_size=4)).init_weights(0)
+    save_drafter(drafter, tmp_path / "drafter", script.micro_model(0), dtype=torch.float32)
     out = tmp_path / "bench.json"
     assert script.main(["--tiny", str(out), "--arrival", "all", "--mechanisms", "goodput_draft,all",
-                        "--max-new-tokens", "5", "--engine", '{"max_seq_len": 256}']) == 0
+                        "--max-new-tokens", "5", "--engine", '{"max_seq_len": 256}',
+                        "--drafter", str(tmp_path / "drafter")]) == 0
     data = json.loads(out.read_text())
     assert data["summary"][0]["all_equal_single_ar"] and len(data["report"]["cost_curve"]) >= 2
-    assert set(data["summary"][0]["vs_ar"]) == {"stock", "goodput_draft", "all"}
+    assert set(data["summary"][0]["vs_ar"]) == {"stock", "goodput_draft", "all", "block", "block+lookup",
+                                                "block+lookup+goodput"}
     assert "| conc | arrival | AR tok/s |" in capsys.readouterr().out.strip().splitlines()[-3]
     from specpilot.engines.loader import load_tokenizer
     from specpilot.testbed import fetch_smollm2

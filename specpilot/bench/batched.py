@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from specpilot.deployments.spec import Arrival  # a deployment's batch regime names its arrival process
-from specpilot.engines.batch import (MECHANISMS, BatchConfig, BatchEngine, BatchRunner, CostCurve, RequestSpec,
-                                     block_width, measure_cost_curve)
+from specpilot.engines.batch import (MECHANISMS, BatchBlockDrafter, BatchConfig, BatchEngine, BatchRunner, CostCurve,
+                                     RequestSpec, block_width, measure_cost_curve)
 from specpilot.engines.batch.config import mechanism_fields
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend
+from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.llama import LlamaModel
 
 AR_LABEL, STOCK_LABEL, ALL_LABEL = "ar", "stock", "all"
@@ -49,6 +50,15 @@ def standard_variants(ar_cfg: EngineConfig, spec_cfg: EngineConfig,
     out = [BatchVariant(AR_LABEL, ar_cfg.replace(drafter=DrafterKind.NONE), batch),
            BatchVariant(STOCK_LABEL, spec_cfg, batch)]
     return out + [BatchVariant(name, spec_cfg, batch.replace(**mechanism_fields(name))) for name in mechanisms]
+
+
+def block_variants(ar_cfg: EngineConfig, block_size: int, batch: BatchConfig = BatchConfig()) -> list[BatchVariant]:
+    """The batched block drafter (engines.batch.block_drafting): its top-1 chain at the block's depth, led by
+    prompt lookup (ngram_prefix), and that with goodput draft lengths (mechanism a)."""
+    cfg = ar_cfg.replace(drafter=DrafterKind.BLOCK, block_size=block_size)
+    lookup = cfg.replace(ngram_prefix=True)
+    return [BatchVariant("block", cfg, batch), BatchVariant("block+lookup", lookup, batch),
+            BatchVariant("block+lookup+goodput", lookup, batch.replace(**mechanism_fields("goodput_draft")))]
 
 
 @dataclass
@@ -120,10 +130,11 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
                           rate: float | None = None, seed: int = 0, cost_curve: CostCurve | None = None,
                           reference: dict[str, list[int]] | None = None, warmup: bool | None = None,
                           progress: Callable[[str], None] | None = None, emulate_graphs: bool = False,
-                          cost_repeats: int = 3) -> ConcurrencyReport:
+                          cost_repeats: int = 3, block_drafter: BlockDrafterModel | None = None) -> ConcurrencyReport:
     """Runs every variant at every concurrency and arrival process on one shared runner (one paged cache, one
     set of CUDA graphs). reference: prompt key -> single-request output, checked for every request.
-    warmup (default: on CUDA) captures every graph and runs each engine once before anything is timed."""
+    warmup (default: on CUDA) captures every graph and runs each engine once before anything is timed.
+    block_drafter: the model the drafter=block variants draft with (one batched drafter, shared)."""
     if not variants or variants[0].label != AR_LABEL or variants[0].engine.speculative:
         raise ValueError(f"the first variant must be AR, labelled {AR_LABEL!r}")
     if not prompts:
@@ -133,13 +144,18 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     for v in variants:
         if any(getattr(v.engine, k) != getattr(base, k) for k in shared):
             raise ValueError(f"variant {v.label} differs from AR in a runner setting ({', '.join(shared)})")
+    uses_block = any(v.engine.drafter is DrafterKind.BLOCK for v in variants)
+    if uses_block and block_drafter is None:
+        raise ValueError("drafter=block variants need the drafter's model (block_drafter)")
     sizing = variants[0].batch.replace(max_batch=max(concurrencies))
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
-                         emulate_graphs=emulate_graphs)
+                         emulate_graphs=emulate_graphs,
+                         capture=block_drafter.config.target_layers if uses_block else ())
+    blocks = BatchBlockDrafter(block_drafter, model, runner.B, base.max_seq_len, device) if uses_block else None
     say = progress or (lambda _: None)
     warmup = runner.device.type == "cuda" if warmup is None else warmup
     if warmup:
-        say(f"captured {runner.capture_all()} graphs")
+        say(f"captured {runner.capture_all(features=uses_block)} graphs")
     if cost_curve is None and any(v.batch.needs_cost_curve for v in variants):
         cost_curve = measure_cost_curve(runner, repeats=cost_repeats)
         say(f"cost curve: {cost_curve.points}")
@@ -147,7 +163,8 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     for c in concurrencies:
         n = requests or c
         reqs = [(f"{prompts[i % len(prompts)][0]}#{i // len(prompts)}", prompts[i % len(prompts)]) for i in range(n)]
-        engines = {v.label: BatchEngine(runner, v.engine, v.batch.replace(max_batch=c), eos, cost_curve=cost_curve)
+        engines = {v.label: BatchEngine(runner, v.engine, v.batch.replace(max_batch=c), eos, cost_curve=cost_curve,
+                                        block_drafter=blocks if v.engine.drafter is DrafterKind.BLOCK else None)
                    for v in variants}
         if warmup:
             for e in engines.values():

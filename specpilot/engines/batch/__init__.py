@@ -10,29 +10,35 @@ from __future__ import annotations
 import torch
 
 from specpilot.engines.batch.clock import StepClock, WallClock
-from specpilot.engines.batch.config import MECHANISMS, BatchConfig, DraftLength, VerifyBudget, batch_knob_schema
+from specpilot.engines.batch.block_drafting import BatchBlockDrafter
+from specpilot.engines.batch.config import (MECHANISMS, BatchConfig, DraftLength, VerifyBudget, batch_knob_schema,
+                                            longest_draft)
 from specpilot.engines.batch.cost import CostCurve, measure_cost_curve
 from specpilot.engines.batch.engine import BatchEngine, RequestResult, RequestSpec, RunResult
 from specpilot.engines.batch.runner import BatchRunner
 from specpilot.engines.config import EngineConfig
+from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.llama import LlamaModel
 
 
 def block_width(cfg: EngineConfig, batch: BatchConfig) -> int:
     """Widest verify block an engine of (cfg, batch) builds: the pending token + its longest draft."""
-    if not cfg.speculative:
-        return 1
-    return 1 + (batch.max_draft_len if batch.draft_length is DraftLength.GOODPUT else cfg.draft_len)
+    return 1 + longest_draft(cfg, batch)
 
 
 def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig, eos: frozenset[int],
-                       device: torch.device | str, **kw) -> BatchEngine:
-    """A runner sized for this one engine, and the engine (share a runner between engines by hand)."""
+                       device: torch.device | str, block_drafter: BlockDrafterModel | None = None,
+                       **kw) -> BatchEngine:
+    """A runner sized for this one engine, and the engine (share a runner between engines by hand). drafter=block
+    takes the drafter's model in block_drafter: the runner then captures its target layers."""
+    capture = block_drafter.config.target_layers if block_drafter is not None else ()
     runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
-                         emulate_graphs=kw.pop("emulate_graphs", False))
+                         emulate_graphs=kw.pop("emulate_graphs", False), capture=capture)
+    if block_drafter is not None:
+        kw["block_drafter"] = BatchBlockDrafter(block_drafter, model, runner.B, cfg.max_seq_len, device)
     return BatchEngine(runner, cfg, batch, eos, **kw)
 
 
-__all__ = ["MECHANISMS", "BatchConfig", "BatchEngine", "BatchRunner", "CostCurve", "DraftLength", "RequestResult",
-           "RequestSpec", "RunResult", "StepClock", "VerifyBudget", "WallClock", "batch_knob_schema",
+__all__ = ["MECHANISMS", "BatchBlockDrafter", "BatchConfig", "BatchEngine", "BatchRunner", "CostCurve", "DraftLength",
+           "RequestResult", "RequestSpec", "RunResult", "StepClock", "VerifyBudget", "WallClock", "batch_knob_schema",
            "block_width", "build_batch_engine", "measure_cost_curve"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
-from specpilot.engines.config import ConfigError, ConfigOps, config_schema
+from specpilot.engines.config import ConfigError, ConfigOps, DrafterKind, EngineConfig, config_schema
 
 
 class DraftLength(str, Enum):
@@ -106,6 +106,15 @@ def mechanism_fields(*names: str) -> dict[str, Any]:
         delta.update(MECHANISMS[name])
     return delta
 
+
+def longest_draft(cfg: EngineConfig, batch: BatchConfig) -> int:
+    """The most draft tokens a request gets in one step: goodput's max_draft_len, else the fixed length (a block
+    drafter's block depth, block_size - 1; an n-gram drafter's draft_len); 0 without a drafter."""
+    if not cfg.speculative:
+        return 0
+    if batch.draft_length is DraftLength.GOODPUT:
+        return batch.max_draft_len
+    return cfg.block_size - 1 if cfg.drafter is DrafterKind.BLOCK else cfg.draft_len
 
 
 def batch_knob_schema() -> list[dict[str, Any]]:

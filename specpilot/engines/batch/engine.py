@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specpilot.engines.batch.clock import Clock, WallClock
-from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
+from specpilot.engines.batch.block_drafting import BatchBlockDrafter
+from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget, longest_draft
 from specpilot.engines.batch.cost import CostCurve, measure_cost_curve
 from specpilot.engines.batch.drafting import DrafterFactory, NgramChainDrafter
 from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_verify_budget, goodput_draft_lens,
@@ -88,19 +89,28 @@ class RunResult:
 
 class BatchEngine:
     def __init__(self, runner: BatchRunner, cfg: EngineConfig, batch: BatchConfig, eos: frozenset[int],
-                 drafter_factory: DrafterFactory | None = None, cost_curve: CostCurve | None = None):
+                 drafter_factory: DrafterFactory | None = None, cost_curve: CostCurve | None = None,
+                 block_drafter: BatchBlockDrafter | None = None):
         if cfg.verify is not VerifyMode.CHAIN:
             raise ConfigError("the batched engine verifies chains (verify=chain)")
-        if drafter_factory is None and cfg.drafter not in (DrafterKind.NONE, DrafterKind.NGRAM):
-            raise ConfigError(f"drafter={cfg.drafter.value} is not batched yet (ngram, none, or a drafter_factory)")
+        if drafter_factory is None and cfg.drafter not in (DrafterKind.NONE, DrafterKind.NGRAM, DrafterKind.BLOCK):
+            raise ConfigError(f"drafter={cfg.drafter.value} is not batched yet (block, ngram, none, or a "
+                              "drafter_factory)")
+        self.block = block_drafter if cfg.drafter is DrafterKind.BLOCK else None
+        if self.block is not None:
+            _check_block(self.block, runner, cfg, batch)
+        elif cfg.drafter is DrafterKind.BLOCK and drafter_factory is None:
+            raise ConfigError("drafter=block needs the drafter: block_drafter=BatchBlockDrafter(...)")
+        elif block_drafter is not None:
+            raise ConfigError(f"a block_drafter was given but drafter={cfg.drafter.value}")
         self.runner, self.cfg, self.batch, self.eos = runner, cfg, batch, frozenset(eos)
-        self.speculative = drafter_factory is not None or cfg.drafter is DrafterKind.NGRAM
-        goodput = batch.draft_length is DraftLength.GOODPUT
-        self.k_max = (batch.max_draft_len if goodput else cfg.draft_len) if self.speculative else 0
+        self.speculative = drafter_factory is not None or cfg.speculative
+        self.k_max = longest_draft(cfg, batch) if self.speculative else 0
         if self.k_max + 1 > runner.W:
             raise ConfigError(f"drafts of {self.k_max} tokens need a runner block width of {self.k_max + 1}, "
                               f"it has {runner.W}")
-        if drafter_factory is None and self.speculative:
+        if drafter_factory is None and (cfg.drafter is DrafterKind.NGRAM or cfg.ngram_prefix):
+            # n-gram: the draft; a block drafter's ngram_prefix: the lookup that leads its chain
             drafter_factory = lambda req: NgramChainDrafter(self.k_max, cfg.ngram_max, cfg.ngram_min)  # noqa: E731
         self.drafter_factory = drafter_factory
         self.sched = Scheduler(batch, runner.cache, cfg.max_seq_len, runner.B)
@@ -147,19 +157,22 @@ class BatchEngine:
         for req in self.sched.admit(clock.now()):
             self.runner.bind(req.row, req.pages)
             if self.speculative:
-                req.drafter = self.drafter_factory(req)
+                req.drafter = self.drafter_factory(req) if self.drafter_factory is not None else None
                 req.estimate = AcceptanceEstimate(self.batch.accept_prior, self.batch.accept_decay)
         plan = self.sched.plan()
         drafts = self._draft(plan.decode, sum(e - s for _, s, e in plan.prefill))
         entries = [StepEntry(r.row, r.prompt[s:e], s, last_only=True) for r, s, e in plan.prefill]
         entries += [StepEntry(r.row, [r.seq[-1]] + d, len(r.seq) - 1) for r, d in zip(plan.decode, drafts)]
         t1 = time.perf_counter()
-        handle = self.runner.launch(entries)  # packs the inputs, uploads them, replays (asynchronous on CUDA)
+        # packs the inputs, uploads them, replays (asynchronous on CUDA); a block drafter reads the step's features
+        handle = self.runner.launch(entries, features=self.block is not None)
         t_launched = time.perf_counter()
         if self.batch.overlap_draft:  # runs while the device verifies (CUDA is asynchronous)
             for req, d in zip(plan.decode, drafts):
                 self._draft_ahead(req, d)
         out = handle.result().tolist()  # Python ints once: per-element numpy reads cost ~1 us each
+        if self.block is not None:  # queued before the next launch rewrites the runner's step buffers
+            self.block.observe(*self.runner.step_tokens())
         t2 = time.perf_counter()
         now = clock.now()
         committed = 0
@@ -198,20 +211,34 @@ class BatchEngine:
                                              max(self._last_tokens, len(decode)))
             caps = goodput_draft_lens([r.estimate.alpha for r in decode], caps, fixed_s, token_s)
         drafts = []
-        for req, cap in zip(decode, caps):
+        blocks = self._block_drafts(decode, caps)
+        for req, cap, block in zip(decode, caps, blocks):
             ready, req.ready = req.ready, None
             if cap <= 0:
                 drafts.append([])
             elif ready is not None:  # drafted ahead, during the previous step's forward
                 drafts.append(ready[:cap])
             else:
-                drafts.append(list(req.drafter.propose(req.seq, cap))[:cap])
+                lead = list(req.drafter.propose(req.seq, cap))[:cap] if req.drafter is not None else []
+                # a block drafter's depths do not depend on each other: the lookup's match leads, the block's top-1
+                # tokens follow from the depth after it (engines.drafters.ngram_prefix)
+                drafts.append(lead + block[len(lead):cap])
         if self.batch.verify_budget is VerifyBudget.COST_CURVE:
             keep = allocate_verify_budget([r.estimate.alpha for r in decode], [len(d) for d in drafts],
                                           len(decode) + prefill_tokens, self.cost_curve, self.overhead_s,
                                           self.batch.verify_budget_max)
             drafts = [d[:k] for d, k in zip(drafts, keep)]
         return drafts
+
+    def _block_drafts(self, decode: list[Request], caps: list[int]) -> list[list[int]]:
+        """The block drafter's top-1 chain of every request that drafts this step (one batched forward)."""
+        want = [i for i, cap in enumerate(caps) if cap > 0] if self.block is not None else []
+        out: list[list[int]] = [[] for _ in decode]
+        chains = self.block.draft([decode[i].row for i in want], [decode[i].seq[-1] for i in want],
+                                  [len(decode[i].seq) - 1 for i in want]) if want else []
+        for i, chain in zip(want, chains):
+            out[i] = chain
+        return out
 
     def _draft_ahead(self, req: Request, draft: list[int]) -> None:
         """Drafts for the outcome "all of `draft` accepted" while the forward runs (mechanism c)."""
@@ -248,3 +275,18 @@ class BatchEngine:
             self.runner.unbind(req.row)
             self.sched.finish(req, stop, now)
         return len(new)
+
+
+def _check_block(block: BatchBlockDrafter, runner: BatchRunner, cfg: EngineConfig, batch: BatchConfig) -> None:
+    if runner.capture != block.target_layers:
+        raise ConfigError(f"the runner captures target layers {list(runner.capture)}, the block drafter reads "
+                          f"{list(block.target_layers)}: build the runner with capture=drafter.target_layers")
+    if block.rows < runner.B or block.capacity < cfg.max_seq_len:
+        raise ConfigError(f"the block drafter holds {block.rows} rows of {block.capacity} positions; the runner needs "
+                          f"{runner.B} of {cfg.max_seq_len}")
+    if cfg.block_size > block.config.block_size:
+        raise ConfigError(f"block_size={cfg.block_size} exceeds the drafter's trained block size "
+                          f"{block.config.block_size}")
+    if batch.overlap_draft:
+        raise ConfigError("overlap_draft guesses the next draft from the lookup while the target verifies; a block "
+                          "drafter drafts from the verified step's features, after it: turn overlap_draft off")

@@ -63,10 +63,10 @@ def attention_params(model: LlamaModel, tables: FusedTables) -> AttentionParams:
 
 def batch_forward(model: LlamaModel, tables: FusedTables, ids: torch.Tensor, positions: torch.Tensor,
                   slots: torch.Tensor, meta: PagedMeta, k_caches: torch.Tensor, v_caches: torch.Tensor,
-                  page: int, max_kv_len: int | None = None, want_logits: bool = False):
+                  page: int, max_kv_len: int | None = None, want_logits: bool = False, capture: tuple[int, ...] = ()):
     """ids/positions/slots [N] int64 (slot -1: a padding token that writes no KV); caches [layers, kv_heads,
-    S, D] paged by `page` slots. Returns (fp32 logits [N, vocab] or None, argmax [N]); padding rows are
-    meaningless."""
+    S, D] paged by `page` slots. Returns (fp32 logits [N, vocab] or None, argmax [N], the outputs of the target
+    layers in `capture` [N, hidden] each: a block drafter's features); padding rows are meaningless."""
     calls = []
 
     def paged(q, k_cache, v_cache, base, anc, *, block_slots=None, **params):
@@ -78,9 +78,9 @@ def batch_forward(model: LlamaModel, tables: FusedTables, ids: torch.Tensor, pos
         return paged_attention(q, k_cache, v_cache, meta, params=p, max_kv_len=max_kv_len)
 
     with _attention_routed_to(paged):
-        logits, argmax, _ = fused_forward(model, tables, ids, positions, slots, None, None, k_caches, v_caches,
-                                          want_logits=want_logits)
+        logits, argmax, captured = fused_forward(model, tables, ids, positions, slots, None, None, k_caches,
+                                                 v_caches, capture, want_logits=want_logits)
     if len(calls) != model.shape.layers:
         raise RuntimeError(f"fused_forward routed {len(calls)} of {model.shape.layers} attention calls to the paged "
                            "kernel: engines/batch/model.py needs updating")
-    return logits, argmax
+    return logits, argmax, captured

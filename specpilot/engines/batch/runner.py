@@ -12,6 +12,10 @@ On CUDA, steps of up to BatchConfig.graph_max_tokens tokens replay a CUDA graph 
 bucket (padding tokens write no KV and belong to no request; every kernel is row-invariant, so padding
 changes no bit); larger steps (long prefill chunks) run eagerly. On CPU everything runs eagerly at the exact
 token count (emulate_graphs=True runs the graph path's buckets and static buffers, for tests).
+
+With `capture` (a block drafter's target layers), a step launched with features=True also leaves those layers'
+outputs for every token of the step in `features` (its own graphs: steps without it pay nothing), read through
+step_tokens() before the next launch.
 """
 from __future__ import annotations
 
@@ -69,11 +73,14 @@ class _EmulatedGraph:
 
 class BatchRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, batch: BatchConfig, device: torch.device | str,
-                 max_block: int, emulate_graphs: bool = False):
+                 max_block: int, emulate_graphs: bool = False, capture: tuple[int, ...] = ()):
         if cfg.kernel_backend is not KernelBackend.TRITON:
             raise ConfigError("the batched engine runs the batch-invariant Triton kernels: kernel_backend=triton")
         check_fusable(model, cfg.weight_format)
         self.model, self.cfg, self.batch = model, cfg, batch
+        if capture and (min(capture) < 0 or max(capture) >= model.shape.layers):
+            raise ValueError(f"capture={capture}: the target has layers 0..{model.shape.layers - 1}")
+        self.capture = tuple(capture)
         self.device = torch.device(device)
         sh = model.shape
         self.group = sh.heads // sh.kv_heads
@@ -91,7 +98,8 @@ class BatchRunner:
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.emulate = emulate_graphs and not self.use_graphs
         self.graph_max = batch.graph_max_tokens if (self.use_graphs or self.emulate) else 0
-        self._graphs: dict[int, object] = {}
+        self._graphs: dict[tuple[int, bool], object] = {}  # (token bucket, with features)
+        self._last_tokens = 0  # tokens (padding included) of the last launch: what step_tokens() covers
         self._pool = None
         # The host buffer is pinned and copied asynchronously: it is rewritten only once the last copy ran.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -124,6 +132,8 @@ class BatchRunner:
             self.h[name] = self.h[name].reshape(B, cols)
             self.d[name] = self.d[name].view(B, cols)
         self.h["page_table"][:] = -1
+        self.features = (torch.zeros(N, len(self.capture) * self.model.shape.hidden, device=self.device,
+                                     dtype=next(self.model.parameters()).dtype) if self.capture else None)
         self._cols = torch.arange(1, W, device=self.device)
 
     def bind(self, row: int, pages: list[int]) -> None:
@@ -173,7 +183,7 @@ class BatchRunner:
         return int((starts + lens).max()) if n else 0
 
     # ---- the step ---------------------------------------------------------------------------------
-    def _forward(self, nb: int, n_tiles: int, max_kv: int | None) -> torch.Tensor:
+    def _forward(self, nb: int, n_tiles: int, max_kv: int | None, features: bool = False) -> torch.Tensor:
         d, P, size = self.d, self.pages_per_request, self.page
         ids, tok_req, pos = d["ids"][:nb], d["tok_req"][:nb], d["pos"][:nb]
         page = d["page_table"].view(-1)[tok_req.clamp(min=0) * P + pos // size]
@@ -181,7 +191,10 @@ class BatchRunner:
         meta = PagedMeta(d["page_table"], d["q_start"], d["q_len"], d["kv_len"], d["tile_req"][:n_tiles],
                          d["tile_row"][:n_tiles], d["tok_kv_len"][:nb])
         kv = self.cache.kv
-        _, am = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size, max_kv_len=max_kv)
+        _, am, captured = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size,
+                                        max_kv_len=max_kv, capture=self.capture if features else ())
+        if features:
+            torch.cat(captured, dim=-1, out=self.features[:nb])
         block_argmax = am[d["gather"]]  # [B, W]: target's token after each block token
         block_ids = ids[d["gather"]]
         # Draft token j+1 is accepted iff it equals the argmax after token j and every earlier one was.
@@ -190,9 +203,11 @@ class BatchRunner:
         return torch.cat([accepted[:, None], block_argmax], dim=1)
 
     @torch.no_grad()
-    def launch(self, entries: Sequence[StepEntry]) -> StepHandle:
+    def launch(self, entries: Sequence[StepEntry], features: bool = False) -> StepHandle:
         if not entries:
             raise ValueError("a step needs at least one entry")
+        if features and not self.capture:
+            raise ValueError("features=True needs a runner built with capture (the drafter's target layers)")
         total = sum(len(e.tokens) for e in entries)
         if total > self.max_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the runner's {self.max_tokens}")
@@ -201,15 +216,25 @@ class BatchRunner:
                 raise ValueError(f"a verify block of {len(e.tokens)} tokens exceeds the block width {self.W}")
         if 0 < total <= self.graph_max:
             nb = bucket(total)
-            graph = self._graph(nb)  # captured before the buffers are filled: capture runs a null step
+            graph = self._graph(nb, features)  # captured before the buffers are filled: capture runs a null step
             self._fill(entries, nb, max_tiles(nb, self.group, self.B))
             self._upload()
+            self._last_tokens = nb
             return self._handle(graph.replay() if self.emulate else _replay(graph))
         lens = np.fromiter((len(e.tokens) for e in entries), np.int64, len(entries))
         n_tiles = int((-(-lens * self.group // 16)).sum())
         max_kv = self._fill(entries, total, n_tiles)
         self._upload()
-        return self._handle(self._forward(total, n_tiles, max_kv))
+        self._last_tokens = total
+        return self._handle(self._forward(total, n_tiles, max_kv, features))
+
+    def step_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(features [n, len(capture) * hidden], rows [n] (-1: padding), positions [n]) of every token of the last
+        step launched with features=True, on the device; valid until the next launch (which rewrites them)."""
+        if self.features is None:
+            raise ValueError("this runner captures no features (built without capture)")
+        n = self._last_tokens
+        return self.features[:n], self.d["tok_req"][:n], self.d["pos"][:n]
 
     def _handle(self, out: torch.Tensor) -> StepHandle:
         if self._result_ready is None:
@@ -225,30 +250,32 @@ class BatchRunner:
             self._staged.record()
 
     # ---- graphs -------------------------------------------------------------------------------------
-    def _graph(self, nb: int):
-        if nb not in self._graphs:
-            self._graphs[nb] = self._capture(nb)
-        return self._graphs[nb]
+    def _graph(self, nb: int, features: bool = False):
+        if (nb, features) not in self._graphs:
+            self._graphs[nb, features] = self._capture(nb, features)
+        return self._graphs[nb, features]
 
-    def _capture(self, nb: int):
+    def _capture(self, nb: int, features: bool):
         # A null step (no request, every token padding) so warm-up and capture write nothing to the cache.
         self._fill([], nb, 0)
         self._upload()
         n_tiles = max_tiles(nb, self.group, self.B)
-        fn = lambda: self._forward(nb, n_tiles, None)  # noqa: E731 - every split of the table: fixed grid
+        fn = lambda: self._forward(nb, n_tiles, None, features)  # noqa: E731 - every split of the table: fixed grid
         if self.emulate:
             return _EmulatedGraph(fn)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return capture_graph(fn, 2, self._pool)
 
-    def capture_all(self) -> int:
-        """Captures every token bucket up front, largest first (they share one memory pool); returns the count."""
+    def capture_all(self, features: bool = False) -> int:
+        """Captures every token bucket up front, largest first (they share one memory pool), and with
+        features=True every bucket's features variant too; returns the count."""
         if not (self.use_graphs or self.emulate):
             return 0
         with torch.no_grad():
             for nb in sorted(graph_buckets(self.graph_max), reverse=True):
-                self._graph(nb)
+                for with_features in (False, True) if features else (False,):
+                    self._graph(nb, with_features)
         return len(self._graphs)
 
 
