@@ -32,15 +32,15 @@ class BatchBlockDrafter:
         c.check_target(target.shape)
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}: both must be >= 1")
-        self.device = torch.device(device)
+        self.embed, self.head = target.embed_tokens.weight, lm_head_weight(target)
+        if self.embed.device.type != torch.device(device).type:
+            raise ValueError(f"the target is on {self.embed.device}, the drafter on {device}")
+        self.device = self.embed.device  # "cuda" -> the target's own "cuda:0"
         self.config, self.rows, self.capacity = c, rows, capacity
         dtype = target.embed_tokens.weight.dtype
         # A private copy at the target's dtype and device (the caller's float32 trainer model stays untouched).
         self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.model.inv_freq = self.model._inv_freq().to(self.device)  # rotary frequencies stay float32
-        self.embed, self.head = target.embed_tokens.weight, lm_head_weight(target)
-        if self.embed.device != self.device:
-            raise ValueError(f"the target is on {self.embed.device}, the drafter on {self.device}")
         shape = (rows + 1, capacity, c.kv_heads, c.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.layers)]
