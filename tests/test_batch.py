@@ -509,13 +509,12 @@ def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
     # Each chain equals a fresh drafter's from one prefill of the request's committed sequence: the engine observed
     # every committed token's features at its position, and what it wrote past the pending one stayed hidden.
     from specpilot.engines.batch import BatchBlockDrafter
-    runner = BatchRunner(engine.runner.model, cfg, BatchConfig(max_batch=1, prefill_chunk=64), "cpu", max_block=5,
-                         capture=engine.block.target_layers)
-    runner.bind(0, list(range(runner.pages_per_request)))
     for seq, chain in calls:
         fresh = BatchBlockDrafter(block_model("mha", 1), engine.runner.model, 1, MAX_SEQ, "cpu")
+        runner = BatchRunner(engine.runner.model, cfg, BatchConfig(max_batch=1, prefill_chunk=64), "cpu",
+                             max_block=5, capture=fresh.target_layers, feature_sink=fresh.observe)
+        runner.bind(0, list(range(runner.pages_per_request)))
         runner.launch([StepEntry(0, seq[:-1], 0, last_only=True)], features=True)
-        fresh.observe(*runner.step_tokens())
         assert fresh.draft([0], [seq[-1]], [len(seq) - 1]) == [chain]
 
 
@@ -540,6 +539,8 @@ def test_block_drafter_batching_rejects_what_it_cannot_serve():
     with pytest.raises(ValueError, match="capture"):
         BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1).launch(
             [StepEntry(0, [1], 0)], features=True)
+    with pytest.raises(ValueError, match="go together"):
+        BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1, capture=(0,))
 
 
 def test_engine_rejects_what_it_cannot_serve():

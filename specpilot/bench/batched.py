@@ -148,10 +148,11 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     if uses_block and block_drafter is None:
         raise ValueError("drafter=block variants need the drafter's model (block_drafter)")
     sizing = variants[0].batch.replace(max_batch=max(concurrencies))
+    blocks = (BatchBlockDrafter(block_drafter, model, sizing.max_batch, base.max_seq_len, device,
+                                cuda_graphs=base.cuda_graphs) if uses_block else None)
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
-                         emulate_graphs=emulate_graphs,
-                         capture=block_drafter.config.target_layers if uses_block else ())
-    blocks = BatchBlockDrafter(block_drafter, model, runner.B, base.max_seq_len, device) if uses_block else None
+                         emulate_graphs=emulate_graphs, capture=blocks.target_layers if blocks else (),
+                         feature_sink=blocks.observe if blocks else None)
     say = progress or (lambda _: None)
     warmup = runner.device.type == "cuda" if warmup is None else warmup
     if warmup:

@@ -31,12 +31,12 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
                        **kw) -> BatchEngine:
     """A runner sized for this one engine, and the engine (share a runner between engines by hand). drafter=block
     takes the drafter's model in block_drafter: the runner then captures its target layers."""
-    capture = block_drafter.config.target_layers if block_drafter is not None else ()
+    block = (BatchBlockDrafter(block_drafter, model, batch.max_batch, cfg.max_seq_len, device,
+                               cuda_graphs=cfg.cuda_graphs) if block_drafter is not None else None)
     runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
-                         emulate_graphs=kw.pop("emulate_graphs", False), capture=capture)
-    if block_drafter is not None:
-        kw["block_drafter"] = BatchBlockDrafter(block_drafter, model, runner.B, cfg.max_seq_len, device)
-    return BatchEngine(runner, cfg, batch, eos, **kw)
+                         emulate_graphs=kw.pop("emulate_graphs", False),
+                         capture=block.target_layers if block else (), feature_sink=block.observe if block else None)
+    return BatchEngine(runner, cfg, batch, eos, block_drafter=block, **kw)
 
 
 __all__ = ["MECHANISMS", "BatchBlockDrafter", "BatchConfig", "BatchEngine", "BatchRunner", "CostCurve", "DraftLength",

@@ -1,33 +1,33 @@
-"""The block drafter for the batched engine: one batched forward drafts every decoding request's block.
+"""The block drafter for the batched engine: one batched forward drafts every request's block.
 
-Per request (a runner row) the drafter keeps its own context keys/values: each layer's projection of the target
-features of the request's tokens, at their positions ([rows + 1, capacity, kv_heads, D]; the extra row is where
-padding tokens write). After every step `observe` projects the features of ALL the step's tokens (prompt chunks,
-pending tokens, drafts) into their rows: a rejected draft's slot sits at or past the request's next pending
-position, so the draft mask hides it until the target's own token overwrites it. No host knowledge of the
-acceptance is needed, so nothing waits on the host. `draft` then runs the reference model (BlockDrafterModel, the
-trainer's batched forward) over every decoding request's block at once: the pending token and block_size - 1 mask
-slots, seeing the context keys before the pending position and the whole block, and returns each request's top-1
-token per depth.
+Per runner row the drafter keeps its own context keys/values: each layer's projection of the target features of
+the row's tokens, at their positions ([rows + 1, capacity, kv_heads, D]; the extra row is where padding tokens
+write). `observe` projects the features of ALL of a step's tokens (prompt chunks, pending tokens, drafts) into
+their rows; the runner calls it inside the step's own forward (its CUDA graph), so it costs no launch from the
+host and needs no knowledge of the acceptance: a rejected draft's slot sits at or past its request's next pending
+position, hidden by the draft mask until the target's own token overwrites it. `draft` runs the reference model
+(BlockDrafterModel, the trainer's batched forward) over one block per runner row at fixed shapes (the pending
+token and block_size - 1 mask slots, seeing the keys before the pending position and the whole block): one
+CUDA-graph replay and one small read on CUDA; rows that do not draft this step compute on a dummy input.
 
 Proposals only: verification decides every committed token, so these bits need not match the single-request
-drafter's (they do up to rounding: tests/test_batch_block.py checks the top-1 chains are the same).
+drafter's (they do up to rounding: tests/test_batch.py checks the top-1 chains are the same).
 """
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.llama import LlamaModel
-
-CONTEXT_ROUND = 256  # draft over the context rounded up to this: few distinct shapes, little masked work
+from specpilot.kernels._common import capture_graph
 
 
 class BatchBlockDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, rows: int, capacity: int,
-                 device: str | torch.device):
+                 device: str | torch.device, cuda_graphs: bool = True):
         c = model.config
         c.check_target(target.shape)
         if rows < 1 or capacity < 1:
@@ -35,16 +35,24 @@ class BatchBlockDrafter:
         self.embed, self.head = target.embed_tokens.weight, lm_head_weight(target)
         if self.embed.device.type != torch.device(device).type:
             raise ValueError(f"the target is on {self.embed.device}, the drafter on {device}")
-        self.device = self.embed.device  # "cuda" -> the target's own "cuda:0"
+        self.device = dev = self.embed.device  # "cuda" -> the target's own "cuda:0"
         self.config, self.rows, self.capacity = c, rows, capacity
-        dtype = target.embed_tokens.weight.dtype
+        dtype = self.embed.dtype
         # A private copy at the target's dtype and device (the caller's float32 trainer model stays untouched).
-        self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        self.model.inv_freq = self.model._inv_freq().to(self.device)  # rotary frequencies stay float32
+        self.model = copy.deepcopy(model).to(device=dev, dtype=dtype).eval().requires_grad_(False)
+        self.model.inv_freq = self.model._inv_freq().to(dev)  # rotary frequencies stay float32
         shape = (rows + 1, capacity, c.kv_heads, c.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.layers)]
-        self._block = torch.arange(c.block_size, device=self.device)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(c.layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(c.layers)]
+        self._block = torch.arange(c.block_size, device=dev)
+        self._key_pos = torch.arange(capacity, device=dev)
+        # The draft's inputs (pending token, its position per row), staged on the host and copied in one go.
+        pinned = dev.type == "cuda"
+        self._host_in = torch.zeros(2, rows, dtype=torch.int64, pin_memory=pinned)
+        self._inputs = torch.zeros(2, rows, dtype=torch.int64, device=dev)
+        self._host_out = torch.zeros(rows, c.block_size - 1, dtype=torch.int64, pin_memory=pinned)
+        self._graph = None
+        self.use_graph = cuda_graphs and dev.type == "cuda"
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -53,7 +61,7 @@ class BatchBlockDrafter:
     @torch.no_grad()
     def observe(self, features: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Target features [n, feature_dim] of tokens of rows [n] (-1: padding, written nowhere visible) at
-        positions [n] -> every layer's context keys/values at (row, position). Device work only."""
+        positions [n] -> every layer's context keys/values at (row, position). Device work only (capturable)."""
         n = features.shape[0]
         if features.shape != (n, self.config.feature_dim) or rows.shape != (n,) or positions.shape != (n,):
             raise ValueError(f"features {tuple(features.shape)}, rows {tuple(rows.shape)}, positions "
@@ -70,7 +78,7 @@ class BatchBlockDrafter:
     @torch.no_grad()
     def draft(self, rows: list[int], pending: list[int], positions: list[int]) -> list[list[int]]:
         """For each request (its runner row, its pending token, that token's position, whose earlier positions were
-        all observed): the top-1 token of each of the block's depth = block_size - 1 slots after the pending one."""
+        all observed): the top-1 token of each of the block's block_size - 1 slots after the pending one."""
         if not rows:
             return []
         if not len(rows) == len(pending) == len(positions):
@@ -79,14 +87,28 @@ class BatchBlockDrafter:
             raise ValueError(f"positions {min(positions)}..{max(positions)} outside 0..{self.capacity}")
         if min(rows) < 0 or max(rows) >= self.rows:
             raise ValueError(f"rows must be in 0..{self.rows - 1}")
-        dev, m = self.device, self.model
-        ctx = min(self.capacity, -(-max(positions) // CONTEXT_ROUND) * CONTEXT_ROUND)
-        r = torch.tensor(rows, device=dev)
-        pos = torch.tensor(positions, device=dev)
-        x = m.block_inputs(self.embed[torch.tensor(pending, device=dev)])  # [R, B, H]
-        block_pos = pos[:, None] + self._block  # [R, B]
-        ctx_kv = [(k[r, :ctx].transpose(1, 2), v[r, :ctx].transpose(1, 2)) for k, v in zip(self.keys, self.values)]
-        seen = torch.arange(ctx, device=dev)[None, :] < pos[:, None]  # [R, ctx]: keys before the pending token
+        host = self._host_in.numpy()  # free to rewrite: the last draft's copy was waited for with its result
+        host[:] = 0
+        host[0, rows], host[1, rows] = pending, positions
+        self._inputs.copy_(self._host_in, non_blocking=True)
+        if self.use_graph:
+            if self._graph is None:
+                self._graph = capture_graph(self._draft_rows, 2)
+            self._graph[0].replay()
+            out = self._graph[1]
+        else:
+            out = self._draft_rows()
+        self._host_out.copy_(out, non_blocking=True)
+        if self.use_graph:
+            torch.cuda.current_stream().synchronize()  # the step's read of its drafts
+        return self._host_out.numpy()[np.asarray(rows)].tolist()
+
+    def _draft_rows(self) -> torch.Tensor:
+        """Every row's block at fixed shapes (the whole cache, masked by position): one graph serves all steps."""
+        m, pending, pos = self.model, self._inputs[0], self._inputs[1]
+        x = m.block_inputs(self.embed[pending])  # [rows, B, H]
+        ctx_kv = [(k[:self.rows].transpose(1, 2), v[:self.rows].transpose(1, 2)) for k, v in zip(self.keys, self.values)]
+        seen = self._key_pos[None, :] < pos[:, None]  # [rows, capacity]: keys before the pending token
         mask = torch.cat([seen, torch.ones_like(seen[:, :1]).expand(-1, self._block.numel())], dim=1)
-        hidden = m(x, block_pos, ctx_kv, mask[:, None, :].expand(-1, x.shape[1], -1))
-        return m.logits(hidden[:, 1:], self.head).argmax(-1).tolist()
+        hidden = m(x, pos[:, None] + self._block, ctx_kv, mask[:, None, :].expand(-1, x.shape[1], -1))
+        return m.logits(hidden[:, 1:], self.head).argmax(-1)

@@ -164,15 +164,14 @@ class BatchEngine:
         entries = [StepEntry(r.row, r.prompt[s:e], s, last_only=True) for r, s, e in plan.prefill]
         entries += [StepEntry(r.row, [r.seq[-1]] + d, len(r.seq) - 1) for r, d in zip(plan.decode, drafts)]
         t1 = time.perf_counter()
-        # packs the inputs, uploads them, replays (asynchronous on CUDA); a block drafter reads the step's features
+        # packs the inputs, uploads them, replays (asynchronous on CUDA); with a block drafter the forward also
+        # projects every step token's features into the drafter's cache (the runner's feature_sink)
         handle = self.runner.launch(entries, features=self.block is not None)
         t_launched = time.perf_counter()
         if self.batch.overlap_draft:  # runs while the device verifies (CUDA is asynchronous)
             for req, d in zip(plan.decode, drafts):
                 self._draft_ahead(req, d)
         out = handle.result().tolist()  # Python ints once: per-element numpy reads cost ~1 us each
-        if self.block is not None:  # queued before the next launch rewrites the runner's step buffers
-            self.block.observe(*self.runner.step_tokens())
         t2 = time.perf_counter()
         now = clock.now()
         committed = 0
@@ -278,9 +277,10 @@ class BatchEngine:
 
 
 def _check_block(block: BatchBlockDrafter, runner: BatchRunner, cfg: EngineConfig, batch: BatchConfig) -> None:
-    if runner.capture != block.target_layers:
-        raise ConfigError(f"the runner captures target layers {list(runner.capture)}, the block drafter reads "
-                          f"{list(block.target_layers)}: build the runner with capture=drafter.target_layers")
+    if runner.capture != block.target_layers or runner.feature_sink != block.observe:
+        raise ConfigError(f"the runner captures target layers {list(runner.capture)} for {runner.feature_sink}; the "
+                          f"block drafter reads {list(block.target_layers)}: build the runner with "
+                          "capture=drafter.target_layers, feature_sink=drafter.observe")
     if block.rows < runner.B or block.capacity < cfg.max_seq_len:
         raise ConfigError(f"the block drafter holds {block.rows} rows of {block.capacity} positions; the runner needs "
                           f"{runner.B} of {cfg.max_seq_len}")

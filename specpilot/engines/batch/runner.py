@@ -13,15 +13,15 @@ bucket (padding tokens write no KV and belong to no request; every kernel is row
 changes no bit); larger steps (long prefill chunks) run eagerly. On CPU everything runs eagerly at the exact
 token count (emulate_graphs=True runs the graph path's buckets and static buffers, for tests).
 
-With `capture` (a block drafter's target layers), a step launched with features=True also leaves those layers'
-outputs for every token of the step in `features` (its own graphs: steps without it pay nothing), read through
-step_tokens() before the next launch.
+With `capture` (a block drafter's target layers) and a `feature_sink`, a step launched with features=True also
+hands those layers' outputs for every token of the step, with the tokens' rows and positions, to the sink inside
+the same forward (in its CUDA graph: a separate set of graphs, so steps without it pay nothing).
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -73,14 +73,17 @@ class _EmulatedGraph:
 
 class BatchRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, batch: BatchConfig, device: torch.device | str,
-                 max_block: int, emulate_graphs: bool = False, capture: tuple[int, ...] = ()):
+                 max_block: int, emulate_graphs: bool = False, capture: tuple[int, ...] = (),
+                 feature_sink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None):
         if cfg.kernel_backend is not KernelBackend.TRITON:
             raise ConfigError("the batched engine runs the batch-invariant Triton kernels: kernel_backend=triton")
         check_fusable(model, cfg.weight_format)
         self.model, self.cfg, self.batch = model, cfg, batch
         if capture and (min(capture) < 0 or max(capture) >= model.shape.layers):
             raise ValueError(f"capture={capture}: the target has layers 0..{model.shape.layers - 1}")
-        self.capture = tuple(capture)
+        if bool(capture) != (feature_sink is not None):
+            raise ValueError("capture and feature_sink go together: the layers to capture and who reads them")
+        self.capture, self.feature_sink = tuple(capture), feature_sink
         self.device = torch.device(device)
         sh = model.shape
         self.group = sh.heads // sh.kv_heads
@@ -99,7 +102,6 @@ class BatchRunner:
         self.emulate = emulate_graphs and not self.use_graphs
         self.graph_max = batch.graph_max_tokens if (self.use_graphs or self.emulate) else 0
         self._graphs: dict[tuple[int, bool], object] = {}  # (token bucket, with features)
-        self._last_tokens = 0  # tokens (padding included) of the last launch: what step_tokens() covers
         self._pool = None
         # The host buffer is pinned and copied asynchronously: it is rewritten only once the last copy ran.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -132,8 +134,6 @@ class BatchRunner:
             self.h[name] = self.h[name].reshape(B, cols)
             self.d[name] = self.d[name].view(B, cols)
         self.h["page_table"][:] = -1
-        self.features = (torch.zeros(N, len(self.capture) * self.model.shape.hidden, device=self.device,
-                                     dtype=next(self.model.parameters()).dtype) if self.capture else None)
         self._cols = torch.arange(1, W, device=self.device)
 
     def bind(self, row: int, pages: list[int]) -> None:
@@ -193,8 +193,8 @@ class BatchRunner:
         kv = self.cache.kv
         _, am, captured = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size,
                                         max_kv_len=max_kv, capture=self.capture if features else ())
-        if features:
-            torch.cat(captured, dim=-1, out=self.features[:nb])
+        if features:  # (features [nb, len(capture) * hidden], rows (-1: padding), positions)
+            self.feature_sink(torch.cat(captured, dim=-1), tok_req, pos)
         block_argmax = am[d["gather"]]  # [B, W]: target's token after each block token
         block_ids = ids[d["gather"]]
         # Draft token j+1 is accepted iff it equals the argmax after token j and every earlier one was.
@@ -207,7 +207,7 @@ class BatchRunner:
         if not entries:
             raise ValueError("a step needs at least one entry")
         if features and not self.capture:
-            raise ValueError("features=True needs a runner built with capture (the drafter's target layers)")
+            raise ValueError("features=True needs a runner built with capture and feature_sink (a block drafter's)")
         total = sum(len(e.tokens) for e in entries)
         if total > self.max_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the runner's {self.max_tokens}")
@@ -219,22 +219,12 @@ class BatchRunner:
             graph = self._graph(nb, features)  # captured before the buffers are filled: capture runs a null step
             self._fill(entries, nb, max_tiles(nb, self.group, self.B))
             self._upload()
-            self._last_tokens = nb
             return self._handle(graph.replay() if self.emulate else _replay(graph))
         lens = np.fromiter((len(e.tokens) for e in entries), np.int64, len(entries))
         n_tiles = int((-(-lens * self.group // 16)).sum())
         max_kv = self._fill(entries, total, n_tiles)
         self._upload()
-        self._last_tokens = total
         return self._handle(self._forward(total, n_tiles, max_kv, features))
-
-    def step_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(features [n, len(capture) * hidden], rows [n] (-1: padding), positions [n]) of every token of the last
-        step launched with features=True, on the device; valid until the next launch (which rewrites them)."""
-        if self.features is None:
-            raise ValueError("this runner captures no features (built without capture)")
-        n = self._last_tokens
-        return self.features[:n], self.d["tok_req"][:n], self.d["pos"][:n]
 
     def _handle(self, out: torch.Tensor) -> StepHandle:
         if self._result_ready is None:
