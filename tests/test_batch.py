@@ -445,13 +445,14 @@ def block_model(shape: str, seed: int, block_size: int = 5):
         seed, std=0.3)
 
 
-def test_batch_block_drafter_chains_equal_the_single_request_drafter():
+@pytest.mark.parametrize("shape", ["mha", "g3"])  # key-head groups of 1 and 3 query heads
+def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
     """Three requests' contexts (different lengths) in one cache, with a rejected draft's junk written past one
     request's pending position and padding tokens: each row's batched top-1 chain equals BlockTreeDrafter's (the
     single-request engine's drafter) over that request's context alone."""
     from specpilot.engines.batch.block_drafting import BatchBlockDrafter
     from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
-    target, drafter = micro("mha", 0), block_model("mha", 1)
+    target, drafter = micro(shape, 0), block_model(shape, 1)
     feat = drafter.config.feature_dim
     g = torch.Generator().manual_seed(2)
     batched = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu")

@@ -1,0 +1,53 @@
+"""What one batched block-drafter draft costs on the GPU (random SmolLM2-135M target, random block-16 drafter).
+
+python3 scripts/gpu_batch_draft.py OUT.json [--rows 16,20,24] [--capacity 2560] [--reps 50]
+Per row count: BatchBlockDrafter.draft's wall time (one captured-graph replay, the input upload and the read of
+the drafts: what a batched step waits for before its launch) and the kernels it runs, by device time. The
+session-16 H200 run of the first version (the reference model's SDPA over repeated keys) took 2.49 ms at 24 rows.
+"""
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specpilot.engines.batch.block_drafting import BatchBlockDrafter
+from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+from specpilot.engines.loader import random_model
+from specpilot.engines.shapes import SMOLLM2_135M
+
+ap = argparse.ArgumentParser()
+ap.add_argument("out")
+ap.add_argument("--rows", default="16,20,24")
+ap.add_argument("--capacity", type=int, default=2560)
+ap.add_argument("--reps", type=int, default=50)
+args = ap.parse_args()
+target = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
+model = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
+res = {"device": torch.cuda.get_device_name(), "capacity": args.capacity, "rows": {}}
+for rows in (int(r) for r in args.rows.split(",")):
+    drafter = BatchBlockDrafter(model, target, rows, args.capacity, "cuda")
+    ids, pending, positions = list(range(rows)), [5] * rows, [args.capacity // 2 + i for i in range(rows)]
+    for _ in range(3):
+        drafter.draft(ids, pending, positions)
+    t = time.perf_counter()
+    for _ in range(args.reps):
+        drafter.draft(ids, pending, positions)
+    ms = 1e3 * (time.perf_counter() - t) / args.reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        drafter.draft(ids, pending, positions)
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            kernels[e.name[:80]] = kernels.get(e.name[:80], 0.0) + e.device_time
+    res["rows"][rows] = {"draft_ms": ms, "device_us": sum(kernels.values()),
+                         "top": sorted(kernels.items(), key=lambda kv: -kv[1])[:10]}
+    del drafter
+json.dump(res, open(args.out, "w"), indent=1)
+print("| rows | draft ms | kernel us |\n|---|---|---|")
+for rows, r in res["rows"].items():
+    print(f"| {rows} | {r['draft_ms']:.3f} | {r['device_us']:.0f} |")
+for name, us in res["rows"][max(res["rows"])]["top"]:
+    print(f"  {us:8.1f} us  {name}")
