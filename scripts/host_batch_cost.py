@@ -62,8 +62,8 @@ class ReplayRunner:
     def unbind(self, row: int) -> None:
         self._truth.pop(row, None)
 
-    def launch(self, entries: list[StepEntry], features: bool = False) -> StepHandle:
-        if features:
+    def launch(self, entries: list[StepEntry], draft: bool = False) -> StepHandle:
+        if draft:
             raise ValueError("the replayed runner computes no target features: no block drafter here")
         out = np.zeros((self.B, 1 + self.W), dtype=np.int64)
         for e in entries:

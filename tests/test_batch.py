@@ -473,6 +473,9 @@ def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
         tokens, _ = single.candidates([1] * ctx.shape[0] + [tok], 4)
         assert chain == [t[0] for t in tokens]
     assert len(set(map(tuple, chains))) > 1, "degenerate drafter: the chains must depend on the context"
+    fused = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu", triton_head=True)
+    fused.keys, fused.values = batched.keys, batched.values
+    assert fused.draft(list(rows), pending, list(lengths)) == chains  # the engine's norm + head + argmax kernel
     with pytest.raises(ValueError, match="features"):
         batched.observe(f[:, :-1], r, pos)
     with pytest.raises(ValueError, match="positions"):
@@ -483,7 +486,7 @@ def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
 
 @pytest.mark.parametrize("mode", ["block", "lookup_goodput"])
 def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
-    """The batched engine drafting with the block drafter (its features read from the step's own forward, graph
+    """The batched engine drafting with the block drafter (fed and run inside the step's own forward, graph
     buckets emulated) alone at its block depth, or led by prompt lookup with goodput draft lengths: every request's
     output equals its single-request AR output, and the block proposed the drafts."""
     specs, refs, eos, want = scenario("mha", 0)
@@ -494,32 +497,32 @@ def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
     engine = build_batch_engine(micro("mha", 0), cfg, batch, eos, "cpu", emulate_graphs=True,
                                 block_drafter=block_model("mha", 1))
     calls = []
-    draft = engine.block.draft
+    plan_drafts = engine._draft
 
-    def recorded(rows, pending, positions):
-        chains = draft(rows, pending, positions)
-        seqs = {r.row: list(r.seq) for r in engine.sched.running if r.row in rows}
-        calls.extend((seqs[row], chain) for row, chain in zip(rows, chains))
-        return chains
+    def recorded(decode, prefill_tokens):  # each request's chain from its last step, as the step reads it
+        calls.extend((list(r.seq), list(r.block)) for r in decode if r.block)
+        return plan_drafts(decode, prefill_tokens)
 
-    engine.block.draft = recorded
+    engine._draft = recorded
     res = engine.run(specs, StepClock())
     assert {r.id: r.tokens for r in res.requests} == want
     assert sum(r.drafted for r in res.requests) > 0 and calls
-    assert any(k[1] for k in engine.runner._graphs)  # the features variant of the graphs ran
+    assert any(k[1] for k in engine.runner._graphs)  # the drafting variant of the graphs ran
     # Each chain equals a fresh drafter's from one prefill of the request's committed sequence: the engine observed
     # every committed token's features at its position, and what it wrote past the pending one stayed hidden.
     from specpilot.engines.batch import BatchBlockDrafter
     for seq, chain in calls:
         fresh = BatchBlockDrafter(block_model("mha", 1), engine.runner.model, 1, MAX_SEQ, "cpu")
         runner = BatchRunner(engine.runner.model, cfg, BatchConfig(max_batch=1, prefill_chunk=64), "cpu",
-                             max_block=5, capture=fresh.target_layers, feature_sink=fresh.observe)
+                             max_block=5, drafter=fresh)
         runner.bind(0, list(range(runner.pages_per_request)))
-        runner.launch([StepEntry(0, seq[:-1], 0, last_only=True)], features=True)
+        out = runner.launch([StepEntry(0, seq[:-1], 0, last_only=True)], draft=True).result()
+        assert out[0, 1] == seq[-1] and out[0, 1 + runner.W:].tolist() == chain  # drafted in the prefill's forward
         assert fresh.draft([0], [seq[-1]], [len(seq) - 1]) == [chain]
 
 
 def test_block_drafter_batching_rejects_what_it_cannot_serve():
+    from specpilot.engines.batch import BatchBlockDrafter
     model, drafter = micro("mha", 0), block_model("mha", 1)
     with pytest.raises(ConfigError, match="needs the drafter"):
         build_batch_engine(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), NO_EOS, "cpu")
@@ -529,19 +532,18 @@ def test_block_drafter_batching_rejects_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="trained block size"):
         build_batch_engine(model, ecfg(drafter="block", block_size=8), BatchConfig(max_batch=2), NO_EOS, "cpu",
                            block_drafter=drafter)
-    with pytest.raises(ConfigError, match="captures target layers"):
-        from specpilot.engines.batch import BatchBlockDrafter
+    with pytest.raises(ConfigError, match="another drafter"):
         runner = BatchRunner(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), "cpu", max_block=5)
         BatchEngine(runner, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), NO_EOS,
                     block_drafter=BatchBlockDrafter(drafter, model, 2, MAX_SEQ, "cpu"))
     with pytest.raises(ValueError, match="does not fit"):
-        from specpilot.engines.batch import BatchBlockDrafter
         BatchBlockDrafter(block_model("g2", 1), model, 2, MAX_SEQ, "cpu")
-    with pytest.raises(ValueError, match="capture"):
+    with pytest.raises(ValueError, match="needs a runner built with a drafter"):
         BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1).launch(
-            [StepEntry(0, [1], 0)], features=True)
-    with pytest.raises(ValueError, match="go together"):
-        BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1, capture=(0,))
+            [StepEntry(0, [1], 0)], draft=True)
+    with pytest.raises(ValueError, match="rows"):
+        BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1,
+                    drafter=BatchBlockDrafter(drafter, model, 3, MAX_SEQ, "cpu"))
 
 
 def test_engine_rejects_what_it_cannot_serve():

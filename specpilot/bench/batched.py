@@ -151,12 +151,11 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     blocks = (BatchBlockDrafter(block_drafter, model, sizing.max_batch, base.max_seq_len, device,
                                 cuda_graphs=base.cuda_graphs) if uses_block else None)
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
-                         emulate_graphs=emulate_graphs, capture=blocks.target_layers if blocks else (),
-                         feature_sink=blocks.observe if blocks else None)
+                         emulate_graphs=emulate_graphs, drafter=blocks)
     say = progress or (lambda _: None)
     warmup = runner.device.type == "cuda" if warmup is None else warmup
     if warmup:
-        say(f"captured {runner.capture_all(features=uses_block)} graphs")
+        say(f"captured {runner.capture_all(draft=uses_block)} graphs")
     if cost_curve is None and any(v.batch.needs_cost_curve for v in variants):
         cost_curve = measure_cost_curve(runner, repeats=cost_repeats)
         say(f"cost curve: {cost_curve.points}")

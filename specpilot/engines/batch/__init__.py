@@ -35,7 +35,7 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
                                cuda_graphs=cfg.cuda_graphs) if block_drafter is not None else None)
     runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
                          emulate_graphs=kw.pop("emulate_graphs", False),
-                         capture=block.target_layers if block else (), feature_sink=block.observe if block else None)
+                         drafter=block)
     return BatchEngine(runner, cfg, batch, eos, block_drafter=block, **kw)
 
 

@@ -2,13 +2,15 @@
 
 Per runner row the drafter keeps its own context keys/values: each layer's projection of the target features of
 the row's tokens, at their positions ([rows + 1, capacity, kv_heads, D]; the extra row is where padding tokens
-write). `observe` projects the features of ALL of a step's tokens (prompt chunks, pending tokens, drafts) into
-their rows; the runner calls it inside the step's own forward (its CUDA graph), so it costs no launch from the
-host and needs no knowledge of the acceptance: a rejected draft's slot sits at or past its request's next pending
-position, hidden by the draft mask until the target's own token overwrites it. `draft` runs the reference model's
-layers (BlockDrafterModel's modules, as the trainer runs them) over one block per runner row at fixed shapes (the
-pending token and block_size - 1 mask slots, seeing the keys before the pending position and the whole block):
-one CUDA-graph replay and one small read on CUDA; rows that do not draft this step compute on a dummy input.
+write). Inside the batched step's own forward (engines.batch.runner, its CUDA graph: no launch from the host, no
+host round trip), `observe` projects the features of ALL of the step's tokens (prompt chunks, pending tokens,
+drafts) into their rows: no knowledge of the acceptance is needed, as a rejected draft's slot sits at or past its
+request's next pending position, hidden by the draft mask until the target's own token overwrites it. Then
+`draft_on_device` runs the reference model's layers (BlockDrafterModel's modules, as the trainer runs them) over
+one block per row at fixed shapes (the pending token and block_size - 1 mask slots, seeing the keys before the
+pending position and the whole block), its pending tokens and positions computed on the device from the
+acceptance; rows that do not draft compute on junk nobody reads. `draft` is the same from host lists (one
+captured graph; tests and scripts/gpu_batch_draft.py).
 Two things differ from the reference's arrangement, both for speed on the H200 (the reference's took 2.3 ms of
 GPU time a draft at 24 rows x 2560 keys: fp32 math attention over repeated keys and per-layer concatenations):
 the block's keys go to tail slots of each row's cache (read in place, the reference's key order), and the query
@@ -33,7 +35,7 @@ from specpilot.kernels._common import capture_graph
 
 class BatchBlockDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, rows: int, capacity: int,
-                 device: str | torch.device, cuda_graphs: bool = True):
+                 device: str | torch.device, cuda_graphs: bool = True, triton_head: bool | None = None):
         c = model.config
         c.check_target(target.shape)
         if rows < 1 or capacity < 1:
@@ -42,7 +44,7 @@ class BatchBlockDrafter:
         if self.embed.device.type != torch.device(device).type:
             raise ValueError(f"the target is on {self.embed.device}, the drafter on {device}")
         self.device = dev = self.embed.device  # "cuda" -> the target's own "cuda:0"
-        self.config, self.rows, self.capacity = c, rows, capacity
+        self.config, self.rows, self.capacity, self.depth = c, rows, capacity, c.block_size - 1
         dtype = self.embed.dtype
         # A private copy at the target's dtype and device (the caller's float32 trainer model stays untouched).
         self.model = copy.deepcopy(model).to(device=dev, dtype=dtype).eval().requires_grad_(False)
@@ -59,6 +61,13 @@ class BatchBlockDrafter:
         self._host_out = torch.zeros(rows, c.block_size - 1, dtype=torch.int64, pin_memory=pinned)
         self._graph = None
         self.use_graph = cuda_graphs and dev.type == "cuda"
+        # The top-1 of the final norm + LM head from the engine's fused kernel (argmax in its epilogue: the
+        # [rows * depth, vocab] logits are never written; 0.27 ms of the H200's 2.3 ms first draft was that GEMM).
+        # The logit scale and softcap keep the order of the logits when positive, so the argmax is theirs too.
+        fused_ok = c.logit_scale > 0
+        self.triton_head = (dev.type == "cuda" and fused_ok) if triton_head is None else triton_head
+        if self.triton_head and not fused_ok:
+            raise ValueError(f"logit_scale={c.logit_scale}: the fused head's argmax needs a positive scale")
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -99,21 +108,25 @@ class BatchBlockDrafter:
         self._inputs.copy_(self._host_in, non_blocking=True)
         if self.use_graph:
             if self._graph is None:
-                self._graph = capture_graph(self._draft_rows, 2)
+                self._graph = capture_graph(lambda: self.draft_on_device(self._inputs[0], self._inputs[1]), 2)
             self._graph[0].replay()
             out = self._graph[1]
         else:
-            out = self._draft_rows()
+            out = self.draft_on_device(self._inputs[0], self._inputs[1])
         self._host_out.copy_(out, non_blocking=True)
         if self.use_graph:
             torch.cuda.current_stream().synchronize()  # the step's read of its drafts
         return self._host_out.numpy()[np.asarray(rows)].tolist()
 
-    def _draft_rows(self) -> torch.Tensor:
-        """Every row's block at fixed shapes (the whole cache, masked by position): one graph serves all steps."""
+    @torch.no_grad()
+    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pending tokens and their positions [rows] (device) -> every row's top-1 per depth [rows, depth], at
+        fixed shapes (the whole cache, masked by position): capturable, one graph serves every step."""
         m, c, rows, width, cap = self.model, self.config, self.rows, self.config.block_size, self.capacity
+        if pending.shape != (rows,) or positions.shape != (rows,):
+            raise ValueError(f"pending {tuple(pending.shape)}, positions {tuple(positions.shape)}: need [{rows}]")
         kvh, group, d = c.kv_heads, c.heads // c.kv_heads, c.head_dim
-        pending, pos = self._inputs[0], self._inputs[1]
+        pos = positions.clamp(0, cap)
         x = m.block_inputs(self.embed[pending])  # [rows, B, H]
         cos, sin = (t[:, :, None] for t in m.rotary(pos[:, None] + self._block, x.dtype))  # [rows, B, 1, D]
         # a row's slot is visible iff it holds context before the pending position, or is one of the block's
@@ -137,4 +150,9 @@ class BatchBlockDrafter:
             o = o.view(rows, kvh, group, width, d).permute(0, 3, 1, 2, 4).reshape(rows, width, c.heads * d)
             x = x + a.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if self.triton_head:
+            from specpilot.kernels import rmsnorm_linear
+            flat = x[:, 1:].reshape(rows * (width - 1), -1)  # a copy: the kernel takes contiguous rows
+            _, top = rmsnorm_linear(flat, m.norm.weight, self.head, c.rms_eps, argmax=True, store_y=False)
+            return top.view(rows, width - 1)
         return m.logits(m.norm(x[:, 1:]), self.head).argmax(-1)  # [rows, B - 1]

@@ -164,9 +164,9 @@ class BatchEngine:
         entries = [StepEntry(r.row, r.prompt[s:e], s, last_only=True) for r, s, e in plan.prefill]
         entries += [StepEntry(r.row, [r.seq[-1]] + d, len(r.seq) - 1) for r, d in zip(plan.decode, drafts)]
         t1 = time.perf_counter()
-        # packs the inputs, uploads them, replays (asynchronous on CUDA); with a block drafter the forward also
-        # projects every step token's features into the drafter's cache (the runner's feature_sink)
-        handle = self.runner.launch(entries, features=self.block is not None)
+        # packs the inputs, uploads them, replays (asynchronous on CUDA); with a block drafter the same forward
+        # feeds it this step's features and drafts every row's next block (out[row, 1 + W:])
+        handle = self.runner.launch(entries, draft=True) if self.block is not None else self.runner.launch(entries)
         t_launched = time.perf_counter()
         if self.batch.overlap_draft:  # runs while the device verifies (CUDA is asynchronous)
             for req, d in zip(plan.decode, drafts):
@@ -179,6 +179,7 @@ class BatchEngine:
             req.prefilled = end
             if end == len(req.prompt):  # the last chunk: its greedy token is the first output token
                 req.state, req.first_token_s = RequestState.DECODE, now
+                req.block = out[req.row][1 + self.runner.W:] if self.block is not None else None
                 committed += self._commit(req, [out[req.row][1]], now)
         for req, d in zip(plan.decode, drafts):
             row = out[req.row]
@@ -189,6 +190,8 @@ class BatchEngine:
             new = row[1:acc + 2]  # accepted drafts (== argmax) + the bonus token
             if req.ahead is not None:
                 self._check_ahead(req, d, new)
+            if self.block is not None:
+                req.block = row[1 + self.runner.W:]
             committed += self._commit(req, new, now)
         wall = time.perf_counter() - t0
         prefill_tokens = sum(e - s for _, s, e in plan.prefill)
@@ -210,9 +213,9 @@ class BatchEngine:
                                              max(self._last_tokens, len(decode)))
             caps = goodput_draft_lens([r.estimate.alpha for r in decode], caps, fixed_s, token_s)
         drafts = []
-        blocks = self._block_drafts(decode, caps)
-        for req, cap, block in zip(decode, caps, blocks):
+        for req, cap in zip(decode, caps):
             ready, req.ready = req.ready, None
+            block, req.block = req.block or [], None
             if cap <= 0:
                 drafts.append([])
             elif ready is not None:  # drafted ahead, during the previous step's forward
@@ -228,16 +231,6 @@ class BatchEngine:
                                           self.batch.verify_budget_max)
             drafts = [d[:k] for d, k in zip(drafts, keep)]
         return drafts
-
-    def _block_drafts(self, decode: list[Request], caps: list[int]) -> list[list[int]]:
-        """The block drafter's top-1 chain of every request that drafts this step (one batched forward)."""
-        want = [i for i, cap in enumerate(caps) if cap > 0] if self.block is not None else []
-        out: list[list[int]] = [[] for _ in decode]
-        chains = self.block.draft([decode[i].row for i in want], [decode[i].seq[-1] for i in want],
-                                  [len(decode[i].seq) - 1 for i in want]) if want else []
-        for i, chain in zip(want, chains):
-            out[i] = chain
-        return out
 
     def _draft_ahead(self, req: Request, draft: list[int]) -> None:
         """Drafts for the outcome "all of `draft` accepted" while the forward runs (mechanism c)."""
@@ -277,10 +270,8 @@ class BatchEngine:
 
 
 def _check_block(block: BatchBlockDrafter, runner: BatchRunner, cfg: EngineConfig, batch: BatchConfig) -> None:
-    if runner.capture != block.target_layers or runner.feature_sink != block.observe:
-        raise ConfigError(f"the runner captures target layers {list(runner.capture)} for {runner.feature_sink}; the "
-                          f"block drafter reads {list(block.target_layers)}: build the runner with "
-                          "capture=drafter.target_layers, feature_sink=drafter.observe")
+    if runner.drafter is not block:
+        raise ConfigError("the runner drives another drafter (or none): build it with drafter=the block drafter")
     if block.rows < runner.B or block.capacity < cfg.max_seq_len:
         raise ConfigError(f"the block drafter holds {block.rows} rows of {block.capacity} positions; the runner needs "
                           f"{runner.B} of {cfg.max_seq_len}")

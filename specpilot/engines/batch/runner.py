@@ -13,15 +13,17 @@ bucket (padding tokens write no KV and belong to no request; every kernel is row
 changes no bit); larger steps (long prefill chunks) run eagerly. On CPU everything runs eagerly at the exact
 token count (emulate_graphs=True runs the graph path's buckets and static buffers, for tests).
 
-With `capture` (a block drafter's target layers) and a `feature_sink`, a step launched with features=True also
-hands those layers' outputs for every token of the step, with the tokens' rows and positions, to the sink inside
-the same forward (in its CUDA graph: a separate set of graphs, so steps without it pay nothing).
+With a `drafter` (a StepDrafter: the batched block drafter), a step launched with draft=True also, inside the same
+forward (its CUDA graph; a separate set of graphs, so steps without it pay nothing): hands the drafter's target
+layers' outputs for every token of the step to drafter.observe, then drafts every row's next block from the row's
+pending token (the bonus after the accepted drafts, or a prompt's first output token) at its position, all on the
+device; the drafts come back with the result (out[row, 1 + W:]): no host round trip between verify and draft.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +36,17 @@ from specpilot.engines.config import ConfigError, EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, rope_tables_for
 from specpilot.engines.llama import LlamaModel
 from specpilot.kernels._common import capture_graph
+
+
+class StepDrafter(Protocol):
+    """What the runner drives inside a step's forward (engines.batch.block_drafting.BatchBlockDrafter)."""
+    target_layers: tuple[int, ...]
+    depth: int  # draft tokens per row
+    rows: int
+
+    def observe(self, features: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -51,9 +64,10 @@ class StepHandle:
         self._out, self._done = out, done  # done: out is a pinned host copy, complete once `done` fires
 
     def result(self) -> np.ndarray:
-        """[max_batch, 1 + block width] int64: per row, accepted draft tokens, then the argmax after each
-        block token (the committed tokens are the first accepted + 1 of them). On CUDA a view of the runner's
-        pinned buffer: valid until the next launch."""
+        """[max_batch, 1 + block width (+ the drafter's depth)] int64: per row, accepted draft tokens, then the
+        argmax after each block token (the committed tokens are the first accepted + 1 of them), then (launched
+        with draft=True) the row's next draft. On CUDA a view of the runner's pinned buffer: valid until the next
+        launch."""
         if self._done is not None:
             self._done.synchronize()
             return self._out.numpy()
@@ -73,17 +87,18 @@ class _EmulatedGraph:
 
 class BatchRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, batch: BatchConfig, device: torch.device | str,
-                 max_block: int, emulate_graphs: bool = False, capture: tuple[int, ...] = (),
-                 feature_sink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None):
+                 max_block: int, emulate_graphs: bool = False, drafter: StepDrafter | None = None):
         if cfg.kernel_backend is not KernelBackend.TRITON:
             raise ConfigError("the batched engine runs the batch-invariant Triton kernels: kernel_backend=triton")
         check_fusable(model, cfg.weight_format)
         self.model, self.cfg, self.batch = model, cfg, batch
-        if capture and (min(capture) < 0 or max(capture) >= model.shape.layers):
-            raise ValueError(f"capture={capture}: the target has layers 0..{model.shape.layers - 1}")
-        if bool(capture) != (feature_sink is not None):
-            raise ValueError("capture and feature_sink go together: the layers to capture and who reads them")
-        self.capture, self.feature_sink = tuple(capture), feature_sink
+        self.drafter = drafter
+        self.capture = tuple(drafter.target_layers) if drafter is not None else ()
+        if self.capture and (min(self.capture) < 0 or max(self.capture) >= model.shape.layers):
+            raise ValueError(f"the drafter reads target layers {self.capture}; the target has layers "
+                             f"0..{model.shape.layers - 1}")
+        if drafter is not None and drafter.rows != batch.max_batch:
+            raise ValueError(f"the drafter has {drafter.rows} rows, the runner {batch.max_batch}")
         self.device = torch.device(device)
         sh = model.shape
         self.group = sh.heads // sh.kv_heads
@@ -101,15 +116,16 @@ class BatchRunner:
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.emulate = emulate_graphs and not self.use_graphs
         self.graph_max = batch.graph_max_tokens if (self.use_graphs or self.emulate) else 0
-        self._graphs: dict[tuple[int, bool], object] = {}  # (token bucket, with features)
+        self._graphs: dict[tuple[int, bool], object] = {}  # (token bucket, with the drafter)
         self._pool = None
         # The host buffer is pinned and copied asynchronously: it is rewritten only once the last copy ran.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
         # The result comes back through a pinned buffer, copied as soon as the forward ends (on the H200 a
         # synchronous .cpu() of the small result took 36-49 us of host time a step; scripts/gpu_batch_host.py).
         self._result_ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._host_out = torch.empty((self.B, 1 + self.W), dtype=torch.int64,
-                                     pin_memory=self._result_ready is not None)
+        pin = self._result_ready is not None
+        self._host_out = {width: torch.empty((self.B, width), dtype=torch.int64, pin_memory=pin)
+                          for width in {1 + self.W, 1 + self.W + (drafter.depth if drafter is not None else 0)}}
         self._alloc_buffers()
 
     # ---- buffers ----------------------------------------------------------------------------------
@@ -183,7 +199,7 @@ class BatchRunner:
         return int((starts + lens).max()) if n else 0
 
     # ---- the step ---------------------------------------------------------------------------------
-    def _forward(self, nb: int, n_tiles: int, max_kv: int | None, features: bool = False) -> torch.Tensor:
+    def _forward(self, nb: int, n_tiles: int, max_kv: int | None, draft: bool = False) -> torch.Tensor:
         d, P, size = self.d, self.pages_per_request, self.page
         ids, tok_req, pos = d["ids"][:nb], d["tok_req"][:nb], d["pos"][:nb]
         page = d["page_table"].view(-1)[tok_req.clamp(min=0) * P + pos // size]
@@ -192,22 +208,28 @@ class BatchRunner:
                          d["tile_row"][:n_tiles], d["tok_kv_len"][:nb])
         kv = self.cache.kv
         _, am, captured = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size,
-                                        max_kv_len=max_kv, capture=self.capture if features else ())
-        if features:  # (features [nb, len(capture) * hidden], rows (-1: padding), positions)
-            self.feature_sink(torch.cat(captured, dim=-1), tok_req, pos)
+                                        max_kv_len=max_kv, capture=self.capture if draft else ())
+        if draft:  # every step token's features [nb, len(capture) * hidden], rows (-1: padding), positions
+            self.drafter.observe(torch.cat(captured, dim=-1), tok_req, pos)
         block_argmax = am[d["gather"]]  # [B, W]: target's token after each block token
         block_ids = ids[d["gather"]]
         # Draft token j+1 is accepted iff it equals the argmax after token j and every earlier one was.
         match = (block_ids[:, 1:] == block_argmax[:, :-1]) & (self._cols[None, :] < d["nvalid"][:, None])
         accepted = match.long().cumprod(1).sum(1)
-        return torch.cat([accepted[:, None], block_argmax], dim=1)
+        if not draft:
+            return torch.cat([accepted[:, None], block_argmax], dim=1)
+        # Each row's pending token is the target's token after its last accepted one (a prompt chunk: after its
+        # last token), at the position after it; rows outside the step draft junk that nobody reads.
+        pending = block_argmax.gather(1, accepted[:, None])[:, 0]
+        positions = d["kv_len"] - d["nvalid"] + accepted + 1
+        return torch.cat([accepted[:, None], block_argmax, self.drafter.draft_on_device(pending, positions)], dim=1)
 
     @torch.no_grad()
-    def launch(self, entries: Sequence[StepEntry], features: bool = False) -> StepHandle:
+    def launch(self, entries: Sequence[StepEntry], draft: bool = False) -> StepHandle:
         if not entries:
             raise ValueError("a step needs at least one entry")
-        if features and not self.capture:
-            raise ValueError("features=True needs a runner built with capture and feature_sink (a block drafter's)")
+        if draft and self.drafter is None:
+            raise ValueError("draft=True needs a runner built with a drafter")
         total = sum(len(e.tokens) for e in entries)
         if total > self.max_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the runner's {self.max_tokens}")
@@ -216,7 +238,7 @@ class BatchRunner:
                 raise ValueError(f"a verify block of {len(e.tokens)} tokens exceeds the block width {self.W}")
         if 0 < total <= self.graph_max:
             nb = bucket(total)
-            graph = self._graph(nb, features)  # captured before the buffers are filled: capture runs a null step
+            graph = self._graph(nb, draft)  # captured before the buffers are filled: capture runs a null step
             self._fill(entries, nb, max_tiles(nb, self.group, self.B))
             self._upload()
             return self._handle(graph.replay() if self.emulate else _replay(graph))
@@ -224,15 +246,16 @@ class BatchRunner:
         n_tiles = int((-(-lens * self.group // 16)).sum())
         max_kv = self._fill(entries, total, n_tiles)
         self._upload()
-        return self._handle(self._forward(total, n_tiles, max_kv, features))
+        return self._handle(self._forward(total, n_tiles, max_kv, draft))
 
     def _handle(self, out: torch.Tensor) -> StepHandle:
         if self._result_ready is None:
             return StepHandle(out)
         self._result_ready.synchronize()  # the previous step's copy has been read (normally long done)
-        self._host_out.copy_(out, non_blocking=True)
+        host = self._host_out[out.shape[1]]
+        host.copy_(out, non_blocking=True)
         self._result_ready.record()
-        return StepHandle(self._host_out, self._result_ready)
+        return StepHandle(host, self._result_ready)
 
     def _upload(self) -> None:
         self._dev_all.copy_(self._host_all, non_blocking=True)
@@ -240,32 +263,32 @@ class BatchRunner:
             self._staged.record()
 
     # ---- graphs -------------------------------------------------------------------------------------
-    def _graph(self, nb: int, features: bool = False):
-        if (nb, features) not in self._graphs:
-            self._graphs[nb, features] = self._capture(nb, features)
-        return self._graphs[nb, features]
+    def _graph(self, nb: int, draft: bool = False):
+        if (nb, draft) not in self._graphs:
+            self._graphs[nb, draft] = self._capture(nb, draft)
+        return self._graphs[nb, draft]
 
-    def _capture(self, nb: int, features: bool):
+    def _capture(self, nb: int, draft: bool):
         # A null step (no request, every token padding) so warm-up and capture write nothing to the cache.
         self._fill([], nb, 0)
         self._upload()
         n_tiles = max_tiles(nb, self.group, self.B)
-        fn = lambda: self._forward(nb, n_tiles, None, features)  # noqa: E731 - every split of the table: fixed grid
+        fn = lambda: self._forward(nb, n_tiles, None, draft)  # noqa: E731 - every split of the table: fixed grid
         if self.emulate:
             return _EmulatedGraph(fn)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         return capture_graph(fn, 2, self._pool)
 
-    def capture_all(self, features: bool = False) -> int:
-        """Captures every token bucket up front, largest first (they share one memory pool), and with
-        features=True every bucket's features variant too; returns the count."""
+    def capture_all(self, draft: bool = False) -> int:
+        """Captures every token bucket up front, largest first (they share one memory pool), and with draft=True
+        every bucket's drafting variant too; returns the count."""
         if not (self.use_graphs or self.emulate):
             return 0
         with torch.no_grad():
             for nb in sorted(graph_buckets(self.graph_max), reverse=True):
-                for with_features in (False, True) if features else (False,):
-                    self._graph(nb, with_features)
+                for with_draft in (False, True) if draft else (False,):
+                    self._graph(nb, with_draft)
         return len(self._graphs)
 
 

@@ -46,6 +46,7 @@ class Request:
     estimate: AcceptanceEstimate | None = None
     ahead: list[int] | None = None  # overlap: tokens drafted after "the draft being verified all accepted"
     ready: list[int] | None = None  # overlap: that guess came true; the next draft is already there
+    block: list[int] | None = None  # the block drafter's next chain, drafted inside the request's last step
     # timings (engine clock) and counters
     admitted_s: float = -1.0
     first_token_s: float = -1.0
