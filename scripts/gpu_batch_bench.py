@@ -91,8 +91,8 @@ def main(argv=None) -> int:
                     "graph_max_tokens); the mechanisms are turned on per variant here")
     ap.add_argument("--drafter", default=None, help="a block drafter checkpoint directory: adds the batched block "
                     "drafter's variants (alone, led by prompt lookup, and that with goodput draft lengths)")
-    ap.add_argument("--drafter-variants", default="block,block+lookup,block+lookup+goodput",
-                    help="which of --drafter's variants to run")
+    ap.add_argument("--drafter-variants", default=None, help="which of --drafter's variants to run (default: all of "
+                    "block, block+lookup, block+lookup+goodput, block+lookup+goodput+budget)")
     ap.add_argument("--profile", type=int, default=0, help="print the N host functions with the most own time "
                     "(cProfile over the whole bench: graph capture, cost curve and warm-up included)")
     ap.add_argument("--seed", type=int, default=0)
@@ -145,8 +145,11 @@ def main(argv=None) -> int:
     if a.drafter:
         from specpilot.drafting.checkpoint import load_drafter
         drafter = load_drafter(a.drafter, model)
-        wanted = set(a.drafter_variants.split(","))
-        variants += [v for v in block_variants(ar_cfg, drafter.config.block_size, base) if v.label in wanted]
+        ours = block_variants(ar_cfg, drafter.config.block_size, base)
+        wanted = set(a.drafter_variants.split(",")) if a.drafter_variants else {v.label for v in ours}
+        if wanted - {v.label for v in ours}:
+            ap.error(f"unknown --drafter-variants {sorted(wanted - {v.label for v in ours})}")
+        variants += [v for v in ours if v.label in wanted]
     curve = CostCurve(tuple(tuple(p) for p in json.loads(Path(a.cost_curve).read_text()))) if a.cost_curve else None
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "model": a.model_dir or ("random-smollm2-135m" if a.random else "micro"), "max_new_tokens": max_new,

@@ -674,7 +674,7 @@ def test_gpu_batch_bench_script_runs_tiny(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["summary"][0]["all_equal_single_ar"] and len(data["report"]["cost_curve"]) >= 2
     assert set(data["summary"][0]["vs_ar"]) == {"stock", "goodput_draft", "all", "block", "block+lookup",
-                                                "block+lookup+goodput"}
+                                                "block+lookup+goodput", "block+lookup+goodput+budget"}
     assert "| conc | arrival | AR tok/s |" in capsys.readouterr().out.strip().splitlines()[-3]
     from specpilot.engines.loader import load_tokenizer
     from specpilot.testbed import fetch_smollm2

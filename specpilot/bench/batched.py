@@ -54,11 +54,14 @@ def standard_variants(ar_cfg: EngineConfig, spec_cfg: EngineConfig,
 
 def block_variants(ar_cfg: EngineConfig, block_size: int, batch: BatchConfig = BatchConfig()) -> list[BatchVariant]:
     """The batched block drafter (engines.batch.block_drafting): its top-1 chain at the block's depth, led by
-    prompt lookup (ngram_prefix), and that with goodput draft lengths (mechanism a)."""
+    prompt lookup (ngram_prefix), that with goodput draft lengths (mechanism a), and with the verify budget too
+    (mechanism b; c, drafting ahead from the lookup, does not apply: the block drafts after the verify)."""
     cfg = ar_cfg.replace(drafter=DrafterKind.BLOCK, block_size=block_size)
     lookup = cfg.replace(ngram_prefix=True)
     return [BatchVariant("block", cfg, batch), BatchVariant("block+lookup", lookup, batch),
-            BatchVariant("block+lookup+goodput", lookup, batch.replace(**mechanism_fields("goodput_draft")))]
+            BatchVariant("block+lookup+goodput", lookup, batch.replace(**mechanism_fields("goodput_draft"))),
+            BatchVariant("block+lookup+goodput+budget", lookup,
+                         batch.replace(**mechanism_fields("goodput_draft", "verify_budget")))]
 
 
 @dataclass
