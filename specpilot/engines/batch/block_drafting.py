@@ -22,13 +22,11 @@ drafter's (they do up to rounding: tests/test_batch.py checks the top-1 chains a
 """
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight, runtime_copy
 from specpilot.engines.llama import LlamaModel, rotate_half
 from specpilot.kernels._common import capture_graph
 
@@ -46,9 +44,7 @@ class BatchBlockDrafter:
         self.device = dev = self.embed.device  # "cuda" -> the target's own "cuda:0"
         self.config, self.rows, self.capacity, self.depth = c, rows, capacity, c.block_size - 1
         dtype = self.embed.dtype
-        # A private copy at the target's dtype and device (the caller's float32 trainer model stays untouched).
-        self.model = copy.deepcopy(model).to(device=dev, dtype=dtype).eval().requires_grad_(False)
-        self.model.inv_freq = self.model._inv_freq().to(dev)  # rotary frequencies stay float32
+        self.model = runtime_copy(model, dev, dtype)
         shape = (rows + 1, capacity + c.block_size, c.kv_heads, c.head_dim)  # + the block's tail slots
         self.keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(c.layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(c.layers)]

@@ -272,9 +272,8 @@ class BatchEngine:
 def _check_block(block: BatchBlockDrafter, runner: BatchRunner, cfg: EngineConfig, batch: BatchConfig) -> None:
     if runner.drafter is not block:
         raise ConfigError("the runner drives another drafter (or none): build it with drafter=the block drafter")
-    if block.rows < runner.B or block.capacity < cfg.max_seq_len:
-        raise ConfigError(f"the block drafter holds {block.rows} rows of {block.capacity} positions; the runner needs "
-                          f"{runner.B} of {cfg.max_seq_len}")
+    if block.capacity < cfg.max_seq_len:  # (its rows: the runner checked them against its own)
+        raise ConfigError(f"the block drafter holds {block.capacity} positions a row; max_seq_len is {cfg.max_seq_len}")
     if cfg.block_size > block.config.block_size:
         raise ConfigError(f"block_size={cfg.block_size} exceeds the drafter's trained block size "
                           f"{block.config.block_size}")

@@ -93,9 +93,8 @@ class BatchRunner:
         check_fusable(model, cfg.weight_format)
         self.model, self.cfg, self.batch = model, cfg, batch
         self.drafter = drafter
-        self.capture = tuple(drafter.target_layers) if drafter is not None else ()
-        if self.capture and (min(self.capture) < 0 or max(self.capture) >= model.shape.layers):
-            raise ValueError(f"the drafter reads target layers {self.capture}; the target has layers "
+        if drafter is not None and max(drafter.target_layers) >= model.shape.layers:
+            raise ValueError(f"the drafter reads target layers {list(drafter.target_layers)}; the target has layers "
                              f"0..{model.shape.layers - 1}")
         if drafter is not None and drafter.rows != batch.max_batch:
             raise ValueError(f"the drafter has {drafter.rows} rows, the runner {batch.max_batch}")
@@ -208,7 +207,7 @@ class BatchRunner:
                          d["tile_row"][:n_tiles], d["tok_kv_len"][:nb])
         kv = self.cache.kv
         _, am, captured = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size,
-                                        max_kv_len=max_kv, capture=self.capture if draft else ())
+                                        max_kv_len=max_kv, capture=self.drafter.target_layers if draft else ())
         if draft:  # every step token's features [nb, len(capture) * hidden], rows (-1: padding), positions
             self.drafter.observe(torch.cat(captured, dim=-1), tok_req, pos)
         block_argmax = am[d["gather"]]  # [B, W]: target's token after each block token

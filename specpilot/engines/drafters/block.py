@@ -13,6 +13,7 @@ runtime (block_tree.BlockTreeDrafter) caches and the trainer recomputes per batc
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -234,6 +235,14 @@ class BlockDrafterModel(nn.Module):
         if self.config.logit_softcap > 0:
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         return logits
+
+
+def runtime_copy(model: BlockDrafterModel, device: torch.device, dtype: torch.dtype) -> BlockDrafterModel:
+    """A private inference copy at the target's dtype and device: the caller's model (a trainer's float32 one) stays
+    untouched; rotary frequencies stay float32."""
+    runtime = copy.deepcopy(model).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    runtime.inv_freq = runtime._inv_freq().to(device)
+    return runtime
 
 
 def lm_head_weight(target: nn.Module) -> torch.Tensor:

@@ -12,7 +12,6 @@ The forward itself is block_step.BlockStep.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
-from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight, runtime_copy
 from specpilot.engines.drafters.block_fused import FusedBlockStep, fusable
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.llama import LlamaModel
@@ -82,9 +81,7 @@ class BlockTreeDrafter:
             raise ValueError(f"block_size={shape.block_size} exceeds the drafter's trained block size {c.block_size}")
         self.device = torch.device(device)
         dtype = target.embed_tokens.weight.dtype
-        # A private copy at the target's dtype: the caller's model (a trainer's float32 one) stays untouched.
-        runtime = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval().requires_grad_(False)
-        runtime.inv_freq = runtime._inv_freq().to(self.device)  # rotary frequencies stay float32
+        runtime = runtime_copy(model, self.device, dtype)
         self.shape, self.capture = shape, c.target_layers
         self.capacity = max_len
         self.topk = min(c.vocab, max(shape.width, TRACE_TOPK))
