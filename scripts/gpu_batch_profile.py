@@ -3,8 +3,10 @@
 Random SmolLM2-135M weights (bf16). For each (requests, tokens per request, context) case: the batched step's
 wall time (launch + result, graph path, median of 30) and its kernels under torch.profiler, grouped by name
 (us per step); then the single-request ModelRunner's one-token step at the same context for reference.
+--drafter: instead, the same batched steps with a random block-16 drafter (2 layers) fed and drafting every row
+inside the step's graph (launch(draft=True)) against the step without it: what drafting in the step costs.
 
-Usage (PYTHONPATH=repo root): python scripts/gpu_batch_profile.py OUT.json [--max-seq-len 2560]
+Usage (PYTHONPATH=repo root): python scripts/gpu_batch_profile.py OUT.json [--max-seq-len 2560] [--drafter]
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specpilot.engines.batch import BatchConfig, BatchRunner
+from specpilot.engines.batch import BatchBlockDrafter, BatchConfig, BatchRunner
 from specpilot.engines.batch.runner import StepEntry
 from specpilot.engines.config import EngineConfig
+from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.loader import random_model
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.shapes import SMOLLM2_135M
@@ -63,14 +66,19 @@ def measure(results: list[dict], label: str, step, **case) -> None:
         print(f"   {us:8.1f} us  {n:4d}x  {name}")
 
 
-def smollm2_batch_runner(max_seq_len: int = 2560) -> tuple[BatchRunner, object, EngineConfig]:
+def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False
+                         ) -> tuple[BatchRunner, object, EngineConfig]:
     """(runner, model, cfg): random SmolLM2-135M weights in bf16 behind the batched bench's runner (24 rows,
-    drafts up to 32 tokens, graphs up to 1024 tokens)."""
+    drafts up to 32 tokens, graphs up to 1024 tokens), optionally with a random block-16 drafter."""
     model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
     cfg = EngineConfig.from_dict({"dtype": "bfloat16", "max_seq_len": max_seq_len, "kernel_backend": "triton",
-                                  "cuda_graphs": True, "drafter": "ngram"})
+                                  "cuda_graphs": True, "drafter": "block" if block_drafter else "ngram"})
+    drafter = None
+    if block_drafter:
+        d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
+        drafter = BatchBlockDrafter(d, model, 24, max_seq_len, "cuda")
     runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
-                         max_block=33)
+                         max_block=33, drafter=drafter)
     return runner, model, cfg
 
 
@@ -78,22 +86,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--max-seq-len", type=int, default=2560)
+    ap.add_argument("--drafter", action="store_true")
     a = ap.parse_args(argv)
-    runner, model, cfg = smollm2_batch_runner(a.max_seq_len)
+    runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter)
     results = []
+    cases = ((16, 8, 1024), (24, 6, 2048)) if a.drafter else \
+        ((1, 1, 256), (16, 1, 256), (16, 1, 1024), (16, 6, 1024), (16, 16, 1024), (24, 6, 2048))
     with torch.no_grad():
-        for requests, per, context in ((1, 1, 256), (16, 1, 256), (16, 1, 1024), (16, 6, 1024), (16, 16, 1024),
-                                       (24, 6, 2048)):
+        for requests, per, context in cases:
             pages = [runner.cache.allocate(context + 33) for _ in range(requests)]
             for r, p in enumerate(pages):
                 runner.bind(r, p)
             entries = [StepEntry(r, [1] * per, context) for r in range(requests)]
-            measure(results, f"batched {requests} x {per} tokens at context {context}",
-                    lambda: runner.launch(entries).result(), requests=requests, tokens_per_request=per,
-                    context=context)
+            for draft in (False, True) if a.drafter else (False,):
+                measure(results, f"batched {requests} x {per} tokens at context {context}"
+                        + (f", drafting={draft}" if a.drafter else ""),
+                        lambda: runner.launch(entries, draft=draft).result(), requests=requests,
+                        tokens_per_request=per, context=context, draft=draft)
             for r, p in enumerate(pages):
                 runner.unbind(r)
                 runner.cache.release(p)
+        if a.drafter:
+            Path(a.out).write_text(json.dumps(results, indent=1))
+            return 0
         single = ModelRunner(model, cfg.replace(drafter="none"), "cuda", block_width=16)
         single.capture_all()
         for context in (256, 1024):

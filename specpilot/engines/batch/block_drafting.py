@@ -30,6 +30,8 @@ from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight, 
 from specpilot.engines.llama import LlamaModel, rotate_half
 from specpilot.kernels._common import capture_graph
 
+FUSED_HEAD_MAX_SLOTS = 32  # draft slots (rows x depth) up to which the fused norm + head + argmax kernel serves
+
 
 class BatchBlockDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, rows: int, capacity: int,
@@ -57,11 +59,13 @@ class BatchBlockDrafter:
         self._host_out = torch.zeros(rows, c.block_size - 1, dtype=torch.int64, pin_memory=pinned)
         self._graph = None
         self.use_graph = cuda_graphs and dev.type == "cuda"
-        # The top-1 of the final norm + LM head from the engine's fused kernel (argmax in its epilogue: the
-        # [rows * depth, vocab] logits are never written; 0.27 ms of the H200's 2.3 ms first draft was that GEMM).
+        # The top-1 of the final norm + LM head: from the engine's fused kernel (argmax in its epilogue, no logits
+        # written) for a few rows; for many, a cuBLAS GEMM then argmax. The fused kernel is a decode kernel: each
+        # 16-row tile re-reads the whole head (H200, 24 rows x 15 slots: 296 us of a 685 us draft).
         # The logit scale and softcap keep the order of the logits when positive, so the argmax is theirs too.
         fused_ok = c.logit_scale > 0
-        self.triton_head = (dev.type == "cuda" and fused_ok) if triton_head is None else triton_head
+        few = rows * self.depth <= FUSED_HEAD_MAX_SLOTS
+        self.triton_head = (dev.type == "cuda" and fused_ok and few) if triton_head is None else triton_head
         if self.triton_head and not fused_ok:
             raise ValueError(f"logit_scale={c.logit_scale}: the fused head's argmax needs a positive scale")
 
