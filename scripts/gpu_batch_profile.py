@@ -6,7 +6,11 @@ wall time (launch + result, graph path, median of 30) and its kernels under torc
 --drafter: instead, the same batched steps with a random block-16 drafter (2 layers) fed and drafting every row
 inside the step's graph (launch(draft=True)) against the step without it: what drafting in the step costs.
 
+--splits-per-program N: the paged attention's splits per program (engines.batch.paged_attn.SPLITS_PER_PROGRAM;
+changes no bit), for an A/B.
+
 Usage (PYTHONPATH=repo root): python scripts/gpu_batch_profile.py OUT.json [--max-seq-len 2560] [--drafter]
+    [--splits-per-program N]
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specpilot.engines.batch import BatchBlockDrafter, BatchConfig, BatchRunner
+from specpilot.engines.batch import BatchBlockDrafter, BatchConfig, BatchRunner, paged_attn
 from specpilot.engines.batch.runner import StepEntry
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
@@ -87,7 +91,10 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--max-seq-len", type=int, default=2560)
     ap.add_argument("--drafter", action="store_true")
+    ap.add_argument("--splits-per-program", type=int, default=None)
     a = ap.parse_args(argv)
+    if a.splits_per_program is not None:
+        paged_attn.SPLITS_PER_PROGRAM = a.splits_per_program
     runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter)
     results = []
     cases = ((16, 8, 1024), (24, 6, 2048)) if a.drafter else \

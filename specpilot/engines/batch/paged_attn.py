@@ -67,29 +67,52 @@ def _paged_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, tile_req_ptr, tile_row_ptr,
             q = tl.load(q_ptr + (tok * H + h).to(tl.int64)[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
             ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(dtype)
             kv_base = kvh.to(tl.int64) * S * D
-            # A few splits per program (fewer idle programs in a graph's fixed grid); each split's partial
+            # Several splits per program (fewer idle programs in a graph's fixed grid); each split's partial
             # result is computed from scratch and stored on its own, exactly as one program per split would.
+            # With one key block a split (SPLIT == BLOCK_N) this loop is the innermost one, so the compiler
+            # pipelines it: the next split's page entry and keys load while this one computes.
             for split in range(first, tl.minimum(first + SPLITS_PER_PROGRAM, n_split)):
-                lo = split * SPLIT
-                page = tl.load(pt_ptr + req * P + split)
-                page_ok = (page >= 0) & ((page + 1) * SPLIT <= S)  # a bad table entry reads nothing
-                m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-                for k0 in range(lo, tl.minimum(lo + SPLIT, end), BLOCK_N):
-                    kk = k0 + tl.arange(0, BLOCK_N)
-                    k_ok = (kk < end) & page_ok
-                    ks = page * SPLIT + (kk - lo)  # physical slot of logical key kk
-                    kt = tl.load(k_ptr + kv_base + ks.to(tl.int64)[None, :] * D + dd[:, None], mask=k_ok[None, :],
-                                 other=0.0)
-                    vis = row_ok[:, None] & (k_ok[None, :] & (kk[None, :] <= qpos[:, None]))
-                    v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=k_ok[:, None],
-                                other=0.0)
-                    m, l, acc = online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
-                w = (split * (NTOK * H) + tok * H + h).to(tl.int64)
-                tl.store(ws_m_ptr + w, m, mask=row_ok)
-                tl.store(ws_l_ptr + w, l, mask=row_ok)
-                tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
+                _split_partial(q, k_ptr, v_ptr, pt_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, req, split, end, P, S, kv_base,
+                               dd, row_ok, qpos, tok, h, ones, qk_scale, NTOK, H, D, DOT_PREC, BLOCK_M, BLOCK_N,
+                               SPLIT, SPLIT == BLOCK_N)
+
+
+@triton.jit
+def _split_partial(q, k_ptr, v_ptr, pt_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, req, split, end, P, S, kv_base, dd,
+                   row_ok, qpos, tok, h, ones, qk_scale, NTOK, H: tl.constexpr, D: tl.constexpr,
+                   DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                   ONE_BLOCK: tl.constexpr):
+    """One split's (max, sum, unnormalised output) of a tile's rows, stored: its key blocks in order (ONE_BLOCK:
+    exactly one, as split < the request's split count, and no loop)."""
+    lo = split * SPLIT
+    page = tl.load(pt_ptr + req * P + split)
+    page_ok = (page >= 0) & ((page + 1) * SPLIT <= S)  # a bad table entry reads nothing
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    if ONE_BLOCK:
+        m, l, acc = _key_block(q, k_ptr, v_ptr, lo, lo, end, page, page_ok, kv_base, dd, row_ok, qpos, ones, m, l,
+                               acc, qk_scale, D, DOT_PREC, BLOCK_N, SPLIT)
+    else:
+        for k0 in range(lo, tl.minimum(lo + SPLIT, end), BLOCK_N):
+            m, l, acc = _key_block(q, k_ptr, v_ptr, k0, lo, end, page, page_ok, kv_base, dd, row_ok, qpos, ones, m,
+                                   l, acc, qk_scale, D, DOT_PREC, BLOCK_N, SPLIT)
+    w = (split * (NTOK * H) + tok * H + h).to(tl.int64)
+    tl.store(ws_m_ptr + w, m, mask=row_ok)
+    tl.store(ws_l_ptr + w, l, mask=row_ok)
+    tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _key_block(q, k_ptr, v_ptr, k0, lo, end, page, page_ok, kv_base, dd, row_ok, qpos, ones, m, l, acc, qk_scale,
+               D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    kk = k0 + tl.arange(0, BLOCK_N)
+    k_ok = (kk < end) & page_ok
+    ks = page * SPLIT + (kk - lo)  # physical slot of logical key kk
+    kt = tl.load(k_ptr + kv_base + ks.to(tl.int64)[None, :] * D + dd[:, None], mask=k_ok[None, :], other=0.0)
+    vis = row_ok[:, None] & (k_ok[None, :] & (kk[None, :] <= qpos[:, None]))
+    v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=k_ok[:, None], other=0.0)
+    return online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
 
 
 @triton.jit(do_not_specialize=["NTOK"])
