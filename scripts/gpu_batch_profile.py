@@ -82,7 +82,7 @@ def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False
         d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
         drafter = BatchBlockDrafter(d, model, 24, max_seq_len, "cuda")
     runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
-                         max_block=33, drafter=drafter)
+                         max_block=33, drafters=[drafter] if drafter else [])
     return runner, model, cfg
 
 

@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpilot.bench.batched import ALL_LABEL, standard_variants
-from specpilot.engines.batch import BatchConfig, BatchEngine, CostCurve, RequestSpec
+from specpilot.bench.batched import ALL_LABEL, BatchVariant, standard_variants
+from specpilot.engines.batch import BatchConfig, BatchEngine, BatchNgramDrafter, CostCurve, RequestSpec
+from specpilot.engines.batch.config import mechanism_fields
 from specpilot.engines.batch.drafting import NgramChainDrafter
 from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache
 from specpilot.engines.batch.runner import StepEntry, StepHandle
@@ -46,26 +47,37 @@ H200_CURVE = ((1, 0.00127), (16, 0.00132), (32, 0.00146), (64, 0.00163), (128, 0
 
 
 class ReplayRunner:
-    """BatchRunner's interface to the engine, answering each step from the known sequences (no forward)."""
+    """BatchRunner's interface to the engine, answering each step from the known sequences (no forward). Its own
+    time (what the GPU would do) accumulates in device_s, which the host time excludes. With a lookup (a
+    BatchNgramDrafter, for device_draft variants) each step also answers every row's next lookup chain, computed
+    by a host drafter per row as the device would (same proposals), inside the replay."""
 
-    def __init__(self, sequences: dict[tuple[int, ...], list[int]], rows: int, width: int, max_seq_len: int):
+    def __init__(self, sequences: dict[tuple[int, ...], list[int]], rows: int, width: int, max_seq_len: int,
+                 lookup: BatchNgramDrafter | None = None):
         self.B, self.W = rows, width
         self.cache = PagedKVCache(CacheShape(1, 1, 1, rows * (max_seq_len // 16 + 1), 16), torch.float32, "cpu")
+        self.drafters = (lookup,) if lookup is not None else ()
+        self.device_s = 0.0
         self._by_prompt = sequences  # prompt -> prompt + known output
         self._truth: dict[int, list[int]] = {}
         self._prompt: dict[int, list[int]] = {}  # a row's prompt chunks so far
+        self._lookups: dict[int, NgramChainDrafter] = {}
 
     def bind(self, row: int, pages: list[int]) -> None:
         self._truth.pop(row, None)
         self._prompt[row] = []
+        if self.drafters:
+            d = self.drafters[0]
+            self._lookups[row] = NgramChainDrafter(d.depth, d.ngram_max, d.ngram_min)
 
     def unbind(self, row: int) -> None:
         self._truth.pop(row, None)
 
-    def launch(self, entries: list[StepEntry], draft: bool = False) -> StepHandle:
-        if draft:
-            raise ValueError("the replayed runner computes no target features: no block drafter here")
-        out = np.zeros((self.B, 1 + self.W), dtype=np.int64)
+    def launch(self, entries: list[StepEntry], draft=None) -> StepHandle:
+        t = time.perf_counter()
+        if draft is not None and (not self.drafters or draft is not self.drafters[0]):
+            raise ValueError("the replayed runner drafts only with its lookup (no target features: no block drafter)")
+        out = np.zeros((self.B, 1 + self.W + (self.drafters[0].columns if draft is not None else 0)), dtype=np.int64)
         for e in entries:
             if e.last_only:  # a prompt chunk: the whole prompt, once its last chunk is in, names the sequence
                 prompt = self._prompt[e.row]
@@ -73,6 +85,8 @@ class ReplayRunner:
                 if tuple(prompt) in self._by_prompt:  # only the last chunk's answer is read
                     self._truth[e.row] = self._by_prompt[tuple(prompt)]
                     out[e.row, 1] = self._truth[e.row][len(prompt)]
+                    if draft is not None:
+                        self._chain(out, e.row, len(prompt))
                 continue
             truth = self._truth[e.row]
             n = len(e.tokens)
@@ -81,7 +95,16 @@ class ReplayRunner:
             while acc < n - 1 and e.tokens[acc + 1] == argmax[acc]:
                 acc += 1
             out[e.row, 0], out[e.row, 1:1 + n] = acc, argmax
+            if draft is not None:
+                self._chain(out, e.row, e.start + acc + 1)
+        self.device_s += time.perf_counter() - t
         return StepHandle(torch.from_numpy(out))
+
+    def _chain(self, out: np.ndarray, row: int, pending_pos: int) -> None:
+        """The lookup's answer for a row whose pending token sits at pending_pos: (count, tokens...)."""
+        chain = self._lookups[row].propose(self._truth[row][:pending_pos + 1], self.drafters[0].depth)
+        out[row, 1 + self.W] = len(chain)
+        out[row, 2 + self.W:2 + self.W + len(chain)] = chain
 
 
 class OracleCut:
@@ -136,8 +159,12 @@ def main(argv=None) -> int:
     ar = EngineConfig.from_dict({"dtype": "float32", "max_seq_len": max_seq_len, "drafter": "none",
                                  "kernel_backend": "triton", "cuda_graphs": False})
     base = BatchConfig(max_batch=a.concurrency, max_draft_len=a.max_draft_len, cost_curve=H200_CURVE)
-    variants = standard_variants(ar, ar.replace(drafter=DrafterKind.NGRAM), ["goodput_draft", "verify_budget",
-                                                                             "overlap_draft", ALL_LABEL], base)
+    spec = ar.replace(drafter=DrafterKind.NGRAM)
+    variants = standard_variants(ar, spec, ["goodput_draft", "verify_budget", "overlap_draft", "device_draft",
+                                            ALL_LABEL], base)
+    # "all" before device_draft existed: every mechanism drafting on the host
+    variants.append(BatchVariant("all, host drafting", spec, base.replace(
+        **mechanism_fields("goodput_draft", "verify_budget", "overlap_draft"))))
     specs = [RequestSpec(f"r{i}", tuple(items[i % len(items)]["prompt"]), len(items[i % len(items)]["out"]))
              for i in range(a.requests)]
     print(f"{len(items)} sequences, {a.requests} requests at concurrency {a.concurrency}")
@@ -155,13 +182,15 @@ def main(argv=None) -> int:
             return OracleCut(sequences[tuple(req.prompt)], e.draft_len, e.ngram_max, e.ngram_min)
         runs.append((dataclasses.replace(stock, label="oracle-cut lookup", engine=oracle_engine), oracle))
     for v, factory in runs:
-        runner = ReplayRunner(sequences, a.concurrency, 1 + a.max_draft_len, max_seq_len)
+        lookup = (BatchNgramDrafter(a.concurrency, max_seq_len, a.max_draft_len, v.engine.ngram_min, v.engine.ngram_max,
+                                    "cpu") if v.batch.device_draft else None)
+        runner = ReplayRunner(sequences, a.concurrency, 1 + a.max_draft_len, max_seq_len, lookup)
         engine = BatchEngine(runner, v.engine, v.batch, frozenset(), cost_curve=curve, drafter_factory=factory)
         if prof is not None and v.label == ALL_LABEL:
             prof.enable()
         t = time.perf_counter()
         res = engine.run(specs)
-        wall = time.perf_counter() - t
+        wall = time.perf_counter() - t - runner.device_s  # the host's share: the replay stands for the GPU
         if prof is not None:
             prof.disable()
         for r, s in zip(res.requests, specs):  # the replay is only meaningful if the engine committed the truth

@@ -24,9 +24,10 @@ CUDA = torch.cuda.is_available()
 
 import pytest  # noqa: E402
 
-from specpilot.engines.batch import (MECHANISMS, BatchConfig, BatchEngine, BatchRunner, CostCurve,  # noqa: E402
+from specpilot.engines.batch import (BatchConfig, BatchEngine, BatchRunner, CostCurve,  # noqa: E402
                                      DraftLength, RequestSpec, StepClock, VerifyBudget, batch_knob_schema,
                                      block_width, build_batch_engine)
+from specpilot.engines.batch.config import ALL_MECHANISMS  # noqa: E402
 from specpilot.engines.batch.cost import profile_tokens  # noqa: E402
 from specpilot.engines.batch.drafting import NgramChainDrafter  # noqa: E402
 from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_verify_budget,  # noqa: E402
@@ -233,7 +234,8 @@ def test_batch_forward_is_fused_forward_per_row():
 @pytest.mark.parametrize("field,value", [
     ("max_batch", 0), ("max_batch", 2.5), ("prefill_chunk", 8), ("graph_max_tokens", 40), ("num_pages", -1),
     ("draft_length", "longest"), ("max_draft_len", 0), ("max_draft_len", 64), ("verify_budget", "on"),
-    ("verify_budget_max", -1), ("overlap_draft", 1), ("accept_decay", 1.0), ("accept_prior", 0.0),
+    ("verify_budget_max", -1), ("overlap_draft", 1), ("device_draft", "yes"), ("accept_decay", 1.0),
+    ("accept_prior", 0.0),
     ("cost_curve", ((8, 1.0),)), ("cost_curve", ((8, 1.0), (4, 2.0))), ("cost_curve", ((1, 1.0), (2, 0.0))),
     ("cost_curve", (("a", 1),))])
 def test_batch_config_rejects(field, value):
@@ -247,8 +249,10 @@ def test_batch_config_knobs():
     assert c.cost_curve == ((1, 0.5), (16, 0.6)) and c.needs_cost_curve
     assert BatchConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c and c.digest() != BatchConfig().digest()
     assert BatchConfig().mechanisms == () and not BatchConfig().needs_cost_curve
-    assert BatchConfig.with_mechanisms("all").mechanisms == ("goodput_draft", "verify_budget", "overlap_draft")
+    assert BatchConfig.with_mechanisms("all").mechanisms == ("goodput_draft", "verify_budget", "device_draft")
     assert BatchConfig.with_mechanisms("overlap_draft", max_batch=3).mechanisms == ("overlap_draft",)
+    with pytest.raises(ConfigError, match="turn one off"):
+        BatchConfig(overlap_draft=True, device_draft=True)
     with pytest.raises(ConfigError, match="unknown mechanism"):
         BatchConfig.with_mechanisms("faster")
     with pytest.raises(ConfigError, match="unknown BatchConfig field"):
@@ -405,9 +409,9 @@ def test_batched_outputs_equal_single_request_ar(shape, seed):
     ar = build_batch_engine(model, ecfg(), stock, eos, "cpu").run(specs, StepClock())
     assert {r.id: r.tokens for r in ar.requests} == want
     assert {r.id: r.stop_reason for r in ar.requests}["r3"] in ("max_tokens", "eos")
-    factory = oracle_factory(specs, refs, vocab)
-    for batch in (stock, BatchConfig.with_mechanisms("all", max_batch=2, prefill_chunk=16, max_draft_len=6,
-                                                     cost_curve=CURVE)):
+    factory = oracle_factory(specs, refs, vocab)  # host drafters: every host-side mechanism
+    for batch in (stock, BatchConfig.with_mechanisms("goodput_draft", "verify_budget", "overlap_draft", max_batch=2,
+                                                     prefill_chunk=16, max_draft_len=6, cost_curve=CURVE)):
         res = build_batch_engine(model, ecfg(drafter="ngram", draft_len=4), batch, eos, "cpu",
                                  drafter_factory=factory).run(specs, StepClock())
         assert {r.id: r.tokens for r in res.requests} == want, batch.mechanisms
@@ -462,8 +466,8 @@ def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
     f = torch.cat([contexts[0], contexts[1], junk, contexts[2], torch.randn(2, feat, generator=g)])
     r = torch.tensor([2] * 7 + [0] * 30 + [2] * 3 + [3] * 12 + [-1, -1])
     pos = torch.cat([torch.arange(7), torch.arange(30), torch.arange(7, 10), torch.arange(12), torch.zeros(2)]).long()
-    batched.observe(f[:20], r[:20], pos[:20])  # in two steps, as the engine observes them
-    batched.observe(f[20:], r[20:], pos[20:])
+    batched.observe(f[:20], None, r[:20], pos[:20])  # in two steps, as the engine observes them
+    batched.observe(f[20:], None, r[20:], pos[20:])
     pending = [5, 9, 11]
     chains = batched.draft(list(rows), pending, list(lengths))
     shape = TreeShape(tree=False, block_size=5, budget=4, width=1, depth=4)
@@ -477,7 +481,7 @@ def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
     fused.keys, fused.values = batched.keys, batched.values
     assert fused.draft(list(rows), pending, list(lengths)) == chains  # the engine's norm + head + argmax kernel
     with pytest.raises(ValueError, match="features"):
-        batched.observe(f[:, :-1], r, pos)
+        batched.observe(f[:, :-1], None, r, pos)
     with pytest.raises(ValueError, match="positions"):
         batched.draft([0], [1], [65])
     with pytest.raises(ValueError, match="rows"):
@@ -514,7 +518,7 @@ def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
     for seq, chain in calls:
         fresh = BatchBlockDrafter(block_model("mha", 1), engine.runner.model, 1, MAX_SEQ, "cpu")
         runner = BatchRunner(engine.runner.model, cfg, BatchConfig(max_batch=1, prefill_chunk=64), "cpu",
-                             max_block=5, drafter=fresh)
+                             max_block=5, drafters=[fresh])
         runner.bind(0, list(range(runner.pages_per_request)))
         out = runner.launch([StepEntry(0, seq[:-1], 0, last_only=True)], draft=True).result()
         assert out[0, 1] == seq[-1] and out[0, 1 + runner.W:].tolist() == chain  # drafted in the prefill's forward
@@ -532,18 +536,21 @@ def test_block_drafter_batching_rejects_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="trained block size"):
         build_batch_engine(model, ecfg(drafter="block", block_size=8), BatchConfig(max_batch=2), NO_EOS, "cpu",
                            block_drafter=drafter)
-    with pytest.raises(ConfigError, match="another drafter"):
+    with pytest.raises(ConfigError, match="not built with this block drafter"):
         runner = BatchRunner(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), "cpu", max_block=5)
         BatchEngine(runner, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), NO_EOS,
                     block_drafter=BatchBlockDrafter(drafter, model, 2, MAX_SEQ, "cpu"))
     with pytest.raises(ValueError, match="does not fit"):
         BatchBlockDrafter(block_model("g2", 1), model, 2, MAX_SEQ, "cpu")
-    with pytest.raises(ValueError, match="needs a runner built with a drafter"):
+    with pytest.raises(ValueError, match="names the runner's one drafter; it has 0"):
         BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1).launch(
             [StepEntry(0, [1], 0)], draft=True)
+    with pytest.raises(ValueError, match="was not built with"):
+        BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1).launch(
+            [StepEntry(0, [1], 0)], draft=BatchBlockDrafter(drafter, model, 2, MAX_SEQ, "cpu"))
     with pytest.raises(ValueError, match="rows"):
         BatchRunner(model, ecfg(), BatchConfig(max_batch=2), "cpu", max_block=1,
-                    drafter=BatchBlockDrafter(drafter, model, 3, MAX_SEQ, "cpu"))
+                    drafters=[BatchBlockDrafter(drafter, model, 3, MAX_SEQ, "cpu")])
 
 
 def test_engine_rejects_what_it_cannot_serve():
@@ -620,7 +627,7 @@ def test_standard_variants_share_the_base_batch_config():
     variants = standard_variants(ecfg(), ecfg(drafter="ngram"), ["goodput_draft", "all"], base)
     assert [v.label for v in variants] == ["ar", "stock", "goodput_draft", "all"]
     assert all(v.batch.max_draft_len == 7 and v.batch.graph_max_tokens == 64 for v in variants)
-    assert [v.batch.mechanisms for v in variants] == [(), (), ("goodput_draft",), tuple(MECHANISMS)]
+    assert [v.batch.mechanisms for v in variants] == [(), (), ("goodput_draft",), ALL_MECHANISMS]
     with pytest.raises(ConfigError, match="unknown mechanism"):
         standard_variants(ecfg(), ecfg(drafter="ngram"), ["bogus"], base)
     with pytest.raises(ValueError, match="stock must have every mechanism off"):
@@ -694,8 +701,10 @@ def test_host_cost_harness_replays_known_outputs_through_the_engine(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
     tok_step = {r.split("|")[1].strip(): float(r.split("|")[3]) for r in rows}
     predicted = {r.split("|")[1].strip(): float(r.split("|")[7]) for r in rows}  # equal host cost per step
-    assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "all",
-                             "oracle-cut lookup"}
+    assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "device_draft", "all",
+                             "all, host drafting", "oracle-cut lookup"}
+    # the lookup on the device proposes what the host's does: the same steps, tokens and forwards as stock
+    assert tok_step["device_draft"] == tok_step["stock"] and predicted["device_draft"] == predicted["stock"]
     assert 1.0 <= tok_step["ar"] < 1.1 and tok_step["stock"] > 1.5  # (prefill commits one token with no decode row)
     assert tok_step["goodput_draft"] > tok_step["stock"]
     # the bound: the lookup's proposals cut to what is accepted commit the most a step and waste no verify token

@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from specpilot.kernels import attn as sa
 from specpilot.engines.batch import paged_attn as pa
+from specpilot.engines.batch import ngram_drafting as bn
 from specpilot.kernels import gemm, norm_gemm
 from specpilot.engines import device_drafters as dd
 from specpilot.engines import loop_kernels as lk
@@ -118,6 +119,9 @@ print(json.dumps({
         ("ngram_lookup", dd._ngram_kernel, {"tok_ptr": "*i64", "state_ptr": "*i64", "draft_ptr": "*i64",
                                             "proposed_ptr": "*i64"},
          {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024}, 4),
+        ("batch_ngram_lookup", bn._batch_ngram_kernel, {"tok_ptr": "*i64", "row_stride": "i32", "pos_ptr": "*i64",
+                                                        "draft_ptr": "*i64", "proposed_ptr": "*i64"},
+         {"NMAX": 4, "NMIN": 1, "K": 32, "KP": 32, "BLOCK": 1024}, 4),
         ("qk_norm_rope", bf._qk_norm_rope_kernel, {"x_ptr": P, "row_stride": "i32", "pos_ptr": "*i64",
                                                    "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                                                    "qn_ptr": P, "kn_ptr": P, "eps": "fp32", "q_ptr": P, "k_ptr": P,
@@ -208,5 +212,6 @@ def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
 
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
-    assert compiled["sm90"] == {"ngram_lookup": True, "qk_norm_rope": True, "topk_chunk": True, "topk_merge": True,
-                                "assemble": True, "chain_commit": True, "tree_commit": True}
+    assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
+                                "topk_chunk": True, "topk_merge": True, "assemble": True, "chain_commit": True,
+                                "tree_commit": True}

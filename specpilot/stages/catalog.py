@@ -121,7 +121,7 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("ngram_window", MechanismCategory.ALGORITHM, "n-gram lookup: longest and shortest suffix matched",
                      (Knob("ngram_max", _INT, 1, 8), Knob("ngram_min", _INT, 1, 4)),
                      frozenset({DirectionName.TREE_SHAPE}), _NGRAM, regimes=_BOTH_REGIMES),
-    # The batched engine's three mechanisms (engines/batch/config.py), batch regime only. A fixed draft length
+    # The batched engine's mechanisms (engines/batch/config.py), batch regime only. A fixed draft length
     # ignores max_draft_len and an unbudgeted verify ignores verify_budget_max: search_params pins those.
     CatalogMechanism("goodput_draft", MechanismCategory.SCHEDULING,
                      "batched engine: each request's draft length re-chosen every step from its recent acceptance "
@@ -139,6 +139,12 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      "batched engine: draft the next step on the host while the device verifies this one",
                      (Knob("overlap_draft", _CHOICE, choices=(False, True), target=_BATCH),),
                      frozenset({DirectionName.OVERHEAD}), _NGRAM, regimes=_BATCHED),
+    # Off the CPU only: there the lookup's torch reference runs row by row, slower than the host's index.
+    CatalogMechanism("device_draft", MechanismCategory.SCHEDULING,
+                     "batched engine: prompt lookup on the device inside the verify step's own forward, every row's "
+                     "next draft returned with the step's result (no host drafting)",
+                     (Knob("device_draft", _CHOICE, choices=(False, True), target=_BATCH),),
+                     frozenset({DirectionName.OVERHEAD}), _NGRAM, _CUDA, regimes=_BATCHED),
     CatalogMechanism("draft_model_length", MechanismCategory.ALGORITHM, "draft model: draft tokens per step",
                      (Knob("draft_len", _INT, 1, 12),), frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}),
                      frozenset({DrafterKind.DRAFT_MODEL})),

@@ -15,6 +15,7 @@ from specpilot.engines.batch.config import (MECHANISMS, BatchConfig, DraftLength
                                             longest_draft)
 from specpilot.engines.batch.cost import CostCurve, measure_cost_curve
 from specpilot.engines.batch.engine import BatchEngine, RequestResult, RequestSpec, RunResult
+from specpilot.engines.batch.ngram_drafting import BatchNgramDrafter
 from specpilot.engines.batch.runner import BatchRunner
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.drafters.block import BlockDrafterModel
@@ -30,15 +31,18 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
                        device: torch.device | str, block_drafter: BlockDrafterModel | None = None,
                        **kw) -> BatchEngine:
     """A runner sized for this one engine, and the engine (share a runner between engines by hand). drafter=block
-    takes the drafter's model in block_drafter: the runner then captures its target layers."""
+    takes the drafter's model in block_drafter: the runner then captures its target layers; device_draft gives the
+    runner a BatchNgramDrafter."""
     block = (BatchBlockDrafter(block_drafter, model, batch.max_batch, cfg.max_seq_len, device,
                                cuda_graphs=cfg.cuda_graphs) if block_drafter is not None else None)
+    lookup = (BatchNgramDrafter(batch.max_batch, cfg.max_seq_len, longest_draft(cfg, batch), cfg.ngram_min,
+                                cfg.ngram_max, device) if batch.device_draft and cfg.speculative else None)
     runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
                          emulate_graphs=kw.pop("emulate_graphs", False),
-                         drafter=block)
+                         drafters=[d for d in (block, lookup) if d is not None])
     return BatchEngine(runner, cfg, batch, eos, block_drafter=block, **kw)
 
 
-__all__ = ["MECHANISMS", "BatchBlockDrafter", "BatchConfig", "BatchEngine", "BatchRunner", "CostCurve", "DraftLength",
-           "RequestResult", "RequestSpec", "RunResult", "StepClock", "VerifyBudget", "WallClock", "batch_knob_schema",
-           "block_width", "build_batch_engine", "measure_cost_curve"]
+__all__ = ["MECHANISMS", "BatchBlockDrafter", "BatchConfig", "BatchEngine", "BatchNgramDrafter", "BatchRunner",
+           "CostCurve", "DraftLength", "RequestResult", "RequestSpec", "RunResult", "StepClock", "VerifyBudget",
+           "WallClock", "batch_knob_schema", "block_width", "build_batch_engine", "measure_cost_curve"]

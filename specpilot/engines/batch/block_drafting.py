@@ -73,10 +73,20 @@ class BatchBlockDrafter:
     def target_layers(self) -> tuple[int, ...]:
         return self.config.target_layers
 
+    @property
+    def columns(self) -> int:
+        return self.depth  # draft_on_device's output per row: the top-1 of every depth
+
+    def chain(self, values: list[int]) -> list[int]:
+        """A row's draft_on_device output, read on the host -> the chain (every depth is a proposal)."""
+        return values
+
     @torch.no_grad()
-    def observe(self, features: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def observe(self, features: torch.Tensor, ids: torch.Tensor | None, rows: torch.Tensor,
+                positions: torch.Tensor) -> None:
         """Target features [n, feature_dim] of tokens of rows [n] (-1: padding, written nowhere visible) at
-        positions [n] -> every layer's context keys/values at (row, position). Device work only (capturable)."""
+        positions [n] -> every layer's context keys/values at (row, position); the token ids are not read. Device
+        work only (capturable)."""
         n = features.shape[0]
         if features.shape != (n, self.config.feature_dim) or rows.shape != (n,) or positions.shape != (n,):
             raise ValueError(f"features {tuple(features.shape)}, rows {tuple(rows.shape)}, positions "
@@ -120,8 +130,9 @@ class BatchBlockDrafter:
 
     @torch.no_grad()
     def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Pending tokens and their positions [rows] (device) -> every row's top-1 per depth [rows, depth], at
-        fixed shapes (the whole cache, masked by position): capturable, one graph serves every step."""
+        """Pending tokens and their positions [rows] (device; -1: a row outside the step, drafted from junk) ->
+        every row's top-1 per depth [rows, depth], at fixed shapes (the whole cache, masked by position):
+        capturable, one graph serves every step."""
         m, c, rows, width, cap = self.model, self.config, self.rows, self.config.block_size, self.capacity
         if pending.shape != (rows,) or positions.shape != (rows,):
             raise ValueError(f"pending {tuple(pending.shape)}, positions {tuple(positions.shape)}: need [{rows}]")

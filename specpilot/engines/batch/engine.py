@@ -2,7 +2,8 @@
 
 Each step: admit arrived requests (runner rows + KV pages), pick each decoding request's draft (stock: a
 fixed length; goodput: per request), trim drafts to the step's verify budget (cost_curve), launch one fused
-forward over every request's block and prompt chunk, draft ahead while it runs (overlap_draft), read the
+forward over every request's block and prompt chunk (with device_draft or a block drafter, drafting every row's
+next chain inside it), draft ahead on the host while it runs (overlap_draft), read the
 accepted counts (the step's one host sync) and commit each request's ragged tokens, cut at EOS and at its
 token limit exactly as engines.engine.SpecEngine cuts them. Every committed token is the target's argmax
 after an identical prefix, computed with row-invariant kernels: each request's output equals its
@@ -22,6 +23,7 @@ from specpilot.engines.batch.cost import CostCurve, measure_cost_curve
 from specpilot.engines.batch.drafting import DrafterFactory, NgramChainDrafter
 from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_verify_budget, goodput_draft_lens,
                                                 request_costs)
+from specpilot.engines.batch.ngram_drafting import BatchNgramDrafter
 from specpilot.engines.batch.runner import BatchRunner, StepEntry
 from specpilot.engines.batch.scheduler import Request, RequestState, Scheduler, StopReason
 from specpilot.collector import collector_paused
@@ -96,9 +98,9 @@ class BatchEngine:
         if drafter_factory is None and cfg.drafter not in (DrafterKind.NONE, DrafterKind.NGRAM, DrafterKind.BLOCK):
             raise ConfigError(f"drafter={cfg.drafter.value} is not batched yet (block, ngram, none, or a "
                               "drafter_factory)")
-        self.block = block_drafter if cfg.drafter is DrafterKind.BLOCK else None
-        if self.block is not None:
-            _check_block(self.block, runner, cfg, batch)
+        block = block_drafter if cfg.drafter is DrafterKind.BLOCK else None
+        if block is not None:
+            _check_block(block, runner, cfg, batch)
         elif cfg.drafter is DrafterKind.BLOCK and drafter_factory is None:
             raise ConfigError("drafter=block needs the drafter: block_drafter=BatchBlockDrafter(...)")
         elif block_drafter is not None:
@@ -109,7 +111,11 @@ class BatchEngine:
         if self.k_max + 1 > runner.W:
             raise ConfigError(f"drafts of {self.k_max} tokens need a runner block width of {self.k_max + 1}, "
                               f"it has {runner.W}")
-        if drafter_factory is None and (cfg.drafter is DrafterKind.NGRAM or cfg.ngram_prefix):
+        lookup = _device_lookup(runner, cfg, self.k_max, drafter_factory) if batch.device_draft else None
+        # The runner's drafter whose chains come back with each step's result (None: drafts from the host alone)
+        self.device = block if block is not None else lookup
+        if drafter_factory is None and not batch.device_draft and (cfg.drafter is DrafterKind.NGRAM or
+                                                                   cfg.ngram_prefix):
             # n-gram: the draft; a block drafter's ngram_prefix: the lookup that leads its chain
             drafter_factory = lambda req: NgramChainDrafter(self.k_max, cfg.ngram_max, cfg.ngram_min)  # noqa: E731
         self.drafter_factory = drafter_factory
@@ -164,9 +170,9 @@ class BatchEngine:
         entries = [StepEntry(r.row, r.prompt[s:e], s, last_only=True) for r, s, e in plan.prefill]
         entries += [StepEntry(r.row, [r.seq[-1]] + d, len(r.seq) - 1) for r, d in zip(plan.decode, drafts)]
         t1 = time.perf_counter()
-        # packs the inputs, uploads them, replays (asynchronous on CUDA); with a block drafter the same forward
-        # feeds it this step's features and drafts every row's next block (out[row, 1 + W:])
-        handle = self.runner.launch(entries, draft=True) if self.block is not None else self.runner.launch(entries)
+        # packs the inputs, uploads them, replays (asynchronous on CUDA); with a device drafter the same forward
+        # feeds it this step's tokens and drafts every row's next chain (out[row, 1 + W:])
+        handle = self.runner.launch(entries, draft=self.device)
         t_launched = time.perf_counter()
         if self.batch.overlap_draft:  # runs while the device verifies (CUDA is asynchronous)
             for req, d in zip(plan.decode, drafts):
@@ -179,7 +185,7 @@ class BatchEngine:
             req.prefilled = end
             if end == len(req.prompt):  # the last chunk: its greedy token is the first output token
                 req.state, req.first_token_s = RequestState.DECODE, now
-                req.block = out[req.row][1 + self.runner.W:] if self.block is not None else None
+                req.block = self.device.chain(out[req.row][1 + self.runner.W:]) if self.device is not None else None
                 committed += self._commit(req, [out[req.row][1]], now)
         for req, d in zip(plan.decode, drafts):
             row = out[req.row]
@@ -190,8 +196,8 @@ class BatchEngine:
             new = row[1:acc + 2]  # accepted drafts (== argmax) + the bonus token
             if req.ahead is not None:
                 self._check_ahead(req, d, new)
-            if self.block is not None:
-                req.block = row[1 + self.runner.W:]
+            if self.device is not None:
+                req.block = self.device.chain(row[1 + self.runner.W:])
             committed += self._commit(req, new, now)
         wall = time.perf_counter() - t0
         prefill_tokens = sum(e - s for _, s, e in plan.prefill)
@@ -223,7 +229,8 @@ class BatchEngine:
             else:
                 lead = list(req.drafter.propose(req.seq, cap))[:cap] if req.drafter is not None else []
                 # a block drafter's depths do not depend on each other: the lookup's match leads, the block's top-1
-                # tokens follow from the depth after it (engines.drafters.ngram_prefix)
+                # tokens follow from the depth after it (engines.drafters.ngram_prefix); a device lookup's chain
+                # is the whole draft (no host drafter)
                 drafts.append(lead + block[len(lead):cap])
         if self.batch.verify_budget is VerifyBudget.COST_CURVE:
             keep = allocate_verify_budget([r.estimate.alpha for r in decode], [len(d) for d in drafts],
@@ -269,9 +276,27 @@ class BatchEngine:
         return len(new)
 
 
+def _device_lookup(runner: BatchRunner, cfg: EngineConfig, k_max: int,
+                   drafter_factory: DrafterFactory | None) -> BatchNgramDrafter:
+    """The runner's BatchNgramDrafter this engine's device_draft uses (checked against its lookup settings)."""
+    if cfg.drafter is not DrafterKind.NGRAM or drafter_factory is not None:
+        raise ConfigError("device_draft runs prompt lookup on the device: drafter=ngram, no drafter_factory")
+    lookups = [d for d in runner.drafters if isinstance(d, BatchNgramDrafter)]
+    if len(lookups) != 1:
+        raise ConfigError(f"device_draft needs a runner built with one BatchNgramDrafter, it has {len(lookups)} "
+                          "(build_batch_engine makes one)")
+    d = lookups[0]
+    if (d.ngram_min, d.ngram_max) != (cfg.ngram_min, cfg.ngram_max) or d.depth < k_max:
+        raise ConfigError(f"the runner's lookup (ngram {d.ngram_min}..{d.ngram_max}, {d.depth} tokens) is not this "
+                          f"engine's (ngram {cfg.ngram_min}..{cfg.ngram_max}, {k_max} tokens)")
+    if d.capacity < cfg.max_seq_len:
+        raise ConfigError(f"the runner's lookup holds {d.capacity} positions a row; max_seq_len is {cfg.max_seq_len}")
+    return d
+
+
 def _check_block(block: BatchBlockDrafter, runner: BatchRunner, cfg: EngineConfig, batch: BatchConfig) -> None:
-    if runner.drafter is not block:
-        raise ConfigError("the runner drives another drafter (or none): build it with drafter=the block drafter")
+    if not any(d is block for d in runner.drafters):
+        raise ConfigError("the runner was not built with this block drafter (drafters=[it, ...])")
     if block.capacity < cfg.max_seq_len:  # (its rows: the runner checked them against its own)
         raise ConfigError(f"the block drafter holds {block.capacity} positions a row; max_seq_len is {cfg.max_seq_len}")
     if cfg.block_size > block.config.block_size:

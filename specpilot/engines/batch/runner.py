@@ -13,11 +13,13 @@ bucket (padding tokens write no KV and belong to no request; every kernel is row
 changes no bit); larger steps (long prefill chunks) run eagerly. On CPU everything runs eagerly at the exact
 token count (emulate_graphs=True runs the graph path's buckets and static buffers, for tests).
 
-With a `drafter` (a StepDrafter: the batched block drafter), a step launched with draft=True also, inside the same
-forward (its CUDA graph; a separate set of graphs, so steps without it pay nothing): hands the drafter's target
-layers' outputs for every token of the step to drafter.observe, then drafts every row's next block from the row's
-pending token (the bonus after the accepted drafts, or a prompt's first output token) at its position, all on the
-device; the drafts come back with the result (out[row, 1 + W:]): no host round trip between verify and draft.
+With `drafters` (StepDrafters: the batched block drafter, prompt lookup on the device), a step launched with
+draft=<one of them> also, inside the same forward (its CUDA graph; a separate set of graphs per drafter, so steps
+without one pay nothing): hands every token of the step (its id, and the drafter's target layers' outputs) to
+drafter.observe, then
+drafts every row's next chain from the row's pending token (the bonus after the accepted drafts, or a prompt's
+first output token) at its position, all on the device; the drafts come back with the result (out[row, 1 + W:]):
+no host round trip between verify and draft.
 """
 from __future__ import annotations
 
@@ -39,14 +41,18 @@ from specpilot.kernels._common import capture_graph
 
 
 class StepDrafter(Protocol):
-    """What the runner drives inside a step's forward (engines.batch.block_drafting.BatchBlockDrafter)."""
-    target_layers: tuple[int, ...]
-    depth: int  # draft tokens per row
+    """What the runner drives inside a step's forward: engines.batch.block_drafting.BatchBlockDrafter (from the
+    target's features), engines.batch.ngram_drafting.BatchNgramDrafter (prompt lookup over the token ids)."""
+    target_layers: tuple[int, ...]  # whose outputs observe gets (none: features is None)
+    columns: int  # draft_on_device's output values per row
     rows: int
 
-    def observe(self, features: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> None: ...
+    def observe(self, features: torch.Tensor | None, ids: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor) -> None: ...
 
     def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def chain(self, values: list[int]) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class StepHandle:
         self._out, self._done = out, done  # done: out is a pinned host copy, complete once `done` fires
 
     def result(self) -> np.ndarray:
-        """[max_batch, 1 + block width (+ the drafter's depth)] int64: per row, accepted draft tokens, then the
+        """[max_batch, 1 + block width (+ the drafter's columns)] int64: per row, accepted draft tokens, then the
         argmax after each block token (the committed tokens are the first accepted + 1 of them), then (launched
         with draft=True) the row's next draft. On CUDA a view of the runner's pinned buffer: valid until the next
         launch."""
@@ -87,17 +93,14 @@ class _EmulatedGraph:
 
 class BatchRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, batch: BatchConfig, device: torch.device | str,
-                 max_block: int, emulate_graphs: bool = False, drafter: StepDrafter | None = None):
+                 max_block: int, emulate_graphs: bool = False, drafters: Sequence[StepDrafter] = ()):
         if cfg.kernel_backend is not KernelBackend.TRITON:
             raise ConfigError("the batched engine runs the batch-invariant Triton kernels: kernel_backend=triton")
         check_fusable(model, cfg.weight_format)
         self.model, self.cfg, self.batch = model, cfg, batch
-        self.drafter = drafter
-        if drafter is not None and max(drafter.target_layers) >= model.shape.layers:
-            raise ValueError(f"the drafter reads target layers {list(drafter.target_layers)}; the target has layers "
-                             f"0..{model.shape.layers - 1}")
-        if drafter is not None and drafter.rows != batch.max_batch:
-            raise ValueError(f"the drafter has {drafter.rows} rows, the runner {batch.max_batch}")
+        self.drafters = tuple(drafters)
+        for drafter in self.drafters:
+            _check_drafter(drafter, model, batch)
         self.device = torch.device(device)
         sh = model.shape
         self.group = sh.heads // sh.kv_heads
@@ -115,7 +118,7 @@ class BatchRunner:
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self.emulate = emulate_graphs and not self.use_graphs
         self.graph_max = batch.graph_max_tokens if (self.use_graphs or self.emulate) else 0
-        self._graphs: dict[tuple[int, bool], object] = {}  # (token bucket, with the drafter)
+        self._graphs: dict[tuple[int, int], object] = {}  # (token bucket, 1 + the drafter's index, 0: none)
         self._pool = None
         # The host buffer is pinned and copied asynchronously: it is rewritten only once the last copy ran.
         self._staged = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -124,7 +127,7 @@ class BatchRunner:
         self._result_ready = torch.cuda.Event() if self.device.type == "cuda" else None
         pin = self._result_ready is not None
         self._host_out = {width: torch.empty((self.B, width), dtype=torch.int64, pin_memory=pin)
-                          for width in {1 + self.W, 1 + self.W + (drafter.depth if drafter is not None else 0)}}
+                          for width in {1 + self.W} | {1 + self.W + d.columns for d in self.drafters}}
         self._alloc_buffers()
 
     # ---- buffers ----------------------------------------------------------------------------------
@@ -198,7 +201,9 @@ class BatchRunner:
         return int((starts + lens).max()) if n else 0
 
     # ---- the step ---------------------------------------------------------------------------------
-    def _forward(self, nb: int, n_tiles: int, max_kv: int | None, draft: bool = False) -> torch.Tensor:
+    def _forward(self, nb: int, n_tiles: int, max_kv: int | None, which: int = 0) -> torch.Tensor:
+        """The step; which = 1 + the index of the drafter that drafts in it (0: none)."""
+        drafter = self.drafters[which - 1] if which else None
         d, P, size = self.d, self.pages_per_request, self.page
         ids, tok_req, pos = d["ids"][:nb], d["tok_req"][:nb], d["pos"][:nb]
         page = d["page_table"].view(-1)[tok_req.clamp(min=0) * P + pos // size]
@@ -207,28 +212,48 @@ class BatchRunner:
                          d["tile_row"][:n_tiles], d["tok_kv_len"][:nb])
         kv = self.cache.kv
         _, am, captured = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size,
-                                        max_kv_len=max_kv, capture=self.drafter.target_layers if draft else ())
-        if draft:  # every step token's features [nb, len(capture) * hidden], rows (-1: padding), positions
-            self.drafter.observe(torch.cat(captured, dim=-1), tok_req, pos)
+                                        max_kv_len=max_kv, capture=drafter.target_layers if drafter else ())
+        if drafter:  # per step token: features [nb, layers * hidden] (None: no layers), id, row (-1: padding), position
+            drafter.observe(torch.cat(captured, dim=-1) if captured else None, ids, tok_req, pos)
         block_argmax = am[d["gather"]]  # [B, W]: target's token after each block token
         block_ids = ids[d["gather"]]
         # Draft token j+1 is accepted iff it equals the argmax after token j and every earlier one was.
         match = (block_ids[:, 1:] == block_argmax[:, :-1]) & (self._cols[None, :] < d["nvalid"][:, None])
         accepted = match.long().cumprod(1).sum(1)
-        if not draft:
+        if drafter is None:
             return torch.cat([accepted[:, None], block_argmax], dim=1)
         # Each row's pending token is the target's token after its last accepted one (a prompt chunk: after its
-        # last token), at the position after it; rows outside the step draft junk that nobody reads.
+        # last token), at the position after it; rows outside the step (position -1) draft junk nobody reads.
         pending = block_argmax.gather(1, accepted[:, None])[:, 0]
-        positions = d["kv_len"] - d["nvalid"] + accepted + 1
-        return torch.cat([accepted[:, None], block_argmax, self.drafter.draft_on_device(pending, positions)], dim=1)
+        positions = torch.where(d["nvalid"] > 0, d["kv_len"] - d["nvalid"] + accepted + 1, -1)
+        return torch.cat([accepted[:, None], block_argmax, drafter.draft_on_device(pending, positions)], dim=1)
+
+    def _which(self, draft: "StepDrafter | bool | None") -> int:
+        if draft is None or draft is False:
+            return 0
+        if draft is True:
+            if len(self.drafters) != 1:
+                raise ValueError(f"draft=True names the runner's one drafter; it has {len(self.drafters)}")
+            return 1
+        for i, d in enumerate(self.drafters):
+            if d is draft:
+                return i + 1
+        raise ValueError("draft= names a drafter this runner was not built with")
+
+    @property
+    def drafter(self) -> StepDrafter | None:
+        """The runner's drafter when it has exactly one (None without)."""
+        if len(self.drafters) > 1:
+            raise ValueError(f"the runner has {len(self.drafters)} drafters: use .drafters")
+        return self.drafters[0] if self.drafters else None
 
     @torch.no_grad()
-    def launch(self, entries: Sequence[StepEntry], draft: bool = False) -> StepHandle:
+    def launch(self, entries: Sequence[StepEntry], draft: "StepDrafter | bool | None" = None) -> StepHandle:
+        """The step over `entries`; draft: the drafter (one of the runner's; True: its only one) that drafts every
+        row's next chain inside it."""
         if not entries:
             raise ValueError("a step needs at least one entry")
-        if draft and self.drafter is None:
-            raise ValueError("draft=True needs a runner built with a drafter")
+        which = self._which(draft)
         total = sum(len(e.tokens) for e in entries)
         if total > self.max_tokens:
             raise ValueError(f"a step of {total} tokens exceeds the runner's {self.max_tokens}")
@@ -237,7 +262,7 @@ class BatchRunner:
                 raise ValueError(f"a verify block of {len(e.tokens)} tokens exceeds the block width {self.W}")
         if 0 < total <= self.graph_max:
             nb = bucket(total)
-            graph = self._graph(nb, draft)  # captured before the buffers are filled: capture runs a null step
+            graph = self._graph(nb, which)  # captured before the buffers are filled: capture runs a null step
             self._fill(entries, nb, max_tiles(nb, self.group, self.B))
             self._upload()
             return self._handle(graph.replay() if self.emulate else _replay(graph))
@@ -245,7 +270,7 @@ class BatchRunner:
         n_tiles = int((-(-lens * self.group // 16)).sum())
         max_kv = self._fill(entries, total, n_tiles)
         self._upload()
-        return self._handle(self._forward(total, n_tiles, max_kv, draft))
+        return self._handle(self._forward(total, n_tiles, max_kv, which))
 
     def _handle(self, out: torch.Tensor) -> StepHandle:
         if self._result_ready is None:
@@ -262,17 +287,17 @@ class BatchRunner:
             self._staged.record()
 
     # ---- graphs -------------------------------------------------------------------------------------
-    def _graph(self, nb: int, draft: bool = False):
-        if (nb, draft) not in self._graphs:
-            self._graphs[nb, draft] = self._capture(nb, draft)
-        return self._graphs[nb, draft]
+    def _graph(self, nb: int, which: int = 0):
+        if (nb, which) not in self._graphs:
+            self._graphs[nb, which] = self._capture(nb, which)
+        return self._graphs[nb, which]
 
-    def _capture(self, nb: int, draft: bool):
+    def _capture(self, nb: int, which: int):
         # A null step (no request, every token padding) so warm-up and capture write nothing to the cache.
         self._fill([], nb, 0)
         self._upload()
         n_tiles = max_tiles(nb, self.group, self.B)
-        fn = lambda: self._forward(nb, n_tiles, None, draft)  # noqa: E731 - every split of the table: fixed grid
+        fn = lambda: self._forward(nb, n_tiles, None, which)  # noqa: E731 - every split of the table: fixed grid
         if self.emulate:
             return _EmulatedGraph(fn)
         if self._pool is None:
@@ -281,14 +306,22 @@ class BatchRunner:
 
     def capture_all(self, draft: bool = False) -> int:
         """Captures every token bucket up front, largest first (they share one memory pool), and with draft=True
-        every bucket's drafting variant too; returns the count."""
+        every bucket's variant for each drafter too; returns the count."""
         if not (self.use_graphs or self.emulate):
             return 0
         with torch.no_grad():
             for nb in sorted(graph_buckets(self.graph_max), reverse=True):
-                for with_draft in (False, True) if draft else (False,):
-                    self._graph(nb, with_draft)
+                for which in range(1 + len(self.drafters)) if draft else (0,):
+                    self._graph(nb, which)
         return len(self._graphs)
+
+
+def _check_drafter(drafter: StepDrafter, model: LlamaModel, batch: BatchConfig) -> None:
+    if any(layer >= model.shape.layers for layer in drafter.target_layers):
+        raise ValueError(f"the drafter reads target layers {list(drafter.target_layers)}; the target has layers "
+                         f"0..{model.shape.layers - 1}")
+    if drafter.rows != batch.max_batch:
+        raise ValueError(f"the drafter has {drafter.rows} rows, the runner {batch.max_batch}")
 
 
 def _replay(graph_and_out) -> torch.Tensor:

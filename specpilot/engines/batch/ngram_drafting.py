@@ -1,0 +1,109 @@
+"""Prompt lookup for the batched engine on the device, inside the step's own forward (BatchConfig.device_draft).
+
+The host n-gram drafter (drafting.NgramChainDrafter) costs the batched engine's host ~5 us a request a step (its
+index grows by every committed token, then a lookup), and the host's share of a batched step is 30-45% on the H200
+(notes/h200.md, session 17): the forward waits for it. Here each runner row keeps its request's tokens by position
+on the device; `observe` writes every token of the step at its position (the verify block's rejected drafts
+included: they sit past the row's next pending position, never read until overwritten), and `draft_on_device`
+writes each row's pending token (the bonus after the accepted drafts, computed on the device) and looks up every
+row at once: NgramDrafter's rule (the longest suffix of ngram_max..ngram_min tokens that occurred before, its most
+recent occurrence, up to `depth` tokens that followed it), the proposals NgramChainDrafter makes. The drafts come
+back with the step's result; no host drafting at all.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.engines.device_drafters import _latest_match, ngram_lookup_ref
+from specpilot.kernels._common import check_launchable, check_tensor
+
+
+class BatchNgramDrafter:
+    """A StepDrafter (engines.batch.runner): no target features, the step's token ids."""
+    target_layers: tuple[int, ...] = ()
+
+    def __init__(self, rows: int, capacity: int, depth: int, ngram_min: int, ngram_max: int,
+                 device: str | torch.device):
+        if rows < 1 or capacity < 1 or depth < 1:
+            raise ValueError(f"rows={rows}, capacity={capacity}, depth={depth}: all must be >= 1")
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
+        self.rows, self.capacity, self.depth = rows, capacity, depth
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.columns = 1 + depth  # per row: how many tokens are proposed, then the tokens
+        # [rows + 1, ...]: the extra row takes padding tokens and rows outside the step; the tail past capacity
+        # is read (not proposed) when a match's continuation runs to the end of the context
+        self.tokens = torch.zeros(rows + 1, capacity + depth + 2, dtype=torch.int64, device=device)
+        self._row = torch.arange(rows, device=device)
+
+    @torch.no_grad()
+    def observe(self, features: torch.Tensor | None, ids: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor) -> None:
+        """The step's token ids [n] of rows [n] (-1: padding) at positions [n]. Device work only (capturable)."""
+        rows = torch.where(rows >= 0, rows, self.rows)
+        self.tokens[rows, positions.clamp(0, self.capacity - 1)] = ids
+
+    @torch.no_grad()
+    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's pending token and its position [rows] (-1: the row is not in the step; its output is junk)
+        -> [rows, 1 + depth]: the count of proposed tokens, then the proposal (filler past the count)."""
+        if pending.shape != (self.rows,) or positions.shape != (self.rows,):
+            raise ValueError(f"pending {tuple(pending.shape)}, positions {tuple(positions.shape)}: need "
+                             f"[{self.rows}]")
+        active = (positions >= 0) & (positions < self.capacity)
+        pos = torch.where(active, positions, 0)
+        self.tokens[torch.where(active, self._row, self.rows), pos] = pending
+        drafts, proposed = batch_ngram_lookup(self.tokens[:self.rows], pos, self.ngram_min, self.ngram_max,
+                                              self.depth)
+        return torch.cat([torch.where(active, proposed, 0)[:, None], drafts], dim=1)
+
+    def chain(self, values: list[int]) -> list[int]:
+        """A row's draft_on_device output, read on the host -> the proposed tokens."""
+        return values[1:1 + values[0]]
+
+
+# ---- the lookup: one program per row (kernels next to their caller), and its torch reference ----------------
+@triton.jit
+def _batch_ngram_kernel(tok_ptr, row_stride, pos_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr,
+                        NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    toks = tok_ptr + row.to(tl.int64) * row_stride
+    length = tl.load(pos_ptr + row) + 1  # tokens 0..pos: the context, the pending token last
+    best = length * 0 - 1
+    best_n = length * 0
+    for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
+        latest = _latest_match(toks, length, NMAX - i, BLOCK)
+        take = (best < 0) & (latest >= 0)
+        best = tl.where(take, latest, best)
+        best_n = tl.where(take, NMAX - i, best_n)
+    first = tl.where(best >= 0, best + best_n, length)
+    tl.store(proposed_ptr + row, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
+    k = tl.arange(0, KP)
+    tl.store(draft_ptr + row * K + k, tl.load(toks + first + k, mask=k < K), mask=k < K)
+
+
+def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int,
+                       kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [rows, L] (row r's context at positions 0..positions[r], its pending token last), positions [rows]
+    -> (drafts [rows, k], proposed [rows]): per row NgramDrafter's proposal (ngram_lookup's). L must exceed
+    every position by k + 1 (filler past the context is read, not proposed). kernel=None: one kernel on CUDA, on
+    CPU the torch reference row by row (the interpreted kernel takes ~10 ms a row; tests run it with True)."""
+    rows, length = check_tensor("tokens", tokens, (None, None), torch.int64, contiguous=False).shape
+    check_tensor("positions", positions, (rows,), torch.int64, tokens.device)
+    if tokens.stride(1) != 1:
+        raise ValueError("tokens must be contiguous along a row")
+    if not 1 <= ngram_min <= ngram_max or k < 1:
+        raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
+    if not (tokens.is_cuda if kernel is None else kernel):
+        zero = torch.zeros_like(positions[:1])
+        out = [ngram_lookup_ref(tokens[r], torch.cat([zero, positions[r:r + 1]]), ngram_min, ngram_max, k)
+               for r in range(rows)]
+        return torch.stack([d for d, _ in out]), torch.cat([p for _, p in out])
+    check_launchable(_batch_ngram_kernel, tokens.device)
+    drafts = torch.empty(rows, k, dtype=torch.int64, device=tokens.device)
+    proposed = torch.empty(rows, dtype=torch.int64, device=tokens.device)
+    _batch_ngram_kernel[(rows,)](tokens, tokens.stride(0), positions, drafts, proposed, NMAX=ngram_max,
+                                 NMIN=ngram_min, K=k, KP=triton.next_power_of_2(k), BLOCK=1024, num_warps=4)
+    return drafts, proposed
