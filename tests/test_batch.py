@@ -628,6 +628,8 @@ def test_standard_variants_share_the_base_batch_config():
     assert [v.label for v in variants] == ["ar", "stock", "goodput_draft", "all"]
     assert all(v.batch.max_draft_len == 7 and v.batch.graph_max_tokens == 64 for v in variants)
     assert [v.batch.mechanisms for v in variants] == [(), (), ("goodput_draft",), ALL_MECHANISMS]
+    combo = standard_variants(ecfg(), ecfg(drafter="ngram"), ["goodput_draft+overlap_draft"], base)[-1]
+    assert combo.label == "goodput_draft+overlap_draft" and combo.batch.mechanisms == ("goodput_draft", "overlap_draft")
     with pytest.raises(ConfigError, match="unknown mechanism"):
         standard_variants(ecfg(), ecfg(drafter="ngram"), ["bogus"], base)
     with pytest.raises(ValueError, match="stock must have every mechanism off"):

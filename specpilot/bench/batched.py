@@ -42,14 +42,15 @@ class BatchVariant:
 def standard_variants(ar_cfg: EngineConfig, spec_cfg: EngineConfig,
                       mechanisms: Sequence[str] = (*MECHANISMS, ALL_LABEL),
                       batch: BatchConfig = BatchConfig()) -> list[BatchVariant]:
-    """AR, stock speculative decoding, then one variant per mechanism name (a MECHANISMS key or 'all'). `batch`
-    is every variant's config (sizing, and the mechanisms' own knobs such as max_draft_len); a mechanism variant
-    turns its mechanisms on in it, AR and stock keep it as given (it should have every mechanism off)."""
+    """AR, stock speculative decoding, then one variant per mechanism name (a MECHANISMS key, 'all', or keys joined
+    by '+'). `batch` is every variant's config (sizing, and the mechanisms' own knobs such as max_draft_len); a
+    mechanism variant turns its mechanisms on in it, AR and stock keep it as given (every mechanism off)."""
     if batch.mechanisms:
         raise ValueError(f"the base batch config turns on {batch.mechanisms}: stock must have every mechanism off")
     out = [BatchVariant(AR_LABEL, ar_cfg.replace(drafter=DrafterKind.NONE), batch),
            BatchVariant(STOCK_LABEL, spec_cfg, batch)]
-    return out + [BatchVariant(name, spec_cfg, batch.replace(**mechanism_fields(name))) for name in mechanisms]
+    return out + [BatchVariant(name, spec_cfg, batch.replace(**mechanism_fields(*name.split("+"))))
+                  for name in mechanisms]
 
 
 def block_variants(ar_cfg: EngineConfig, block_size: int, batch: BatchConfig = BatchConfig()) -> list[BatchVariant]:
@@ -264,7 +265,8 @@ def add_concurrency_args(p: argparse.ArgumentParser) -> None:
                    help="poisson arrivals per second (default: Little's law under AR)")
     g.add_argument("--requests", type=int, default=None, help="requests per concurrency (default: the concurrency)")
     g.add_argument("--mechanisms", type=lambda s: [x for x in s.split(",") if x], default=[*MECHANISMS, ALL_LABEL],
-                   help=f"variants beyond AR and stock: any of {','.join(MECHANISMS)},{ALL_LABEL} (empty: none)")
+                   help=f"variants beyond AR and stock: any of {','.join(MECHANISMS)},{ALL_LABEL}, or several "
+                        "joined by + (empty: none)")
     g.add_argument("--cost-curve", default=None,
                    help="JSON [[tokens, seconds], ...] of the target forward (default: measured)")
     g.add_argument("--batch", type=_batch_config, default=BatchConfig(),
