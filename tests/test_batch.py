@@ -323,10 +323,17 @@ def test_acceptance_estimate_and_goodput_draft_length():
     assert e.alpha == 0.5
     e.update(4, 4)  # all accepted: 4 successes, no failure
     assert e.alpha == pytest.approx(4.5 / 5)
-    e.update(0, 0)  # nothing drafted: no evidence
-    assert e.alpha == pytest.approx(4.5 / 5)
+    e.update(0, 0)  # nothing drafted: no evidence, the old evidence fades toward the prior
+    assert e.alpha == pytest.approx((2 + 0.5) / (2 + 1))
     e.update(4, 0)  # rejected at once
-    assert e.alpha == pytest.approx((2 + 0.5) / (2 + 1 + 1))
+    assert e.alpha == pytest.approx((1 + 0.5) / (1 + 1 + 1))
+    low = AcceptanceEstimate(prior=0.5, decay=0.5)
+    for _ in range(4):
+        low.update(4, 0)
+    starved = low.alpha
+    for _ in range(6):  # cut to no draft step after step: it recovers toward the prior, so it drafts again
+        low.update(0, 0)
+    assert starved < 0.2 and low.alpha > 0.45
     assert expected_tokens(0.5, 3) == pytest.approx(1.875)
     assert goodput_draft_len(0.95, 16, 1.0, 0.0) == 16  # free verify tokens: draft as deep as allowed
     assert goodput_draft_len(0.95, 16, 1.0, 0.01) > goodput_draft_len(0.6, 16, 1.0, 0.01) > 0

@@ -32,7 +32,12 @@ class AcceptanceEstimate:
     def update(self, drafted: int, accepted: int) -> None:
         """A step verified `drafted` draft tokens and accepted the first `accepted` of them."""
         if drafted <= 0:
-            return  # nothing was tried: no evidence (a drafter with no proposal says nothing of alpha)
+            # Nothing tried (no proposal, or the mechanisms cut the draft to nothing): no evidence, but the old
+            # evidence fades, back toward the prior. Otherwise a request whose estimate once fell so low that it got
+            # no draft would never draft again, whatever its text did next (CPU replay of SmolLM2's outputs: the
+            # verify budget alone went from 0.87x to 0.99x stock at concurrency 24).
+            self.successes, self.trials = self.decay * self.successes, self.decay * self.trials
+            return
         rejected = 1 if accepted < drafted else 0  # the chain stops at its first rejection
         self.successes = self.decay * self.successes + accepted
         self.trials = self.decay * self.trials + accepted + rejected
