@@ -177,9 +177,10 @@ def _latest_match(tok_ptr, length, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
-    length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
+def lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr,
+                KP: tl.constexpr, BLOCK: tl.constexpr):
+    """NgramDrafter's proposal for the context tok_ptr[0..length-1] (the pending token last): K tokens from where
+    the match continues into draft_ptr, how many of them are the proposal into proposed_ptr."""
     best = length * 0 - 1
     best_n = length * 0
     for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
@@ -191,6 +192,13 @@ def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexp
     tl.store(proposed_ptr, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
     k = tl.arange(0, KP)
     tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
+
+
+@triton.jit
+def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr,
+                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+    length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
+    lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX, NMIN, K, KP, BLOCK)
 
 
 def _check_lookup(tokens, state, ngram_min, ngram_max, k):

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.engines.device_drafters import _latest_match, ngram_lookup_ref
+from specpilot.engines.device_drafters import lookup_into, ngram_lookup_ref
 from specpilot.kernels._common import check_launchable, check_tensor
 
 
@@ -69,19 +69,9 @@ class BatchNgramDrafter:
 def _batch_ngram_kernel(tok_ptr, row_stride, pos_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr,
                         NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    toks = tok_ptr + row.to(tl.int64) * row_stride
     length = tl.load(pos_ptr + row) + 1  # tokens 0..pos: the context, the pending token last
-    best = length * 0 - 1
-    best_n = length * 0
-    for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
-        latest = _latest_match(toks, length, NMAX - i, BLOCK)
-        take = (best < 0) & (latest >= 0)
-        best = tl.where(take, latest, best)
-        best_n = tl.where(take, NMAX - i, best_n)
-    first = tl.where(best >= 0, best + best_n, length)
-    tl.store(proposed_ptr + row, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
-    k = tl.arange(0, KP)
-    tl.store(draft_ptr + row * K + k, tl.load(toks + first + k, mask=k < K), mask=k < K)
+    lookup_into(tok_ptr + row.to(tl.int64) * row_stride, length, draft_ptr + row * K, proposed_ptr + row, NMAX, NMIN,
+                K, KP, BLOCK)
 
 
 def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int,
