@@ -3,7 +3,8 @@
 Layers as in nano-vllm: BatchEngine (engine.py: the loop) over a Scheduler (scheduler.py: admission, chunked
 prefill, rows and pages) and a BatchRunner (runner.py: paged cache, persistent buffers, CUDA graphs per token
 bucket, on-device acceptance) running a pure forward (model.py) whose attention is the paged kernel
-(paged_attn.py). The three batching mechanisms are BatchConfig knobs (config.py, mechanisms.py, drafting.py).
+(paged_attn.py). The three batching mechanisms are BatchConfig knobs (config.py, mechanisms.py; the drafters the
+host runs in drafting.py, those the step's graph runs in ngram_drafting.py and block_drafting.py).
 """
 from __future__ import annotations
 
