@@ -107,7 +107,7 @@ class ConcurrencyReport:
                 "rows": [asdict(r) for r in self.rows]}
 
 
-def _device_lookup(variants: Sequence[BatchVariant], rows: int, device: str) -> BatchNgramDrafter | None:
+def _shared_lookup(variants: Sequence[BatchVariant], rows: int, device: str) -> BatchNgramDrafter | None:
     """The one device lookup the device_draft variants share (their n-gram settings must agree), or None."""
     users = [v for v in variants if v.batch.device_draft and v.engine.speculative]
     if not users:
@@ -168,7 +168,7 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     sizing = variants[0].batch.replace(max_batch=max(concurrencies))
     blocks = (BatchBlockDrafter(block_drafter, model, sizing.max_batch, base.max_seq_len, device,
                                 cuda_graphs=base.cuda_graphs) if uses_block else None)
-    lookup = _device_lookup(variants, sizing.max_batch, device)
+    lookup = _shared_lookup(variants, sizing.max_batch, device)
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
                          emulate_graphs=emulate_graphs, drafters=[d for d in (blocks, lookup) if d is not None])
     say = progress or (lambda _: None)

@@ -16,10 +16,9 @@ token count (emulate_graphs=True runs the graph path's buckets and static buffer
 With `drafters` (StepDrafters: the batched block drafter, prompt lookup on the device), a step launched with
 draft=<one of them> also, inside the same forward (its CUDA graph; a separate set of graphs per drafter, so steps
 without one pay nothing): hands every token of the step (its id, and the drafter's target layers' outputs) to
-drafter.observe, then
-drafts every row's next chain from the row's pending token (the bonus after the accepted drafts, or a prompt's
-first output token) at its position, all on the device; the drafts come back with the result (out[row, 1 + W:]):
-no host round trip between verify and draft.
+drafter.observe, then drafts every row's next chain from the row's pending token (the bonus after the accepted
+drafts, or a prompt's first output token) at its position, all on the device; the drafts come back with the result
+(out[row, 1 + W:]): no host round trip between verify and draft.
 """
 from __future__ import annotations
 
@@ -239,13 +238,6 @@ class BatchRunner:
             if d is draft:
                 return i + 1
         raise ValueError("draft= names a drafter this runner was not built with")
-
-    @property
-    def drafter(self) -> StepDrafter | None:
-        """The runner's drafter when it has exactly one (None without)."""
-        if len(self.drafters) > 1:
-            raise ValueError(f"the runner has {len(self.drafters)} drafters: use .drafters")
-        return self.drafters[0] if self.drafters else None
 
     @torch.no_grad()
     def launch(self, entries: Sequence[StepEntry], draft: "StepDrafter | bool | None" = None) -> StepHandle:
