@@ -225,18 +225,29 @@ def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngra
 def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k):
     """Plain torch (fixed-shape ops over the whole buffer, no host sync): ngram_lookup's results."""
     _check_lookup(tokens, state, ngram_min, ngram_max, k)
-    length = state[1] + 1
-    starts = torch.arange(len(tokens), device=tokens.device)
+    draft, proposed = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k)
+    return draft[0], proposed
+
+
+def lookup_rows_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NgramDrafter's proposal for every row of tokens [rows, width] at once (row r's context 0..positions[r], its
+    pending token last) -> (k tokens from where each match continues [rows, k], how many are proposed [rows]);
+    fixed-shape ops, no host sync. width must exceed every position by k + 1 (filler is read, not proposed)."""
+    width = tokens.shape[1]
+    length = positions + 1
+    starts = torch.arange(width, device=tokens.device)
     best, best_n = torch.full_like(length, -1), torch.zeros_like(length)
     for n in range(ngram_max, ngram_min - 1, -1):  # longest suffix first
-        suffix = torch.index_select(tokens, 0, (length - n).clamp(min=0) + starts[:n])
-        match = (tokens.unfold(0, n, 1) == suffix).all(1)
+        suffix = tokens.gather(1, (length[:, None] - n).clamp(min=0) + starts[None, :n])  # [rows, n]
+        match = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(2)  # [rows, width - n + 1]
+        j = starts[None, :match.shape[1]]
         # an earlier occurrence followed by a token before the pending one (NgramDrafter indexes the context
         # without its last token), with the suffix fully in context
-        ok = match & (starts[:len(match)] + n <= length - 2) & (length - 1 >= n)
-        latest = torch.where(ok, starts[:len(match)], -1).max()
+        ok = match & (j + n <= length[:, None] - 2) & (length[:, None] - 1 >= n)
+        latest = torch.where(ok, j, -1).max(1).values
         take = (best < 0) & (latest >= 0)
         best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
     first = torch.where(best >= 0, best + best_n, length)  # no match: filler from past the context
     proposed = torch.where(best >= 0, (length - first).clamp(max=k), 0)
-    return torch.index_select(tokens, 0, first + starts[:k]), proposed.view(1)
+    return tokens.gather(1, first[:, None] + starts[None, :k]), proposed

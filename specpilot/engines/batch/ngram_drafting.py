@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.engines.device_drafters import lookup_into
+from specpilot.engines.device_drafters import lookup_into, lookup_rows_ref
 from specpilot.kernels._common import check_launchable, check_tensor
 
 
@@ -87,7 +87,7 @@ def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min:
     if not 1 <= ngram_min <= ngram_max or k < 1:
         raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
     if not (tokens.is_cuda if kernel is None else kernel):
-        return batch_ngram_lookup_ref(tokens, positions, ngram_min, ngram_max, k)
+        return lookup_rows_ref(tokens, positions, ngram_min, ngram_max, k)
     check_launchable(_batch_ngram_kernel, tokens.device)
     drafts = torch.empty(rows, k, dtype=torch.int64, device=tokens.device)
     proposed = torch.empty(rows, dtype=torch.int64, device=tokens.device)
@@ -95,24 +95,3 @@ def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min:
                                  NMIN=ngram_min, K=k, KP=triton.next_power_of_2(k), BLOCK=1024, num_warps=4)
     return drafts, proposed
 
-
-def batch_ngram_lookup_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch over every row at once (device_drafters.ngram_lookup_ref's fixed-shape ops with a row axis):
-    batch_ngram_lookup's results."""
-    rows, width = tokens.shape
-    length = positions + 1
-    starts = torch.arange(width, device=tokens.device)
-    best, best_n = torch.full_like(length, -1), torch.zeros_like(length)
-    for n in range(ngram_max, ngram_min - 1, -1):  # longest suffix first
-        suffix = tokens.gather(1, (length[:, None] - n).clamp(min=0) + starts[None, :n])  # [rows, n]
-        match = (tokens.unfold(1, n, 1) == suffix[:, None, :]).all(2)  # [rows, width - n + 1]
-        j = starts[None, :match.shape[1]]
-        # an earlier occurrence followed by a token before the pending one, the suffix fully in context
-        ok = match & (j + n <= length[:, None] - 2) & (length[:, None] - 1 >= n)
-        latest = torch.where(ok, j, -1).max(1).values
-        take = (best < 0) & (latest >= 0)
-        best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
-    first = torch.where(best >= 0, best + best_n, length)  # no match: filler from past the context
-    proposed = torch.where(best >= 0, (length - first).clamp(max=k), 0)
-    return tokens.gather(1, first[:, None] + starts[None, :k]), proposed
