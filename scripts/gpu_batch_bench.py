@@ -95,6 +95,8 @@ def main(argv=None) -> int:
                     "block, block+lookup, block+lookup+goodput, block+lookup+goodput+budget)")
     ap.add_argument("--profile", type=int, default=0, help="print the N host functions with the most own time "
                     "(cProfile over the whole bench: graph capture, cost curve and warm-up included)")
+    ap.add_argument("--save-outputs", default=None, help="write the single-request AR outputs here, as "
+                    "{key: {prompt, out}} (scripts/host_batch_cost.py --outputs replays them on a CPU)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if not (a.tiny or a.random or a.model_dir):
@@ -135,6 +137,10 @@ def main(argv=None) -> int:
     print(f"single-request AR: {single_tokens} tokens in {single_s:.1f}s ({single_tokens / single_s:.0f} tok/s)",
           flush=True)
     del single
+    if a.save_outputs:
+        Path(a.save_outputs).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.save_outputs).write_text(json.dumps({k: {"prompt": list(ids), "out": reference[k]}
+                                                    for k, ids in prompts}))
     if device == "cuda":
         torch.cuda.empty_cache()
 
