@@ -34,16 +34,16 @@ import numpy as np
 import torch
 
 from specpilot.bench.batched import ALL_LABEL, BatchVariant, standard_variants
-from specpilot.engines.batch import BatchConfig, BatchEngine, BatchNgramDrafter, CostCurve, RequestSpec
+from specpilot.engines.batch import BatchConfig, BatchEngine, BatchNgramDrafter, CostCurve, DevicePolicy, RequestSpec
 from specpilot.engines.batch.config import mechanism_fields
 from specpilot.engines.batch.drafting import NgramChainDrafter
 from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache
 from specpilot.engines.batch.runner import StepEntry, StepHandle
 from specpilot.engines.config import DrafterKind, EngineConfig
 
-# The H200's batched SmolLM2 forward (notes/h200-s12-batch-2048.txt): the mechanisms price tokens with it.
-H200_CURVE = ((1, 0.00127), (16, 0.00132), (32, 0.00146), (64, 0.00163), (128, 0.00192), (256, 0.00284),
-              (408, 0.00432))
+# The H200's batched SmolLM2 forward (notes/h200-s18-batch-baseline.txt): the mechanisms price tokens with it.
+H200_CURVE = ((1, 0.00106), (16, 0.00111), (32, 0.00130), (64, 0.00151), (128, 0.00186), (256, 0.00243),
+              (512, 0.00444), (792, 0.00662))
 
 
 class ReplayRunner:
@@ -78,7 +78,9 @@ class ReplayRunner:
         if draft is not None and (not self.drafters or draft is not self.drafters[0]):
             raise ValueError("the replayed runner drafts only with its lookup (no target features: no block drafter)")
         out = np.zeros((self.B, 1 + self.W + (self.drafters[0].columns if draft is not None else 0)), dtype=np.int64)
+        drafted, positions = np.zeros(self.B, dtype=np.int64), np.full(self.B, -1, dtype=np.int64)
         for e in entries:
+            positions[e.row] = e.start
             if e.last_only:  # a prompt chunk: the whole prompt, once its last chunk is in, names the sequence
                 prompt = self._prompt[e.row]
                 prompt += e.tokens
@@ -95,8 +97,13 @@ class ReplayRunner:
             while acc < n - 1 and e.tokens[acc + 1] == argmax[acc]:
                 acc += 1
             out[e.row, 0], out[e.row, 1:1 + n] = acc, argmax
+            drafted[e.row] = n - 1
             if draft is not None:
                 self._chain(out, e.row, e.start + acc + 1)
+        policy = self.drafters[0].policy if draft is not None else None
+        if policy is not None:  # mechanisms a / b on the "device": the same torch code, on the CPU
+            out[:, 1 + self.W] = policy.apply(torch.from_numpy(out[:, 1 + self.W].copy()), torch.from_numpy(out[:, 0]),
+                                              torch.from_numpy(drafted), torch.from_numpy(positions)).numpy()
         self.device_s += time.perf_counter() - t
         return StepHandle(torch.from_numpy(out))
 
@@ -165,6 +172,8 @@ def main(argv=None) -> int:
     # "all" before device_draft existed: every mechanism drafting on the host
     variants.append(BatchVariant("all, host drafting", spec, base.replace(
         **mechanism_fields("goodput_draft", "verify_budget", "overlap_draft"))))
+    variants.append(BatchVariant("a+b host", spec, base.replace(
+        **mechanism_fields("goodput_draft", "verify_budget"))))
     specs = [RequestSpec(f"r{i}", tuple(items[i % len(items)]["prompt"]), len(items[i % len(items)]["out"]))
              for i in range(a.requests)]
     print(f"{len(items)} sequences, {a.requests} requests at concurrency {a.concurrency}")
@@ -182,8 +191,9 @@ def main(argv=None) -> int:
             return OracleCut(sequences[tuple(req.prompt)], e.draft_len, e.ngram_max, e.ngram_min)
         runs.append((dataclasses.replace(stock, label="oracle-cut lookup", engine=oracle_engine), oracle))
     for v, factory in runs:
+        policy = DevicePolicy(a.concurrency, a.max_draft_len, "cpu") if v.batch.needs_cost_curve else None
         lookup = (BatchNgramDrafter(a.concurrency, max_seq_len, a.max_draft_len, v.engine.ngram_min, v.engine.ngram_max,
-                                    "cpu") if v.batch.device_draft else None)
+                                    "cpu", policy=policy) if v.batch.device_draft else None)
         runner = ReplayRunner(sequences, a.concurrency, 1 + a.max_draft_len, max_seq_len, lookup)
         engine = BatchEngine(runner, v.engine, v.batch, frozenset(), cost_curve=curve, drafter_factory=factory)
         if prof is not None and v.label == ALL_LABEL:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_batch import CURVE, MAX_SEQ, NO_EOS, ecfg, micro, scenario
 
-from specpilot.engines.batch import BatchConfig, BatchEngine, BatchNgramDrafter, BatchRunner, build_batch_engine
+from specpilot.engines.batch import (BatchConfig, BatchEngine, BatchNgramDrafter, BatchRunner, DevicePolicy,
+                                     build_batch_engine)
 from specpilot.engines.batch.drafting import NgramChainDrafter
 from specpilot.engines.batch.ngram_drafting import batch_ngram_lookup
 from specpilot.engines.batch.runner import StepEntry
@@ -71,9 +72,9 @@ def test_batch_ngram_drafter_observes_steps_and_drafts_from_the_pending_token():
 @pytest.mark.parametrize("mechanisms", [("device_draft",), ("all",)])
 def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
     """The batched engine drafting by device lookup alone, and with every mechanism ("all": goodput lengths,
-    verify budget), graph buckets emulated: every output equals single-request AR; the lookup proposed drafts,
-    with no host drafter, and each step's draft equals the host drafter's proposal for that request's sequence
-    (cut to the length the mechanisms chose)."""
+    verify budget, both chosen on the device), graph buckets emulated: every output equals single-request AR; the
+    lookup proposed drafts, with no host drafter, and each step's draft equals the host drafter's proposal for that
+    request's sequence (cut to the length the mechanisms chose)."""
     specs, refs, eos, want = scenario("g2", 0)
     specs = [s.__class__(s.id, tuple(list(s.prompt) * 2), s.max_new_tokens, s.arrival_s) for s in specs]  # repeats
     want = {s.id: r for s, r in zip(specs, _ar(specs))}
@@ -86,6 +87,7 @@ def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
 
     def recorded(decode, prefill_tokens):
         assert all(r.drafter is None for r in decode)  # nothing drafts on the host
+        assert all((r.estimate is None) == (engine.policy is not None) for r in decode)  # nor estimates, with a policy
         drafts = plan(decode, prefill_tokens)
         seen.extend((list(r.seq), d) for r, d in zip(decode, drafts))
         return drafts
@@ -94,6 +96,9 @@ def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
     res = engine.run(specs)
     assert {r.id: r.tokens for r in res.requests} == want
     assert engine.device is engine.runner.drafters[0] and sum(r.accepted for r in res.requests) > 0
+    assert (engine.policy is not None) == (mechanisms == ("all",))
+    if engine.policy is not None:  # the device's estimates saw the drafts accepted
+        assert engine.policy.successes.sum() > 0
     k = engine.k_max
     for seq, draft in seen:
         assert draft == NgramChainDrafter(k, cfg.ngram_max, cfg.ngram_min).propose(seq, k)[:len(draft)]
@@ -110,8 +115,15 @@ def test_device_lookup_rejects_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="drafter=ngram"):
         build_batch_engine(model, ecfg(drafter="none"), BatchConfig(max_batch=2, device_draft=True), NO_EOS, "cpu")
     runner = BatchRunner(model, ecfg(drafter="ngram"), BatchConfig(max_batch=2), "cpu", max_block=6)
-    with pytest.raises(ConfigError, match="one BatchNgramDrafter, it has 0"):
+    with pytest.raises(ConfigError, match="one BatchNgramDrafter without a policy, it has 0"):
         BatchEngine(runner, ecfg(drafter="ngram"), BatchConfig(max_batch=2, device_draft=True), NO_EOS)
+    plain = BatchRunner(model, ecfg(drafter="ngram"), BatchConfig(max_batch=2), "cpu", max_block=6,
+                        drafters=[BatchNgramDrafter(2, MAX_SEQ, 5, 1, 4, "cpu")])
+    with pytest.raises(ConfigError, match="with a DevicePolicy"):  # goodput on the device needs the policy
+        BatchEngine(plain, ecfg(drafter="ngram", draft_len=5), BatchConfig.with_mechanisms(
+            "goodput_draft", "device_draft", max_batch=2, max_draft_len=5, cost_curve=CURVE), NO_EOS)
+    with pytest.raises(ValueError, match="the policy has 2 rows x 4 tokens"):
+        BatchNgramDrafter(2, MAX_SEQ, 5, 1, 4, "cpu", policy=DevicePolicy(2, 4, "cpu"))
     lookup = BatchNgramDrafter(2, MAX_SEQ, 5, 2, 4, "cpu")
     runner = BatchRunner(model, ecfg(drafter="ngram"), BatchConfig(max_batch=2), "cpu", max_block=6,
                          drafters=[lookup])

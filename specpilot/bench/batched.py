@@ -23,7 +23,8 @@ import torch
 
 from specpilot.deployments.spec import Arrival  # a deployment's batch regime names its arrival process
 from specpilot.engines.batch import (MECHANISMS, BatchBlockDrafter, BatchConfig, BatchEngine, BatchNgramDrafter,
-                                     BatchRunner, CostCurve, RequestSpec, block_width, measure_cost_curve)
+                                     BatchRunner, CostCurve, DevicePolicy, RequestSpec, block_width,
+                                     measure_cost_curve)
 from specpilot.engines.batch.config import longest_draft, mechanism_fields
 from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend
 from specpilot.engines.drafters.block import BlockDrafterModel
@@ -107,18 +108,22 @@ class ConcurrencyReport:
                 "rows": [asdict(r) for r in self.rows]}
 
 
-def _shared_lookup(variants: Sequence[BatchVariant], rows: int, device: str) -> BatchNgramDrafter | None:
-    """The one device lookup the device_draft variants share (their n-gram settings must agree), or None."""
+def _shared_lookups(variants: Sequence[BatchVariant], rows: int, device: str
+                    ) -> list[BatchNgramDrafter]:
+    """The device lookups the device_draft variants share (their n-gram settings must agree): one without a policy
+    for those without goodput / the verify budget, one with a DevicePolicy for those with them."""
     users = [v for v in variants if v.batch.device_draft and v.engine.speculative]
     if not users:
-        return None
+        return []
     windows = {(v.engine.ngram_min, v.engine.ngram_max) for v in users}
     if len(windows) > 1:
         raise ValueError(f"device_draft variants differ in their n-gram window {sorted(windows)}: they share one "
                          "lookup")
     (lo, hi), = windows
     depth = max(longest_draft(v.engine, v.batch) for v in users)
-    return BatchNgramDrafter(rows, users[0].engine.max_seq_len, depth, lo, hi, device)
+    seq = users[0].engine.max_seq_len
+    return [BatchNgramDrafter(rows, seq, depth, lo, hi, device, policy=DevicePolicy(rows, depth, device) if p else None)
+            for p in sorted({v.batch.needs_cost_curve for v in users})]
 
 
 def arrival_times(n: int, kind: Arrival, rate: float | None = None, seed: int = 0) -> list[float]:
@@ -168,9 +173,9 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     sizing = variants[0].batch.replace(max_batch=max(concurrencies))
     blocks = (BatchBlockDrafter(block_drafter, model, sizing.max_batch, base.max_seq_len, device,
                                 cuda_graphs=base.cuda_graphs) if uses_block else None)
-    lookup = _shared_lookup(variants, sizing.max_batch, device)
+    lookups = _shared_lookups(variants, sizing.max_batch, device)
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
-                         emulate_graphs=emulate_graphs, drafters=[d for d in (blocks, lookup) if d is not None])
+                         emulate_graphs=emulate_graphs, drafters=[d for d in (blocks, *lookups) if d is not None])
     say = progress or (lambda _: None)
     warmup = runner.device.type == "cuda" if warmup is None else warmup
     if warmup:

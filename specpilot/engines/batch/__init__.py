@@ -4,7 +4,8 @@ Layers as in nano-vllm: BatchEngine (engine.py: the loop) over a Scheduler (sche
 prefill, rows and pages) and a BatchRunner (runner.py: paged cache, persistent buffers, CUDA graphs per token
 bucket, on-device acceptance) running a pure forward (model.py) whose attention is the paged kernel
 (paged_attn.py). The three batching mechanisms are BatchConfig knobs (config.py, mechanisms.py; the drafters the
-host runs in drafting.py, those the step's graph runs in ngram_drafting.py and block_drafting.py).
+host runs in drafting.py, those the step's graph runs in ngram_drafting.py and block_drafting.py, and mechanisms a
+and b inside that graph in device_policy.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from specpilot.engines.batch.block_drafting import BatchBlockDrafter
 from specpilot.engines.batch.config import (MECHANISMS, BatchConfig, DraftLength, VerifyBudget, batch_knob_schema,
                                             longest_draft)
 from specpilot.engines.batch.cost import CostCurve, measure_cost_curve
+from specpilot.engines.batch.device_policy import DevicePolicy
 from specpilot.engines.batch.engine import BatchEngine, RequestResult, RequestSpec, RunResult
 from specpilot.engines.batch.ngram_drafting import BatchNgramDrafter
 from specpilot.engines.batch.runner import BatchRunner
@@ -33,11 +35,15 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
                        **kw) -> BatchEngine:
     """A runner sized for this one engine, and the engine (share a runner between engines by hand). drafter=block
     takes the drafter's model in block_drafter: the runner then captures its target layers; device_draft gives the
-    runner a BatchNgramDrafter."""
+    runner a BatchNgramDrafter (with a DevicePolicy when goodput or the verify budget is on)."""
     block = (BatchBlockDrafter(block_drafter, model, batch.max_batch, cfg.max_seq_len, device,
                                cuda_graphs=cfg.cuda_graphs) if block_drafter is not None else None)
-    lookup = (BatchNgramDrafter(batch.max_batch, cfg.max_seq_len, longest_draft(cfg, batch), cfg.ngram_min,
-                                cfg.ngram_max, device) if batch.device_draft and cfg.speculative else None)
+    lookup = None
+    if batch.device_draft and cfg.speculative:
+        depth = longest_draft(cfg, batch)
+        policy = DevicePolicy(batch.max_batch, depth, device) if batch.needs_cost_curve else None
+        lookup = BatchNgramDrafter(batch.max_batch, cfg.max_seq_len, depth, cfg.ngram_min, cfg.ngram_max, device,
+                                   policy=policy)
     runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
                          emulate_graphs=kw.pop("emulate_graphs", False),
                          drafters=[d for d in (block, lookup) if d is not None])
@@ -45,5 +51,5 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
 
 
 __all__ = ["MECHANISMS", "BatchBlockDrafter", "BatchConfig", "BatchEngine", "BatchNgramDrafter", "BatchRunner",
-           "CostCurve", "DraftLength", "RequestResult", "RequestSpec", "RunResult", "StepClock", "VerifyBudget",
+           "CostCurve", "DevicePolicy", "DraftLength", "RequestResult", "RequestSpec", "RunResult", "StepClock", "VerifyBudget",
            "WallClock", "batch_knob_schema", "block_width", "build_batch_engine", "measure_cost_curve"]

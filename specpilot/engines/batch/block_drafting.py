@@ -129,10 +129,12 @@ class BatchBlockDrafter:
         return self._host_out.numpy()[np.asarray(rows)].tolist()
 
     @torch.no_grad()
-    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor | None = None,
+                        drafted: torch.Tensor | None = None) -> torch.Tensor:
         """Pending tokens and their positions [rows] (device; -1: a row outside the step, drafted from junk) ->
         every row's top-1 per depth [rows, depth], at fixed shapes (the whole cache, masked by position):
-        capturable, one graph serves every step."""
+        capturable, one graph serves every step. (The step's accepted / drafted counts are not read: the host picks
+        a block chain's length.)"""
         m, c, rows, width, cap = self.model, self.config, self.rows, self.config.block_size, self.capacity
         if pending.shape != (rows,) or positions.shape != (rows,):
             raise ValueError(f"pending {tuple(pending.shape)}, positions {tuple(positions.shape)}: need [{rows}]")

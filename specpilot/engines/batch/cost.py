@@ -31,12 +31,18 @@ class CostCurve:
         object.__setattr__(self, "_x", x)
         object.__setattr__(self, "_y", y)
         object.__setattr__(self, "_last_slope", max(0.0, (y[-1] - y[-2]) / (x[-1] - x[-2])))
+        object.__setattr__(self, "_memo", {})  # token count -> seconds: steps ask for the same few counts
 
     def at(self, tokens) -> np.ndarray | float:
         """Seconds of a forward of `tokens` tokens (scalar or array): piecewise linear, extended past the last
         point with the last segment's slope (never below the first point: a forward has a floor)."""
         if isinstance(tokens, (int, float)):
-            return self._at_scalar(float(tokens))
+            seconds = self._memo.get(tokens)
+            if seconds is None:
+                seconds = self._at_scalar(float(tokens))
+                if len(self._memo) < 1 << 16:
+                    self._memo[tokens] = seconds
+            return seconds
         x, y = self._x, self._y
         t = np.asarray(tokens, dtype=float)
         out = np.where(t <= x[-1], np.interp(t, x, y), y[-1] + (t - x[-1]) * self._last_slope)

@@ -1,7 +1,8 @@
 """BatchEngine: the batched speculative-decoding loop (schedule -> draft -> verify -> commit), greedy, lossless.
 
 Each step: admit arrived requests (runner rows + KV pages), pick each decoding request's draft (stock: a
-fixed length; goodput: per request), trim drafts to the step's verify budget (cost_curve), launch one fused
+fixed length; goodput: per request), trim drafts to the step's verify budget (cost_curve) (with device_draft both
+are chosen on the device at the end of the previous step: device_policy.py), launch one fused
 forward over every request's block and prompt chunk (with device_draft or a block drafter, drafting every row's
 next chain inside it), draft ahead on the host while it runs (overlap_draft), read the
 accepted counts (the step's one host sync) and commit each request's ragged tokens, cut at EOS and at its
@@ -111,7 +112,10 @@ class BatchEngine:
         if self.k_max + 1 > runner.W:
             raise ConfigError(f"drafts of {self.k_max} tokens need a runner block width of {self.k_max + 1}, "
                               f"it has {runner.W}")
-        lookup = _device_lookup(runner, cfg, self.k_max, drafter_factory) if batch.device_draft else None
+        lookup = (_device_lookup(runner, cfg, self.k_max, drafter_factory, batch.needs_cost_curve)
+                  if batch.device_draft else None)
+        # mechanisms a / b on the device, inside the step that drafts (None: on the host, in _draft)
+        self.policy = lookup.policy if lookup is not None and batch.needs_cost_curve else None
         # The runner's drafter whose chains come back with each step's result (None: drafts from the host alone)
         self.device = block if block is not None else lookup
         if drafter_factory is None and not batch.device_draft and (cfg.drafter is DrafterKind.NGRAM or
@@ -125,6 +129,8 @@ class BatchEngine:
             self.cost_curve = CostCurve(batch.cost_curve)
         if self.cost_curve is None and batch.needs_cost_curve and self.speculative:
             self.cost_curve = measure_cost_curve(runner)
+        if self.policy is not None:
+            self.policy.set_curve(self.cost_curve)
         self.overhead_s = 0.0  # host time per step beyond the forward (decayed average, for the mechanisms)
         self._last_tokens = 0
         self._stats: RunResult | None = None
@@ -160,15 +166,20 @@ class BatchEngine:
 
     def step(self, clock: Clock) -> None:
         t0 = time.perf_counter()
+        fresh = []
         for req in self.sched.admit(clock.now()):
             self.runner.bind(req.row, req.pages)
+            fresh.append(req.row)
             if self.speculative:
                 req.drafter = self.drafter_factory(req) if self.drafter_factory is not None else None
-                req.estimate = AcceptanceEstimate(self.batch.accept_prior, self.batch.accept_decay)
+                if self.policy is None:
+                    req.estimate = AcceptanceEstimate(self.batch.accept_prior, self.batch.accept_decay)
         plan = self.sched.plan()
         drafts = self._draft(plan.decode, sum(e - s for _, s, e in plan.prefill))
         entries = [StepEntry(r.row, r.prompt[s:e], s, last_only=True) for r, s, e in plan.prefill]
         entries += [StepEntry(r.row, [r.seq[-1]] + d, len(r.seq) - 1) for r, d in zip(plan.decode, drafts)]
+        if self.policy is not None:
+            self._stage_policy(plan, fresh, sum(len(e.tokens) for e in entries))
         t1 = time.perf_counter()
         # packs the inputs, uploads them, replays (asynchronous on CUDA); with a device drafter the same forward
         # feeds it this step's tokens and drafts every row's next chain (out[row, 1 + W:])
@@ -214,7 +225,7 @@ class BatchEngine:
         if not self.speculative or not decode:
             return [[] for _ in decode]
         caps = [min(self.k_max, r.remaining - 1) for r in decode]  # the bonus token fills the last place
-        if self.batch.draft_length is DraftLength.GOODPUT:
+        if self.batch.draft_length is DraftLength.GOODPUT and self.policy is None:
             fixed_s, token_s = request_costs(self.cost_curve, self.overhead_s, len(decode),
                                              max(self._last_tokens, len(decode)))
             caps = goodput_draft_lens([r.estimate.alpha for r in decode], caps, fixed_s, token_s)
@@ -232,12 +243,24 @@ class BatchEngine:
                 # tokens follow from the depth after it (engines.drafters.ngram_prefix); a device lookup's chain
                 # is the whole draft (no host drafter)
                 drafts.append(lead + block[len(lead):cap])
-        if self.batch.verify_budget is VerifyBudget.COST_CURVE:
+        if self.batch.verify_budget is VerifyBudget.COST_CURVE and self.policy is None:
             keep = allocate_verify_budget([r.estimate.alpha for r in decode], [len(d) for d in drafts],
                                           len(decode) + prefill_tokens, self.cost_curve, self.overhead_s,
                                           self.batch.verify_budget_max)
             drafts = [d[:k] for d, k in zip(drafts, keep)]
         return drafts
+
+    def _stage_policy(self, plan, fresh: list[int], tokens: int) -> None:
+        """The device policy's inputs for this step's launch, which drafts the next step: every row that will draft
+        (decoding, or finishing its prompt) with its token limit, rows bound to new requests, the prices."""
+        remaining = {r.row: r.remaining for r in plan.decode}
+        remaining.update((r.row, r.remaining) for r, _, end in plan.prefill if end == len(r.prompt))
+        fixed_s, token_s = request_costs(self.cost_curve, self.overhead_s, max(1, len(remaining)), tokens)
+        b = self.batch
+        self.policy.stage(goodput=b.draft_length is DraftLength.GOODPUT,
+                          budget=b.verify_budget is VerifyBudget.COST_CURVE, k_max=self.k_max, fixed_s=fixed_s,
+                          token_s=token_s, overhead_s=self.overhead_s, budget_cap=b.verify_budget_max,
+                          prior=b.accept_prior, decay=b.accept_decay, remaining=remaining, fresh=fresh)
 
     def _draft_ahead(self, req: Request, draft: list[int]) -> None:
         """Drafts for the outcome "all of `draft` accepted" while the forward runs (mechanism c)."""
@@ -262,10 +285,11 @@ class BatchEngine:
         stock policy does; finishes the request when it stops."""
         new = new[:req.remaining]
         stop = None
-        for i, tok in enumerate(new):
-            if tok in self.eos:
-                new, stop = new[:i + 1], StopReason.EOS
-                break
+        if not self.eos.isdisjoint(new):  # (a set test first: the loop below costs a step ~1 us a token)
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new, stop = new[:i + 1], StopReason.EOS
+                    break
         req.seq.extend(new)
         req.out.extend(new)
         if stop is None and req.remaining <= 0:
@@ -276,15 +300,17 @@ class BatchEngine:
         return len(new)
 
 
-def _device_lookup(runner: BatchRunner, cfg: EngineConfig, k_max: int,
-                   drafter_factory: DrafterFactory | None) -> BatchNgramDrafter:
-    """The runner's BatchNgramDrafter this engine's device_draft uses (checked against its lookup settings)."""
+def _device_lookup(runner: BatchRunner, cfg: EngineConfig, k_max: int, drafter_factory: DrafterFactory | None,
+                   policy: bool) -> BatchNgramDrafter:
+    """The runner's BatchNgramDrafter this engine's device_draft uses, with a DevicePolicy where goodput or the
+    verify budget is on (checked against its lookup settings)."""
     if cfg.drafter is not DrafterKind.NGRAM or drafter_factory is not None:
         raise ConfigError("device_draft runs prompt lookup on the device: drafter=ngram, no drafter_factory")
-    lookups = [d for d in runner.drafters if isinstance(d, BatchNgramDrafter)]
+    lookups = [d for d in runner.drafters if isinstance(d, BatchNgramDrafter) and (d.policy is not None) == policy]
     if len(lookups) != 1:
-        raise ConfigError(f"device_draft needs a runner built with one BatchNgramDrafter, it has {len(lookups)} "
-                          "(build_batch_engine makes one)")
+        kind = "with a DevicePolicy (goodput / verify budget on)" if policy else "without a policy"
+        raise ConfigError(f"device_draft needs a runner built with one BatchNgramDrafter {kind}, it has "
+                          f"{len(lookups)} (build_batch_engine makes one)")
     d = lookups[0]
     if (d.ngram_min, d.ngram_max) != (cfg.ngram_min, cfg.ngram_max) or d.depth < k_max:
         raise ConfigError(f"the runner's lookup (ngram {d.ngram_min}..{d.ngram_max}, {d.depth} tokens) is not this "

@@ -8,7 +8,8 @@ included: they sit past the row's next pending position, never read until overwr
 writes each row's pending token (the bonus after the accepted drafts, computed on the device) and looks up every
 row at once: NgramDrafter's rule (the longest suffix of ngram_max..ngram_min tokens that occurred before, its most
 recent occurrence, up to `depth` tokens that followed it), the proposals NgramChainDrafter makes. The drafts come
-back with the step's result; no host drafting at all.
+back with the step's result; no host drafting at all. With a DevicePolicy (device_policy.py) the chains' lengths are
+then chosen on the device too (goodput draft lengths, the verify budget).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specpilot.engines.batch.device_policy import DevicePolicy
 from specpilot.engines.device_drafters import lookup_into, lookup_rows_ref
 from specpilot.kernels._common import check_launchable, check_tensor
 
@@ -25,13 +27,16 @@ class BatchNgramDrafter:
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, rows: int, capacity: int, depth: int, ngram_min: int, ngram_max: int,
-                 device: str | torch.device):
+                 device: str | torch.device, policy: DevicePolicy | None = None):
         if rows < 1 or capacity < 1 or depth < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}, depth={depth}: all must be >= 1")
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
         self.rows, self.capacity, self.depth = rows, capacity, depth
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        if policy is not None and (policy.rows, policy.depth) != (rows, depth):
+            raise ValueError(f"the policy has {policy.rows} rows x {policy.depth} tokens, the lookup {rows} x {depth}")
+        self.policy = policy  # trims every chain to the length mechanisms a / b choose (None: the whole match)
         self.columns = 1 + depth  # per row: how many tokens are proposed, then the tokens
         # [rows + 1, ...]: the extra row takes padding tokens and rows outside the step; the tail past capacity
         # is read (not proposed) when a match's continuation runs to the end of the context
@@ -46,9 +51,11 @@ class BatchNgramDrafter:
         self.tokens[rows, positions.clamp(0, self.capacity - 1)] = ids
 
     @torch.no_grad()
-    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Each row's pending token and its position [rows] (-1: the row is not in the step; its output is junk)
-        -> [rows, 1 + depth]: the count of proposed tokens, then the proposal (filler past the count)."""
+    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor | None = None,
+                        drafted: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's pending token and its position [rows] (-1: the row is not in the step; its output is junk),
+        and the step's accepted / verified draft tokens [rows] (for the policy) -> [rows, 1 + depth]: the count of
+        proposed tokens, then the proposal (filler past the count)."""
         if pending.shape != (self.rows,) or positions.shape != (self.rows,):
             raise ValueError(f"pending {tuple(pending.shape)}, positions {tuple(positions.shape)}: need "
                              f"[{self.rows}]")
@@ -57,7 +64,12 @@ class BatchNgramDrafter:
         self.tokens[torch.where(active, self._row, self.rows), pos] = pending
         drafts, proposed = batch_ngram_lookup(self.tokens[:self.rows], pos, self.ngram_min, self.ngram_max,
                                               self.depth)
-        return torch.cat([torch.where(active, proposed, 0)[:, None], drafts], dim=1)
+        proposed = torch.where(active, proposed, 0)
+        if self.policy is not None:
+            if accepted is None or drafted is None:
+                raise ValueError("a lookup with a policy needs the step's accepted and drafted counts")
+            proposed = self.policy.apply(proposed, accepted, drafted, torch.where(active, positions, -1))
+        return torch.cat([proposed[:, None], drafts], dim=1)
 
     def chain(self, values: list[int]) -> list[int]:
         """A row's draft_on_device output, read on the host -> the proposed tokens."""

@@ -49,7 +49,8 @@ class StepDrafter(Protocol):
     def observe(self, features: torch.Tensor | None, ids: torch.Tensor, rows: torch.Tensor,
                 positions: torch.Tensor) -> None: ...
 
-    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+    def draft_on_device(self, pending: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor | None = None,
+                        drafted: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def chain(self, values: list[int]) -> list[int]: ...
 
@@ -225,7 +226,8 @@ class BatchRunner:
         # last token), at the position after it; rows outside the step (position -1) draft junk nobody reads.
         pending = block_argmax.gather(1, accepted[:, None])[:, 0]
         positions = torch.where(d["nvalid"] > 0, d["kv_len"] - d["nvalid"] + accepted + 1, -1)
-        return torch.cat([accepted[:, None], block_argmax, drafter.draft_on_device(pending, positions)], dim=1)
+        drafts = drafter.draft_on_device(pending, positions, accepted, (d["nvalid"] - 1).clamp(min=0))
+        return torch.cat([accepted[:, None], block_argmax, drafts], dim=1)
 
     def _which(self, draft: "StepDrafter | bool | None") -> int:
         if draft is None or draft is False:
