@@ -198,7 +198,7 @@ def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int
         paged = ws()
         k_paged = pa._paged_split_kernel[(len(t_req), kvh, triton.cdiv(n_split, spp))](
             q, kc, vc, *meta, *paged, q_len, S, n_split, scale, H=h, G=G, D=d, DOT_PREC=dot_precision(DT),
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, SPLITS_PER_PROGRAM=spp, num_warps=4, num_stages=stages,
+            BLOCK_M=pa.ROW_TILE, BLOCK_N=block_n, SPLIT=page, SPLITS_PER_PROGRAM=spp, num_warps=4, num_stages=stages,
             **NO_FP_FUSION)
         parts = []
         for name, a, b, per in (("m", single[0], paged[0], 1), ("l", single[1], paged[1], 1),

@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     # "all" before device_draft existed: every mechanism drafting on the host
     variants.append(BatchVariant("all, host drafting", spec, base.replace(
         **mechanism_fields("goodput_draft", "verify_budget", "overlap_draft"))))
-    variants.append(BatchVariant("a+b host", spec, base.replace(
+    # a and b on the host (all's run on the device, in the lookup's step: device_policy.py)
+    variants.append(BatchVariant("goodput_draft+verify_budget", spec, base.replace(
         **mechanism_fields("goodput_draft", "verify_budget"))))
     specs = [RequestSpec(f"r{i}", tuple(items[i % len(items)]["prompt"]), len(items[i % len(items)]["out"]))
              for i in range(a.requests)]

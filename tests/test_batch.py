@@ -33,8 +33,8 @@ from specpilot.engines.batch.drafting import NgramChainDrafter  # noqa: E402
 from specpilot.engines.batch.mechanisms import (AcceptanceEstimate, allocate_verify_budget,  # noqa: E402
                                                 expected_tokens, goodput_draft_len)
 from specpilot.engines.batch.model import attention_params, batch_forward  # noqa: E402
-from specpilot.engines.batch.paged_attn import (PagedMeta, max_tiles, paged_attention,  # noqa: E402
-                                                paged_attention_ref, tile_map)
+from specpilot.engines.batch.paged_attn import (ROW_TILE, PagedMeta, max_tiles, paged_attention,  # noqa: E402
+                                                paged_attention_ref, tile_map, tiles_for)
 from specpilot.engines.batch.paged_cache import CacheShape, OutOfPages, PagedKVCache  # noqa: E402
 from specpilot.engines.batch.runner import StepEntry  # noqa: E402
 from specpilot.engines.batch.scheduler import Request, RequestState, Scheduler, StopReason  # noqa: E402
@@ -194,10 +194,10 @@ def test_paged_attention_checks_its_inputs():
 
 
 def test_tile_map():
-    req, row = tile_map(np.array([3, 0, 10, 1]), 3, 8)  # rows 9, 0, 30, 3 -> tiles 1, 0, 2, 1
-    assert req.tolist() == [0, 2, 2, 3, -1, -1, -1, -1] and row.tolist()[:4] == [0, 0, 16, 0]
+    req, row = tile_map(np.array([3, 0, 12, 1]), 3, 8)  # rows 9, 0, 36, 3 -> tiles of 32 rows: 1, 0, 2, 1
+    assert ROW_TILE == 32 and req.tolist() == [0, 2, 2, 3, -1, -1, -1, -1] and row.tolist()[:4] == [0, 0, 32, 0]
     with pytest.raises(ValueError, match="do not fit"):
-        tile_map(np.array([20]), 2, 2)
+        tile_map(np.array([40]), 2, 2)  # 80 rows: 3 tiles
 
 
 def test_batch_forward_is_fused_forward_per_row():
@@ -366,8 +366,8 @@ def test_max_tiles_bounds_every_split_of_a_step():
         q_len[rng.sample(range(rows), n_req)] = [rng.randrange(1, 40) for _ in range(n_req)]
         bound = max_tiles(int(q_len.sum()), group, rows)
         req, _ = tile_map(q_len, group, bound)  # raises if the tiles do not fit
-        assert (req >= 0).sum() == sum(-(-int(q) * group // 16) for q in q_len)
-    assert max_tiles(1, 3, 24) == 2 and max_tiles(8, 3, 24) == 2 + 8 and max_tiles(96, 3, 24) == 18 + 24
+        assert (req >= 0).sum() == sum(-(-int(q) * group // ROW_TILE) for q in q_len) == tiles_for(q_len, group)
+    assert max_tiles(1, 3, 24) == 2 and max_tiles(8, 3, 24) == 1 + 8 and max_tiles(96, 3, 24) == 9 + 24
 
 
 def test_cost_curve():
@@ -711,7 +711,7 @@ def test_host_cost_harness_replays_known_outputs_through_the_engine(capsys):
     tok_step = {r.split("|")[1].strip(): float(r.split("|")[3]) for r in rows}
     predicted = {r.split("|")[1].strip(): float(r.split("|")[7]) for r in rows}  # equal host cost per step
     assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "device_draft", "all",
-                             "all, host drafting", "oracle-cut lookup"}
+                             "all, host drafting", "goodput_draft+verify_budget", "oracle-cut lookup"}
     # the lookup on the device proposes what the host's does: the same steps, tokens and forwards as stock
     assert tok_step["device_draft"] == tok_step["stock"] and predicted["device_draft"] == predicted["stock"]
     assert 1.0 <= tok_step["ar"] < 1.1 and tok_step["stock"] > 1.5  # (prefill commits one token with no decode row)

@@ -88,6 +88,7 @@ print(json.dumps({
     "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True,
                                                          "TILES": 1}),
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
+    "paged_row_tile": dots(pa._paged_split_kernel, PAGED, {**COMMON, "BLOCK_M": pa.ROW_TILE, "SPLITS_PER_PROGRAM": 4}),
     **{f"{'w12_' if w12 else ''}linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
                                                                           "W12": w12, **TILE})
        for w12 in (False, True)},
@@ -178,6 +179,8 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
     assert compiled["single_chain_tiles4"] == compiled["single_chain"] * 4  # row tiles in turn: the same dots
+    # the batched engine's 32-row tiles: the same MMA v2 dots (layout, instruction shape, warps), twice the rows
+    assert compiled["paged_row_tile"] == [d.replace("tensor<16x", "tensor<32x") for d in compiled["paged"]]
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):

@@ -12,7 +12,11 @@ tl.dot row sums, where-guarded no-ops for blocks without a visible key) and the 
 (attn.online_softmax_block, attn.combine_splits); both launch without FP fusion (NO_FP_FUSION).
 Only addressing differs (a page lookup) and visibility is computed from positions instead of an anc matrix
 (the same boolean for chains). Rows are (token, query head of the group) pairs of ONE request tiled by the
-fixed BLOCK_M, and a row never depends on the other rows of its tile.
+fixed ROW_TILE, and a row never depends on the other rows of its tile. ROW_TILE is 32 where the single-request
+kernel's tiles are BLOCK_M = 16: each tile reads all of its request's keys, so a verify block of 6-10 tokens x 3
+query heads (18-30 rows) takes one pass over the keys instead of two. Both compile to the same MMA v2 m16n8k16
+dots (test_kernel_codegen: only the row count differs), each 16-row slab the same instructions in the same K
+order, so the same bits; 64 rows would switch to wgmma.
 
 Grid: (tile, kv head, group of SPLITS_PER_PROGRAM splits). The host lists each request's row tiles in
 tile_req/tile_row (-1: no tile), so a CUDA graph can be captured once per token bucket with the largest tile
@@ -29,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.kernels._common import BLOCK_M, NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
+from specpilot.kernels._common import NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
 from specpilot.kernels.attn import (LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits,
                                     online_softmax_block)
 from specpilot.kernels.pdl import pdl_launch, wait_for_predecessor
@@ -39,6 +43,7 @@ PAGE = ATTN.split_keys  # default page size == split_keys: one split of the redu
 # Splits one program reduces in turn. A CUDA graph's grid covers every page a request may hold, and most of
 # those programs have nothing to do; a few splits per program keeps that idle grid small. Changes no bit.
 SPLITS_PER_PROGRAM = 4
+ROW_TILE = 32  # (token, head) rows a program attends for (see above)
 
 
 @triton.jit(do_not_specialize=["NTOK"])
@@ -146,8 +151,8 @@ class PagedMeta:
 
 
 def tile_map(q_len: np.ndarray, group: int, n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tile_req, tile_row) [n_tiles]: request r's rows (q_len[r] * group) in BLOCK_M tiles, rest -1 / 0."""
-    per = -(-q_len * group // BLOCK_M)
+    """(tile_req, tile_row) [n_tiles]: request r's rows (q_len[r] * group) in ROW_TILE tiles, rest -1 / 0."""
+    per = -(-q_len * group // ROW_TILE)
     total = int(per.sum())
     if total > n_tiles:
         raise ValueError(f"{total} row tiles do not fit the {n_tiles} the call has room for")
@@ -155,7 +160,7 @@ def tile_map(q_len: np.ndarray, group: int, n_tiles: int) -> tuple[np.ndarray, n
     row = np.zeros(n_tiles, dtype=np.int64)
     req[:total] = np.repeat(np.arange(len(q_len)), per)
     first = np.repeat(np.cumsum(per) - per, per)
-    row[:total] = (np.arange(total) - first) * BLOCK_M
+    row[:total] = (np.arange(total) - first) * ROW_TILE
     return req, row
 
 
@@ -163,7 +168,12 @@ def max_tiles(tokens: int, group: int, requests: int) -> int:
     """Row tiles a step of `tokens` tokens over at most `requests` requests can need: each request's rows start a
     tile of their own, and a step has no more requests than tokens (a CUDA graph of a small token bucket then
     launches attention over a few tiles, not one per request row of the runner)."""
-    return -(-tokens * group // BLOCK_M) + min(requests, tokens)
+    return -(-tokens * group // ROW_TILE) + min(requests, tokens)
+
+
+def tiles_for(q_len: np.ndarray, group: int) -> int:
+    """Row tiles the requests' rows take (tile_map's count)."""
+    return int((-(-q_len * group // ROW_TILE)).sum())
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
@@ -219,7 +229,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _paged_split_kernel[(n_tiles, KVH, triton.cdiv(n_split, SPLITS_PER_PROGRAM))](
             q, k_cache, v_cache, meta.page_table, meta.tile_req, meta.tile_row, meta.q_start, meta.q_len,
             meta.kv_len, ws_m, ws_l, ws_o, NTOK, S, P, LOG2E / math.sqrt(D), H=H, G=H // KVH, D=D,
-            DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M, BLOCK_N=params.block_n, SPLIT=page,
+            DOT_PREC=dot_precision(dt), BLOCK_M=ROW_TILE, BLOCK_N=params.block_n, SPLIT=page,
             SPLITS_PER_PROGRAM=SPLITS_PER_PROGRAM, num_warps=params.num_warps, num_stages=params.num_stages,
             **NO_FP_FUSION, **pdl_launch(dev))
     _paged_combine_kernel[(NTOK * H,)](

@@ -31,7 +31,7 @@ import torch
 
 from specpilot.engines.batch.config import BatchConfig
 from specpilot.engines.batch.model import attention_params, batch_forward
-from specpilot.engines.batch.paged_attn import PagedMeta, max_tiles, tile_map
+from specpilot.engines.batch.paged_attn import PagedMeta, max_tiles, tile_map, tiles_for
 from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache, pages_for
 from specpilot.engines.config import ConfigError, EngineConfig, KernelBackend
 from specpilot.engines.fused import check_fusable, rope_tables_for
@@ -261,7 +261,7 @@ class BatchRunner:
             self._upload()
             return self._handle(graph.replay() if self.emulate else _replay(graph))
         lens = np.fromiter((len(e.tokens) for e in entries), np.int64, len(entries))
-        n_tiles = int((-(-lens * self.group // 16)).sum())
+        n_tiles = tiles_for(lens, self.group)
         max_kv = self._fill(entries, total, n_tiles)
         self._upload()
         return self._handle(self._forward(total, n_tiles, max_kv, which))
