@@ -9,6 +9,10 @@ inside the step's graph (launch(draft=True)) against the step without it: what d
 --splits-per-program N: the paged attention's splits per program (engines.batch.paged_attn.SPLITS_PER_PROGRAM;
 changes no bit), for an A/B.
 
+--row-tile 32: every projection (qkv, o_proj, gate_up, down, lm_head) of the batched runner in 32-token tiles instead
+of 16 (a kernel table), after checking fused_forward's logits, argmax and KV with that table against the default's,
+bit for bit, at several token counts (exit 1 on a difference).
+
 Usage (PYTHONPATH=repo root): python scripts/gpu_batch_profile.py OUT.json [--max-seq-len 2560] [--drafter]
     [--splits-per-program N]
 """
@@ -70,13 +74,53 @@ def measure(results: list[dict], label: str, step, **case) -> None:
         print(f"   {us:8.1f} us  {n:4d}x  {name}")
 
 
-def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False
+def row_tile_table(model, row_tile: int) -> tuple[tuple[str, str], ...]:
+    """A kernel table putting every projection of `model` in row_tile-token tiles (every T: one entry a shape)."""
+    from specpilot.kernels import _common
+    from specpilot.kernels.table import table_key
+    if row_tile not in _common.ROW_TILES:
+        _common.ROW_TILES = (*_common.ROW_TILES, row_tile)
+    sh = model.shape
+    shapes = {"qkv": (sh.q_dim + 2 * sh.kv_heads * sh.head_dim, sh.hidden), "o_proj": (sh.hidden, sh.q_dim),
+              "gate_up": (2 * sh.intermediate, sh.hidden), "down": (sh.hidden, sh.intermediate),
+              "lm_head": (sh.vocab, sh.hidden)}
+    return tuple((table_key(k, n, kk, 16), json.dumps({"row_tile": row_tile})) for k, (n, kk) in shapes.items())
+
+
+def check_row_tile_bits(model, pairs) -> bool:
+    """fused_forward with the table vs without: logits, argmax and the KV written, bitwise, per token count."""
+    from specpilot.engines.fused import fused_forward, rope_tables_for
+    sh = model.shape
+    plain, tiled = rope_tables_for(model, 4096, "cuda"), rope_tables_for(model, 4096, "cuda", kernel_table=pairs)
+    ok = True
+    for T in (1, 5, 16, 33, 96, 112, 200):
+        ids = torch.randint(0, sh.vocab, (T,), device="cuda", generator=torch.Generator("cuda").manual_seed(T))
+        pos = torch.arange(T, device="cuda")
+        anc = torch.tril(torch.ones(T, T, dtype=torch.bool, device="cuda"))
+        outs = []
+        for tables in (plain, tiled):
+            kv = torch.zeros(2, sh.layers, sh.kv_heads, 256, sh.head_dim, dtype=torch.bfloat16, device="cuda")
+            logits, argmax, _ = fused_forward(model, tables, ids, pos, pos, torch.tensor([0], device="cuda"), anc,
+                                              kv[0], kv[1])
+            outs.append((logits, argmax, kv))
+        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        ok &= same
+        print(f"{'ok  ' if same else 'DIFF'} row tiles 16 vs 32, T={T}: logits, argmax, KV", flush=True)
+    return ok
+
+
+def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, row_tile: int = 16
                          ) -> tuple[BatchRunner, object, EngineConfig]:
     """(runner, model, cfg): random SmolLM2-135M weights in bf16 behind the batched bench's runner (24 rows,
     drafts up to 32 tokens, graphs up to 1024 tokens), optionally with a random block-16 drafter."""
     model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
     cfg = EngineConfig.from_dict({"dtype": "bfloat16", "max_seq_len": max_seq_len, "kernel_backend": "triton",
                                   "cuda_graphs": True, "drafter": "block" if block_drafter else "ngram"})
+    if row_tile != 16:
+        pairs = row_tile_table(model, row_tile)
+        if not check_row_tile_bits(model, pairs):
+            raise SystemExit(1)
+        cfg = cfg.replace(kernel_table=pairs)
     drafter = None
     if block_drafter:
         d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
@@ -92,13 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=2560)
     ap.add_argument("--drafter", action="store_true")
     ap.add_argument("--splits-per-program", type=int, default=None)
+    ap.add_argument("--row-tile", type=int, default=16)
     a = ap.parse_args(argv)
     if a.splits_per_program is not None:
         paged_attn.SPLITS_PER_PROGRAM = a.splits_per_program
-    runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter)
+    runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter, a.row_tile)
     results = []
     cases = ((16, 8, 1024), (24, 6, 2048)) if a.drafter else \
-        ((1, 1, 256), (16, 1, 256), (16, 1, 1024), (16, 6, 1024), (16, 16, 1024), (24, 6, 2048))
+        ((1, 1, 256), (16, 1, 256), (16, 1, 1024), (16, 6, 1024), (16, 16, 1024), (24, 6, 2048), (24, 3, 1024),
+         (24, 5, 1024))
     with torch.no_grad():
         for requests, per, context in cases:
             pages = [runner.cache.allocate(context + 33) for _ in range(requests)]
