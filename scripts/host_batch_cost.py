@@ -46,6 +46,9 @@ H200_CURVE = ((1, 0.00106), (16, 0.00111), (32, 0.00130), (64, 0.00151), (128, 0
               (512, 0.00444), (792, 0.00662))
 
 
+VOCAB = 49152  # SmolLM2's: the replayed outputs' token ids
+
+
 class ReplayRunner:
     """BatchRunner's interface to the engine, answering each step from the known sequences (no forward). Its own
     time (what the GPU would do) accumulates in device_s, which the host time excludes. With a lookup (a
@@ -54,7 +57,7 @@ class ReplayRunner:
 
     def __init__(self, sequences: dict[tuple[int, ...], list[int]], rows: int, width: int, max_seq_len: int,
                  lookup: BatchNgramDrafter | None = None):
-        self.B, self.W = rows, width
+        self.B, self.W, self.vocab = rows, width, VOCAB
         self.cache = PagedKVCache(CacheShape(1, 1, 1, rows * (max_seq_len // 16 + 1), 16), torch.float32, "cpu")
         self.drafters = (lookup,) if lookup is not None else ()
         self.device_s = 0.0
@@ -68,7 +71,7 @@ class ReplayRunner:
         self._prompt[row] = []
         if self.drafters:
             d = self.drafters[0]
-            self._lookups[row] = NgramChainDrafter(d.depth, d.ngram_max, d.ngram_min)
+            self._lookups[row] = NgramChainDrafter(d.depth, d.ngram_max, d.ngram_min, d.extrapolate, d.vocab)
 
     def unbind(self, row: int) -> None:
         self._truth.pop(row, None)
@@ -194,7 +197,8 @@ def main(argv=None) -> int:
     for v, factory in runs:
         policy = DevicePolicy(a.concurrency, a.max_draft_len, "cpu") if v.batch.needs_cost_curve else None
         lookup = (BatchNgramDrafter(a.concurrency, max_seq_len, a.max_draft_len, v.engine.ngram_min, v.engine.ngram_max,
-                                    "cpu", policy=policy) if v.batch.device_draft else None)
+                                    "cpu", policy=policy, extrapolate=v.batch.extrapolate, vocab=VOCAB)
+                  if v.batch.device_draft else None)
         runner = ReplayRunner(sequences, a.concurrency, 1 + a.max_draft_len, max_seq_len, lookup)
         engine = BatchEngine(runner, v.engine, v.batch, frozenset(), cost_curve=curve, drafter_factory=factory)
         if prof is not None and v.label == ALL_LABEL:

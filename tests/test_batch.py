@@ -234,7 +234,7 @@ def test_batch_forward_is_fused_forward_per_row():
 @pytest.mark.parametrize("field,value", [
     ("max_batch", 0), ("max_batch", 2.5), ("prefill_chunk", 8), ("graph_max_tokens", 40), ("num_pages", -1),
     ("draft_length", "longest"), ("max_draft_len", 0), ("max_draft_len", 64), ("verify_budget", "on"),
-    ("verify_budget_max", -1), ("overlap_draft", 1), ("device_draft", "yes"), ("accept_decay", 1.0),
+    ("verify_budget_max", -1), ("overlap_draft", 1), ("device_draft", "yes"), ("extrapolate", 1), ("accept_decay", 1.0),
     ("accept_prior", 0.0),
     ("cost_curve", ((8, 1.0),)), ("cost_curve", ((8, 1.0), (4, 2.0))), ("cost_curve", ((1, 1.0), (2, 0.0))),
     ("cost_curve", (("a", 1),))])
@@ -249,7 +249,8 @@ def test_batch_config_knobs():
     assert c.cost_curve == ((1, 0.5), (16, 0.6)) and c.needs_cost_curve
     assert BatchConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c and c.digest() != BatchConfig().digest()
     assert BatchConfig().mechanisms == () and not BatchConfig().needs_cost_curve
-    assert BatchConfig.with_mechanisms("all").mechanisms == ("goodput_draft", "verify_budget", "device_draft")
+    assert BatchConfig.with_mechanisms("all").mechanisms == ("goodput_draft", "verify_budget", "device_draft",
+                                                             "extrapolate")
     assert BatchConfig.with_mechanisms("overlap_draft", max_batch=3).mechanisms == ("overlap_draft",)
     with pytest.raises(ConfigError, match="turn one off"):
         BatchConfig(overlap_draft=True, device_draft=True)

@@ -11,7 +11,7 @@ from test_batch import CURVE, MAX_SEQ, NO_EOS, ecfg, micro, scenario
 from specpilot.engines.batch import (BatchConfig, BatchEngine, BatchNgramDrafter, BatchRunner, DevicePolicy,
                                      build_batch_engine)
 from specpilot.engines.batch.drafting import NgramChainDrafter
-from specpilot.engines.batch.ngram_drafting import batch_ngram_lookup
+from specpilot.engines.batch.ngram_drafting import batch_ngram_lookup, extrapolate_rows
 from specpilot.engines.batch.runner import StepEntry
 from specpilot.engines.config import ConfigError
 
@@ -35,10 +35,13 @@ def test_batch_lookup_equals_the_host_drafter_row_by_row(nmin, nmax, k):
     seqs[0] = buf[0, :1].tolist()  # one token: nothing to match
     positions = torch.tensor([len(s) - 1 for s in seqs])
     for kernel in (False, True):
-        drafts, proposed = batch_ngram_lookup(buf, positions, nmin, nmax, k, kernel=kernel)
+        drafts, proposed, first = batch_ngram_lookup(buf, positions, nmin, nmax, k, kernel=kernel)
         for r, seq in enumerate(seqs):
             want = NgramChainDrafter(k, nmax, nmin).propose(seq, k)
             assert drafts[r, :proposed[r]].tolist() == want, (kernel, r)
+            # where the continuation starts: the proposal is the context from there (the length without a match)
+            assert buf[r, first[r]:first[r] + proposed[r]].tolist() == want and first[r] + proposed[r] <= len(seq)
+            assert proposed[r] > 0 or first[r] == len(seq)
     assert proposed[0] == 0 and (proposed > 0).any()
     with pytest.raises(ValueError, match="positions"):
         batch_ngram_lookup(buf, positions[:3], nmin, nmax, k)
@@ -69,7 +72,7 @@ def test_batch_ngram_drafter_observes_steps_and_drafts_from_the_pending_token():
         d.draft_on_device(torch.tensor([1]), torch.tensor([1]))
 
 
-@pytest.mark.parametrize("mechanisms", [("device_draft",), ("all",)])
+@pytest.mark.parametrize("mechanisms", [("device_draft",), ("device_draft", "extrapolate"), ("all",)])
 def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
     """The batched engine drafting by device lookup alone, and with every mechanism ("all": goodput lengths,
     verify budget, both chosen on the device), graph buckets emulated: every output equals single-request AR; the
@@ -100,9 +103,23 @@ def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
     if engine.policy is not None:  # the device's estimates saw the drafts accepted
         assert engine.policy.successes.sum() > 0
     k = engine.k_max
-    for seq, draft in seen:
-        assert draft == NgramChainDrafter(k, cfg.ngram_max, cfg.ngram_min).propose(seq, k)[:len(draft)]
+    for seq, draft in seen:  # (a host drafter per sequence: it indexes one growing sequence)
+        host = NgramChainDrafter(k, cfg.ngram_max, cfg.ngram_min, batch.extrapolate, engine.runner.vocab)
+        assert draft == host.propose(seq, k)[:len(draft)]
     assert any(k_ for k_ in engine.runner._graphs if k_[1])  # the drafting variant of the graphs ran
+
+
+def test_extrapolating_host_lookup_outputs_equal_single_request_ar():
+    """extrapolate with the lookup on the host (goodput lengths too): every output equals single-request AR."""
+    specs, refs, eos, want = scenario("g2", 0)
+    cfg = ecfg(drafter="ngram", draft_len=4)
+    batch = BatchConfig.with_mechanisms("goodput_draft", "extrapolate", max_batch=3, prefill_chunk=16, max_draft_len=6,
+                                        cost_curve=CURVE)
+    engine = build_batch_engine(micro("g2", 0), cfg, batch, eos, "cpu")
+    res = engine.run(specs)
+    assert {r.id: r.tokens for r in res.requests} == want
+    with pytest.raises(ConfigError, match="extrapolate"):
+        build_batch_engine(micro("g2", 0), ecfg(drafter="none"), batch, NO_EOS, "cpu")
 
 
 def _ar(specs):
@@ -115,7 +132,7 @@ def test_device_lookup_rejects_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="drafter=ngram"):
         build_batch_engine(model, ecfg(drafter="none"), BatchConfig(max_batch=2, device_draft=True), NO_EOS, "cpu")
     runner = BatchRunner(model, ecfg(drafter="ngram"), BatchConfig(max_batch=2), "cpu", max_block=6)
-    with pytest.raises(ConfigError, match="one BatchNgramDrafter without a policy, it has 0"):
+    with pytest.raises(ConfigError, match="one BatchNgramDrafter without a policy, not extrapolating; it has 0"):
         BatchEngine(runner, ecfg(drafter="ngram"), BatchConfig(max_batch=2, device_draft=True), NO_EOS)
     plain = BatchRunner(model, ecfg(drafter="ngram"), BatchConfig(max_batch=2), "cpu", max_block=6,
                         drafters=[BatchNgramDrafter(2, MAX_SEQ, 5, 1, 4, "cpu")])
@@ -137,3 +154,52 @@ def test_device_lookup_rejects_what_it_cannot_serve():
                       drafters=[lookup, BatchNgramDrafter(2, MAX_SEQ, 5, 1, 4, "cpu")])
     with pytest.raises(ValueError, match="one drafter; it has 2"):
         two.launch([StepEntry(0, [1], 0)], draft=True)
+
+
+DIGIT = 10  # token id of "0" in these tests: digits are consecutive ids, as in SmolLM2's vocabulary
+
+
+def counting(start: int, step: int, periods: int, tail: int) -> list[int]:
+    """`if n == <number>: return` periods with a count that goes up by `step`: 100 101 d d d 102 103 ..., then the
+    first `tail` tokens of the next period."""
+    out: list[int] = []
+    for i in range(periods + 1):
+        digits = [DIGIT + int(c) for c in f"{start + i * step:03d}"]
+        out += [100, 101, *digits, 102, 103]
+    return out[:len(out) - 7 + tail]
+
+
+def test_extrapolate_period_continues_a_count():
+    """The lookup copies the last period (the old number); extrapolated, the proposal counts on; text whose last
+    two periods mostly differ, or a step past the vocabulary, stays a copy."""
+    seq = counting(214, 2, 2, 2)  # ... 100 101 2 1 6 102 103 | 100 101 -> the lookup's match: "if n ==" 2 1 6
+    plain = NgramChainDrafter(8, 4, 1).propose(seq, 8)
+    ext = NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=200).propose(seq, 8)
+    assert plain == [DIGIT + 2, DIGIT + 1, DIGIT + 6, 102, 103, 100, 101]
+    assert ext == [DIGIT + 2, DIGIT + 1, DIGIT + 8, 102, 103, 100, 101]  # 216 -> 218
+    assert NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=DIGIT + 7).propose(seq, 8) == plain  # 18 >= vocab
+    noisy = [100, 101, 1, 2, 3, 4, 5, 6, 100, 101, 7, 8, 9, 10, 11, 12, 100, 101]  # periods agree on 2 of 8
+    assert NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=200).propose(noisy, 8) == \
+        NgramChainDrafter(8, 4, 1).propose(noisy, 8)
+    with pytest.raises(ValueError, match="vocabulary"):
+        NgramChainDrafter(8, 4, 1, extrapolate=True)
+
+
+def test_extrapolated_rows_equal_the_host_drafter():
+    """extrapolate_rows on the device lookup's output (interpreted kernel and torch reference) equals the host
+    drafter's extrapolated proposal row by row: counting text of several steps and periods, and random text."""
+    rng = random.Random(3)
+    seqs = [counting(rng.randrange(100, 800), rng.choice([1, 2, 3, -1]), rng.randrange(1, 5), rng.randrange(0, 7))
+            for _ in range(6)] + contexts(5, 3, 60)[0]
+    width = 80
+    buf = torch.zeros(len(seqs), width, dtype=torch.int64)
+    for r, s in enumerate(seqs):
+        buf[r, :len(s)] = torch.tensor(s)
+    positions = torch.tensor([len(s) - 1 for s in seqs])
+    for kernel in (False, True):
+        drafts, proposed, first = batch_ngram_lookup(buf, positions, 1, 4, 8, kernel=kernel)
+        ext = extrapolate_rows(buf, positions + 1, first, drafts, proposed, 200)
+        for r, s in enumerate(seqs):
+            want = NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=200).propose(s, 8)
+            assert ext[r, :proposed[r]].tolist() == want, (kernel, r)
+    assert not torch.equal(ext, drafts)  # some count went on

@@ -121,7 +121,7 @@ print(json.dumps({
                                             "proposed_ptr": "*i64"},
          {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024}, 4),
         ("batch_ngram_lookup", bn._batch_ngram_kernel, {"tok_ptr": "*i64", "row_stride": "i32", "pos_ptr": "*i64",
-                                                        "draft_ptr": "*i64", "proposed_ptr": "*i64"},
+                                                        "draft_ptr": "*i64", "proposed_ptr": "*i64", "first_ptr": "*i64"},
          {"NMAX": 4, "NMIN": 1, "K": 32, "KP": 32, "BLOCK": 1024}, 4),
         ("qk_norm_rope", bf._qk_norm_rope_kernel, {"x_ptr": P, "row_stride": "i32", "pos_ptr": "*i64",
                                                    "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",

@@ -108,10 +108,10 @@ class ConcurrencyReport:
                 "rows": [asdict(r) for r in self.rows]}
 
 
-def _shared_lookups(variants: Sequence[BatchVariant], rows: int, device: str
+def _shared_lookups(variants: Sequence[BatchVariant], model: LlamaModel, rows: int, device: str
                     ) -> list[BatchNgramDrafter]:
-    """The device lookups the device_draft variants share (their n-gram settings must agree): one without a policy
-    for those without goodput / the verify budget, one with a DevicePolicy for those with them."""
+    """The device lookups the device_draft variants share (their n-gram settings must agree): one per (policy or not:
+    goodput / the verify budget on, extrapolating or not) that some variant needs."""
     users = [v for v in variants if v.batch.device_draft and v.engine.speculative]
     if not users:
         return []
@@ -121,9 +121,10 @@ def _shared_lookups(variants: Sequence[BatchVariant], rows: int, device: str
                          "lookup")
     (lo, hi), = windows
     depth = max(longest_draft(v.engine, v.batch) for v in users)
-    seq = users[0].engine.max_seq_len
-    return [BatchNgramDrafter(rows, seq, depth, lo, hi, device, policy=DevicePolicy(rows, depth, device) if p else None)
-            for p in sorted({v.batch.needs_cost_curve for v in users})]
+    seq, vocab = users[0].engine.max_seq_len, model.shape.vocab
+    return [BatchNgramDrafter(rows, seq, depth, lo, hi, device, policy=DevicePolicy(rows, depth, device) if p else None,
+                              extrapolate=x, vocab=vocab)
+            for p, x in sorted({(v.batch.needs_cost_curve, v.batch.extrapolate) for v in users})]
 
 
 def arrival_times(n: int, kind: Arrival, rate: float | None = None, seed: int = 0) -> list[float]:
@@ -173,7 +174,7 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     sizing = variants[0].batch.replace(max_batch=max(concurrencies))
     blocks = (BatchBlockDrafter(block_drafter, model, sizing.max_batch, base.max_seq_len, device,
                                 cuda_graphs=base.cuda_graphs) if uses_block else None)
-    lookups = _shared_lookups(variants, sizing.max_batch, device)
+    lookups = _shared_lookups(variants, model, sizing.max_batch, device)
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
                          emulate_graphs=emulate_graphs, drafters=[d for d in (blocks, *lookups) if d is not None])
     say = progress or (lambda _: None)

@@ -178,9 +178,10 @@ def _latest_match(tok_ptr, length, N: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BLOCK: tl.constexpr):
+                KP: tl.constexpr, BLOCK: tl.constexpr, first_ptr, STORE_FIRST: tl.constexpr):
     """NgramDrafter's proposal for the context tok_ptr[0..length-1] (the pending token last): K tokens from where
-    the match continues into draft_ptr, how many of them are the proposal into proposed_ptr."""
+    the match continues into draft_ptr, how many of them are the proposal into proposed_ptr (STORE_FIRST: where
+    the continuation starts into first_ptr, `length` without a match)."""
     best = length * 0 - 1
     best_n = length * 0
     for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
@@ -189,6 +190,8 @@ def lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NM
         best = tl.where(take, latest, best)
         best_n = tl.where(take, NMAX - i, best_n)
     first = tl.where(best >= 0, best + best_n, length)
+    if STORE_FIRST:
+        tl.store(first_ptr, first.to(tl.int64))
     tl.store(proposed_ptr, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
     k = tl.arange(0, KP)
     tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
@@ -198,7 +201,7 @@ def lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NM
 def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr,
                   K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
-    lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX, NMIN, K, KP, BLOCK)
+    lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX, NMIN, K, KP, BLOCK, proposed_ptr, False)
 
 
 def _check_lookup(tokens, state, ngram_min, ngram_max, k):
@@ -225,14 +228,15 @@ def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngra
 def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k):
     """Plain torch (fixed-shape ops over the whole buffer, no host sync): ngram_lookup's results."""
     _check_lookup(tokens, state, ngram_min, ngram_max, k)
-    draft, proposed = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k)
+    draft, proposed, _ = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k)
     return draft[0], proposed
 
 
 def lookup_rows_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NgramDrafter's proposal for every row of tokens [rows, width] at once (row r's context 0..positions[r], its
-    pending token last) -> (k tokens from where each match continues [rows, k], how many are proposed [rows]);
+    pending token last) -> (k tokens from where each match continues [rows, k], how many are proposed [rows], where
+    the continuation starts [rows] (the context's length without a match));
     fixed-shape ops, no host sync. width must exceed every position by k + 1 (filler is read, not proposed)."""
     width = tokens.shape[1]
     length = positions + 1
@@ -250,4 +254,4 @@ def lookup_rows_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: in
         best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
     first = torch.where(best >= 0, best + best_n, length)  # no match: filler from past the context
     proposed = torch.where(best >= 0, (length - first).clamp(max=k), 0)
-    return tokens.gather(1, first[:, None] + starts[None, :k]), proposed
+    return tokens.gather(1, first[:, None] + starts[None, :k]), proposed, first

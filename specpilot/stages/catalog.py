@@ -146,6 +146,11 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      "next draft returned with the step's result (no host drafting)",
                      (Knob("device_draft", _CHOICE, choices=(False, True), target=_BATCH),),
                      frozenset({DirectionName.OVERHEAD}), _NGRAM, _CUDA, regimes=_BATCHED),
+    CatalogMechanism("extrapolate", MechanismCategory.ALGORITHM,
+                     "batched engine: prompt lookup inside periodic text proposes the next value of a token that steps "
+                     "between periods (a count), not a copy of the last one",
+                     (Knob("extrapolate", _CHOICE, choices=(False, True), target=_BATCH),),
+                     frozenset({DirectionName.TREE_SHAPE}), _NGRAM, regimes=_BATCHED),
     CatalogMechanism("draft_model_length", MechanismCategory.ALGORITHM, "draft model: draft tokens per step",
                      (Knob("draft_len", _INT, 1, 12),), frozenset({DirectionName.TREE_SHAPE, DirectionName.OVERHEAD}),
                      frozenset({DrafterKind.DRAFT_MODEL})),

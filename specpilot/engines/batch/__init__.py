@@ -43,7 +43,7 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
         depth = longest_draft(cfg, batch)
         policy = DevicePolicy(batch.max_batch, depth, device) if batch.needs_cost_curve else None
         lookup = BatchNgramDrafter(batch.max_batch, cfg.max_seq_len, depth, cfg.ngram_min, cfg.ngram_max, device,
-                                   policy=policy)
+                                   policy=policy, extrapolate=batch.extrapolate, vocab=model.shape.vocab)
     runner = BatchRunner(model, cfg, batch, device, max_block=block_width(cfg, batch),
                          emulate_graphs=kw.pop("emulate_graphs", False),
                          drafters=[d for d in (block, lookup) if d is not None])
@@ -51,5 +51,5 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
 
 
 __all__ = ["MECHANISMS", "BatchBlockDrafter", "BatchConfig", "BatchEngine", "BatchNgramDrafter", "BatchRunner",
-           "CostCurve", "DevicePolicy", "DraftLength", "RequestResult", "RequestSpec", "RunResult", "StepClock", "VerifyBudget",
-           "WallClock", "batch_knob_schema", "block_width", "build_batch_engine", "measure_cost_curve"]
+           "CostCurve", "DevicePolicy", "DraftLength", "RequestResult", "RequestSpec", "RunResult", "StepClock",
+           "VerifyBudget", "WallClock", "batch_knob_schema", "block_width", "build_batch_engine", "measure_cost_curve"]

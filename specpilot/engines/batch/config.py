@@ -1,4 +1,4 @@
-"""BatchConfig: the batched engine's sizing and its three mechanisms, one frozen, validated dataclass.
+"""BatchConfig: the batched engine's sizing and its mechanisms, one frozen, validated dataclass.
 
 The mechanisms (each alone or together; MECHANISMS names their deltas from stock):
 - draft_length=goodput (a): each request's draft length is re-chosen every step from its recent acceptance,
@@ -11,7 +11,10 @@ The mechanisms (each alone or together; MECHANISMS names their deltas from stock
   largest part.
 - overlap_draft (c's host-side predecessor, kept as a knob): while the GPU verifies step s, the host drafts step
   s+1 for the outcome "every draft token accepted" and keeps it when that outcome happens. Excludes device_draft.
-"all" is a, b and c (ALL_MECHANISMS). Stock (all off) is what SGLang / vLLM ship for n-gram: a fixed draft length
+- extrapolate (d): where the text repeats with a period and a token changes by a small id step from one period to
+  the next (a count: `if n == 216:` ... `if n == 218:`), the lookup proposes the next step instead of a copy
+  (drafting.extrapolate_period). The bench's run was as long as its one counting request (notes/h200.md, session 18).
+"all" is a, b, c and d (ALL_MECHANISMS). Stock (all off) is what SGLang / vLLM ship for n-gram: a fixed draft length
 for every request, every step, drafted on the host.
 """
 from __future__ import annotations
@@ -38,8 +41,10 @@ MECHANISMS: dict[str, dict[str, Any]] = {
     "verify_budget": {"verify_budget": VerifyBudget.COST_CURVE},
     "overlap_draft": {"overlap_draft": True},
     "device_draft": {"device_draft": True},
+    "extrapolate": {"extrapolate": True},
 }
-ALL_MECHANISMS = ("goodput_draft", "verify_budget", "device_draft")  # what "all" turns on (overlap: excluded)
+# what "all" turns on (overlap: excluded)
+ALL_MECHANISMS = ("goodput_draft", "verify_budget", "device_draft", "extrapolate")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class BatchConfig(ConfigOps):
     verify_budget_max: int = 0  # cost_curve: a hard cap on draft tokens per step (0: the curve alone decides)
     overlap_draft: bool = False
     device_draft: bool = False
+    extrapolate: bool = False
     accept_decay: float = 0.7  # weight of a request's history in its acceptance estimate, per step
     accept_prior: float = 0.5  # per-token acceptance assumed before a request has any history
     # Profiled cost of the target forward: (tokens in the forward, seconds), tokens ascending. Empty: the
@@ -67,7 +73,7 @@ class BatchConfig(ConfigOps):
                      "verify_budget_max"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be an int")
-        for name in ("overlap_draft", "device_draft"):
+        for name in ("overlap_draft", "device_draft", "extrapolate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be a bool")
         _check(not (self.overlap_draft and self.device_draft),

@@ -4,7 +4,8 @@ NgramChainDrafter proposes exactly what engines.drafters.ngram.NgramDrafter prop
 without its per-call costs that grow with the context (it re-compares the whole context to detect a new
 sequence and copies it; here a request's sequence only ever grows) and without the trace statistics. It also
 drafts AHEAD (mechanism c): given the draft being verified, it proposes the tokens after "every draft token
-accepted", from its index of committed text alone (the index only ever holds committed tokens).
+accepted", from its index of committed text alone (the index only ever holds committed tokens). With extrapolate,
+proposals inside periodic text continue its counts (extrapolate_period).
 """
 from __future__ import annotations
 
@@ -19,14 +20,41 @@ class ChainDrafter(Protocol):
         ...
 
 
+# extrapolate_period's rule: a period of at least PERIOD_MIN tokens whose previous two repeats agree on at least
+# AGREE_TENTHS tenths of their tokens; tokens that moved by at most STEP_MAX ids between them move once more.
+PERIOD_MIN, AGREE_TENTHS, STEP_MAX = 4, 7, 9
+
+
+def extrapolate_period(context: Sequence[int], first: int, proposal: list[int], vocab: int) -> list[int]:
+    """A lookup's proposal (context[first:], the text after the matched n-gram's last occurrence) continued one period
+    on: the period is p = len(context) - first (the match sits p tokens back); where the last two periods agree
+    mostly (PERIOD_MIN, AGREE_TENTHS), a token that changed between them by 0 < |d| <= STEP_MAX ids becomes token + d
+    (digits are consecutive ids: a count goes on counting), if that is an id below `vocab`. Else the proposal."""
+    p = len(context) - first
+    if p < PERIOD_MIN or first < p:
+        return proposal
+    agree = sum(context[first + i] == context[first + i - p] for i in range(p))
+    if 10 * agree < AGREE_TENTHS * p:
+        return proposal
+    out = []
+    for j, tok in enumerate(proposal):
+        d = tok - context[first + j - p]
+        out.append(tok + d if 0 < abs(d) <= STEP_MAX and 0 <= tok + d < vocab else tok)
+    return out
+
+
 class NgramChainDrafter:
     """Longest suffix (ngram_max down to ngram_min tokens) of the sequence matched against its earlier text;
-    proposes what followed the most recent earlier occurrence."""
+    proposes what followed the most recent earlier occurrence (extrapolate, with `vocab`: extrapolate_period's)."""
 
-    def __init__(self, draft_len: int, ngram_max: int, ngram_min: int = 1):
+    def __init__(self, draft_len: int, ngram_max: int, ngram_min: int = 1, extrapolate: bool = False,
+                 vocab: int = 0):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
+        if extrapolate and vocab < 1:
+            raise ValueError("extrapolate needs the vocabulary size (its ids bound the extrapolated tokens)")
         self.draft_len, self.ngram_max, self.ngram_min = draft_len, ngram_max, ngram_min
+        self.extrapolate, self.vocab = extrapolate, vocab
         # n -> n-gram -> start positions (ascending), for n-grams followed by a token already indexed
         self._index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(ngram_min, ngram_max + 1)}
         self._indexed = 0
@@ -54,6 +82,8 @@ class NgramChainDrafter:
             prop = list(seq[a:a + k])
             if len(prop) < k and a + len(prop) >= len(seq):
                 prop += list(tail[max(0, a - len(seq)):max(0, a - len(seq)) + k - len(prop)])
+            if prop and self.extrapolate:  # (proposals never reach past the context: at most one period)
+                return extrapolate_period(list(seq) + list(tail), a, prop, self.vocab)
             if prop:
                 return prop
         return []

@@ -112,7 +112,9 @@ class BatchEngine:
         if self.k_max + 1 > runner.W:
             raise ConfigError(f"drafts of {self.k_max} tokens need a runner block width of {self.k_max + 1}, "
                               f"it has {runner.W}")
-        lookup = (_device_lookup(runner, cfg, self.k_max, drafter_factory, batch.needs_cost_curve)
+        if batch.extrapolate and (cfg.drafter is not DrafterKind.NGRAM or drafter_factory is not None):
+            raise ConfigError("extrapolate continues the engine's own prompt lookup: drafter=ngram, no drafter_factory")
+        lookup = (_device_lookup(runner, cfg, self.k_max, drafter_factory, batch.needs_cost_curve, batch.extrapolate)
                   if batch.device_draft else None)
         # mechanisms a / b on the device, inside the step that drafts (None: on the host, in _draft)
         self.policy = lookup.policy if lookup is not None and batch.needs_cost_curve else None
@@ -121,7 +123,8 @@ class BatchEngine:
         if drafter_factory is None and not batch.device_draft and (cfg.drafter is DrafterKind.NGRAM or
                                                                    cfg.ngram_prefix):
             # n-gram: the draft; a block drafter's ngram_prefix: the lookup that leads its chain
-            drafter_factory = lambda req: NgramChainDrafter(self.k_max, cfg.ngram_max, cfg.ngram_min)  # noqa: E731
+            drafter_factory = lambda req: NgramChainDrafter(  # noqa: E731
+                self.k_max, cfg.ngram_max, cfg.ngram_min, batch.extrapolate, runner.vocab)
         self.drafter_factory = drafter_factory
         self.sched = Scheduler(batch, runner.cache, cfg.max_seq_len, runner.B)
         self.cost_curve = cost_curve
@@ -301,16 +304,18 @@ class BatchEngine:
 
 
 def _device_lookup(runner: BatchRunner, cfg: EngineConfig, k_max: int, drafter_factory: DrafterFactory | None,
-                   policy: bool) -> BatchNgramDrafter:
-    """The runner's BatchNgramDrafter this engine's device_draft uses, with a DevicePolicy where goodput or the
-    verify budget is on (checked against its lookup settings)."""
+                   policy: bool, extrapolate: bool) -> BatchNgramDrafter:
+    """The runner's BatchNgramDrafter this engine's device_draft uses: with a DevicePolicy where goodput or the
+    verify budget is on, extrapolating where extrapolate is (checked against its lookup settings)."""
     if cfg.drafter is not DrafterKind.NGRAM or drafter_factory is not None:
         raise ConfigError("device_draft runs prompt lookup on the device: drafter=ngram, no drafter_factory")
-    lookups = [d for d in runner.drafters if isinstance(d, BatchNgramDrafter) and (d.policy is not None) == policy]
+    lookups = [d for d in runner.drafters if isinstance(d, BatchNgramDrafter) and (d.policy is not None) == policy
+               and d.extrapolate == extrapolate]
     if len(lookups) != 1:
         kind = "with a DevicePolicy (goodput / verify budget on)" if policy else "without a policy"
-        raise ConfigError(f"device_draft needs a runner built with one BatchNgramDrafter {kind}, it has "
-                          f"{len(lookups)} (build_batch_engine makes one)")
+        raise ConfigError(f"device_draft needs a runner built with one BatchNgramDrafter {kind}, "
+                          f"{'' if extrapolate else 'not '}extrapolating; it has {len(lookups)} (build_batch_engine "
+                          "makes one)")
     d = lookups[0]
     if (d.ngram_min, d.ngram_max) != (cfg.ngram_min, cfg.ngram_max) or d.depth < k_max:
         raise ConfigError(f"the runner's lookup (ngram {d.ngram_min}..{d.ngram_max}, {d.depth} tokens) is not this "

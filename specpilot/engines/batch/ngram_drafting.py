@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from specpilot.engines.batch.device_policy import DevicePolicy
+from specpilot.engines.batch.drafting import AGREE_TENTHS, PERIOD_MIN, STEP_MAX
 from specpilot.engines.device_drafters import lookup_into, lookup_rows_ref
 from specpilot.kernels._common import check_launchable, check_tensor
 
@@ -27,7 +28,8 @@ class BatchNgramDrafter:
     target_layers: tuple[int, ...] = ()
 
     def __init__(self, rows: int, capacity: int, depth: int, ngram_min: int, ngram_max: int,
-                 device: str | torch.device, policy: DevicePolicy | None = None):
+                 device: str | torch.device, policy: DevicePolicy | None = None, extrapolate: bool = False,
+                 vocab: int = 0):
         if rows < 1 or capacity < 1 or depth < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}, depth={depth}: all must be >= 1")
         if not 1 <= ngram_min <= ngram_max:
@@ -37,6 +39,9 @@ class BatchNgramDrafter:
         if policy is not None and (policy.rows, policy.depth) != (rows, depth):
             raise ValueError(f"the policy has {policy.rows} rows x {policy.depth} tokens, the lookup {rows} x {depth}")
         self.policy = policy  # trims every chain to the length mechanisms a / b choose (None: the whole match)
+        if extrapolate and vocab < 1:
+            raise ValueError("extrapolate needs the vocabulary size (its ids bound the extrapolated tokens)")
+        self.extrapolate, self.vocab = extrapolate, vocab  # drafting.extrapolate_period's rule, on every row
         self.columns = 1 + depth  # per row: how many tokens are proposed, then the tokens
         # [rows + 1, ...]: the extra row takes padding tokens and rows outside the step; the tail past capacity
         # is read (not proposed) when a match's continuation runs to the end of the context
@@ -62,9 +67,11 @@ class BatchNgramDrafter:
         active = (positions >= 0) & (positions < self.capacity)
         pos = torch.where(active, positions, 0)
         self.tokens[torch.where(active, self._row, self.rows), pos] = pending
-        drafts, proposed = batch_ngram_lookup(self.tokens[:self.rows], pos, self.ngram_min, self.ngram_max,
-                                              self.depth)
+        drafts, proposed, first = batch_ngram_lookup(self.tokens[:self.rows], pos, self.ngram_min, self.ngram_max,
+                                                     self.depth)
         proposed = torch.where(active, proposed, 0)
+        if self.extrapolate:
+            drafts = extrapolate_rows(self.tokens[:self.rows], pos + 1, first, drafts, proposed, self.vocab)
         if self.policy is not None:
             if accepted is None or drafted is None:
                 raise ValueError("a lookup with a policy needs the step's accepted and drafted counts")
@@ -78,18 +85,19 @@ class BatchNgramDrafter:
 
 # ---- the lookup: one program per row (kernels next to their caller), and its torch reference ----------------
 @triton.jit
-def _batch_ngram_kernel(tok_ptr, row_stride, pos_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr,
+def _batch_ngram_kernel(tok_ptr, row_stride, pos_ptr, draft_ptr, proposed_ptr, first_ptr, NMAX: tl.constexpr,
                         NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     length = tl.load(pos_ptr + row) + 1  # tokens 0..pos: the context, the pending token last
     lookup_into(tok_ptr + row.to(tl.int64) * row_stride, length, draft_ptr + row * K, proposed_ptr + row, NMAX, NMIN,
-                K, KP, BLOCK)
+                K, KP, BLOCK, first_ptr + row, True)
 
 
 def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int,
-                       kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [rows, L] (row r's context at positions 0..positions[r], its pending token last), positions [rows]
-    -> (drafts [rows, k], proposed [rows]): per row NgramDrafter's proposal (ngram_lookup's). L must exceed
+    -> (drafts [rows, k], proposed [rows], first [rows]: where each continuation starts): per row NgramDrafter's
+    proposal (ngram_lookup's). L must exceed
     every position by k + 1 (filler past the context is read, not proposed). kernel=None: one kernel on CUDA, on
     CPU the torch reference (the interpreted kernel takes ~10 ms a row; tests run it with True)."""
     rows, length = check_tensor("tokens", tokens, (None, None), torch.int64, contiguous=False).shape
@@ -103,7 +111,27 @@ def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min:
     check_launchable(_batch_ngram_kernel, tokens.device)
     drafts = torch.empty(rows, k, dtype=torch.int64, device=tokens.device)
     proposed = torch.empty(rows, dtype=torch.int64, device=tokens.device)
-    _batch_ngram_kernel[(rows,)](tokens, tokens.stride(0), positions, drafts, proposed, NMAX=ngram_max,
+    first = torch.empty(rows, dtype=torch.int64, device=tokens.device)
+    _batch_ngram_kernel[(rows,)](tokens, tokens.stride(0), positions, drafts, proposed, first, NMAX=ngram_max,
                                  NMIN=ngram_min, K=k, KP=triton.next_power_of_2(k), BLOCK=1024, num_warps=4)
-    return drafts, proposed
+    return drafts, proposed, first
+
+
+def extrapolate_rows(tokens: torch.Tensor, length: torch.Tensor, first: torch.Tensor, drafts: torch.Tensor,
+                     proposed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """drafting.extrapolate_period for every row at once (fixed shapes, no host sync): tokens [rows, L] (row r's
+    context 0..length[r]-1), each lookup's continuation start `first` and drafts [rows, k] (the first proposed[r]
+    of them proposed) -> the drafts, counts continued where the last two periods mostly agree."""
+    p = length - first
+    cols = torch.arange(tokens.shape[1], device=tokens.device)
+    in_period = (cols[None, :] >= first[:, None]) & (cols[None, :] < length[:, None])
+    before = tokens.gather(1, (cols[None, :] - p[:, None]).clamp(min=0))
+    agree = ((tokens == before) & in_period).sum(1)
+    periodic = (p >= PERIOD_MIN) & (first >= p) & (10 * agree >= AGREE_TENTHS * p) & (proposed > 0)
+    j = torch.arange(drafts.shape[1], device=drafts.device)
+    d = drafts - tokens.gather(1, (first[:, None] + j[None, :] - p[:, None]).clamp(min=0))
+    new = drafts + d
+    step = periodic[:, None] & (j[None, :] < proposed[:, None]) & (d != 0) & (d.abs() <= STEP_MAX) & (new >= 0) & \
+        (new < vocab)
+    return torch.where(step, new, drafts)
 

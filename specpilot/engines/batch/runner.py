@@ -104,6 +104,7 @@ class BatchRunner:
         self.device = torch.device(device)
         sh = model.shape
         self.group = sh.heads // sh.kv_heads
+        self.vocab = sh.vocab
         self.B, self.W = batch.max_batch, max(1, max_block)
         self.tables = rope_tables_for(model, cfg.max_seq_len + 64, self.device, cfg.weight_format,
                                       kernel_table=cfg.kernel_table)
