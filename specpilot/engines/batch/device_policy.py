@@ -117,5 +117,5 @@ class DevicePolicy:
         ok = (n <= taken.sum()) & ((budget_cap <= 0) | (n <= budget_cap))
         rate = (decode.to(torch.float64) + gain) / (self.curve[decode + n] + overhead_s)
         best = torch.argmax(torch.where(ok, rate, float("-inf")))
-        kept = (torch.arange(r * k, device=alpha.device) < best).to(torch.float64)
+        kept = (n[:r * k] < best).to(torch.float64)
         return torch.zeros(r, dtype=torch.float64, device=alpha.device).scatter_add_(0, order % r, kept)

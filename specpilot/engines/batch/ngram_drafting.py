@@ -97,9 +97,9 @@ def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min:
                        kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [rows, L] (row r's context at positions 0..positions[r], its pending token last), positions [rows]
     -> (drafts [rows, k], proposed [rows], first [rows]: where each continuation starts): per row NgramDrafter's
-    proposal (ngram_lookup's). L must exceed
-    every position by k + 1 (filler past the context is read, not proposed). kernel=None: one kernel on CUDA, on
-    CPU the torch reference (the interpreted kernel takes ~10 ms a row; tests run it with True)."""
+    proposal (ngram_lookup's). L must exceed every position by k + 1 (filler past the context is read, not
+    proposed). kernel=None: one kernel on CUDA, on CPU the torch reference (the interpreted kernel takes ~10 ms a
+    row; tests run it with True)."""
     rows, length = check_tensor("tokens", tokens, (None, None), torch.int64, contiguous=False).shape
     check_tensor("positions", positions, (rows,), torch.int64, tokens.device)
     if tokens.stride(1) != 1:

@@ -152,7 +152,7 @@ class PagedMeta:
 
 def tile_map(q_len: np.ndarray, group: int, n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
     """(tile_req, tile_row) [n_tiles]: request r's rows (q_len[r] * group) in ROW_TILE tiles, rest -1 / 0."""
-    per = -(-q_len * group // ROW_TILE)
+    per = _tiles_per_request(q_len, group)
     total = int(per.sum())
     if total > n_tiles:
         raise ValueError(f"{total} row tiles do not fit the {n_tiles} the call has room for")
@@ -171,9 +171,13 @@ def max_tiles(tokens: int, group: int, requests: int) -> int:
     return -(-tokens * group // ROW_TILE) + min(requests, tokens)
 
 
+def _tiles_per_request(q_len: np.ndarray, group: int) -> np.ndarray:
+    return -(-q_len * group // ROW_TILE)
+
+
 def tiles_for(q_len: np.ndarray, group: int) -> int:
     """Row tiles the requests' rows take (tile_map's count)."""
-    return int((-(-q_len * group // ROW_TILE)).sum())
+    return int(_tiles_per_request(q_len, group).sum())
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMeta,
