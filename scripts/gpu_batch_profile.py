@@ -13,8 +13,13 @@ changes no bit), for an A/B.
 of 16 (a kernel table), after checking fused_forward's logits, argmax and KV with that table against the default's,
 bit for bit, at several token counts (exit 1 on a difference).
 
+--attention JSON: the attention's reduction order for the whole runner (split_keys = the KV page size, block_n), as a
+kernel table entry (what a tuned table would set; the single-request reference gets it too). --cases
+RxTxC,...: (requests, tokens per request, context) cases instead of the default ones; --skip-single: no
+single-request reference.
+
 Usage (PYTHONPATH=repo root): python scripts/gpu_batch_profile.py OUT.json [--max-seq-len 2560] [--drafter]
-    [--splits-per-program N]
+    [--splits-per-program N] [--attention '{"split_keys": 128, "block_n": 64}'] [--cases 16x6x2048] [--skip-single]
 """
 from __future__ import annotations
 
@@ -109,8 +114,15 @@ def check_row_tile_bits(model, pairs) -> bool:
     return ok
 
 
-def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, row_tile: int = 16
-                         ) -> tuple[BatchRunner, object, EngineConfig]:
+def attention_table(model, order: dict) -> tuple[tuple[str, str], ...]:
+    """A kernel table setting the attention's reduction order (every T) for `model`."""
+    from specpilot.kernels.table import table_key
+    sh = model.shape
+    return ((table_key("attention", sh.q_dim, sh.kv_dim, 1), json.dumps(order)),)
+
+
+def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, row_tile: int = 16,
+                         attention: dict | None = None) -> tuple[BatchRunner, object, EngineConfig]:
     """(runner, model, cfg): random SmolLM2-135M weights in bf16 behind the batched bench's runner (24 rows,
     drafts up to 32 tokens, graphs up to 1024 tokens), optionally with a random block-16 drafter."""
     model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
@@ -121,6 +133,8 @@ def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, r
         if not check_row_tile_bits(model, pairs):
             raise SystemExit(1)
         cfg = cfg.replace(kernel_table=pairs)
+    if attention:
+        cfg = cfg.replace(kernel_table=cfg.kernel_table + attention_table(model, attention))
     drafter = None
     if block_drafter:
         d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
@@ -137,14 +151,21 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", action="store_true")
     ap.add_argument("--splits-per-program", type=int, default=None)
     ap.add_argument("--row-tile", type=int, default=16)
+    ap.add_argument("--attention", default=None, help="JSON: split_keys / block_n for every attention call")
+    ap.add_argument("--cases", default=None, help="RxTxC,...: requests x tokens per request x context")
+    ap.add_argument("--skip-single", action="store_true")
     a = ap.parse_args(argv)
     if a.splits_per_program is not None:
         paged_attn.SPLITS_PER_PROGRAM = a.splits_per_program
-    runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter, a.row_tile)
+    runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter, a.row_tile,
+                                              json.loads(a.attention) if a.attention else None)
+    print(f"attention page {runner.page} keys", flush=True)
     results = []
     cases = ((16, 8, 1024), (24, 6, 2048)) if a.drafter else \
         ((1, 1, 256), (16, 1, 256), (16, 1, 1024), (16, 6, 1024), (16, 16, 1024), (24, 6, 2048), (24, 3, 1024),
          (24, 5, 1024))
+    if a.cases:
+        cases = tuple(tuple(int(x) for x in c.split("x")) for c in a.cases.split(","))
     with torch.no_grad():
         for requests, per, context in cases:
             pages = [runner.cache.allocate(context + 33) for _ in range(requests)]
@@ -159,7 +180,7 @@ def main(argv=None) -> int:
             for r, p in enumerate(pages):
                 runner.unbind(r)
                 runner.cache.release(p)
-        if a.drafter:
+        if a.drafter or a.skip_single:
             Path(a.out).write_text(json.dumps(results, indent=1))
             return 0
         single = ModelRunner(model, cfg.replace(drafter="none"), "cuda", block_width=16)
