@@ -83,6 +83,8 @@ def main(argv=None) -> int:
                     "more keep the batch full while the first ones finish)")
     ap.add_argument("--mechanisms", default=",".join([*MECHANISMS, ALL_LABEL]))
     ap.add_argument("--cost-curve", default=None, help="JSON [[tokens, seconds], ...]; default: measured")
+    ap.add_argument("--cost-context", type=int, default=None, help="keys a row attends to in the measured cost "
+                    "curve (default: mean prompt + half the new tokens)")
     ap.add_argument("--benchmarks-dir", default=None, help="the five JSONL files (default $SPECPILOT_BENCHMARKS, "
                     "../shared/benchmarks, /work/shared/benchmarks)")
     ap.add_argument("--engine", default=None, help="JSON of EngineConfig fields for every engine (e.g. a tuned "
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
         report = run_concurrency_bench(model, eos, prompts, max_new, conc, [Arrival(x) for x in a.arrival.split(",")],
                                        variants, device, requests=a.requests, rate=None, seed=a.seed, cost_curve=curve,
                                        reference=reference, progress=lambda s: print(s, flush=True),
-                                       cost_repeats=1 if a.tiny else 5, block_drafter=drafter)
+                                       cost_repeats=1 if a.tiny else 5, block_drafter=drafter,
+                                       cost_context=a.cost_context)
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
     out["report"] = report.to_dict()

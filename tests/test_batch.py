@@ -629,6 +629,20 @@ def test_concurrency_bench_reports_and_catches_mismatches():
     assert json.loads(json.dumps(report.to_dict()))["rows"][0]["variant"] == "ar"
 
 
+def test_concurrency_bench_measures_its_cost_curve_at_the_runs_context():
+    from specpilot.bench.batched import Arrival, run_concurrency_bench, standard_variants, typical_context
+    assert typical_context([("a", [1] * 10), ("b", [1] * 21)], 100) == 16 + 50
+    prompts = [(f"p{i}", list(range(3 + i, 16 + i))) for i in range(2)]  # 13 tokens each
+    said: list[str] = []
+    variants = standard_variants(ecfg(), ecfg(drafter="ngram"), ["goodput_draft"], BatchConfig(max_draft_len=2))
+    report = run_concurrency_bench(micro("g2", 0), NO_EOS, prompts, 6, [2], [Arrival.ALL], variants, "cpu",
+                                   progress=said.append, cost_repeats=1)
+    assert any(m.startswith("cost curve at 16 keys a row: ") for m in said), said
+    tokens = [n for n, _ in report.cost_curve]
+    assert tokens[0] == 1 and tokens == sorted(set(tokens)) and all(s > 0 for _, s in report.cost_curve)
+    assert report.all_match()
+
+
 def test_standard_variants_share_the_base_batch_config():
     from specpilot.bench.batched import standard_variants
     base = BatchConfig(max_batch=3, max_draft_len=7, graph_max_tokens=64)

@@ -148,15 +148,24 @@ def percentile(xs: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
 
 
+def typical_context(prompts: Sequence[tuple[str, Sequence[int]]], max_new_tokens: int) -> int:
+    """Keys a verify row attends to on average over a run: mean prompt length plus half the new tokens (a request
+    that runs to its limit spends equal time at every length)."""
+    return round(sum(len(ids) for _, ids in prompts) / len(prompts)) + max_new_tokens // 2
+
+
 def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Sequence[tuple[str, Sequence[int]]],
                           max_new_tokens: int, concurrencies: Sequence[int], arrivals: Sequence[Arrival],
                           variants: Sequence[BatchVariant], device: str, requests: int | None = None,
                           rate: float | None = None, seed: int = 0, cost_curve: CostCurve | None = None,
                           reference: dict[str, list[int]] | None = None, warmup: bool | None = None,
                           progress: Callable[[str], None] | None = None, emulate_graphs: bool = False,
-                          cost_repeats: int = 3, block_drafter: BlockDrafterModel | None = None) -> ConcurrencyReport:
+                          cost_repeats: int = 3, block_drafter: BlockDrafterModel | None = None,
+                          cost_context: int | None = None) -> ConcurrencyReport:
     """Runs every variant at every concurrency and arrival process on one shared runner (one paged cache, one
     set of CUDA graphs). reference: prompt key -> single-request output, checked for every request.
+    cost_context: the keys each row of the measured cost curve attends to (default: the run's mean context,
+    typical_context), since a verify token's cost grows with the keys it reads.
     warmup (default: on CUDA) captures every graph and runs each engine once before anything is timed.
     block_drafter: the model the drafter=block variants draft with (one batched drafter, shared)."""
     if not variants or variants[0].label != AR_LABEL or variants[0].engine.speculative:
@@ -182,8 +191,9 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     if warmup:
         say(f"captured {runner.capture_all(draft=bool(runner.drafters))} graphs")
     if cost_curve is None and any(v.batch.needs_cost_curve for v in variants):
-        cost_curve = measure_cost_curve(runner, repeats=cost_repeats)
-        say(f"cost curve: {cost_curve.points}")
+        context = typical_context(prompts, max_new_tokens) if cost_context is None else cost_context
+        cost_curve = measure_cost_curve(runner, context=context, repeats=cost_repeats)
+        say(f"cost curve at {context} keys a row: {cost_curve.points}")
     report = ConcurrencyReport(device, max_new_tokens, cost_curve=cost_curve.points if cost_curve else ())
     for c in concurrencies:
         n = requests or c
@@ -275,6 +285,9 @@ def add_concurrency_args(p: argparse.ArgumentParser) -> None:
                         "joined by + (empty: none)")
     g.add_argument("--cost-curve", default=None,
                    help="JSON [[tokens, seconds], ...] of the target forward (default: measured)")
+    g.add_argument("--cost-context", type=int, default=None,
+                   help="keys a row attends to when the cost curve is measured (default: mean prompt + half the "
+                        "new tokens)")
     g.add_argument("--batch", type=_batch_config, default=BatchConfig(),
                    help="JSON of BatchConfig fields for every variant, e.g. '{\"max_draft_len\": 32, "
                         "\"graph_max_tokens\": 1024}' (the mechanisms are turned on per variant; max_batch is each "
@@ -310,7 +323,7 @@ def bench_concurrency(args: argparse.Namespace, session, prompts, max_new_tokens
         report = run_concurrency_bench(session.target, session.eos, [(tp.key, tp.ids) for tp in mixed],
                                        max_new_tokens, args.concurrency, args.arrival, variants, session.device,
                                        requests=args.requests, rate=args.rate, cost_curve=curve,
-                                       progress=None if args.json else print)
+                                       progress=None if args.json else print, cost_context=args.cost_context)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_concurrency.json").write_text(json.dumps(report.to_dict(), indent=1))
