@@ -13,6 +13,10 @@ changes no bit), for an A/B.
 of 16 (a kernel table), after checking fused_forward's logits, argmax and KV with that table against the default's,
 bit for bit, at several token counts (exit 1 on a difference).
 
+--lookup: the same cases stepped three ways: without drafting, drafting every row with the device n-gram lookup
+(device_draft), and with the lookup plus the device policy (goodput and verify budget) and extrapolation (the "all"
+variant's step): what the lookup and the policy add to a step on the device.
+
 --attention JSON: the attention's reduction order for the whole runner (split_keys = the KV page size, block_n), as a
 kernel table entry (what a tuned table would set; the single-request reference gets it too). --cases
 RxTxC,...: (requests, tokens per request, context) cases instead of the default ones; --skip-single: no
@@ -20,6 +24,7 @@ single-request reference.
 
 Usage (PYTHONPATH=repo root): python scripts/gpu_batch_profile.py OUT.json [--max-seq-len 2560] [--drafter]
     [--splits-per-program N] [--attention '{"split_keys": 128, "block_n": 64}'] [--cases 16x6x2048] [--skip-single]
+    [--lookup]
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specpilot.engines.batch import BatchBlockDrafter, BatchConfig, BatchRunner, paged_attn
+from specpilot.engines.batch import (BatchBlockDrafter, BatchConfig, BatchNgramDrafter, BatchRunner, CostCurve,
+                                    DevicePolicy, paged_attn)
 from specpilot.engines.batch.runner import StepEntry
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
@@ -121,8 +127,20 @@ def attention_table(model, order: dict) -> tuple[tuple[str, str], ...]:
     return ((table_key("attention", sh.q_dim, sh.kv_dim, 1), json.dumps(order)),)
 
 
+def lookups(cfg: EngineConfig, rows: int, vocab: int) -> list[BatchNgramDrafter]:
+    """device_draft's lookup, and all's (with the device policy, staged as one "all" step, and extrapolation)."""
+    policy = DevicePolicy(rows, 32, "cuda")
+    policy.set_curve(CostCurve(((1, 1.05e-3), (16, 1.11e-3), (64, 1.51e-3), (128, 1.88e-3), (1024, 8e-3))))
+    policy.stage(goodput=True, budget=True, k_max=32, fixed_s=1.1e-3, token_s=6e-6, overhead_s=4e-4, budget_cap=0,
+                 prior=0.5, decay=0.7, remaining={r: 1000 for r in range(rows)}, fresh=[])
+    return [BatchNgramDrafter(rows, cfg.max_seq_len, 32, cfg.ngram_min, cfg.ngram_max, "cuda"),
+            BatchNgramDrafter(rows, cfg.max_seq_len, 32, cfg.ngram_min, cfg.ngram_max, "cuda", policy=policy,
+                              extrapolate=True, vocab=vocab)]
+
+
 def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, row_tile: int = 16,
-                         attention: dict | None = None) -> tuple[BatchRunner, object, EngineConfig]:
+                         attention: dict | None = None, lookup: bool = False
+                         ) -> tuple[BatchRunner, object, EngineConfig]:
     """(runner, model, cfg): random SmolLM2-135M weights in bf16 behind the batched bench's runner (24 rows,
     drafts up to 32 tokens, graphs up to 1024 tokens), optionally with a random block-16 drafter."""
     model = random_model(SMOLLM2_135M, torch.bfloat16, "cuda", seed=0)
@@ -139,8 +157,9 @@ def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, r
     if block_drafter:
         d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
         drafter = BatchBlockDrafter(d, model, 24, max_seq_len, "cuda")
+    drafters = [drafter] if drafter else lookups(cfg, 24, SMOLLM2_135M.vocab) if lookup else []
     runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
-                         max_block=33, drafters=[drafter] if drafter else [])
+                         max_block=33, drafters=drafters)
     return runner, model, cfg
 
 
@@ -154,11 +173,12 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default=None, help="JSON: split_keys / block_n for every attention call")
     ap.add_argument("--cases", default=None, help="RxTxC,...: requests x tokens per request x context")
     ap.add_argument("--skip-single", action="store_true")
+    ap.add_argument("--lookup", action="store_true")
     a = ap.parse_args(argv)
     if a.splits_per_program is not None:
         paged_attn.SPLITS_PER_PROGRAM = a.splits_per_program
     runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter, a.row_tile,
-                                              json.loads(a.attention) if a.attention else None)
+                                              json.loads(a.attention) if a.attention else None, a.lookup)
     print(f"attention page {runner.page} keys", flush=True)
     results = []
     cases = ((16, 8, 1024), (24, 6, 2048)) if a.drafter else \
@@ -172,15 +192,16 @@ def main(argv=None) -> int:
             for r, p in enumerate(pages):
                 runner.bind(r, p)
             entries = [StepEntry(r, [1] * per, context) for r in range(requests)]
-            for draft in (False, True) if a.drafter else (False,):
-                measure(results, f"batched {requests} x {per} tokens at context {context}"
-                        + (f", drafting={draft}" if a.drafter else ""),
+            steps = {"plain": None, "lookup": runner.drafters[0], "lookup+policy+extrapolate": runner.drafters[1]} \
+                if a.lookup else {"drafting=False": None, "drafting=True": True} if a.drafter else {"": None}
+            for name, draft in steps.items():
+                measure(results, f"batched {requests} x {per} tokens at context {context}" + (f", {name}" if name else ""),
                         lambda: runner.launch(entries, draft=draft).result(), requests=requests,
-                        tokens_per_request=per, context=context, draft=draft)
+                        tokens_per_request=per, context=context, draft=name or False)
             for r, p in enumerate(pages):
                 runner.unbind(r)
                 runner.cache.release(p)
-        if a.drafter or a.skip_single:
+        if a.drafter or a.lookup or a.skip_single:
             Path(a.out).write_text(json.dumps(results, indent=1))
             return 0
         single = ModelRunner(model, cfg.replace(drafter="none"), "cuda", block_width=16)
