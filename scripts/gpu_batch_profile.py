@@ -15,7 +15,8 @@ bit for bit, at several token counts (exit 1 on a difference).
 
 --lookup: the same cases stepped three ways: without drafting, drafting every row with the device n-gram lookup
 (device_draft), and with the lookup plus the device policy (goodput and verify budget) and extrapolation (the "all"
-variant's step): what the lookup and the policy add to a step on the device.
+variant's step): what the lookup and the policy add to a step on the device. --eager: the policy and the
+extrapolation not torch.compile'd (their default on CUDA).
 
 --attention JSON: the attention's reduction order for the whole runner (split_keys = the KV page size, block_n), as a
 kernel table entry (what a tuned table would set; the single-request reference gets it too). --cases
@@ -127,19 +128,19 @@ def attention_table(model, order: dict) -> tuple[tuple[str, str], ...]:
     return ((table_key("attention", sh.q_dim, sh.kv_dim, 1), json.dumps(order)),)
 
 
-def lookups(cfg: EngineConfig, rows: int, vocab: int) -> list[BatchNgramDrafter]:
+def lookups(cfg: EngineConfig, rows: int, vocab: int, compiled: bool = True) -> list[BatchNgramDrafter]:
     """device_draft's lookup, and all's (with the device policy, staged as one "all" step, and extrapolation)."""
-    policy = DevicePolicy(rows, 32, "cuda")
+    policy = DevicePolicy(rows, 32, "cuda", compiled=compiled)
     policy.set_curve(CostCurve(((1, 1.05e-3), (16, 1.11e-3), (64, 1.51e-3), (128, 1.88e-3), (1024, 8e-3))))
     policy.stage(goodput=True, budget=True, k_max=32, fixed_s=1.1e-3, token_s=6e-6, overhead_s=4e-4, budget_cap=0,
                  prior=0.5, decay=0.7, remaining={r: 1000 for r in range(rows)}, fresh=[])
     return [BatchNgramDrafter(rows, cfg.max_seq_len, 32, cfg.ngram_min, cfg.ngram_max, "cuda"),
             BatchNgramDrafter(rows, cfg.max_seq_len, 32, cfg.ngram_min, cfg.ngram_max, "cuda", policy=policy,
-                              extrapolate=True, vocab=vocab)]
+                              extrapolate=True, vocab=vocab, compiled=compiled)]
 
 
 def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, row_tile: int = 16,
-                         attention: dict | None = None, lookup: bool = False
+                         attention: dict | None = None, lookup: bool = False, compiled: bool = True
                          ) -> tuple[BatchRunner, object, EngineConfig]:
     """(runner, model, cfg): random SmolLM2-135M weights in bf16 behind the batched bench's runner (24 rows,
     drafts up to 32 tokens, graphs up to 1024 tokens), optionally with a random block-16 drafter."""
@@ -157,7 +158,7 @@ def smollm2_batch_runner(max_seq_len: int = 2560, block_drafter: bool = False, r
     if block_drafter:
         d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
         drafter = BatchBlockDrafter(d, model, 24, max_seq_len, "cuda")
-    drafters = [drafter] if drafter else lookups(cfg, 24, SMOLLM2_135M.vocab) if lookup else []
+    drafters = [drafter] if drafter else lookups(cfg, 24, SMOLLM2_135M.vocab, compiled) if lookup else []
     runner = BatchRunner(model, cfg, BatchConfig(max_batch=24, max_draft_len=32, graph_max_tokens=1024), "cuda",
                          max_block=33, drafters=drafters)
     return runner, model, cfg
@@ -174,11 +175,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=None, help="RxTxC,...: requests x tokens per request x context")
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--lookup", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="--lookup: the policy and extrapolation not compiled")
     a = ap.parse_args(argv)
     if a.splits_per_program is not None:
         paged_attn.SPLITS_PER_PROGRAM = a.splits_per_program
     runner, model, cfg = smollm2_batch_runner(a.max_seq_len, a.drafter, a.row_tile,
-                                              json.loads(a.attention) if a.attention else None, a.lookup)
+                                              json.loads(a.attention) if a.attention else None, a.lookup,
+                                              not a.eager)
     print(f"attention page {runner.page} keys", flush=True)
     results = []
     cases = ((16, 8, 1024), (24, 6, 2048)) if a.drafter else \

@@ -29,7 +29,9 @@ class BatchNgramDrafter:
 
     def __init__(self, rows: int, capacity: int, depth: int, ngram_min: int, ngram_max: int,
                  device: str | torch.device, policy: DevicePolicy | None = None, extrapolate: bool = False,
-                 vocab: int = 0):
+                 vocab: int = 0, compiled: bool | None = None):
+        """compiled: torch.compile extrapolate_rows (default: on CUDA; ~40 small kernels eager, see
+        device_policy.py)."""
         if rows < 1 or capacity < 1 or depth < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}, depth={depth}: all must be >= 1")
         if not 1 <= ngram_min <= ngram_max:
@@ -42,6 +44,9 @@ class BatchNgramDrafter:
         if extrapolate and vocab < 1:
             raise ValueError("extrapolate needs the vocabulary size (its ids bound the extrapolated tokens)")
         self.extrapolate, self.vocab = extrapolate, vocab  # drafting.extrapolate_period's rule, on every row
+        fused = torch.device(device).type == "cuda" if compiled is None else compiled
+        self._extrapolate_rows = torch.compile(extrapolate_rows, fullgraph=True, dynamic=False) if fused \
+            else extrapolate_rows
         self.columns = 1 + depth  # per row: how many tokens are proposed, then the tokens
         # [rows + 1, ...]: the extra row takes padding tokens and rows outside the step; the tail past capacity
         # is read (not proposed) when a match's continuation runs to the end of the context
@@ -71,7 +76,7 @@ class BatchNgramDrafter:
                                                      self.depth)
         proposed = torch.where(active, proposed, 0)
         if self.extrapolate:
-            drafts = extrapolate_rows(self.tokens[:self.rows], pos + 1, first, drafts, proposed, self.vocab)
+            drafts = self._extrapolate_rows(self.tokens[:self.rows], pos + 1, first, drafts, proposed, self.vocab)
         if self.policy is not None:
             if accepted is None or drafted is None:
                 raise ValueError("a lookup with a policy needs the step's accepted and drafted counts")
