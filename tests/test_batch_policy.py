@@ -95,3 +95,48 @@ def test_device_policy_edge_cases():
                 goodput=False) == [0, 2, 1]
     with pytest.raises(ValueError, match="depth"):
         step([0, 0, 0], [0, 0, 0], [0, 0, 0], [9, 9, 9], {}, k_max=5)
+
+
+def test_compiled_policy_and_extrapolation_equal_eager():
+    """The CUDA path torch.compiles the decision and extrapolate_rows (device_policy.py); here Inductor's CPU code
+    against eager, step after step, on the same inputs (both policies keep their own estimates)."""
+    from specpilot.engines.batch.ngram_drafting import extrapolate_rows
+    rng = torch.Generator().manual_seed(3)
+    rows, depth = 8, 12
+    eager, fused = DevicePolicy(rows, depth, "cpu"), DevicePolicy(rows, depth, "cpu", compiled=True)
+    for pol in (eager, fused):
+        pol.set_curve(CURVE)
+    for step in range(12):
+        remaining = {r: int(n) for r, n in enumerate(torch.randint(0, 60, (rows,), generator=rng)) if n % 7}
+        fresh = [step % rows]
+        for pol in (eager, fused):
+            pol.stage(goodput=step % 3 != 1, budget=step % 2 == 0, k_max=depth, fixed_s=1e-3, token_s=6e-6,
+                      overhead_s=4e-4, budget_cap=0 if step % 4 else 9, prior=PRIOR, decay=DECAY,
+                      remaining=remaining, fresh=fresh)
+        drafted = torch.randint(0, depth + 1, (rows,), generator=rng)
+        accepted = torch.minimum(drafted, torch.randint(0, depth + 1, (rows,), generator=rng))
+        args = (torch.randint(0, depth + 1, (rows,), generator=rng), accepted, drafted,
+                torch.randint(-1, 50, (rows,), generator=rng))
+        assert eager.apply(*args).tolist() == fused.apply(*args).tolist(), f"step {step}"
+        assert torch.equal(eager.successes, fused.successes) and torch.equal(eager.trials, fused.trials)
+    # extrapolate_rows over counting loops (a period of 4-9 tokens, one of them a count going up by 1-3 a period),
+    # where the lookup's match is one period back, and over random rows (no period: left as they are)
+    fused_rows = torch.compile(extrapolate_rows, fullgraph=True, dynamic=False)
+    width = 200 + depth + 2
+    tokens = torch.randint(0, 50, (rows, width), generator=rng)
+    length, first = torch.full((rows,), 150), torch.full((rows,), 140)
+    drafts = torch.randint(0, 50, (rows, depth), generator=rng)
+    proposed = torch.randint(1, depth + 1, (rows,), generator=rng)
+    for r in range(rows // 2):
+        period = 4 + r
+        pattern = torch.randint(0, 50, (period,), generator=rng)
+        step_by = 1 + r % 3
+        seq = torch.cat([torch.cat([pattern[:1], torch.tensor([200 + step_by * i]), pattern[2:]]) for i in range(40)])
+        tokens[r, :150] = seq[:150]
+        first[r] = 150 - period
+        k = min(period, depth)
+        drafts[r, :k], proposed[r] = tokens[r, 150 - period:150 - period + k], k
+    want = extrapolate_rows(tokens, length, first, drafts, proposed, 49152)
+    assert torch.equal(fused_rows(tokens, length, first, drafts, proposed, 49152), want)
+    continued = (want != drafts).any(1)
+    assert continued[:rows // 2].all() and not continued[rows // 2:].any()
