@@ -9,6 +9,7 @@ proposals inside periodic text continue its counts (extrapolate_period).
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Protocol, Sequence
 
 from specpilot.engines.drafters.base import Drafter
@@ -33,7 +34,7 @@ def extrapolate_period(context: Sequence[int], first: int, proposal: list[int], 
     p = len(context) - first
     if p < PERIOD_MIN or first < p:
         return proposal
-    agree = sum(context[first + i] == context[first + i - p] for i in range(p))
+    agree = sum(map(operator.eq, context[first:first + p], context[first - p:first]))  # C loops: ~10x a genexpr
     if 10 * agree < AGREE_TENTHS * p:
         return proposal
     out = []
