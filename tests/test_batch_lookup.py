@@ -170,14 +170,21 @@ def counting(start: int, step: int, periods: int, tail: int) -> list[int]:
 
 
 def test_extrapolate_period_continues_a_count():
-    """The lookup copies the last period (the old number); extrapolated, the proposal counts on; text whose last
-    two periods mostly differ, or a step past the vocabulary, stays a copy."""
+    """The lookup copies the last period (the old number); extrapolated, the proposal counts on, and a proposal of
+    the whole period goes on repeating it, counting, up to the draft length; text whose last two periods mostly
+    differ stays a copy, and a step past the vocabulary stays the old token."""
     seq = counting(214, 2, 2, 2)  # ... 100 101 2 1 6 102 103 | 100 101 -> the lookup's match: "if n ==" 2 1 6
     plain = NgramChainDrafter(8, 4, 1).propose(seq, 8)
     ext = NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=200).propose(seq, 8)
-    assert plain == [DIGIT + 2, DIGIT + 1, DIGIT + 6, 102, 103, 100, 101]
-    assert ext == [DIGIT + 2, DIGIT + 1, DIGIT + 8, 102, 103, 100, 101]  # 216 -> 218
-    assert NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=DIGIT + 7).propose(seq, 8) == plain  # 18 >= vocab
+    assert plain == [DIGIT + 2, DIGIT + 1, DIGIT + 6, 102, 103, 100, 101]  # one period: the lookup stops there
+    assert ext == [DIGIT + 2, DIGIT + 1, DIGIT + 8, 102, 103, 100, 101, DIGIT + 2]  # 216 -> 218, then "2" of 220
+    # 18 >= vocab: the old digit, still repeated
+    assert NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=DIGIT + 7).propose(seq, 8) == plain + [DIGIT + 2]
+    # no carry: 211 212 | 100 101 -> 2 1 3 ... 2 1 4 ... 2 1 5, three periods ahead, cut at the draft length
+    seq = counting(211, 1, 2, 2)
+    want = [t for n in (213, 214, 215) for t in [DIGIT + 2, DIGIT + 1, DIGIT + n % 10, 102, 103, 100, 101]]
+    assert NgramChainDrafter(32, 4, 1, extrapolate=True, vocab=200).propose(seq, 19) == want[:19]
+    assert NgramChainDrafter(32, 4, 1, extrapolate=True, vocab=200).propose(seq, 5) == want[:5]  # within the period
     noisy = [100, 101, 1, 2, 3, 4, 5, 6, 100, 101, 7, 8, 9, 10, 11, 12, 100, 101]  # periods agree on 2 of 8
     assert NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=200).propose(noisy, 8) == \
         NgramChainDrafter(8, 4, 1).propose(noisy, 8)
@@ -198,8 +205,9 @@ def test_extrapolated_rows_equal_the_host_drafter():
     positions = torch.tensor([len(s) - 1 for s in seqs])
     for kernel in (False, True):
         drafts, proposed, first = batch_ngram_lookup(buf, positions, 1, 4, 8, kernel=kernel)
-        ext = extrapolate_rows(buf, positions + 1, first, drafts, proposed, 200)
+        ext, count = extrapolate_rows(buf, positions + 1, first, drafts, proposed, 200)
         for r, s in enumerate(seqs):
             want = NgramChainDrafter(8, 4, 1, extrapolate=True, vocab=200).propose(s, 8)
-            assert ext[r, :proposed[r]].tolist() == want, (kernel, r)
+            assert ext[r, :count[r]].tolist() == want, (kernel, r)
     assert not torch.equal(ext, drafts)  # some count went on
+    assert (count > proposed).any()  # some loop was repeated past its period

@@ -136,7 +136,8 @@ def test_compiled_policy_and_extrapolation_equal_eager():
         first[r] = 150 - period
         k = min(period, depth)
         drafts[r, :k], proposed[r] = tokens[r, 150 - period:150 - period + k], k
-    want = extrapolate_rows(tokens, length, first, drafts, proposed, 49152)
-    assert torch.equal(fused_rows(tokens, length, first, drafts, proposed, 49152), want)
+    want, count = extrapolate_rows(tokens, length, first, drafts, proposed, 49152)
+    got, got_count = fused_rows(tokens, length, first, drafts, proposed, 49152)
+    assert torch.equal(got, want) and torch.equal(got_count, count)
     continued = (want != drafts).any(1)
     assert continued[:rows // 2].all() and not continued[rows // 2:].any()

@@ -26,21 +26,27 @@ class ChainDrafter(Protocol):
 PERIOD_MIN, AGREE_TENTHS, STEP_MAX = 4, 7, 9
 
 
-def extrapolate_period(context: Sequence[int], first: int, proposal: list[int], vocab: int) -> list[int]:
-    """A lookup's proposal (context[first:], the text after the matched n-gram's last occurrence) continued one period
-    on: the period is p = len(context) - first (the match sits p tokens back); where the last two periods agree
-    mostly (PERIOD_MIN, AGREE_TENTHS), a token that changed between them by 0 < |d| <= STEP_MAX ids becomes token + d
-    (digits are consecutive ids: a count goes on counting), if that is an id below `vocab`. Else the proposal."""
+def extrapolate_period(context: Sequence[int], first: int, proposal: list[int], vocab: int,
+                       k: int | None = None) -> list[int]:
+    """A lookup's proposal (context[first:], the text after the matched n-gram's last occurrence) continued period by
+    period: the period is p = len(context) - first (the match sits p tokens back); where the last two periods agree
+    mostly (PERIOD_MIN, AGREE_TENTHS), the token m periods on from one that changed between them by 0 < |d| <=
+    STEP_MAX ids is token + m * d (digits are consecutive ids: a count goes on counting), if that is an id below
+    `vocab`. A proposal that ran to the context's end (all p tokens) goes on repeating the period up to k tokens (the
+    lookup alone proposes one period a step in a loop). Else the proposal."""
     p = len(context) - first
     if p < PERIOD_MIN or first < p:
         return proposal
-    agree = sum(map(operator.eq, context[first:first + p], context[first - p:first]))  # C loops: ~10x a genexpr
+    last, prev = context[first:], context[first - p:first]
+    agree = sum(map(operator.eq, last, prev))  # C loops: ~10x a generator
     if 10 * agree < AGREE_TENTHS * p:
         return proposal
+    count = max(len(proposal), k or 0) if len(proposal) == p else len(proposal)
     out = []
-    for j, tok in enumerate(proposal):
-        d = tok - context[first + j - p]
-        out.append(tok + d if 0 < abs(d) <= STEP_MAX and 0 <= tok + d < vocab else tok)
+    for j in range(count):
+        m, base = j // p + 1, last[j % p]  # the proposal's token j is the last period's (j % p), m periods on
+        d = base - prev[j % p]
+        out.append(base + m * d if 0 < abs(d) <= STEP_MAX and 0 <= base + m * d < vocab else base)
     return out
 
 
@@ -83,8 +89,8 @@ class NgramChainDrafter:
             prop = list(seq[a:a + k])
             if len(prop) < k and a + len(prop) >= len(seq):
                 prop += list(tail[max(0, a - len(seq)):max(0, a - len(seq)) + k - len(prop)])
-            if prop and self.extrapolate:  # (proposals never reach past the context: at most one period)
-                return extrapolate_period(list(seq) + list(tail), a, prop, self.vocab)
+            if prop and self.extrapolate:  # (the lookup never reaches past the context: at most one period)
+                return extrapolate_period(list(seq) + list(tail), a, prop, self.vocab, k)
             if prop:
                 return prop
         return []

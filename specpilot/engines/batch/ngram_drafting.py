@@ -76,7 +76,8 @@ class BatchNgramDrafter:
                                                      self.depth)
         proposed = torch.where(active, proposed, 0)
         if self.extrapolate:
-            drafts = self._extrapolate_rows(self.tokens[:self.rows], pos + 1, first, drafts, proposed, self.vocab)
+            drafts, proposed = self._extrapolate_rows(self.tokens[:self.rows], pos + 1, first, drafts, proposed,
+                                                      self.vocab)
         if self.policy is not None:
             if accepted is None or drafted is None:
                 raise ValueError("a lookup with a policy needs the step's accepted and drafted counts")
@@ -123,20 +124,27 @@ def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min:
 
 
 def extrapolate_rows(tokens: torch.Tensor, length: torch.Tensor, first: torch.Tensor, drafts: torch.Tensor,
-                     proposed: torch.Tensor, vocab: int) -> torch.Tensor:
+                     proposed: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """drafting.extrapolate_period for every row at once (fixed shapes, no host sync): tokens [rows, L] (row r's
-    context 0..length[r]-1), each lookup's continuation start `first` and drafts [rows, k] (the first proposed[r]
-    of them proposed) -> the drafts, counts continued where the last two periods mostly agree."""
+    context 0..length[r]-1), each lookup's continuation start `first`, drafts [rows, k] (the first proposed[r] of
+    them proposed) -> (drafts, proposed): counts continued, and a whole period proposed repeated up to k tokens,
+    where the last two periods mostly agree."""
     p = length - first
+    last_col = tokens.shape[1] - 1
     cols = torch.arange(tokens.shape[1], device=tokens.device)
     in_period = (cols[None, :] >= first[:, None]) & (cols[None, :] < length[:, None])
     before = tokens.gather(1, (cols[None, :] - p[:, None]).clamp(min=0))
     agree = ((tokens == before) & in_period).sum(1)
     periodic = (p >= PERIOD_MIN) & (first >= p) & (10 * agree >= AGREE_TENTHS * p) & (proposed > 0)
-    j = torch.arange(drafts.shape[1], device=drafts.device)
-    d = drafts - tokens.gather(1, (first[:, None] + j[None, :] - p[:, None]).clamp(min=0))
-    new = drafts + d
-    step = periodic[:, None] & (j[None, :] < proposed[:, None]) & (d != 0) & (d.abs() <= STEP_MAX) & (new >= 0) & \
-        (new < vocab)
-    return torch.where(step, new, drafts)
+    k = drafts.shape[1]
+    j = torch.arange(k, device=drafts.device)
+    period = p.clamp(min=1)[:, None]  # (rows that are not periodic read junk here, then keep their drafts)
+    at = (first[:, None] + j[None, :] % period).clamp(0, last_col)  # the last period's token j % p
+    base = tokens.gather(1, at)
+    d = base - tokens.gather(1, (at - period).clamp(0, last_col))
+    new = base + (j[None, :] // period + 1) * d
+    moved = (d != 0) & (d.abs() <= STEP_MAX) & (new >= 0) & (new < vocab)
+    count = torch.where(periodic & (proposed == p), k, proposed)  # a whole period: the loop goes on
+    keep = periodic[:, None] & (j[None, :] < count[:, None])
+    return torch.where(keep, torch.where(moved, new, base), drafts), count
 
