@@ -148,7 +148,8 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      frozenset({DirectionName.OVERHEAD}), _NGRAM, _CUDA, regimes=_BATCHED),
     CatalogMechanism("extrapolate", MechanismCategory.ALGORITHM,
                      "batched engine: prompt lookup inside periodic text proposes the next value of a token that steps "
-                     "between periods (a count), not a copy of the last one",
+                     "between periods (a count), not a copy of the last one, and goes on repeating the loop up to the "
+                     "draft length",
                      (Knob("extrapolate", _CHOICE, choices=(False, True), target=_BATCH),),
                      frozenset({DirectionName.TREE_SHAPE}), _NGRAM, regimes=_BATCHED),
     CatalogMechanism("draft_model_length", MechanismCategory.ALGORITHM, "draft model: draft tokens per step",

@@ -12,8 +12,9 @@ The mechanisms (each alone or together; MECHANISMS names their deltas from stock
 - overlap_draft (c's host-side predecessor, kept as a knob): while the GPU verifies step s, the host drafts step
   s+1 for the outcome "every draft token accepted" and keeps it when that outcome happens. Excludes device_draft.
 - extrapolate (d): where the text repeats with a period and a token changes by a small id step from one period to
-  the next (a count: `if n == 216:` ... `if n == 218:`), the lookup proposes the next step instead of a copy
-  (drafting.extrapolate_period). The bench's run was as long as its one counting request (notes/h200.md, session 18).
+  the next (a count: `if n == 216:` ... `if n == 218:`), the lookup proposes the next step instead of a copy, and a
+  proposal of the whole period goes on repeating the loop up to the draft length (drafting.extrapolate_period). The
+  bench's run was as long as its one counting request (notes/h200.md, sessions 18-19).
 "all" is a, b, c and d (ALL_MECHANISMS). Stock (all off) is what SGLang / vLLM ship for n-gram: a fixed draft length
 for every request, every step, drafted on the host.
 """
