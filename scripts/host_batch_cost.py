@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     base = BatchConfig(max_batch=a.concurrency, max_draft_len=a.max_draft_len, cost_curve=H200_CURVE)
     spec = ar.replace(drafter=DrafterKind.NGRAM)
     variants = standard_variants(ar, spec, ["goodput_draft", "verify_budget", "overlap_draft", "device_draft",
-                                            ALL_LABEL], base)
+                                            "extrapolate", ALL_LABEL], base)
     # "all" before device_draft existed: every mechanism drafting on the host
     variants.append(BatchVariant("all, host drafting", spec, base.replace(
         **mechanism_fields("goodput_draft", "verify_budget", "overlap_draft"))))

@@ -725,8 +725,9 @@ def test_host_cost_harness_replays_known_outputs_through_the_engine(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "variant" not in line]
     tok_step = {r.split("|")[1].strip(): float(r.split("|")[3]) for r in rows}
     predicted = {r.split("|")[1].strip(): float(r.split("|")[7]) for r in rows}  # equal host cost per step
-    assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "device_draft", "all",
-                             "all, host drafting", "goodput_draft+verify_budget", "oracle-cut lookup"}
+    assert set(tok_step) == {"ar", "stock", "goodput_draft", "verify_budget", "overlap_draft", "device_draft",
+                             "extrapolate", "all", "all, host drafting", "goodput_draft+verify_budget",
+                             "oracle-cut lookup"}
     # the lookup on the device proposes what the host's does: the same steps, tokens and forwards as stock
     assert tok_step["device_draft"] == tok_step["stock"] and predicted["device_draft"] == predicted["stock"]
     assert 1.0 <= tok_step["ar"] < 1.1 and tok_step["stock"] > 1.5  # (prefill commits one token with no decode row)

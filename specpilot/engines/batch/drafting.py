@@ -90,7 +90,8 @@ class NgramChainDrafter:
             if len(prop) < k and a + len(prop) >= len(seq):
                 prop += list(tail[max(0, a - len(seq)):max(0, a - len(seq)) + k - len(prop)])
             if prop and self.extrapolate:  # (the lookup never reaches past the context: at most one period)
-                return extrapolate_period(list(seq) + list(tail), a, prop, self.vocab, k)
+                context = seq if not tail else list(seq) + list(tail)  # (no copy of the context a step)
+                return extrapolate_period(context, a, prop, self.vocab, k)
             if prop:
                 return prop
         return []
