@@ -57,16 +57,18 @@ class LinearParams(LaunchParams):
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES): a reduction-order field
     split_k: int = 1  # K runs per output tile, added in a fixed order: a reduction-order field (more programs)
     early_residual: bool = True  # load residual and bias before the K loop, not after it (latency: T-neutral)
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual")
+    w_preload: bool = False  # preload_chunks: the whole W tile loaded before the predecessor wait (T-neutral)
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual", "w_preload")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
-                                                "early_residual": (False, True)}
+                                                "early_residual": (False, True), "w_preload": (False, True)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.early_residual, bool):
-            raise ValueError(f"early_residual={self.early_residual!r} must be a bool")
+        for name in ("early_residual", "w_preload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
 
 
 @triton.jit
@@ -106,6 +108,32 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
                     acc2 += tl.load(base + (SPLIT_K + s) * SZ + offs, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tile, 0)
     return acc, acc2, last
+
+
+# w_preload: a program loads its whole W tile (every K chunk, as registers) before it waits for its predecessor,
+# so after the wait only the activations' L2 trip and the dots remain on its critical path (the pipelined K loop
+# starts its W loads after the wait; PDL's L2 prefetch only shortens them). Only for tiles up to this size (the
+# launch-bound small matrices: SmolLM2's W tiles are 18-48 KiB), bf16/fp16 W, and no split-K; larger tiles keep
+# the K loop. The same dots in the same order: the same bits.
+PRELOAD_MAX_BYTES = 64 << 10
+
+
+def preload_chunks(w_preload: bool, w12: bool, split_k: int, block_n: int, k: int, block_k: int, elem_size: int,
+                   pair: bool = False) -> int:
+    """The W_PRELOAD constexpr of a launch: how many K chunks its programs load before the wait (0: none)."""
+    chunks = triton.cdiv(k, block_k)
+    tile_bytes = (2 if pair else 1) * block_n * chunks * block_k * elem_size
+    return chunks if w_preload and not w12 and split_k == 1 and tile_bytes <= PRELOAD_MAX_BYTES else 0
+
+
+@triton.jit
+def preload_w(w_cols, ks, col_ok, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+    """The W tile's CHUNKS K chunks, each [BLOCK_K, BLOCK_N] and masked as the K loop masks them, loaded at once."""
+    tiles = ()
+    for c in tl.static_range(CHUNKS):
+        kk = c * BLOCK_K + ks
+        tiles = tiles + (tl.load(w_cols + kk[:, None], mask=(kk < K)[:, None] & col_ok[None, :], other=0.0),)
+    return tiles
 
 
 # A split-K launch covers at most this many token rows (a longer T, e.g. a prefill, is launched in row chunks):
@@ -192,12 +220,23 @@ def _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS: tl.cons
     return bias, r
 
 
+@triton.jit
+def _x_chunk(x_rows, kk, row_ok, K, SWIGLU: tl.constexpr):
+    """The dot's left operand for K columns kk: x, or silu(gate) * up from the gate_up rows."""
+    xm = row_ok[:, None] & (kk < K)[None, :]
+    if SWIGLU:
+        g = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
+        u = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0)
+        return silu_mul(g, u)
+    return tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
                    ws_ptr, cnt_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-                   EARLY_RES: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                   EARLY_RES: tl.constexpr = 0, W_PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = 0,
                    PF_LINES: tl.constexpr = 16):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
@@ -214,7 +253,9 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
-    if not W12:
+    if W_PRELOAD > 0:  # the whole W tile now, while the predecessor still runs (weights are never written)
+        w_pre = preload_w(w_cols, ks, col_ok, K, BLOCK_K, W_PRELOAD)
+    elif not W12:
         prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -224,22 +265,24 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
         lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
-    for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < K
-        xm = row_ok[:, None] & k_ok[None, :]
-        if SWIGLU:
-            g = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-            u = tl.load(x_rows + K + kk[None, :], mask=xm, other=0.0)
-            a = silu_mul(g, u)
-        else:
-            a = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
-        wm = k_ok[:, None] & col_ok[None, :]
-        if W12:
-            w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk, wm)
-        else:
-            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
+    if W_PRELOAD > 0:  # every x chunk loaded before the first dot (one L2 trip), then the same dot chain
+        xs = ()
+        for c in tl.static_range(W_PRELOAD):
+            xs = xs + (_x_chunk(x_rows, c * BLOCK_K + ks, row_ok, K, SWIGLU),)
+        for c in tl.static_range(W_PRELOAD):
+            acc = tile_mac(xs[c], w_pre[c], acc, DOT_PREC, BLOCK_M)
+    else:
+        for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a = _x_chunk(x_rows, kk, row_ok, K, SWIGLU)
+            wm = k_ok[:, None] & col_ok[None, :]
+            if W12:
+                w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk,
+                                       wm)
+            else:
+                w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, BLOCK_M, BLOCK_N)
     if not EARLY_RES:
         bias, r = _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS, HAS_RES)
@@ -270,9 +313,9 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-            split_k: int = 1, early_residual: bool = True) -> torch.Tensor:
+            split_k: int = 1, early_residual: bool = True, w_preload: bool = False) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
-                 split_k=split_k, early_residual=early_residual)
+                 split_k=split_k, early_residual=early_residual, w_preload=w_preload)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -295,13 +338,15 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
     pdl = pdl_launch(dev, N, K, x.element_size())
+    preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size())
     for r0, r1, grid, ws, counters, per_split in split_launches(dev, T, N, K, block_k, row_tile, bn, split_k):
         res = x if residual is None else residual[r0:r1]
         _linear_kernel[grid](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws, counters, r1 - r0,
                              N, K, per_split, x.shape[1], SWIGLU=swiglu,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
                              W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                             EARLY_RES=int(early_residual), num_warps=num_warps, num_stages=stages, **pdl)
+                             EARLY_RES=int(early_residual), W_PRELOAD=preload, num_warps=num_warps,
+                             num_stages=stages, **pdl)
     return out
 
 
@@ -309,21 +354,21 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-           early_residual: bool = True) -> torch.Tensor:
+           early_residual: bool = True, w_preload: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
-                   split_k, early_residual)
+                   split_k, early_residual, w_preload)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                  split_k: int = 1, early_residual: bool = True) -> torch.Tensor:
+                  split_k: int = 1, early_residual: bool = True, w_preload: bool = False) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -331,4 +376,4 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
-                   row_tile, split_k, early_residual)
+                   row_tile, split_k, early_residual, w_preload)
