@@ -6,6 +6,7 @@
 #    shapes (default/table > 1:
 #    the default is faster; < 1: the table's setting is).
 #   OUT=... bash scripts/gpu_latency_ab.sh act-prefetch2 early-residual
+#   OUT=... SHAPES=smollm2-135m:smollm2:30 TABLES=notes/h200-s20 bash scripts/gpu_latency_ab.sh w-preload
 # Run from the repo root of a snapshot (.gpu/src). Logs under $OUT; the A/B rows last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,10 @@ export PYTHONPATH="$PWD"
 python3 scripts/gpu_norm_bits.py 2>&1 | tail -2
 python3 -m pytest -q -x tests/test_kernels.py -k "attention" > "$OUT/attention-tests.txt" 2>&1
 echo "attention tests rc=$? ($(tail -1 "$OUT/attention-tests.txt"))"
+python3 -m pytest -q -x tests/test_w_preload.py > "$OUT/w-preload-tests.txt" 2>&1
+echo "w_preload tests rc=$? ($(tail -1 "$OUT/w-preload-tests.txt"))"
 for name in "$@"; do
-  for pair in smollm2-135m:smollm2:30 llama3-8b:llama8b:15; do
+  for pair in ${SHAPES:-smollm2-135m:smollm2:30 llama3-8b:llama8b:15}; do
     IFS=: read -r shape short reps <<< "$pair"
     python3 scripts/gpu_step_ab.py "$OUT/ab-$name-$short.json" --shape "$shape" \
       --table "${TABLES:-notes/h200-s13}-$name-$short.json" --contexts "${CONTEXTS:-128,2048}" --rounds "${ROUNDS:-4}" \

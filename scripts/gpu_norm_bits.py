@@ -1,5 +1,5 @@
 """GPU check: the norm + projection kernels give the same bits with every T-neutral latency setting
-(stat_unroll, act_prefetch), and `linear` with early_residual, at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16
+(stat_unroll, act_prefetch, w_preload), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16
 (the CPU tests run small shapes).
 
 python3 scripts/gpu_norm_bits.py
@@ -45,6 +45,10 @@ def main() -> None:
                 got = run(stat_unroll=unroll, act_prefetch=pf)
                 assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, unroll, pf)
                 checked += 1
+            for kw in ({"w_preload": True}, {"w_preload": True, "num_warps": 8}, {"w_preload": True, "block_n": 32}):
+                got = run(**kw)  # at Llama-3-8B shapes the tiles are too large: the K loop runs (same bits too)
+                assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, kw)
+                checked += 1
             Wo = (torch.randn(h, s.intermediate, generator=g, device=dev) * s.intermediate ** -0.5).to(torch.bfloat16)
             a = torch.randn(T, s.intermediate, generator=g, device=dev).to(torch.bfloat16)
             bias = torch.randn(h, generator=g, device=dev).to(torch.bfloat16)
@@ -52,6 +56,10 @@ def main() -> None:
                 want = linear(a, Wo, r, bias=bias, split_k=split).view(torch.int16)
                 assert torch.equal(linear(a, Wo, r, bias=bias, split_k=split, early_residual=True).view(torch.int16),
                                    want), (s, T, split)
+                checked += 1
+            for kw in ({}, {"num_warps": 8}, {"block_n": 32}):
+                want = linear(a, Wo, r, bias=bias, **kw).view(torch.int16)
+                assert torch.equal(linear(a, Wo, r, bias=bias, w_preload=True, **kw).view(torch.int16), want), (s, T, kw)
                 checked += 1
     print(f"{checked} latency settings equal to the defaults, bit for bit")
 
