@@ -1,5 +1,5 @@
 """GPU check: the norm + projection kernels give the same bits with every T-neutral latency setting
-(stat_unroll, act_prefetch, w_preload), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16
+(stat_unroll, act_prefetch), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16
 (the CPU tests run small shapes).
 
 python3 scripts/gpu_norm_bits.py
@@ -44,10 +44,6 @@ def main() -> None:
             for unroll, pf in itertools.product((1, 2, 4, 8), (0, 1, 2)):
                 got = run(stat_unroll=unroll, act_prefetch=pf)
                 assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, unroll, pf)
-                checked += 1
-            for kw in ({"w_preload": True}, {"w_preload": True, "num_warps": 8}, {"w_preload": True, "block_n": 32}):
-                got = run(**kw)  # at Llama-3-8B shapes the tiles are too large: the K loop runs (same bits too)
-                assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, kw)
                 checked += 1
             Wo = (torch.randn(h, s.intermediate, generator=g, device=dev) * s.intermediate ** -0.5).to(torch.bfloat16)
             a = torch.randn(T, s.intermediate, generator=g, device=dev).to(torch.bfloat16)

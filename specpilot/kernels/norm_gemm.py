@@ -26,7 +26,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
                       dot_precision)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
-                   preload_chunks, preload_w, split_k_combine, split_launches, tile_mac)
+                   split_k_combine, split_launches, tile_mac)
 from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
@@ -66,16 +66,11 @@ class RMSNormLinearParams(LaunchParams):
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
     act_prefetch: int = 2  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
-    # gemm.preload_chunks: the W tile(s) and the norm weight loaded before the predecessor wait, and x read once for
-    # both passes (latency, not order: T-neutral)
-    w_preload: bool = False
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
-                                            "w_preload")
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
-                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES,
-                                                "w_preload": (False, True)}
+                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,8 +78,6 @@ class RMSNormLinearParams(LaunchParams):
             raise ValueError(f"stat_unroll={self.stat_unroll!r} must be one of {STAT_UNROLLS}")
         if not isinstance(self.act_prefetch, int) or self.act_prefetch not in ACT_PREFETCHES:
             raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
-        if not isinstance(self.w_preload, bool):
-            raise ValueError(f"w_preload={self.w_preload!r} must be a bool")
 
 
 @triton.jit
@@ -175,53 +168,6 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
 
 
 @triton.jit
-def _preload_nw(nw_ptr, ks, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
-    """The norm weight's CHUNKS K chunks in fp32, as pass 2 of _two_pass reads them."""
-    chunks = ()
-    for c in tl.static_range(CHUNKS):
-        kk = c * BLOCK_K + ks
-        chunks = chunks + (tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32),)
-    return chunks
-
-
-@triton.jit
-def _two_pass_preloaded(x_ptr, r_ptr, h_ptr, w_pre, w2_pre, nw_pre, row_offs, row_ok, ks, h_owner, K, eps,
-                        HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
-    """_two_pass over all of K with W, its pair and the norm weight already loaded (gemm.preload_w), and x read
-    once: every chunk's h is loaded (one L2 trip) and kept for pass 2. The same statements in the same order as
-    _two_pass (chunks past K there add +0.0 to the statistic: the same bits), so the same bits."""
-    dtype = x_ptr.dtype.element_ty
-    hs = ()
-    for c in tl.static_range(CHUNKS):
-        kk = c * BLOCK_K + ks
-        xm = row_ok[:, None] & (kk < K)[None, :]
-        h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
-        if HAS_RES:
-            tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & h_owner)
-        hs = hs + (h,)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        hf = hs[c].to(tl.float32)
-        sq += hf * hf
-    if BLOCK_M == 1:
-        ss = tl.sum(sq, axis=1)
-    else:
-        ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
-        ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)
-    rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c in tl.static_range(CHUNKS):
-        hn = (hs[c].to(tl.float32) * rstd[:, None]).to(dtype)
-        a = (hn.to(tl.float32) * nw_pre[c][None, :]).to(dtype)
-        acc = tile_mac(a, w_pre[c], acc, DOT_PREC, BLOCK_M)
-        if PAIR:
-            acc2 = tile_mac(a, w2_pre[c], acc2, DOT_PREC, BLOCK_M)
-    return acc, acc2
-
-
-@triton.jit
 def _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr, sin_ptr, S, max_pos, HALF: tl.constexpr):
     """The rotary epilogue's loads for a QKV tile: (rows with a valid position and slot, slots, cos, sin)."""
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
@@ -267,7 +213,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
-                           ACT_PREFETCH: tl.constexpr = 1, W_PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                           ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
                            PF_LINES: tl.constexpr = 16):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -293,13 +239,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         col_ok2 = col_ok & (cols < (H + KVH) * 2 * HALF)
     else:
         cols2, col_ok2 = cols, col_ok
-    if W_PRELOAD > 0:  # the W tile(s) and the norm weight now, while the predecessor runs (never written)
-        w_pre = preload_w(w_cols, ks, col_ok, K, BLOCK_K, W_PRELOAD)
-        w2_pre = w_pre
-        if EPI != EPI_STORE:
-            w2_pre = preload_w(w_ptr + cols2.to(tl.int64)[None, :] * K, ks, col_ok2, K, BLOCK_K, W_PRELOAD)
-        nw_pre = _preload_nw(nw_ptr, ks, K, BLOCK_K, W_PRELOAD)
-    elif not W12:  # and the pair's second rows (gate_up's up rows, the rotary partners)
+    if not W12:  # and the pair's second rows (gate_up's up rows, the rotary partners)
         prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
         if EPI != EPI_STORE:
             last2 = 2 * N - 1 if EPI == EPI_GLU else N - 1
@@ -309,16 +249,11 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
                                                           sin_ptr, S, max_pos, HALF)
     k_lo = pid_k * K_SPLIT
-    if W_PRELOAD > 0:
-        acc, acc2 = _two_pass_preloaded(x_ptr, r_ptr, h_ptr, w_pre, w2_pre, nw_pre, row_offs, row_ok, ks, pid_n == 0,
-                                        K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, BLOCK_M, BLOCK_N, BLOCK_K,
-                                        W_PRELOAD)
-    else:
-        acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
-                              code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
-                              col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT),
-                              K, eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M, BLOCK_N, BLOCK_K,
-                              STAT_UNROLL, ACT_PREFETCH)
+    acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
+                          code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
+                          col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), K,
+                          eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M, BLOCK_N, BLOCK_K, STAT_UNROLL,
+                          ACT_PREFETCH)
     acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI != EPI_STORE, BLOCK_M,
                                       BLOCK_N)
     row_ok = row_ok & last  # only the tile's last split-K program stores (all of them without split-K)
@@ -377,12 +312,11 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: int = 2, w_preload: bool = False) -> tuple:
+                      act_prefetch: int = 2) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
-                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                        w_preload=w_preload)
+                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -403,18 +337,15 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
-                      split_k: int = 1, pair: bool = False, w_preload: bool = False,
-                      w12: bool = False) -> tuple[int, int, int, list[tuple]]:
-    """(block_n, num_stages, W_PRELOAD, launches) of a norm + projection with n output columns; launches:
-    gemm.split_launches (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets
-    per column."""
-    T, K = x.shape
+                      split_k: int = 1, pair: bool = False) -> tuple[int, int, list[tuple]]:
+    """(block_n, num_stages, launches) of a norm + projection with n output columns; launches: gemm.split_launches
+    (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets per column."""
+    T = x.shape[0]
     bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size()) \
         if block_n is None else block_n
     stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k, row_tile=row_tile) \
         if num_stages is None else num_stages
-    preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size(), pair)
-    return bn, stages, preload, split_launches(x.device, T, n, K, block_k, row_tile, bn, split_k, pair)
+    return bn, stages, split_launches(x.device, T, n, x.shape[1], block_k, row_tile, bn, split_k, pair)
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
@@ -423,7 +354,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: int = 2, w_preload: bool = False):
+                   act_prefetch: int = 2):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
@@ -434,7 +365,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
                                                            split_k=split_k, stat_unroll=stat_unroll,
-                                                           act_prefetch=act_prefetch, w_preload=w_preload)
+                                                           act_prefetch=act_prefetch)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -445,8 +376,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     if (argmax and residual is not None) or not (store_y or argmax):
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
-    bn, stages, preload, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k,
-                                                      w_preload=w_preload, w12=w12)
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
     has_res = residual is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.float32, device=dev)
@@ -461,8 +391,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
-                                 ACT_PREFETCH=act_prefetch, W_PRELOAD=preload, num_warps=num_warps,
-                                 num_stages=stages, **norm_pdl(x, N, K))
+                                 ACT_PREFETCH=act_prefetch, num_warps=num_warps, num_stages=stages,
+                                 **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
