@@ -1,11 +1,13 @@
-"""Attention's tiles_per_program (row tiles one split program runs in turn) on the GPU: the same bits as one tile a
-program, and what it saves where a verify's rows span several tiles (T * group > 16).
+"""Attention's T-neutral row settings on the GPU: tiles_per_program (row tiles one split program runs in turn) and
+tile_rows (16 or 32 rows a tile): the same bits as one 16-row tile a program, and what each saves where a verify's
+rows span several tiles (T * group > 16).
 
 Per shape (SmolLM2-135M, Llama-3-8B heads), context and token count: the split + combine launches over one cache
 per layer, CUDA-graph timed with the base on the device (as the engine runs them), us per layer, for each tiles
 setting; every setting's output compared bit for bit with tiles 1. Prints a table last; JSON to OUT.
 
-    PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4] [--contexts 128,1024,2048]
+    PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4,1r32] [--contexts 128,1024,2048]
+    (an entry t or t r tile_rows: "1r32" is one 32-row tile a program)
 """
 from __future__ import annotations
 
@@ -19,7 +21,12 @@ from specpilot.kernels import attention
 from specpilot.kernels.bench import time_graph
 
 
-def case(name: str, sh, context: int, T: int, tiles: list[int], layers: int = 8, S: int = 4096) -> dict:
+def setting(entry: str) -> dict:
+    tiles, _, rows = entry.partition("r")
+    return {"tiles_per_program": int(tiles), "tile_rows": int(rows or 16)}
+
+
+def case(name: str, sh, context: int, T: int, tiles: list[str], layers: int = 8, S: int = 4096) -> dict:
     g = torch.Generator(device="cuda").manual_seed(context + T)
     caches = [tuple(torch.randn(sh.kv_heads, S, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
                     for _ in range(2)) for _ in range(layers)]
@@ -29,9 +36,10 @@ def case(name: str, sh, context: int, T: int, tiles: list[int], layers: int = 8,
     row = {"shape": name, "context": context, "T": T}
     want = attention(q, *caches[0], base, anc)
     for t in tiles:
-        got = attention(q, *caches[0], base, anc, tiles_per_program=t)
+        kw = setting(t)
+        got = attention(q, *caches[0], base, anc, **kw)
         row[f"equal_{t}"] = bool(torch.equal(got, want))
-        fns = [lambda kc=kc, vc=vc: attention(q, kc, vc, base, anc, tiles_per_program=t) for kc, vc in caches]
+        fns = [lambda kc=kc, vc=vc: attention(q, kc, vc, base, anc, **kw) for kc, vc in caches]
         row[f"us_{t}"] = round(1e3 * time_graph(fns, 50), 2)
     return row
 
@@ -42,7 +50,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="1,2,4")
     ap.add_argument("--contexts", default="128,1024,2048")
     a = ap.parse_args()
-    tiles = [int(t) for t in a.tiles.split(",")]
+    tiles = a.tiles.split(",")
     shapes = (("smollm2", SMOLLM2_135M), ("llama8b", LLAMA3_8B))
     rows = [case(name, sh, c, T, tiles) for name, sh in shapes for c in map(int, a.contexts.split(",")) for T in (1, 16)]
     json.dump(rows, open(a.out, "w"), indent=1)

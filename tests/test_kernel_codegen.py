@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,7 +45,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
-                ("EARLY_RES", 1))
+                ("EARLY_RES", 1), ("W_PRELOAD", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -87,11 +88,19 @@ print(json.dumps({
        for tiles in (1, 4)},
     "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True,
                                                          "TILES": 1}),
+    **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
+                                                                       "HAS_SLOTS": kind == "slots", "TILES": 1})
+       for kind in ("chain", "slots")},
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
     "paged_row_tile": dots(pa._paged_split_kernel, PAGED, {**COMMON, "BLOCK_M": pa.ROW_TILE, "SPLITS_PER_PROGRAM": 4}),
     **{f"{'w12_' if w12 else ''}linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
                                                                           "W12": w12, **TILE})
        for w12 in (False, True)},
+    # o_proj / down with the whole W tile loaded before the wait (gemm.preload_chunks): the same dots
+    "preload_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
+                                                         **TILE, "BLOCK_N": 16, "W_PRELOAD": 5}),
+    "linear_n16": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
+                                                     **TILE, "BLOCK_N": 16}),
     **{f"{'w12_' if w12 else ''}norm_linear{f'_epi{epi}' if epi else ''}": dots(
         norm_gemm._rmsnorm_linear_kernel, NORM, {**FLAGS, "HAS_RES": epi == 0, "DOT_PREC": "tf32", "W12": w12,
                                                  "STORE_Y": True, "ARGMAX": False, "EPI": epi, "H": 9, "KVH": 3,
@@ -181,11 +190,19 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert compiled["single_chain_tiles4"] == compiled["single_chain"] * 4  # row tiles in turn: the same dots
     # the batched engine's 32-row tiles: the same MMA v2 dots (layout, instruction shape, warps), twice the rows
     assert compiled["paged_row_tile"] == [d.replace("tensor<16x", "tensor<32x") for d in compiled["paged"]]
+    # single-request attention in 32-row tiles (AttentionParams.row_tile): the same, so 16 and 32 give the same bits
+    for kind in ("chain", "slots"):
+        assert compiled[f"single_{kind}_row_tile32"] == compiled["paged_row_tile"], kind
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     assert len(compiled["linear"]) == 1 and "kWidth = 2" in compiled["linear"][0]
     assert compiled["w12_linear"] == compiled["linear"]
+    # preloaded (gemm.preload_chunks): the same MMA per chunk, unrolled; only the warps' spread over the tile may
+    # differ, as with num_warps (T-neutral: each element's chain is one warp's, in K order)
+    spread = lambda d: re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d)  # noqa: E731
+    assert len(compiled["linear_n16"]) == 1
+    assert [spread(d) for d in compiled["preload_linear"]] == [spread(compiled["linear_n16"][0])] * 5
     # the norm statistic's fp32 dot, then the projection (the epilogues: two projection dots per K chunk)
     assert len(compiled["norm_linear"]) == 2, compiled["norm_linear"]
     for epi in (1, 2):

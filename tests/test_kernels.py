@@ -312,12 +312,12 @@ def test_rope_kv_write_batch_invariant(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("KVH,G", [(2, 1), (1, 3)])
 @pytest.mark.parametrize("bn,split", [(64, 64), (32, 128)])
-@pytest.mark.parametrize("tiles", [1, 4])
-def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles):
+@pytest.mark.parametrize("tiles,row_tile", [(1, 16), (4, 16), (1, 32)])
+def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles, row_tile):
     """The token at slot b seeing slots 0..b gives the same bits as a T=1 decode step (base=b) and inside a
     verify step of T tokens (base=b-p, the token at index p, its ancestors = the chain 0..p, other branches
     beside it), however many extra masked key blocks and splits the bigger call iterates, and however many row
-    tiles one program runs in turn (tiles_per_program, T-neutral)."""
+    tiles one program runs in turn (tiles_per_program, T-neutral) or how many rows a tile holds (tile_rows)."""
     g = torch.Generator().manual_seed(15 + KVH)
     rng = random.Random(G)
     H, D, b, S = KVH * G, 16, 60, 128
@@ -333,7 +333,7 @@ def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles):
         q = rnd(g, n, H, D, dtype=dtype)
         q[p] = q_row
         o = K.attention(q, kc2, vc2, b - p, anc_from_parents(parents), block_n=bn, split_keys=split,
-                        tiles_per_program=tiles)
+                        tiles_per_program=tiles, tile_rows=row_tile)
         assert torch.equal(o[p], single), f"row differs inside a T={n} call (index {p})"
 
 
@@ -475,9 +475,11 @@ def test_launch_params():
         fields = set(p.as_kwargs())
         assert set(cls.T_NEUTRAL) <= fields and set(cls.SEARCH_SPACE) <= fields
     # block_n/split_keys set the order; row tiles run in turn by one program keep each tile's dots
-    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program"}
+    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows"}
     with pytest.raises(ValueError, match="tiles_per_program"):
         K.AttentionParams(tiles_per_program=3)
+    with pytest.raises(ValueError, match="tile_rows"):
+        K.AttentionParams(tile_rows=64)  # 64-row tiles compile to wgmma: other bits
     with pytest.raises(ValueError, match="num_stages"):
         K.LinearParams(num_stages=0)
     with pytest.raises(ValueError, match="split_keys"):

@@ -210,5 +210,7 @@ def test_attention_block_slots_matches_ref_and_reads_keys_in_position_order(dtyp
     for tiles in (2, 4):  # row tiles run in turn by one program: the same bits, spare tiles past the tokens idle
         assert torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32,
                                        tiles_per_program=tiles), o)
+    # 32-row tiles: context splits tile (token, head) rows two slabs at a time, splits at base a token a tile
+    assert torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32, tile_rows=32), o)
     with pytest.raises(ValueError, match="block_slots"):
         K.attention(q, kc, vc, base, anc, block_slots=bs.int(), block_n=16, split_keys=32)

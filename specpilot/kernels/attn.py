@@ -34,6 +34,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, LaunchParams, check_int
 from .pdl import pdl_launch, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
+ATTENTION_ROW_TILES = (BLOCK_M, 2 * BLOCK_M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,14 @@ class AttentionParams(LaunchParams):
     # Row tiles one split program runs one after another (the same statements per tile, so the same bits): fewer
     # programs re-reading one split's keys when a verify's rows span several tiles (T * group > BLOCK_M).
     tiles_per_program: int = 1
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program")
+    # (token, head) rows per tile: 32 rows read each key block once for two 16-row slabs, whose dots compile to
+    # the same MMA v2 instructions as a 16-row tile's (tests/test_kernel_codegen.py; the paged kernel's 32-row
+    # tiles gave the 16-row bits on an H200, session 18): T-neutral. 64 rows would take wgmma: other bits.
+    tile_rows: int = BLOCK_M
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
-                                                "tiles_per_program": (1, 2, 4)}
+                                                "tiles_per_program": (1, 2, 4), "tile_rows": ATTENTION_ROW_TILES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +65,8 @@ class AttentionParams(LaunchParams):
             raise ValueError(f"split_keys={self.split_keys} must be a multiple of block_n={self.block_n}")
         if self.tiles_per_program not in (1, 2, 4, 8):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
+        if self.tile_rows not in ATTENTION_ROW_TILES:
+            raise ValueError(f"tile_rows={self.tile_rows!r} must be one of {ATTENTION_ROW_TILES}")
 
 
 @triton.jit
@@ -292,7 +299,7 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -302,7 +309,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     program; splits of context keys only tile as without block_slots (the same bits).
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
-                             tiles_per_program=tiles_per_program)
+                             tiles_per_program=tiles_per_program, tile_rows=tile_rows)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -323,12 +330,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     base_ptr = base if base_is_ptr else ws_m
     qk_scale = LOG2E / math.sqrt(D)
     has_slots = block_slots is not None
-    n_m = T * triton.cdiv(G, BLOCK_M) if has_slots else triton.cdiv(T * G, BLOCK_M)
+    n_m = T * triton.cdiv(G, tile_rows) if has_slots else triton.cdiv(T * G, tile_rows)
     tiles = min(params.tiles_per_program, n_m)
     _attn_split_kernel[(triton.cdiv(n_m, tiles), KVH, n_split)](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
         T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
-        H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=BLOCK_M,
+        H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
