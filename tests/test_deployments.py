@@ -12,6 +12,7 @@ from specpilot.deployments import (DEPLOYMENTS_DIR, Arrival, Deployment, Deploym
                                    RegimeKind, engine_code_version, list_deployments, load_deployment,
                                    model_fingerprint, resolve_model)
 from specpilot.engines.config import DrafterKind, DType
+from specpilot.kernels.table import LaunchTable
 from specpilot.testbed import ModelDirError, TINY, make_random_model
 from specpilot.workload import Benchmark
 
@@ -34,6 +35,9 @@ def test_the_shipped_deployments_load():
 
 def test_shipped_deployment_settings():
     cpu, h200, llama = (load_deployment(n) for n in ("smollm2-135m-cpu", "smollm2-135m-h200", "llama8b-shape-h200"))
+    # Llama-3-8B's verify of 16 tokens reads keys in 32-row attention tiles; one token keeps 16 (T-neutral either way)
+    table = LaunchTable(llama.engine.kernel_table)
+    assert [table.get("attention", 4096, 1024, t).get("tile_rows") for t in (1, 5, 16)] == [16, 16, 32]
     assert cpu.device.kind is DeviceKind.CPU and not cpu.engine.cuda_graphs
     assert (cpu.workload.max_new_tokens, cpu.workload.prompts_per_benchmark) == (64, 2)
     assert cpu.target == ModelRef(ModelRefKind.TESTBED, "smollm2-135m")
