@@ -355,8 +355,8 @@ def test_attention_long_context_tiles_change_no_bit(slots):
         for long_from in (1, 128, 10_000):
             got = K.attention(q, kc, vc, b, anc, block_n=32, split_keys=64, long_context_keys=long_from, **kw)
             assert torch.equal(got, want), (base, long_from)
-    with pytest.raises(ValueError, match="long_context_keys"):
-        K.AttentionParams(long_context_keys=512, tile_rows=32)
+    assert torch.equal(K.attention(q, kc, vc, b, anc, block_n=32, split_keys=64, long_context_keys=1, tile_rows=32,
+                                   **kw), want)  # 32-row tiles everywhere
     with pytest.raises(ValueError, match="long_context_keys"):
         K.AttentionParams(long_context_keys=-1)
 

@@ -57,7 +57,8 @@ class AttentionParams(LaunchParams):
     # 32-row tiles only where they pay: for the splits of context keys (all below base) once the context holds this
     # many keys, decided by the kernel from the base on the device (one graph serves every context); 16-row tiles
     # elsewhere; 0: never. The same bits either way (as tile_rows). H200, SmolLM2 T=16/32 (session 20): 32-row
-    # tiles 4-7% slower a step at 128 keys, 0.4-2% at 512, 2% faster at 1024, 3-10% at 2048.
+    # tiles 4-7% slower a step at 128 keys, 0.4-2% at 512, 2% faster at 1024, 3-10% at 2048. Only with 16-row tiles
+    # one a program (tile_rows=32 runs 32-row tiles everywhere; tiles_per_program > 1 keeps its tiles).
     long_context_keys: int = 0
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
                                             "long_context_keys")
@@ -77,9 +78,6 @@ class AttentionParams(LaunchParams):
         if isinstance(self.long_context_keys, bool) or not isinstance(self.long_context_keys, int) \
                 or self.long_context_keys < 0:
             raise ValueError(f"long_context_keys={self.long_context_keys!r} must be an int >= 0")
-        if self.long_context_keys and (self.tile_rows != BLOCK_M or self.tiles_per_program != 1):
-            raise ValueError("long_context_keys switches 16-row tiles to 32 by itself: it needs tile_rows=16 and "
-                             f"tiles_per_program=1, got {self.tile_rows} and {self.tiles_per_program}")
 
 
 @triton.jit
@@ -363,7 +361,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale, long_context_keys,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles,
-        LONG=int(long_context_keys > 0 and T * G > BLOCK_M), **NO_FP_FUSION,
+        LONG=int(long_context_keys > 0 and T * G > BLOCK_M and tile_rows == BLOCK_M and tiles == 1), **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
