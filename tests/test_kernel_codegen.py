@@ -36,7 +36,7 @@ P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
 SINGLE = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "anc_ptr": "*u8", "base_ptr": "*i32", "ws_m_ptr": "*fp32",
           "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "bslot_ptr": "*i64", "T": "i32", "base_val": "i32", "S": "i32",
-          "A": "i32", "qk_scale": "fp32", "long_from": "i32"}
+          "A": "i32", "qk_scale": "fp32"}
 PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "*i64", "tile_row_ptr": "*i64",
          "qstart_ptr": "*i64", "qlen_ptr": "*i64", "kvlen_ptr": "*i64", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
          "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
@@ -44,7 +44,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
-    defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2), ("LONG", 0),
+    defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
@@ -90,10 +90,6 @@ print(json.dumps({
                                                          "TILES": 1}),
     **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
                                                                        "HAS_SLOTS": kind == "slots", "TILES": 1})
-       for kind in ("chain", "slots")},
-    # AttentionParams.long_context_keys: both tile heights in one kernel, chosen at run time
-    **{f"single_{kind}_long": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "LONG": 1,
-                                                                 "HAS_SLOTS": kind == "slots", "TILES": 1})
        for kind in ("chain", "slots")},
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
     "paged_row_tile": dots(pa._paged_split_kernel, PAGED, {**COMMON, "BLOCK_M": pa.ROW_TILE, "SPLITS_PER_PROGRAM": 4}),
@@ -197,8 +193,6 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     # single-request attention in 32-row tiles (AttentionParams.row_tile): the same, so 16 and 32 give the same bits
     for kind in ("chain", "slots"):
         assert compiled[f"single_{kind}_row_tile32"] == compiled["paged_row_tile"], kind
-        # long_context_keys: the 32-row tile's dots and the 16-row tile's, in one kernel
-        assert sorted(compiled[f"single_{kind}_long"]) == sorted(compiled["paged_row_tile"] + compiled["paged"]), kind
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):

@@ -337,30 +337,6 @@ def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles, row_tile):
         assert torch.equal(o[p], single), f"row differs inside a T={n} call (index {p})"
 
 
-@pytest.mark.parametrize("slots", [False, True])
-def test_attention_long_context_tiles_change_no_bit(slots):
-    """long_context_keys: context splits of a long context run 32-row tiles (a program of two slabs, every other
-    program idle), the rest 16-row tiles, chosen from the base on the device: the same bits as 16-row tiles
-    everywhere, below, at and above the threshold, for a chain and for a tree read through its ancestors' slots."""
-    from specpilot.engines.llama import ancestor_slots
-    g = torch.Generator().manual_seed(31 + slots)
-    KVH, G, D, S, T = 2, 3, 16, 320, 11  # 33 rows: three 16-row tiles, two 32-row ones
-    kc, vc = rnd(g, KVH, S, D), rnd(g, KVH, S, D)
-    q = rnd(g, T, KVH * G, D, scale=2.0)
-    anc = anc_from_parents(random_tree(random.Random(5), T) if slots else list(range(-1, T - 1)))
-    for base in (40, 128, 129, 200):
-        b = torch.tensor([base], device=DEV)
-        kw = {"block_slots": ancestor_slots(b, anc)} if slots else {}
-        want = K.attention(q, kc, vc, b, anc, block_n=32, split_keys=64, **kw)
-        for long_from in (1, 128, 10_000):
-            got = K.attention(q, kc, vc, b, anc, block_n=32, split_keys=64, long_context_keys=long_from, **kw)
-            assert torch.equal(got, want), (base, long_from)
-    assert torch.equal(K.attention(q, kc, vc, b, anc, block_n=32, split_keys=64, long_context_keys=1, tile_rows=32,
-                                   **kw), want)  # 32-row tiles everywhere
-    with pytest.raises(ValueError, match="long_context_keys"):
-        K.AttentionParams(long_context_keys=-1)
-
-
 def test_greedy_accept_batch_invariant():
     """Appending wrong nodes anywhere in the tree (more nodes in the call) changes nothing."""
     rng = random.Random(16)
@@ -499,8 +475,7 @@ def test_launch_params():
         fields = set(p.as_kwargs())
         assert set(cls.T_NEUTRAL) <= fields and set(cls.SEARCH_SPACE) <= fields
     # block_n/split_keys set the order; row tiles run in turn by one program keep each tile's dots
-    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows",
-                                                "long_context_keys"}
+    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows"}
     with pytest.raises(ValueError, match="tiles_per_program"):
         K.AttentionParams(tiles_per_program=3)
     with pytest.raises(ValueError, match="tile_rows"):

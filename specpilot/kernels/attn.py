@@ -54,18 +54,10 @@ class AttentionParams(LaunchParams):
     # the same MMA v2 instructions as a 16-row tile's (tests/test_kernel_codegen.py; the paged kernel's 32-row
     # tiles gave the 16-row bits on an H200, session 18): T-neutral. 64 rows would take wgmma: other bits.
     tile_rows: int = BLOCK_M
-    # 32-row tiles only where they pay: for the splits of context keys (all below base) once the context holds this
-    # many keys, decided by the kernel from the base on the device (one graph serves every context); 16-row tiles
-    # elsewhere; 0: never. The same bits either way (as tile_rows). H200, SmolLM2 T=16/32 (session 20): 32-row
-    # tiles 4-7% slower a step at 128 keys, 0.4-2% at 512, 2% faster at 1024, 3-10% at 2048. Only with 16-row tiles
-    # one a program (tile_rows=32 runs 32-row tiles everywhere; tiles_per_program > 1 keeps its tiles).
-    long_context_keys: int = 0
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
-                                            "long_context_keys")
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
-                                                "tiles_per_program": (1, 2, 4), "tile_rows": ATTENTION_ROW_TILES,
-                                                "long_context_keys": (0, 768, 1024)}
+                                                "tiles_per_program": (1, 2, 4), "tile_rows": ATTENTION_ROW_TILES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,9 +67,6 @@ class AttentionParams(LaunchParams):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
         if self.tile_rows not in ATTENTION_ROW_TILES:
             raise ValueError(f"tile_rows={self.tile_rows!r} must be one of {ATTENTION_ROW_TILES}")
-        if isinstance(self.long_context_keys, bool) or not isinstance(self.long_context_keys, int) \
-                or self.long_context_keys < 0:
-            raise ValueError(f"long_context_keys={self.long_context_keys!r} must be an int >= 0")
 
 
 @triton.jit
@@ -111,34 +100,22 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "base_val", "long_from"])
+@triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                       T, base_val, S, A, qk_scale, long_from, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
-                       LONG: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                       PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     lo = split * SPLIT
-    if LONG:  # AttentionParams.long_context_keys: decided here, from the base on the device, each launch
-        pid_m = tl.program_id(0)
-        if (lo + SPLIT <= base) & (base >= long_from):  # a context split of a long context: two slabs a program
-            if pid_m % 2 == 0:
-                _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m // 2,
-                                 kvh, split, base, end, lo, T, S, A, qk_scale, H, G, D, DOT_PREC, 2 * BLOCK_M,
-                                 BLOCK_N, SPLIT, HAS_SLOTS)
-        else:
-            _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh,
-                             split, base, end, lo, T, S, A, qk_scale, H, G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT,
-                             HAS_SLOTS)
-    else:
-        for tile in tl.static_range(TILES):
-            _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                             tl.program_id(0) * TILES + tile, kvh, split, base, end, lo, T, S, A, qk_scale, H, G, D,
-                             DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
+    for tile in tl.static_range(TILES):
+        _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
+                         tl.program_id(0) * TILES + tile, kvh, split, base, end, lo, T, S, A, qk_scale, H, G, D,
+                         DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
 
 
 @triton.jit
@@ -322,7 +299,7 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, long_context_keys: int = 0) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -332,8 +309,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     program; splits of context keys only tile as without block_slots (the same bits).
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
-                             tiles_per_program=tiles_per_program, tile_rows=tile_rows,
-                             long_context_keys=long_context_keys)
+                             tiles_per_program=tiles_per_program, tile_rows=tile_rows)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -358,10 +334,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     tiles = min(params.tiles_per_program, n_m)
     _attn_split_kernel[(triton.cdiv(n_m, tiles), KVH, n_split)](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale, long_context_keys,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
-        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles,
-        LONG=int(long_context_keys > 0 and T * G > BLOCK_M and tile_rows == BLOCK_M and tiles == 1), **NO_FP_FUSION,
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
