@@ -114,9 +114,11 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
 # so after the wait only the activations' L2 trip and the dots remain on its critical path (the pipelined K loop
 # starts its W loads after the wait; PDL's L2 prefetch only shortens them). Only for tiles up to this size (the
 # launch-bound small matrices: SmolLM2's W tiles are 18-48 KiB), bf16/fp16 W, and no split-K; larger tiles keep
-# the K loop. The same dots in the same order: the same bits. Not in the norm + projection kernels: they already
-# hold ~255 registers a thread at SmolLM2 shapes; preloaded there (session 20) they spilled (ptxas: 20 KB a thread
-# at 4 warps, 0.8-1.4 KB at 8) and the H200 step took 1.41 / 0.87 ms against 0.70.
+# the K loop. The same dots in the same order: the same bits. Off by default, a tuner field: on an H200 (session 20)
+# a SmolLM2 step with o_proj and down preloaded was 3-5% slower (each unrolled tile reaches its MMA through a
+# register-to-shared conversion, where the K loop's tiles arrive by cp.async). Not in the norm + projection kernels:
+# they already hold ~255 registers a thread at SmolLM2 shapes; preloaded there they spilled (ptxas: 20 KB a thread at
+# 4 warps, 0.8-1.4 KB at 8) and the step took 1.41 / 0.87 ms against 0.70.
 PRELOAD_MAX_BYTES = 64 << 10
 
 
