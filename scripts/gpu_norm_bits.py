@@ -1,6 +1,6 @@
 """GPU check: the norm + projection kernels give the same bits with every T-neutral latency setting
-(stat_unroll, act_prefetch), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes, T = 1, 5, 16
-(the CPU tests run small shapes).
+(stat_unroll, act_prefetch), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes,
+T = 1, 5, 16 (the CPU tests run small shapes).
 
 python3 scripts/gpu_norm_bits.py
 """

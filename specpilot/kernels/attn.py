@@ -9,7 +9,7 @@ Algorithm (flash-decoding): pass 1 runs an online softmax over each fixed absolu
 [s*split_keys, (s+1)*split_keys) in key blocks of block_n, one program per (token-row tile, kv head, split),
 and stores (max, sum, unnormalised output); pass 2 combines the splits of each row (combine_splits: groups of
 SPLIT_GROUP splits read at once, a fixed order within and across groups).
-Rows are (token, query head of the group) pairs tiled by the fixed BLOCK_M.
+Rows are (token, query head of the group) pairs tiled by the fixed BLOCK_M (or 32 rows: tile_rows, the same bits).
 
 Invariance: key blocks and splits are absolute slot ranges (independent of T), the row max is exact in any
 order, the row sums are `tl.dot`s (p @ V and p @ ones, fixed per-element order), and a key block (or split)
