@@ -55,7 +55,8 @@ def main() -> None:
                 checked += 1
             for kw in ({}, {"num_warps": 8}, {"block_n": 32}):
                 want = linear(a, Wo, r, bias=bias, **kw).view(torch.int16)
-                assert torch.equal(linear(a, Wo, r, bias=bias, w_preload=True, **kw).view(torch.int16), want), (s, T, kw)
+                got = linear(a, Wo, r, bias=bias, w_preload=True, **kw).view(torch.int16)
+                assert torch.equal(got, want), (s, T, kw)
                 checked += 1
     print(f"{checked} latency settings equal to the defaults, bit for bit")
 
