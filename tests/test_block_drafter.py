@@ -228,9 +228,11 @@ def test_training_keeps_the_state_with_the_best_held_out_acceptance():
     assert round(again, 4) == scored[kept]
     with pytest.raises(ValueError, match="eval_every"):
         TrainConfig(eval_every=-1)
-    # A continuation (keep_start) that only gets worse keeps the state it started from.
+    # A continuation (keep_start) that only gets worse keeps the state it started from. The learning rate wrecks the
+    # weights (held-out accepted 0 at steps 10 and 20): at 5.0 a tiny drafter whose start scores 0.03 could drift to
+    # 0.07 by chance (seen with torch 2.13 CPU, numpy 2.4.6), which is noise, not the case under test.
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
-    worse = fit(drafter, model, data, TrainConfig(**{**QUICK, "steps": 20, "eval_every": 10, "seed": 7, "lr": 5.0,
+    worse = fit(drafter, model, data, TrainConfig(**{**QUICK, "steps": 20, "eval_every": 10, "seed": 7, "lr": 1e4,
                                                      "warmup": 1}), held=held, keep_start=True)
     scored = {r["step"]: r["held_out"]["accepted"] for r in worse if "held_out" in r}
     assert sorted(scored) == [0, 10, 20] and worse[-1]["kept_step"] == 0 and scored[0] > max(scored[10], scored[20])
