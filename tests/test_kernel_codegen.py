@@ -190,7 +190,7 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert compiled["single_chain_tiles4"] == compiled["single_chain"] * 4  # row tiles in turn: the same dots
     # the batched engine's 32-row tiles: the same MMA v2 dots (layout, instruction shape, warps), twice the rows
     assert compiled["paged_row_tile"] == [d.replace("tensor<16x", "tensor<32x") for d in compiled["paged"]]
-    # single-request attention in 32-row tiles (AttentionParams.row_tile): the same, so 16 and 32 give the same bits
+    # single-request attention in 32-row tiles (AttentionParams.tile_rows): the same, so 16 and 32 give the same bits
     for kind in ("chain", "slots"):
         assert compiled[f"single_{kind}_row_tile32"] == compiled["paged_row_tile"], kind
 

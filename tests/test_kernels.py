@@ -312,8 +312,8 @@ def test_rope_kv_write_batch_invariant(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("KVH,G", [(2, 1), (1, 3)])
 @pytest.mark.parametrize("bn,split", [(64, 64), (32, 128)])
-@pytest.mark.parametrize("tiles,row_tile", [(1, 16), (4, 16), (1, 32)])
-def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles, row_tile):
+@pytest.mark.parametrize("tiles,tile_rows", [(1, 16), (4, 16), (1, 32)])
+def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles, tile_rows):
     """The token at slot b seeing slots 0..b gives the same bits as a T=1 decode step (base=b) and inside a
     verify step of T tokens (base=b-p, the token at index p, its ancestors = the chain 0..p, other branches
     beside it), however many extra masked key blocks and splits the bigger call iterates, and however many row
@@ -333,7 +333,7 @@ def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles, row_tile):
         q = rnd(g, n, H, D, dtype=dtype)
         q[p] = q_row
         o = K.attention(q, kc2, vc2, b - p, anc_from_parents(parents), block_n=bn, split_keys=split,
-                        tiles_per_program=tiles, tile_rows=row_tile)
+                        tiles_per_program=tiles, tile_rows=tile_rows)
         assert torch.equal(o[p], single), f"row differs inside a T={n} call (index {p})"
 
 

@@ -122,11 +122,11 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
 PRELOAD_MAX_BYTES = 64 << 10
 
 
-def preload_chunks(w_preload: bool, w12: bool, split_k: int, block_n: int, k: int, block_k: int, elem_size: int,
-                   pair: bool = False) -> int:
+def preload_chunks(w_preload: bool, w12: bool, split_k: int, block_n: int, k: int, block_k: int,
+                   elem_size: int) -> int:
     """The W_PRELOAD constexpr of a launch: how many K chunks its programs load before the wait (0: none)."""
     chunks = triton.cdiv(k, block_k)
-    tile_bytes = (2 if pair else 1) * block_n * chunks * block_k * elem_size
+    tile_bytes = block_n * chunks * block_k * elem_size
     return chunks if w_preload and not w12 and split_k == 1 and tile_bytes <= PRELOAD_MAX_BYTES else 0
 
 
