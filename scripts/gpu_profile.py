@@ -91,12 +91,13 @@ def row_tile_table(shape, row_tile: int, split_k: int = 1) -> tuple[tuple[str, s
 def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels: bool = True,
                   row_tile: int = 16, weight_format: str = "native", pdl: str = "", split_k: int = 1,
                   table_file: str = "") -> dict:
-    """One engine's numbers; pdl = MODE[:PREFETCH_MIB] names the kernels.pdl.GridDependency its graphs are captured
-    with and the largest weight matrix its launches prefetch ("": the defaults)."""
+    """One engine's numbers; pdl = MODE[:PREFETCH_MIB[:LARGE_MODE]] names the kernels.pdl.GridDependency its graphs
+    are captured with, the largest weight matrix its launches prefetch, and the mode of larger ones ("": defaults)."""
     from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, grid_dependency
     if pdl:
-        mode, _, mib = pdl.partition(":")
-        with grid_dependency(GridDependency[mode.upper()], int(mib) << 20 if mib else PREFETCH_MAX_BYTES):
+        mode, mib, large = (pdl.split(":") + ["", ""])[:3]
+        with grid_dependency(GridDependency[mode.upper()], int(mib) << 20 if mib else PREFETCH_MAX_BYTES,
+                             GridDependency[(large or "off").upper()]):
             return {**profile_shape(name, tokens, backend, attn, kernels, row_tile, weight_format, split_k=split_k),
                     "pdl": pdl}
     shape = SHAPES[name]
@@ -143,8 +144,9 @@ def main() -> None:
                                                        "cores, one row per program), comma-separated")
     ap.add_argument("--weight-formats", default="native", help="native,w12: also the 12-bit weights (same model; "
                                                               "its AR tokens must equal native's)")
-    ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB] variants after the default, e.g. "
-                                                          "off,wait_then_trigger:1024 (graph times only)")
+    ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB[:LARGE_MODE]] variants after the "
+                                                          "default, e.g. off,wait_then_trigger:1024,wait_then_trigger:"
+                                                          "16:wait_then_trigger_at_end (graph times only)")
     ap.add_argument("--split-k", default="", help="split-K factors of every projection to compare, e.g. 2,4")
     ap.add_argument("--kernel-tables", default="", help="kernel tables (JSON files, e.g. a tuner's summary.json) "
                                                          "to compare, comma-separated")

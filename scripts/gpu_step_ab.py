@@ -1,9 +1,13 @@
-"""The captured decode step with and without a kernel table, measured together (the step gate's timer), in both
-orders and at several contexts: is a table's step gain real, or the order or context it was measured in?
+"""The captured decode step with and without a kernel table (or a PDL mode), measured together (the step gate's
+timer), in both orders and at several contexts: is a table's step gain real, or the order or context it was measured
+in?
 
     python3 scripts/gpu_step_ab.py OUT.json --shape smollm2-135m --table kt/summary.json --contexts 128,2048
+    python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --grid-dependency wait_then_trigger:wait_then_trigger_at_end
 
-Prints one row per (context, T, order): default ms, table ms, default/table.
+--grid-dependency MODE[:LARGE_MODE] (kernels.pdl.GridDependency names): the "table" side is captured in that mode
+for matrices within the prefetch budget (and LARGE_MODE for larger ones; default off), the default side in the
+defaults. Prints one row per (context, T, order): default ms, table ms, default/table.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.kernels.pdl import GridDependency, grid_dependency
 from specpilot.kernels.table import read_pairs
 from specpilot.stages.step_gate import step_timer
 from specpilot.testbed.synthetic import ShapeName
@@ -23,14 +28,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="smollm2-135m", choices=[s.value for s in ShapeName])
-    ap.add_argument("--table", required=True, help="a tuner's summary.json (its kernel_table) or a pair list")
+    ap.add_argument("--table", help="a tuner's summary.json (its kernel_table) or a pair list (default: none)")
+    ap.add_argument("--grid-dependency", default="", help="MODE[:LARGE_MODE] the table side is captured in")
     ap.add_argument("--contexts", default="128,2048")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda", help="cpu (TRITON_INTERPRET=1) checks the script, not speed")
     a = ap.parse_args(argv)
-    pairs = read_pairs(a.table)
+    if not a.table and not a.grid_dependency:
+        ap.error("give --table, --grid-dependency or both")
+    pairs = read_pairs(a.table) if a.table else ()
+    side = (pairs,)
+    if a.grid_dependency:
+        mode, _, large = a.grid_dependency.partition(":")
+        try:
+            modes = GridDependency[mode.upper()], GridDependency[(large or "off").upper()]
+        except KeyError as e:
+            ap.error(f"--grid-dependency: unknown mode {e} (known: {', '.join(m.name.lower() for m in GridDependency)})")
+        side = (pairs, lambda: grid_dependency(modes[0], large_mode=modes[1]))
     shape, dev = ShapeName(a.shape).shape, torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = []
@@ -38,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         measure = step_timer(shape, dev, dtype, ctx, a.reps, rounds=a.rounds)
         for t in (int(x) for x in a.tokens.split(",")):
             for order in ("default first", "table first"):
-                configs = [((), t), (pairs, t)] if order == "default first" else [(pairs, t), ((), t)]
+                b = (side[0], t, *side[1:])
+                configs = [((), t), b] if order == "default first" else [b, ((), t)]
                 ms = measure(configs)
                 d, tb = (ms[0], ms[1]) if order == "default first" else (ms[1], ms[0])
                 rows.append({"context": ctx, "tokens": t, "order": order, "default_ms": d, "table_ms": tb})
-    a.out.write_text(json.dumps({"table": pairs, "rows": rows}, indent=1))
+    a.out.write_text(json.dumps({"table": pairs, "grid_dependency": a.grid_dependency, "rows": rows}, indent=1))
     print("| context | T | order | default ms | table ms | default/table |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['tokens']} | {r['order']} | {r['default_ms']:.4f} | {r['table_ms']:.4f} | "

@@ -82,6 +82,14 @@ PDL_KERNELS = [("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False
                  "EPI": 1, "H": 9, "KVH": 3, "HALF": 32, **TILE}, 8)]
 PDL_OPS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2")
 
+
+def trigger_after_mma(ptx):
+    lines = ptx.splitlines()
+    trigger = [i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l]
+    mma = [i for i, l in enumerate(lines) if "mma.sync" in l]
+    assert len(trigger) == 1 and mma, (len(trigger), len(mma))
+    return {"before_first": trigger[0] < mma[0], "after_last": trigger[0] > mma[-1]}
+
 print(json.dumps({
     **{f"single_chain{'' if tiles == 1 else f'_tiles{tiles}'}": dots(
         sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False, "TILES": tiles})
@@ -108,17 +116,21 @@ print(json.dumps({
        for w12 in (False, True) for epi in (0, 1, 2)},  # gate_up's GLU and qkv's rotary epilogues: two dots a chunk
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
-       for mode in (1,) for name, fn, sig, consts, nw in PDL_KERNELS},
+       for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
     # split-K (gemm.split_k_combine): the same dots over fewer chunks, then the partials added in split order
     **{f"split4_{name}": dots(fn, sig, {**consts, "SPLIT_K": 4}, nw) for name, fn, sig, consts, nw in PDL_KERNELS},
     "pdl_ptx": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=mode > 0).asm["ptx"]
                                    for op in PDL_OPS]
-                for mode in (0, 1) for name, fn, sig, consts, nw in PDL_KERNELS},
+                for mode in (0, 1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
+    # where the trigger sits: after the wait, before any MMA (mode 1), or after the K loop's last MMA (mode 2)
+    "pdl_trigger_after_mma": {f"{name}_{mode}": trigger_after_mma(build(fn, sig, {**consts, "PDL": mode}, nw,
+                                                                        pdl=True).asm["ptx"])
+                              for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
     # the paged attention kernels under PDL: the same dots, the wait (nothing to prefetch: no weights)
     "pdl1_paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4, "PDL": 1}, pdl=True),
     "pdl_ptx_paged": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode}, 4, pdl=mode > 0).asm["ptx"]
                                          for op in PDL_OPS]
-                      for mode in (0, 1) for name, fn, sig, consts in (
+                      for mode in (0, 1, 2) for name, fn, sig, consts in (
                           ("split", pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
                           ("combine", pa._paged_combine_kernel,
                            {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "o_ptr": P,
@@ -212,17 +224,23 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
 
 
 def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):
-    assert compiled["pdl1_linear"] == compiled["linear"]
-    assert compiled["pdl1_norm_linear_epi1"] == compiled["norm_linear_epi1"]
+    for mode in (1, 2):
+        assert compiled[f"pdl{mode}_linear"] == compiled["linear"]
+        assert compiled[f"pdl{mode}_norm_linear_epi1"] == compiled["norm_linear_epi1"]
     for name in ("linear", "norm_linear_epi1"):
-        assert compiled["pdl_ptx"][f"{name}_1"] == [True, True, True], name  # wait, trigger, weight prefetch
+        for mode in (1, 2):  # wait, trigger, weight prefetch
+            assert compiled["pdl_ptx"][f"{name}_{mode}"] == [True, True, True], (name, mode)
         assert compiled["pdl_ptx"][f"{name}_0"] == [False, False, False], name
+        # WAIT_THEN_TRIGGER lets the successor launch before the first dot, ..._AT_END only after the K loop's last
+        assert compiled["pdl_trigger_after_mma"][f"{name}_1"] == {"before_first": True, "after_last": False}, name
+        assert compiled["pdl_trigger_after_mma"][f"{name}_2"] == {"before_first": False, "after_last": True}, name
 
 
 def test_paged_attention_under_pdl_compiles_the_same_dots_and_waits(compiled):
     assert compiled["pdl1_paged"] == compiled["paged"]
     for name in ("split", "combine"):
-        assert compiled["pdl_ptx_paged"][f"{name}_1"][:2] == [True, True], name  # wait, trigger
+        for mode in (1, 2):
+            assert compiled["pdl_ptx_paged"][f"{name}_{mode}"][:2] == [True, True], (name, mode)  # wait, trigger
         assert compiled["pdl_ptx_paged"][f"{name}_0"] == [False, False, False], name
 
 

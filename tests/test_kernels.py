@@ -582,12 +582,31 @@ def test_pdl_launch_keywords_are_off_on_cpu_and_the_mode_switch_restores():
     assert pdl_launch(cpu, 3072, 576) == {"PDL": 0, "PF_LINES": 16}
     assert pdl_launch(cpu, 49152, 576) == {"PDL": 0, "PF_LINES": 0}
     with grid_dependency(GridDependency.OFF, prefetch_max_bytes=0):
-        assert pdl._state == {"mode": GridDependency.OFF, "prefetch_max_bytes": 0}
+        assert pdl._state == {"mode": GridDependency.OFF, "prefetch_max_bytes": 0, "large_mode": GridDependency.OFF}
         assert pdl_launch(cpu, 3072, 576)["PF_LINES"] == 0
-    assert pdl._state == {"mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": pdl.PREFETCH_MAX_BYTES}
-    for bad in ({"mode": 1}, {"mode": GridDependency.OFF, "prefetch_max_bytes": -1}):
+    assert pdl._state == {"mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": pdl.PREFETCH_MAX_BYTES,
+                          "large_mode": GridDependency.OFF}
+    for bad in ({"mode": 1}, {"mode": GridDependency.OFF, "prefetch_max_bytes": -1},
+                {"mode": GridDependency.OFF, "large_mode": 2}):
         with pytest.raises(ValueError):
             with grid_dependency(**bad):
                 pass
     # SmolLM2 rows: 576 bf16 = 9 lines -> 16; 1536 -> 24 -> 32; Llama-3-8B's 4096 (64 lines) capped at 32
     assert [prefetch_lines(k, 2) for k in (576, 1536, 4096, 64)] == [16, 32, 32, 1]
+
+
+def test_pdl_launch_gives_matrices_over_the_prefetch_budget_the_large_matrix_mode(monkeypatch):
+    import specpilot.kernels.pdl as pdl
+    from specpilot.kernels.pdl import GridDependency, grid_dependency, pdl_launch
+    monkeypatch.setattr(pdl, "_supports_pdl", lambda index: True)  # the decision alone (no launch here)
+    gpu = torch.device("cuda", 0)
+    assert pdl_launch(gpu, 3072, 576) == {"PDL": 1, "launch_pdl": True, "PF_LINES": 16}  # SmolLM2's gate_up
+    assert pdl_launch(gpu, 28672, 4096) == {"PDL": 0, "PF_LINES": 0}  # Llama-3-8B's gate_up: plain stream order
+    assert pdl_launch(gpu) == {"PDL": 1, "launch_pdl": True}  # attention reads no weights: the small-matrix mode
+    with grid_dependency(GridDependency.WAIT_THEN_TRIGGER, large_mode=GridDependency.WAIT_THEN_TRIGGER_AT_END):
+        assert pdl_launch(gpu, 28672, 4096) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 0}  # never prefetched
+        assert pdl_launch(gpu, 3072, 576) == {"PDL": 1, "launch_pdl": True, "PF_LINES": 16}
+    with grid_dependency(GridDependency.WAIT_THEN_TRIGGER_AT_END):
+        assert pdl_launch(gpu, 3072, 576) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 16}
+        assert pdl_launch(gpu, 28672, 4096) == {"PDL": 0, "PF_LINES": 0}
+    assert pdl_launch(torch.device("cpu"), 3072, 576) == {"PDL": 0, "PF_LINES": 16}

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._common import (ACT_DTYPES, BLOCK_M, NO_FP_FUSION, LaunchParams, check_int, check_launchable, check_out,
                       check_tensor, dot_precision)
-from .pdl import pdl_launch, wait_for_predecessor
+from .pdl import pdl_launch, release_successor, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
 ATTENTION_ROW_TILES = (BLOCK_M, 2 * BLOCK_M)
@@ -116,6 +116,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                          tl.program_id(0) * TILES + tile, kvh, split, base, end, lo, T, S, A, qk_scale, H, G, D,
                          DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
+    release_successor(PDL)
 
 
 @triton.jit
@@ -241,6 +242,7 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
     acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)
+    release_successor(PDL)
     out = acc / l  # a row that sees no key gives NaN
     dd = tl.arange(0, D)
     tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))

@@ -31,7 +31,7 @@ from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
-from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
+from .pdl import pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
@@ -287,6 +287,7 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
             else:
                 w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
             acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
+    release_successor(PDL)
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, BLOCK_M, BLOCK_N)
     if not EARLY_RES:
         bias, r = _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS, HAS_RES)

@@ -27,7 +27,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
-from .pdl import pdl_launch, prefetch_rows, wait_for_predecessor
+from .pdl import pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -254,6 +254,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                           col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), K,
                           eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M, BLOCK_N, BLOCK_K, STAT_UNROLL,
                           ACT_PREFETCH)
+    release_successor(PDL)
     acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI != EPI_STORE, BLOCK_M,
                                       BLOCK_N)
     row_ok = row_ok & last  # only the tile's last split-K program stores (all of them without split-K)
@@ -291,6 +292,7 @@ def _argmax_combine_kernel(pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexp
     m = tl.load(pmax_ptr + row * NT + t, mask=ok, other=float("-inf"))
     i = tl.load(pidx_ptr + row * NT + t, mask=ok, other=2147483647)
     best = tl.max(m, axis=0)
+    release_successor(PDL)
     tl.store(out_ptr + row, tl.min(tl.where(ok & (m == best), i, 2147483647), axis=0).to(tl.int64))
 
 

@@ -10,6 +10,10 @@ activations or write anything. Arithmetic is untouched: the same bits either way
 Every kernel launched with the attribute executes the wait unconditionally, before any early exit: a PDL kernel
 that completed without waiting could let a later, ordinary launch start before an earlier kernel finished.
 Kernels launched without it (torch ops) keep plain stream order.
+
+When the successor may launch is the trigger's place (GridDependency): right after the wait, or only once every
+program has finished its main loop (`release_successor`, at the end of each PDL kernel's loop). A trigger is a
+scheduling hint; the successor's wait still holds it until this kernel has completed, so the place changes no value.
 """
 from __future__ import annotations
 
@@ -30,27 +34,35 @@ class GridDependency(enum.IntEnum):
 
     OFF = 0  # plain stream order
     WAIT_THEN_TRIGGER = 1  # wait for the predecessor, then let the successor launch: two kernels in flight
+    # Wait, and let the successor launch only when every program has finished its main loop: its launch and first
+    # loads overlap this kernel's epilogues and tail, but its waiting programs take no SM slot while this kernel's
+    # last wave still streams its weights (what mode 1 may cost the multi-wave Llama-3-8B GEMMs: notes/h200.md).
+    WAIT_THEN_TRIGGER_AT_END = 2
 
 
 # PDL only for launches whose weight matrix fits this (L2 is 50 MB on an H200), prefetched before their wait; a
 # launch reading a larger one runs in plain stream order. H200, the whole step: SmolLM2-135M (every matrix small
 # but the LM head) 0.79-0.82 ms with PDL vs 1.05-1.07 without; Llama-3-8B (every matrix large) 6.78 ms with PDL and
 # every matrix prefetched, 6.40-6.47 with PDL and none prefetched, 5.15-5.25 without PDL: the bandwidth-bound
-# multi-wave GEMMs lose from overlap, the launch-bound small ones gain.
+# multi-wave GEMMs lose from overlap, the launch-bound small ones gain. Larger matrices take `large_mode` (default
+# OFF, what those numbers chose) and are never prefetched.
 PREFETCH_MAX_BYTES = 16 << 20
-_state = {"mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": PREFETCH_MAX_BYTES}
+_state = {"mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": PREFETCH_MAX_BYTES,
+          "large_mode": GridDependency.OFF}
 
 
 @contextlib.contextmanager
-def grid_dependency(mode: GridDependency, prefetch_max_bytes: int = PREFETCH_MAX_BYTES):
+def grid_dependency(mode: GridDependency, prefetch_max_bytes: int = PREFETCH_MAX_BYTES,
+                    large_mode: GridDependency = GridDependency.OFF):
     """Launches (and graph captures) inside the block use `mode` on GPUs that support it, for weight matrices up to
-    prefetch_max_bytes."""
-    if not isinstance(mode, GridDependency):
-        raise ValueError(f"mode must be a GridDependency, got {mode!r}")
+    prefetch_max_bytes (prefetched), and `large_mode` for larger ones (not prefetched)."""
+    for name, m in (("mode", mode), ("large_mode", large_mode)):
+        if not isinstance(m, GridDependency):
+            raise ValueError(f"{name} must be a GridDependency, got {m!r}")
     if isinstance(prefetch_max_bytes, bool) or not isinstance(prefetch_max_bytes, int) or prefetch_max_bytes < 0:
         raise ValueError(f"prefetch_max_bytes must be an int >= 0, got {prefetch_max_bytes!r}")
     saved = dict(_state)
-    _state.update(mode=mode, prefetch_max_bytes=prefetch_max_bytes)
+    _state.update(mode=mode, prefetch_max_bytes=prefetch_max_bytes, large_mode=large_mode)
     try:
         yield
     finally:
@@ -65,10 +77,11 @@ def _supports_pdl(device_index: int) -> bool:
 def pdl_launch(device: torch.device, weight_rows: int = 0, k: int = 0, elem_size: int = 2) -> dict:
     """Launch keywords of a PDL-aware kernel on `device`: its PDL constexpr, the launch attribute when on, and for
     a kernel reading a weight matrix ([weight_rows, k] elements of elem_size bytes) its PF_LINES; a matrix over the
-    prefetch budget turns PDL off for that launch. CPU tensors (the interpreter) and GPUs before sm_90 get OFF."""
-    mode = _state["mode"]
+    prefetch budget takes the large-matrix mode and no prefetch. CPU tensors (the interpreter) and GPUs before sm_90
+    get OFF."""
     small = weight_rows * k * elem_size <= _state["prefetch_max_bytes"]
-    on = small and mode is not GridDependency.OFF and device.type == "cuda" and _supports_pdl(device.index or 0)
+    mode = _state["mode"] if small else _state["large_mode"]
+    on = mode is not GridDependency.OFF and device.type == "cuda" and _supports_pdl(device.index or 0)
     kw = {"PDL": int(mode), "launch_pdl": True} if on else {"PDL": 0}
     if weight_rows:
         kw["PF_LINES"] = prefetch_lines(k, elem_size) if small else 0
@@ -77,9 +90,19 @@ def pdl_launch(device: torch.device, weight_rows: int = 0, k: int = 0, elem_size
 
 @triton.jit
 def wait_for_predecessor(PDL: tl.constexpr):
-    """Blocks until the previous kernel in the stream has completed (its writes visible); lets the next launch."""
+    """Blocks until the previous kernel in the stream has completed (its writes visible); in WAIT_THEN_TRIGGER lets
+    the next launch."""
     if PDL != 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def release_successor(PDL: tl.constexpr):
+    """In WAIT_THEN_TRIGGER_AT_END, at the end of a program's main loop: the next launch may start once every
+    program got here (or exited)."""
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 

@@ -10,6 +10,7 @@ measured together, interleaved).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -24,8 +25,9 @@ from specpilot.engines.loader import random_model
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.shapes import LlamaShape
 
-# (kernel table pairs, tokens) per configuration -> ms per step of each, measured together (interleaved)
-StepTimer = Callable[[Sequence[tuple[tuple[tuple[str, str], ...], int]]], list[float]]
+# (kernel table pairs, tokens[, a context manager factory the step is captured in, e.g. kernels.pdl's
+# grid_dependency]) per configuration -> ms per step of each, measured together (interleaved)
+StepTimer = Callable[[Sequence[tuple]], list[float]]
 
 
 def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, context: int, reps: int,
@@ -37,7 +39,8 @@ def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, cont
     H200 (Llama-3-8B shapes, 5.24 vs 5.33 ms), more than the gains judged."""
     model = random_model(shape, dtype, device, seed=0)
 
-    def prepare(pairs: tuple[tuple[str, str], ...], tokens: int) -> Callable[[], None]:
+    def prepare(pairs: tuple[tuple[str, str], ...], tokens: int,
+                capture: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], None]:
         cfg = EngineConfig(drafter=DrafterKind.NONE, kernel_backend=KernelBackend.TRITON, dtype=DType(str(dtype).removeprefix("torch.")),
                            kernel_table=pairs, max_seq_len=context + 64, cuda_graphs=True)
         runner = ModelRunner(model, cfg, device, block_width=max(16, tokens))
@@ -45,7 +48,8 @@ def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, cont
 
         def step() -> None:
             runner.verify(context - tokens, ids, list(range(tokens)), anc)
-        step()  # compiles and captures the one graph this runner holds (the block padded to its width)
+        with capture():
+            step()  # compiles and captures the one graph this runner holds (the block padded to its width)
         if not runner.use_graphs:
             return step
         graph = next(iter(runner._graphs.values())).graph
@@ -71,8 +75,8 @@ def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, cont
             fn()
         return 1e3 * (time.perf_counter() - t0) / n
 
-    def measure(configs: Sequence[tuple[tuple[tuple[str, str], ...], int]]) -> list[float]:
-        fns = [prepare(pairs, tokens) for pairs, tokens in configs]
+    def measure(configs: Sequence[tuple]) -> list[float]:
+        fns = [prepare(*config) for config in configs]
         times = [[ms_per_call(fn, max(1, reps)) for fn in fns] for _ in range(rounds)]
         del fns
         gc.collect()  # the runners (in reference cycles) and their graphs go now, outside any capture

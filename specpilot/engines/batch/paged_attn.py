@@ -36,7 +36,7 @@ import triton.language as tl
 from specpilot.kernels._common import NO_FP_FUSION, check_launchable, check_out, check_tensor, dot_precision
 from specpilot.kernels.attn import (LOG2E, SPLIT_GROUP, AttentionParams, check_qkv, combine_splits,
                                     online_softmax_block)
-from specpilot.kernels.pdl import pdl_launch, wait_for_predecessor
+from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 
 ATTN = AttentionParams()  # the default attention launch (an engine's kernel table may tune it: see model.py)
 PAGE = ATTN.split_keys  # default page size == split_keys: one split of the reduction is one page
@@ -80,6 +80,7 @@ def _paged_split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, tile_req_ptr, tile_row_ptr,
                 _split_partial(q, k_ptr, v_ptr, pt_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, req, split, end, P, S, kv_base,
                                dd, row_ok, qpos, tok, h, ones, qk_scale, NTOK, H, D, DOT_PREC, BLOCK_M, BLOCK_N,
                                SPLIT, SPLIT == BLOCK_N)
+    release_successor(PDL)
 
 
 @triton.jit
@@ -128,6 +129,7 @@ def _paged_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, tok_kvlen_ptr, NT
     kvlen = tl.load(tok_kvlen_ptr + row // H)  # 0: a padding token, no split
     n_split = ((kvlen + SPLIT - 1) // SPLIT).to(tl.int32)
     acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, NTOK * H, n_split, D, GROUP)
+    release_successor(PDL)
     out = acc / tl.where(l > 0, l, 1.0)  # padding tokens: 0 / 1
     dd = tl.arange(0, D)
     tl.store(o_ptr + row.to(tl.int64) * D + dd, out.to(o_ptr.dtype.element_ty))
