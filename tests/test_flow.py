@@ -130,3 +130,24 @@ def test_tune_command_is_registered_with_its_options():
         "smollm2-135m-cpu", 2, 1, "/tmp/s", "/tmp/m.duckdb", ["explore.trials=4"])
     stage = parser.parse_args(["stage", "explore", "--in", "r.json", "--out", "d"])
     assert (stage.name, stage.request, stage.out) == ("explore", "r.json", "d")
+
+
+def test_tune_command_refuses_bad_arguments_before_the_flow_starts(monkeypatch, capsys, tmp_path):
+    import specpilot.flows.tune as flows_tune
+    from specpilot.cli import main
+
+    def started(**kwargs):
+        raise AssertionError("the flow started")
+    monkeypatch.setattr(flows_tune, "tune", started)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ntarget: {testbed: smollm2-135m}\n")
+    cases = [(["--deployment", "nope"], "unknown deployment 'nope'"),
+             (["--deployment", str(bad)], "drafters: missing"),
+             (["--deployment", "smollm2-135m-cpu", "--rounds", "0"], "rounds=0"),
+             (["--deployment", "smollm2-135m-cpu", "--gpus", "2"], "runs on cpu"),
+             (["--deployment", "smollm2-135m-cpu", "--set", "explore.nosuch=1"], "unknown explore setting"),
+             (["--deployment", "smollm2-135m-cpu", "--store", "ftp://host/x"], "ftp")]
+    for argv, message in cases:
+        assert main(["tune", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("specpilot: error: ") and message in err, (argv, err)

@@ -66,6 +66,20 @@ def devices_for(dep: Deployment, gpus: int) -> list[str]:
     return [default_device(dep, i) for i in range(gpus)]
 
 
+def preflight(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = None, trials: int | None = None,
+              seed: int = 0, overrides: dict[str, dict[str, Any]] | None = None
+              ) -> tuple[Deployment, list[str], TuneSettings, str]:
+    """Everything a tune run can refuse before it starts (rounds, deployment file, devices, stage overrides, the
+    artifact store: S3 credentials and bucket): (deployment, devices, settings, store root URI). The CLI calls it
+    before starting the flow, so a bad argument fails at once rather than after a Prefect server starts."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: must be >= 1")
+    dep = load_deployment(deployment)
+    devices = devices_for(dep, gpus)
+    settings = TuneSettings.for_deployment(dep, gpus, trials, seed).with_overrides(overrides)
+    return dep, devices, settings, store_from_uri(store).root_uri
+
+
 def default_work_dir() -> Path:
     return Path(os.environ.get("SPECPILOT_CACHE") or "~/.cache/specpilot").expanduser() / "work"
 
@@ -108,12 +122,8 @@ def tune(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = No
 
     `overrides` replaces per-stage settings (TuneSettings.with_overrides), e.g. {"explore": {"repeats": 2}}."""
     logger = get_run_logger()
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds}: must be >= 1")
-    dep = load_deployment(deployment)
-    devices = devices_for(dep, gpus)
-    settings = TuneSettings.for_deployment(dep, gpus, trials, seed).with_overrides(overrides)
-    run_id, store_uri = new_run_id(), store_from_uri(store).root_uri
+    dep, devices, settings, store_uri = preflight(deployment, rounds, gpus, store, trials, seed, overrides)
+    run_id = new_run_id()
     memory_path = str(Path(memory).expanduser() if memory else default_memory_path())
     work = str(Path(work_dir).expanduser() if work_dir else default_work_dir() / run_id)
     stock = build = stock_candidate(dep)

@@ -32,7 +32,7 @@ def _stage(args: argparse.Namespace) -> int:
 def _tune(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from specpilot.flows.report import TuneReport
-    from specpilot.flows.tune import tune
+    from specpilot.flows.tune import preflight, tune
 
     overrides: dict[str, dict[str, object]] = {}
     for item in args.set:
@@ -45,6 +45,7 @@ def _tune(args: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             parsed = value
         overrides.setdefault(stage, {})[field] = parsed
+    preflight(args.deployment, args.rounds, args.gpus, args.store, args.trials, args.seed, overrides or None)
     result = tune(deployment=args.deployment, rounds=args.rounds, gpus=args.gpus, store=args.store,
                   memory=args.memory, trials=args.trials, seed=args.seed, work_dir=args.work_dir,
                   overrides=overrides or None)
