@@ -263,3 +263,20 @@ def test_tuning_runs_the_step_gate_on_a_real_engine():
     assert table.step["tokens"] == [1, 4] and all(v > 0 for v in table.step["tuned_ms"] + table.step["default_ms"])
     assert {e.kernel for e in table.entries} <= {"attention", "o_proj"} and table.entries
     assert tk.KernelTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
+
+
+def test_token_counts_follow_the_regime_the_build_serves():
+    from specpilot.deployments import load_deployment
+    from specpilot.stages.catalog import stock_candidate
+    from specpilot.stages.tune_kernels import token_counts
+
+    single = load_deployment("smollm2-135m-h200")
+    assert token_counts(stock_candidate(single), single.regime.concurrency) == [1, 16]  # AR step, verify tile
+    batch = load_deployment("smollm2-135m-batch-h200")
+    stock = stock_candidate(batch)  # n-gram, 5 draft tokens a request: 16/20/24 and 96/120/144 tokens a step
+    assert stock.config.draft_len == 5 and stock.batch_config is not None
+    assert token_counts(stock, batch.regime.concurrency) == [16, 32, 96, 128, 144]  # the graph buckets they run in
+    small = dataclasses.replace(stock, batch_config=dataclasses.replace(stock.batch_config, graph_max_tokens=64))
+    assert token_counts(small, (16,)) == [16, 64]  # capped at the largest graph (larger steps run eagerly)
+    ar = dataclasses.replace(stock, config=stock.config.replace(drafter="none"))
+    assert token_counts(ar, (16, 20)) == [16, 32]

@@ -32,6 +32,7 @@ from specpilot.stages.catalog import stock_candidate, with_kernel_table  # noqa:
 from specpilot.stages.integrate import mark_run_failed  # noqa: E402
 from specpilot.stages.devices import default_device, device_name  # noqa: E402
 from specpilot.stages.io import StageName, StageOutcome, StageRequest, path_part, run_stage  # noqa: E402
+from specpilot.stages.tune_kernels import token_counts  # noqa: E402
 
 
 def _task_run_name() -> str:
@@ -154,7 +155,8 @@ def tune(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = No
             candidates = pick_candidates(explores, settings.candidates_per_round)
             # Kernel tuning needs the real device's timings; its table steers the Llama family's fused kernels only.
             if dep.device.kind is DeviceKind.CUDA and dep.target_family() is TargetFamily.LLAMA:
-                tuned = tune_kernels_task(request(StageName.TUNE_KERNELS, (q,), {}, {
+                tokens = token_counts(build, dep.regime.concurrency)
+                tuned = tune_kernels_task(request(StageName.TUNE_KERNELS, (q,), {"tokens": tokens}, {
                     "profile": profile.manifest_uri, "attribute": attribution.manifest_uri}), work)
                 candidates += kernel_tuned([build, *candidates], tuned)
             validations = validate_task.map(request=[

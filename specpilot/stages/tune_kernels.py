@@ -282,9 +282,22 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
     return table
 
 
+def token_counts(build: Candidate, concurrency: Sequence[int] = ()) -> list[int]:
+    """The token counts to tune for a build: a single-request build's AR step (1) and its verify tile; a batch-regime
+    build's steps at each concurrency, one token a request (AR) and 1 + draft_len (speculative), rounded up to the
+    batched engine's graph buckets and capped at its largest graph (its launch table is looked up at the bucket)."""
+    if build.batch_config is None or not concurrency:
+        return sorted({1, build.config.token_tile})
+    from specpilot.engines.batch.runner import bucket
+    cap = build.batch_config.graph_max_tokens
+    per_request = {1, 1 + build.config.draft_len} if build.config.speculative else {1}
+    return sorted({bucket(min(c * n, cap)) for c in concurrency for n in per_request})
+
+
 def run(run: "StageRun") -> dict[str, Any]:
     """Stage entry: profile's shape and build, attribute's attribution; writes kernel_table.json and the build
-    with the table applied (build.json). Params: tokens (default 1 and the build's token tile), budget, allow_cpu."""
+    with the table applied (build.json). Params: tokens (default 1 and the build's token tile; the tune flow passes
+    token_counts), budget, allow_cpu."""
     build, shape = Candidate.from_dict(run.read_json("profile", "build.json")), shape_from_dict(run.read_json(
         "profile", "shape.json"))
     if not isinstance(shape, LlamaShape):  # the table steers the fused Llama layers' kernels only
