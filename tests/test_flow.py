@@ -146,7 +146,11 @@ def test_tune_command_refuses_bad_arguments_before_the_flow_starts(monkeypatch, 
              (["--deployment", "smollm2-135m-cpu", "--rounds", "0"], "rounds=0"),
              (["--deployment", "smollm2-135m-cpu", "--gpus", "2"], "runs on cpu"),
              (["--deployment", "smollm2-135m-cpu", "--set", "explore.nosuch=1"], "unknown explore setting"),
-             (["--deployment", "smollm2-135m-cpu", "--store", "ftp://host/x"], "ftp")]
+             (["--deployment", "smollm2-135m-cpu", "--store", "ftp://host/x"], "ftp"),
+             (["--deployment", "smollm2-135m-cpu", "--store", "s3://runs/p?endpoint=http://127.0.0.1:9"],
+              "cannot reach S3 endpoint http://127.0.0.1:9")]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     for argv, message in cases:
         assert main(["tune", *argv]) == 2, argv
         err = capsys.readouterr().err

@@ -78,7 +78,9 @@ def preflight(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None
     dep = load_deployment(deployment)
     devices = devices_for(dep, gpus)
     settings = TuneSettings.for_deployment(dep, gpus, trials, seed).with_overrides(overrides)
-    return dep, devices, settings, store_from_uri(store).root_uri
+    artifacts = store_from_uri(store)
+    artifacts.list("preflight/")  # one cheap request: no credentials, an unreachable endpoint, no bucket
+    return dep, devices, settings, artifacts.root_uri
 
 
 def default_work_dir() -> Path:
