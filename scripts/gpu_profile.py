@@ -93,11 +93,9 @@ def profile_shape(name: str, tokens: int, backend: str, attn: str = "", kernels:
                   table_file: str = "") -> dict:
     """One engine's numbers; pdl = MODE[:PREFETCH_MIB[:LARGE_MODE]] names the kernels.pdl.GridDependency its graphs
     are captured with, the largest weight matrix its launches prefetch, and the mode of larger ones ("": defaults)."""
-    from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, grid_dependency
+    from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
     if pdl:
-        mode, mib, large = (pdl.split(":") + ["", ""])[:3]
-        with grid_dependency(GridDependency[mode.upper()], int(mib) << 20 if mib else PREFETCH_MAX_BYTES,
-                             GridDependency[(large or "off").upper()]):
+        with grid_dependency(**parse_grid_dependency(pdl)):
             return {**profile_shape(name, tokens, backend, attn, kernels, row_tile, weight_format, split_k=split_k),
                     "pdl": pdl}
     shape = SHAPES[name]

@@ -20,7 +20,7 @@ for spec in ${CASES:-llama8b-large-at-end:llama3-8b:wait_then_trigger:wait_then_
     smollm2-all-at-end:smollm2-135m:wait_then_trigger_at_end:off}; do
   IFS=: read -r name shape mode large <<< "$spec"
   reps=30; [ "$shape" = llama3-8b ] && reps=15
-  python3 scripts/gpu_step_ab.py "$OUT/ab-$name.json" --shape "$shape" --grid-dependency "$mode:$large" \
+  python3 scripts/gpu_step_ab.py "$OUT/ab-$name.json" --shape "$shape" --grid-dependency "$mode::$large" \
     --contexts "${CONTEXTS:-128,2048}" --tokens "${TOKENS:-1,16}" --rounds "${ROUNDS:-3}" --reps "$reps" \
     > "$OUT/ab-$name.txt" 2>&1
   echo "== $name rc=$?"

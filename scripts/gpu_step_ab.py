@@ -3,11 +3,11 @@ timer), in both orders and at several contexts: is a table's step gain real, or 
 in?
 
     python3 scripts/gpu_step_ab.py OUT.json --shape smollm2-135m --table kt/summary.json --contexts 128,2048
-    python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --grid-dependency wait_then_trigger:wait_then_trigger_at_end
+    python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --grid-dependency wait_then_trigger::wait_then_trigger_at_end
 
---grid-dependency MODE[:LARGE_MODE] (kernels.pdl.GridDependency names): the "table" side is captured in that mode
-for matrices within the prefetch budget (and LARGE_MODE for larger ones; default off), the default side in the
-defaults. Prints one row per (context, T, order): default ms, table ms, default/table.
+--grid-dependency MODE[:PREFETCH_MIB[:LARGE_MODE]] (kernels.pdl.parse_grid_dependency): the "table" side is captured
+in that mode for matrices within the prefetch budget (and LARGE_MODE for larger ones; default off), the default side
+in the defaults. Prints one row per (context, T, order): default ms, table ms, default/table.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specpilot.kernels.pdl import GridDependency, grid_dependency
+from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
 from specpilot.kernels.table import read_pairs
 from specpilot.stages.step_gate import step_timer
 from specpilot.testbed.synthetic import ShapeName
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="smollm2-135m", choices=[s.value for s in ShapeName])
     ap.add_argument("--table", help="a tuner's summary.json (its kernel_table) or a pair list (default: none)")
-    ap.add_argument("--grid-dependency", default="", help="MODE[:LARGE_MODE] the table side is captured in")
+    ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB[:LARGE_MODE]] the table side is "
+                                                          "captured in")
     ap.add_argument("--contexts", default="128,2048")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--rounds", type=int, default=9)
@@ -41,12 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     pairs = read_pairs(a.table) if a.table else ()
     side = (pairs,)
     if a.grid_dependency:
-        mode, _, large = a.grid_dependency.partition(":")
         try:
-            modes = GridDependency[mode.upper()], GridDependency[(large or "off").upper()]
-        except KeyError as e:
-            ap.error(f"--grid-dependency: unknown mode {e} (known: {', '.join(m.name.lower() for m in GridDependency)})")
-        side = (pairs, lambda: grid_dependency(modes[0], large_mode=modes[1]))
+            kw = parse_grid_dependency(a.grid_dependency)
+        except ValueError as e:
+            ap.error(f"--grid-dependency: {e}")
+        side = (pairs, lambda: grid_dependency(**kw))
     shape, dev = ShapeName(a.shape).shape, torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rows = []

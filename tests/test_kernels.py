@@ -610,3 +610,15 @@ def test_pdl_launch_gives_matrices_over_the_prefetch_budget_the_large_matrix_mod
         assert pdl_launch(gpu, 3072, 576) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 16}
         assert pdl_launch(gpu, 28672, 4096) == {"PDL": 0, "PF_LINES": 0}
     assert pdl_launch(torch.device("cpu"), 3072, 576) == {"PDL": 0, "PF_LINES": 16}
+
+
+def test_parse_grid_dependency_reads_the_scripts_spec():
+    from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, parse_grid_dependency
+    assert parse_grid_dependency("wait_then_trigger::wait_then_trigger_at_end") == {
+        "mode": GridDependency.WAIT_THEN_TRIGGER, "prefetch_max_bytes": PREFETCH_MAX_BYTES,
+        "large_mode": GridDependency.WAIT_THEN_TRIGGER_AT_END}
+    assert parse_grid_dependency("OFF:1024") == {"mode": GridDependency.OFF, "prefetch_max_bytes": 1024 << 20,
+                                                 "large_mode": GridDependency.OFF}
+    for bad in ("bogus", "off:many", "off::bogus"):
+        with pytest.raises(ValueError, match="MODE"):
+            parse_grid_dependency(bad)

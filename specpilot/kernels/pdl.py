@@ -69,6 +69,19 @@ def grid_dependency(mode: GridDependency, prefetch_max_bytes: int = PREFETCH_MAX
         _state.update(saved)
 
 
+def parse_grid_dependency(spec: str) -> dict:
+    """grid_dependency's keywords from "MODE[:PREFETCH_MIB[:LARGE_MODE]]" (GridDependency names, any case; an empty
+    field keeps its default), as the measurement scripts take them on their command lines."""
+    mode, mib, large = (spec.split(":") + ["", ""])[:3]
+    try:
+        return {"mode": GridDependency[mode.upper()],
+                "prefetch_max_bytes": int(mib) << 20 if mib else PREFETCH_MAX_BYTES,
+                "large_mode": GridDependency[(large or "off").upper()]}
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"grid dependency {spec!r}: expected MODE[:PREFETCH_MIB[:LARGE_MODE]] with modes in "
+                         f"{[m.name.lower() for m in GridDependency]} ({e})") from None
+
+
 @functools.lru_cache(maxsize=None)
 def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from triton.runtime.errors import OutOfResources
 
 from specpilot.costmodel import Attribution
+from specpilot.engines.batch.runner import bucket
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.family import shape_from_dict
 from specpilot.engines.shapes import LlamaShape, OpClass
@@ -288,7 +289,6 @@ def token_counts(build: Candidate, concurrency: Sequence[int] = ()) -> list[int]
     batched engine's graph buckets and capped at its largest graph (its launch table is looked up at the bucket)."""
     if build.batch_config is None or not concurrency:
         return sorted({1, build.config.token_tile})
-    from specpilot.engines.batch.runner import bucket
     cap = build.batch_config.graph_max_tokens
     per_request = {1, 1 + build.config.draft_len} if build.config.speculative else {1}
     return sorted({bucket(min(c * n, cap)) for c in concurrency for n in per_request})
