@@ -1,11 +1,12 @@
 """Launch-parameter sweep of the projection kernels at one model's shapes, timed inside CUDA graphs (a Python
 launch costs more than these kernels run, so timing outside a graph measures the launcher).
 
-python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1,16]
+python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1,16] [--kernels qkv,o] [--split-k 1,2]
 
 For each projection (qkv, o, gate_up, down, head) and T: the default launch's time and the best of the grid
-block_k x block_n x num_warps x num_stages; block_k is a reduction-order field, so the best block_k is chosen
-on the sum over T and the rest per T. Prints a table last.
+block_k x block_n x num_warps x num_stages x split_k; block_k and split_k are reduction-order fields, so the best
+(block_k, split_k) is chosen on the sum over T and the rest per T. Prints a table last, with each time's weight
+read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s).
 """
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ from specpilot.kernels.bench import time_graph
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
 
 
-def graph_us(fn, launches: int = 20, reps: int = 30) -> float:
-    return time_graph([fn] * launches, reps) * 1e3
+def graph_us(fns, launches: int = 20, reps: int = 30) -> float:
+    return time_graph((fns * launches)[:launches], reps) * 1e3
 
 
-def kernels(sh, T: int, dev):
+def kernels(sh, T: int, dev, name: str, copies: int = 1):
+    """Projection `name`'s call and `copies` weight matrices for it (rotated in the timed graph, so that a matrix
+    smaller than L2 is read from HBM as in a step)."""
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*s, scale=0.02):
@@ -35,16 +38,17 @@ def kernels(sh, T: int, dev):
     qkv_n = (sh.heads + 2 * sh.kv_heads) * sh.head_dim
     x, nw, r = rnd(T, H, scale=1.0), rnd(H, scale=1.0), rnd(T, H, scale=1.0)
     a, gu = rnd(T, sh.heads * sh.head_dim, scale=1.0), rnd(T, 2 * I, scale=1.0)
-    w = {"qkv": rnd(qkv_n, H), "o": rnd(H, sh.heads * sh.head_dim), "gate_up": rnd(2 * I, H), "down": rnd(H, I),
-         "head": rnd(V, H)}
-    return {
-        "qkv": lambda **p: rmsnorm_linear(x, nw, w["qkv"], 1e-5, **p),
-        "o": lambda **p: linear(a, w["o"], r, **p),
-        "gate_up": lambda **p: rmsnorm_linear(x, nw, w["gate_up"], 1e-5, **p),
-        "down": lambda **p: swiglu_linear(gu, w["down"], r, **p),
-        "head": lambda **p: rmsnorm_linear(x, nw, w["head"], 1e-5, out_dtype=torch.float32, argmax=True,
-                                           store_y=False, **p),
+    shapes = {"qkv": (qkv_n, H), "o": (H, sh.heads * sh.head_dim), "gate_up": (2 * I, H), "down": (H, I),
+              "head": (V, H)}
+    calls = {
+        "qkv": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, **p),
+        "o": lambda w, **p: linear(a, w, r, **p),
+        "gate_up": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, **p),
+        "down": lambda w, **p: swiglu_linear(gu, w, r, **p),
+        "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
+                                              **p),
     }
+    return calls[name], [rnd(*shapes[name]) for _ in range(copies)]
 
 
 def main() -> None:
@@ -56,40 +60,51 @@ def main() -> None:
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,3")
+    ap.add_argument("--split-k", default="1")
+    ap.add_argument("--kernels", default="qkv,o,gate_up,down,head")
+    ap.add_argument("--copies", type=int, default=1, help="weight matrices per projection, rotated (>1: read from "
+                    "HBM as in a step, not from L2)")
     a = ap.parse_args()
     sh, dev = SHAPES[a.shape], torch.device("cuda")
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     tokens = ints(a.tokens)
-    grid = list(itertools.product(ints(a.block_k), ints(a.block_n), ints(a.warps), ints(a.stages)))
-    res = {}
-    for name in ("qkv", "o", "gate_up", "down", "head"):
+    grid = list(itertools.product(ints(a.block_k), ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.split_k)))
+    order = lambda key: tuple(int(v) for v in key.split(",")[::4])  # noqa: E731  (block_k, split_k)
+    res, raw = {}, {}
+    for name in a.kernels.split(","):
         per_t = {}
         for T in tokens:
-            fn = kernels(sh, T, dev)[name]
-            rows = {"default": graph_us(lambda: fn())}
-            for bk, bn, nw, st in grid:
+            call, ws = kernels(sh, T, dev, name, a.copies)
+            nbytes = ws[0].numel() * ws[0].element_size()
+            rows = {"default": graph_us([lambda w=w: call(w) for w in ws])}
+            for bk, bn, nw, st, sk in grid:
+                p = dict(block_k=bk, block_n=bn, num_warps=nw, num_stages=st, split_k=sk)
                 try:
-                    rows[f"{bk},{bn},{nw},{st}"] = graph_us(lambda: fn(block_k=bk, block_n=bn, num_warps=nw,
-                                                                       num_stages=st))
+                    rows[f"{bk},{bn},{nw},{st},{sk}"] = graph_us([lambda w=w: call(w, **p) for w in ws])
                 except Exception:  # out of shared memory / registers for this tile: not a candidate
-                    rows[f"{bk},{bn},{nw},{st}"] = float("inf")
+                    rows[f"{bk},{bn},{nw},{st},{sk}"] = float("inf")
             per_t[T] = rows
-        # block_k fixes the reduction order: one per shape, chosen on the sum over T of each T's best
-        best_bk = min(ints(a.block_k), key=lambda bk: sum(min(v for k, v in per_t[T].items()
-                                                                if k != "default" and int(k.split(",")[0]) == bk)
-                                                            for T in tokens))
-        res[name] = {"block_k": best_bk, "per_t": {}}
+        # block_k and split_k fix the reduction order: one pair per shape, chosen on the sum over T of each T's best
+        pairs = sorted({order(k) for k in per_t[tokens[0]] if k != "default"})
+        best_pair = min(pairs, key=lambda p: sum(min(v for k, v in per_t[T].items() if k != "default"
+                                                     and order(k) == p) for T in tokens))
+        res[name] = {"block_k,split_k": best_pair, "weight_bytes": nbytes, "per_t": {}}
         for T in tokens:
-            cands = {k: v for k, v in per_t[T].items() if k != "default" and int(k.split(",")[0]) == best_bk}
+            cands = {k: v for k, v in per_t[T].items() if k != "default" and order(k) == best_pair}
             k_best = min(cands, key=cands.get)
             res[name]["per_t"][T] = {"default_us": per_t[T]["default"], "best_us": cands[k_best], "best": k_best,
-                                     "best_any_us": min(v for k, v in per_t[T].items() if k != "default")}
-        json.dump({"shape": a.shape, "results": res, "raw": {n: None for n in res}}, open(a.out, "w"), indent=1)
+                                     "best_any_us": min(v for k, v in per_t[T].items() if k != "default"),
+                                     "best_any": min((k for k in per_t[T] if k != "default"), key=per_t[T].get)}
+        raw[name] = per_t
+        json.dump({"shape": a.shape, "results": res, "raw": raw}, open(a.out, "w"), indent=1)
         print(name, res[name], flush=True)
-    print("| kernel | T | default us | tuned us | block_k,block_n,warps,stages |\n|---|---|---|---|---|")
+    print("| kernel | T | default us | GB/s | tuned us | GB/s | block_k,block_n,warps,stages,split_k | any us |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
+        gbs = lambda us: r["weight_bytes"] / us / 1e3  # noqa: E731
         for T, v in r["per_t"].items():
-            print(f"| {name} | {T} | {v['default_us']:.2f} | {v['best_us']:.2f} | {v['best']} |")
+            print(f"| {name} | {T} | {v['default_us']:.2f} | {gbs(v['default_us']):.0f} | {v['best_us']:.2f} | "
+                  f"{gbs(v['best_us']):.0f} | {v['best']} | {v['best_any_us']:.2f} ({v['best_any']}) |")
 
 
 if __name__ == "__main__":
