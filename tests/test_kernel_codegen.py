@@ -45,7 +45,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
-                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("W_PF_LINES", 0))
+                ("EARLY_RES", 1), ("W_PRELOAD", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -117,12 +117,6 @@ print(json.dumps({
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
-    # W rows asked of L2 before the norm statistic (norm_gemm.W_PREFETCH_LINES), without PDL: the same dots
-    **{f"wpf_norm_linear_epi{epi}": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {**PDL_KERNELS[1][3], "EPI": epi,
-                                                                                "W_PF_LINES": 8}, num_warps=8)
-       for epi in (0, 1, 2)},
-    "wpf_ptx": [op in build(norm_gemm._rmsnorm_linear_kernel, NORM, {**PDL_KERNELS[1][3], "EPI": 2, "W_PF_LINES": lines},
-                            8).asm["ptx"] for lines in (0, 8) for op in PDL_OPS],
     # split-K (gemm.split_k_combine): the same dots over fewer chunks, then the partials added in split order
     **{f"split4_{name}": dots(fn, sig, {**consts, "SPLIT_K": 4}, nw) for name, fn, sig, consts, nw in PDL_KERNELS},
     "pdl_ptx": {f"{name}_{mode}": [op in build(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=mode > 0).asm["ptx"]
@@ -240,15 +234,6 @@ def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compile
         # WAIT_THEN_TRIGGER lets the successor launch before the first dot, ..._AT_END only after the K loop's last
         assert compiled["pdl_trigger_after_mma"][f"{name}_1"] == {"before_first": True, "after_last": False}, name
         assert compiled["pdl_trigger_after_mma"][f"{name}_2"] == {"before_first": False, "after_last": True}, name
-
-
-def test_w_prefetch_before_the_norm_statistic_compiles_the_same_dots(compiled):
-    # EPI 0 here has no residual (PDL_KERNELS' flags), norm_linear has one: compare epilogues 1 and 2 only
-    for epi in (1, 2):
-        assert compiled[f"wpf_norm_linear_epi{epi}"] == compiled[f"norm_linear_epi{epi}"], epi
-    assert len(compiled["wpf_norm_linear_epi0"]) == 2
-    # no wait, no trigger (PDL off); the L2 prefetch only when asked for
-    assert compiled["wpf_ptx"] == [False, False, False, False, False, True]
 
 
 def test_paged_attention_under_pdl_compiles_the_same_dots_and_waits(compiled):

@@ -539,8 +539,8 @@ def test_t_neutral_params_change_no_bit(dtype):
     for split in (1, 2):
         assert torch.equal(K.linear(x, W, res, bias=bias, split_k=split, early_residual=False),
                            K.linear(x, W, res, bias=bias, split_k=split)), split
-    for unroll, prefetch, w_lines in ((1, 0, 4), (2, 1, 32), (4, 2, 8), (8, 0, 0)):  # W L2 prefetch: GPU only
-        kw = dict(stat_unroll=unroll, act_prefetch=prefetch, w_prefetch_lines=w_lines)
+    for unroll, prefetch in ((1, 0), (2, 1), (4, 2), (8, 0)):
+        kw = dict(stat_unroll=unroll, act_prefetch=prefetch)
         assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, **kw), base_norm), kw
         got = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64, **kw)
         assert all(torch.equal(out, want) for out, want in zip(got, base_res)), kw
@@ -548,8 +548,6 @@ def test_t_neutral_params_change_no_bit(dtype):
                            K.rmsnorm_linear(x2, nw, W, 1e-5, block_k=64, split_k=2)), kw
     with pytest.raises(ValueError, match="stat_unroll"):
         K.rmsnorm_linear(x, nw, W, 1e-5, stat_unroll=3)
-    with pytest.raises(ValueError, match="w_prefetch_lines"):
-        K.rmsnorm_linear(x, nw, W, 1e-5, w_prefetch_lines=3)
     KVH, G, D, b, T = 2, 4, 32, 300, 16
     kc, vc = rnd(g, KVH, 400, D, dtype=dtype), rnd(g, KVH, 400, D, dtype=dtype)
     q = rnd(g, T, KVH * G, D, dtype=dtype)

@@ -27,7 +27,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
-from .pdl import pdl_launch, prefetch_l2, prefetch_rows, release_successor, wait_for_predecessor
+from .pdl import pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -35,9 +35,6 @@ STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads be
 # Loads a norm launch issues ahead of their use: 0 none; 1 the next K chunk's x (and norm weight) one iteration ahead;
 # 2 that, and the rotary epilogue's positions, slots and cos/sin rows before the K loop instead of after it.
 ACT_PREFETCHES = (0, 1, 2)
-# 128-byte lines of each of a program's W rows asked of L2 right after the predecessor wait, before the statistic:
-# the first K chunks stream in while the statistic's latency (all x, then the reduction) runs; 0: none.
-W_PREFETCH_LINES = (0, 4, 8, 16, 32)
 # Default warps of a norm + projection launch by its K. H200, captured decode step, every norm launch at 4 warps
 # against 8 (notes/h200.md, session 13): SmolLM2-135M (K=576) 5-6% faster, Llama-3-8B (K=4096) 0.6% slower at
 # T=1 and 5% at T=16.
@@ -69,14 +66,11 @@ class RMSNormLinearParams(LaunchParams):
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
     act_prefetch: int = 2  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
-    w_prefetch_lines: int = 0  # W_PREFETCH_LINES: L2 prefetch before the statistic (a hint: T-neutral)
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
-                                            "w_prefetch_lines")
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
-                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES,
-                                                "w_prefetch_lines": W_PREFETCH_LINES}
+                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,8 +78,6 @@ class RMSNormLinearParams(LaunchParams):
             raise ValueError(f"stat_unroll={self.stat_unroll!r} must be one of {STAT_UNROLLS}")
         if not isinstance(self.act_prefetch, int) or self.act_prefetch not in ACT_PREFETCHES:
             raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
-        if not isinstance(self.w_prefetch_lines, int) or self.w_prefetch_lines not in W_PREFETCH_LINES:
-            raise ValueError(f"w_prefetch_lines={self.w_prefetch_lines!r} must be one of {W_PREFETCH_LINES}")
 
 
 @triton.jit
@@ -221,7 +213,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
-                           ACT_PREFETCH: tl.constexpr = 1, W_PF_LINES: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                           ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
                            PF_LINES: tl.constexpr = 16):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -247,19 +239,12 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         col_ok2 = col_ok & (cols < (H + KVH) * 2 * HALF)
     else:
         cols2, col_ok2 = cols, col_ok
-    # the W rows' starts, clamped in range (prefetch addresses), and the pair's second rows (gate_up's up rows, the
-    # rotary partners)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K
-    w_rows2 = w_ptr + tl.minimum(cols2, 2 * N - 1 if EPI == EPI_GLU else N - 1).to(tl.int64) * K
-    if not W12:
-        prefetch_rows(w_rows, K, PDL, PF_LINES)
+    if not W12:  # and the pair's second rows (gate_up's up rows, the rotary partners)
+        prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
         if EPI != EPI_STORE:
-            prefetch_rows(w_rows2, K, PDL, PF_LINES)
+            last2 = 2 * N - 1 if EPI == EPI_GLU else N - 1
+            prefetch_rows(w_ptr + tl.minimum(cols2, last2).to(tl.int64) * K, K, PDL, PF_LINES)
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
-    if not W12:
-        prefetch_l2(w_rows, K, W_PF_LINES)
-        if EPI != EPI_STORE:
-            prefetch_l2(w_rows2, K, W_PF_LINES)
     if EPI == EPI_ROPE and ACT_PREFETCH >= 2:  # positions may come from the previous kernel too (device loop)
         rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
                                                           sin_ptr, S, max_pos, HALF)
@@ -329,12 +314,11 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: int = 2, w_prefetch_lines: int = 0) -> tuple:
+                      act_prefetch: int = 2) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
-                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                        w_prefetch_lines=w_prefetch_lines)
+                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -372,7 +356,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: int = 2, w_prefetch_lines: int = 0):
+                   act_prefetch: int = 2):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
@@ -383,8 +367,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
                                                            split_k=split_k, stat_unroll=stat_unroll,
-                                                           act_prefetch=act_prefetch,
-                                                           w_prefetch_lines=w_prefetch_lines)
+                                                           act_prefetch=act_prefetch)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -411,7 +394,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
                                  ACT_PREFETCH=act_prefetch, num_warps=num_warps, num_stages=stages,
-                                 **norm_pdl(x, N, K, w_prefetch_lines))
+                                 **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
@@ -420,11 +403,9 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     return out if residual is None else (out, residual_out)
 
 
-def norm_pdl(x: torch.Tensor, w_rows: int, k: int, w_prefetch_lines: int = 0) -> dict:
-    """The PDL and prefetch launch keywords of a norm + projection launch (kernels/pdl.py) reading W [w_rows, k]
-    (prefetch instructions only on a GPU: the interpreter has no inline assembly)."""
-    return {**pdl_launch(x.device, w_rows, k, x.element_size()),
-            "W_PF_LINES": w_prefetch_lines if x.device.type == "cuda" else 0}
+def norm_pdl(x: torch.Tensor, w_rows: int, k: int) -> dict:
+    """The PDL launch keywords of a norm + projection launch (kernels/pdl.py) reading W [w_rows, k]."""
+    return pdl_launch(x.device, w_rows, k, x.element_size())
 
 
 def _NO_ROPE(x: torch.Tensor) -> tuple:

@@ -120,22 +120,15 @@ def release_successor(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(row_ptrs, K, LINES: tl.constexpr):
-    """Asks L2 for the first LINES 128-byte lines of each row (row_ptrs [R] -> rows of K elements; LINES=0: none).
-    A prefetch is a hint: it changes no value."""
-    if LINES > 0:
+def prefetch_rows(row_ptrs, K, PDL: tl.constexpr, LINES: tl.constexpr):
+    """Asks L2 for the first LINES 128-byte lines of each row (row_ptrs [R] -> rows of K elements); only under
+    PDL, where it overlaps the predecessor (LINES=0: none). A prefetch is a hint: it changes no value."""
+    if PDL != 0 and LINES > 0:
         step: tl.constexpr = 128 // (row_ptrs.dtype.element_ty.primitive_bitwidth // 8)
         offs = tl.minimum(tl.arange(0, LINES) * step, K - 1)
         ptrs = row_ptrs[:, None] + offs[None, :]
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
                                   is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows(row_ptrs, K, PDL: tl.constexpr, LINES: tl.constexpr):
-    """prefetch_l2 only under PDL, where it overlaps the predecessor."""
-    if PDL != 0:
-        prefetch_l2(row_ptrs, K, LINES)
 
 
 def prefetch_lines(k: int, elem_size: int, most: int = 32) -> int:
