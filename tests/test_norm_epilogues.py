@@ -51,6 +51,25 @@ def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_
         assert torch.equal(q4[0], q[0]) and torch.equal(kc4[:, slots[0]], kc[:, slots[0]])
 
 
+@pytest.mark.parametrize("block_n,split_k", [(32, 1), (32, 2), (16, 2)])
+def test_qkv_rope_tiles_hold_rotary_pairs(block_n, split_k):
+    # a tile holds half-head column runs and their partners (norm_gemm._rope_tile_cols): one head per tile at
+    # block_n = head_dim, two runs of a head's halves at 16; split-K sums the same chains in split order
+    g = torch.Generator().manual_seed(block_n + split_k)
+    T, heads, kv_heads, D, K_in = 3, 4, 2, 32, 256
+    x, nw, W = rnd(g, T, K_in), rnd(g, K_in), rnd(g, (heads + 2 * kv_heads) * D, K_in, scale=0.1)
+    cos, sin = (t.to(DEV) for t in K.rope_tables(64, D, 10000.0))
+    pos, slots = torch.tensor([5, 0, 63], device=DEV), torch.tensor([2, 7, 4], device=DEV)
+    kc, vc = rnd(g, kv_heads, 8, D), rnd(g, kv_heads, 8, D)
+    kc2, vc2 = kc.clone(), vc.clone()
+    tile = {"block_n": block_n, "split_k": split_k, "block_k": 64}
+    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, **tile)
+    q2 = K.rope_kv_write(K.rmsnorm_linear(x, nw, W, 1e-5, **tile), pos, slots, cos, sin, kc2, vc2, heads, kv_heads)
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    with pytest.raises(ValueError, match="block_n=64 exceeds 32"):
+        E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, block_n=64)
+
+
 @pytest.mark.parametrize("act_prefetch", [0, 2])
 def test_qkv_rope_out_of_range_position_writes_nothing(act_prefetch):
     g = torch.Generator().manual_seed(1)

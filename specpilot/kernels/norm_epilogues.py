@@ -5,10 +5,10 @@
 - rmsnorm_glu: (x + residual ->) rmsnorm @ W_gate_up.T, then silu(gate) * up: returns the MLP activation
   [T, I] (no gate_up tensor, no swiglu launch).
 
-Same kernel as rmsnorm_linear (norm_gemm.py): a program owning output columns j also accumulates a second W row
-set (the rotate_half partner j -+ D/2, or the up row I + j) from the same normalised tile, in the same fixed K
-order, so every value equals the unfused pair's: the projection rounded to the dtype, then the rotation (fp32,
-from the fp32 tables) or silu_mul. Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
+Same kernel as rmsnorm_linear (norm_gemm.py). A gate_up program owning output columns j also accumulates the up
+rows I + j from the same normalised tile, in the same fixed K order; a QKV tile holds column pairs (j, its
+rotate_half partner j + D/2) and exchanges its halves in registers, so W is read once. Every value equals the
+unfused pair's: the projection rounded to the dtype, then the rotation (fp32, from the fp32 tables) or silu_mul. Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
 W may be a W12Tensor (bf16 x), decoded in the kernel's W tile loads as in rmsnorm_linear (w12_tile.py).
 """
 from __future__ import annotations
@@ -69,7 +69,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
     out = check_out("out", out, (T, heads, D), dt, dev)
-    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
+    # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D)
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
                                      positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],

@@ -179,10 +179,31 @@ def _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr, sin_ptr
 
 
 @triton.jit
+def _rope_tile_cols(pid_n, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """A QKV tile's columns: BLOCK_N / 2 consecutive columns of one head's first half, then their rotate_half
+    partners (the same offsets in the second half), so the rotary epilogue finds every partner in its own tile
+    and W is read once (BLOCK_N <= head_dim = 2 * HALF). The tiles cover all columns, each once; a column's dot
+    chain does not depend on the tile that owns it: the same bits as contiguous tiles."""
+    PH: tl.constexpr = BLOCK_N // 2
+    PER_HEAD: tl.constexpr = HALF // PH
+    i = tl.arange(0, BLOCK_N)
+    return (pid_n // PER_HEAD) * (2 * HALF) + (i // PH) * HALF + (pid_n % PER_HEAD) * PH + i % PH
+
+
+@triton.jit
+def _swap_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's columns with its two halves exchanged: each _rope_tile_cols column's partner value."""
+    a = tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1))
+    first, second = tl.split(a)
+    return tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
 def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr, S, ok, slot, c, s,
                    H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr):
     """rope_kv_write's arithmetic on a QKV tile: q rotated to q [T, H*D]; k rotated and v to the caches at slots.
-    ok, slot, c, s: _rope_inputs; row_ok: the rows this program stores."""
+    acc2: each column's rotate_half partner's accumulator; ok, slot, c, s: _rope_inputs; row_ok: the rows this
+    program stores."""
     D: tl.constexpr = 2 * HALF
     dtype = q_ptr.dtype.element_ty
     y = acc.to(dtype)
@@ -223,7 +244,10 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
     pid_m = tile % num_m
     pid_n = tile // num_m
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if EPI == EPI_ROPE:
+        cols = _rope_tile_cols(pid_n, BLOCK_N, HALF)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < T
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -231,19 +255,13 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
     dtype = x_ptr.dtype.element_ty
 
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
-    if EPI == EPI_GLU:  # output column j = silu(gate_j) * up_j: gate is W row j, up is W row N + j
-        cols2, col_ok2 = cols + N, col_ok
-    elif EPI == EPI_ROPE:  # q/k column j also needs its rotate_half partner j -+ D/2 (v columns need none)
-        d = cols % (2 * HALF)
-        cols2 = tl.where(d < HALF, cols + HALF, cols - HALF)
-        col_ok2 = col_ok & (cols < (H + KVH) * 2 * HALF)
-    else:
-        cols2, col_ok2 = cols, col_ok
-    if not W12:  # and the pair's second rows (gate_up's up rows, the rotary partners)
+    # output column j = silu(gate_j) * up_j: gate is W row j, up is W row N + j (no second row set otherwise)
+    cols2 = cols + N if EPI == EPI_GLU else cols
+    col_ok2 = col_ok
+    if not W12:  # and gate_up's up rows
         prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
-        if EPI != EPI_STORE:
-            last2 = 2 * N - 1 if EPI == EPI_GLU else N - 1
-            prefetch_rows(w_ptr + tl.minimum(cols2, last2).to(tl.int64) * K, K, PDL, PF_LINES)
+        if EPI == EPI_GLU:
+            prefetch_rows(w_ptr + tl.minimum(cols2, 2 * N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
     if EPI == EPI_ROPE and ACT_PREFETCH >= 2:  # positions may come from the previous kernel too (device loop)
         rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
@@ -252,10 +270,10 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
                           code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
                           col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), K,
-                          eps, HAS_RES, DOT_PREC, EPI != EPI_STORE, W12, BLOCK_M, BLOCK_N, BLOCK_K, STAT_UNROLL,
+                          eps, HAS_RES, DOT_PREC, EPI == EPI_GLU, W12, BLOCK_M, BLOCK_N, BLOCK_K, STAT_UNROLL,
                           ACT_PREFETCH)
     release_successor(PDL)
-    acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI != EPI_STORE, BLOCK_M,
+    acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI == EPI_GLU, BLOCK_M,
                                       BLOCK_N)
     row_ok = row_ok & last  # only the tile's last split-K program stores (all of them without split-K)
     if EPI == EPI_GLU:
@@ -265,8 +283,8 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         if ACT_PREFETCH < 2:
             rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
                                                               sin_ptr, S, max_pos, HALF)
-        _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, y_ptr, kc_ptr, vc_ptr, S, rope_ok, rope_slot, rope_c,
-                       rope_s, H, KVH, HALF)
+        _rope_epilogue(acc, _swap_halves(acc, BLOCK_M, BLOCK_N), rows, cols, row_ok, col_ok, y_ptr, kc_ptr, vc_ptr,
+                       S, rope_ok, rope_slot, rope_c, rope_s, H, KVH, HALF)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -339,12 +357,18 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
-                      split_k: int = 1, pair: bool = False) -> tuple[int, int, list[tuple]]:
+                      split_k: int = 1, pair: bool = False, max_block_n: int | None = None) -> tuple[int, int, list[tuple]]:
     """(block_n, num_stages, launches) of a norm + projection with n output columns; launches: gemm.split_launches
-    (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets per column."""
+    (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets per column;
+    max_block_n: the widest tile the epilogue allows (the default is capped to it, a wider block_n refused)."""
     T = x.shape[0]
-    bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size()) \
-        if block_n is None else block_n
+    if block_n is None:
+        bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size())
+        bn = bn if max_block_n is None else min(bn, max_block_n)
+    elif max_block_n is not None and block_n > max_block_n:
+        raise ValueError(f"block_n={block_n} exceeds {max_block_n}, the widest tile this epilogue allows")
+    else:
+        bn = block_n
     stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k, row_tile=row_tile) \
         if num_stages is None else num_stages
     return bn, stages, split_launches(x.device, T, n, x.shape[1], block_k, row_tile, bn, split_k, pair)
