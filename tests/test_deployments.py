@@ -38,6 +38,9 @@ def test_shipped_deployment_settings():
     # Llama-3-8B's verify of 16 tokens reads keys in 32-row attention tiles; one token keeps 16 (T-neutral either way)
     table = LaunchTable(llama.engine.kernel_table)
     assert [table.get("attention", 4096, 1024, t).get("tile_rows") for t in (1, 5, 16)] == [16, 16, 32]
+    # its projections' K chunks hold at every token count the batched engine runs (a reduction order)
+    for kernel, n, k, block_k in (("qkv", 6144, 4096, 256), ("o_proj", 4096, 4096, 256), ("down", 4096, 14336, 512)):
+        assert {table.get(kernel, n, k, t)["block_k"] for t in (1, 6, 16, 32, 144)} == {block_k}, kernel
     assert cpu.device.kind is DeviceKind.CPU and not cpu.engine.cuda_graphs
     assert (cpu.workload.max_new_tokens, cpu.workload.prompts_per_benchmark) == (64, 2)
     assert cpu.target == ModelRef(ModelRefKind.TESTBED, "smollm2-135m")
