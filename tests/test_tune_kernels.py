@@ -280,3 +280,28 @@ def test_token_counts_follow_the_regime_the_build_serves():
     assert token_counts(small, (16,)) == [16, 64]  # capped at the largest graph (larger steps run eagerly)
     ar = dataclasses.replace(stock, config=stock.config.replace(drafter="none"))
     assert token_counts(ar, (16, 20)) == [16, 32]
+
+
+def test_coordinate_search_moves_one_field_at_a_time_within_its_budget():
+    """Hand-built scores: the best setting differs from the start in block_k alone (as Llama-3-8B's projections'
+    did on an H200), then improves in split_k once block_k moved; refused settings (inf) are skipped."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(params=SimpleNamespace(SEARCH_SPACE={"block_k": (64, 128, 256, 512), "split_k": (1, 2, 4)}))
+    cost = {(64, 1): 5.0, (128, 1): 4.0, (256, 1): 3.0, (512, 1): float("inf"),
+            (256, 2): 2.5, (256, 4): 2.9, (128, 2): 9.0, (128, 4): 9.0, (64, 2): 9.0, (64, 4): 9.0,
+            (512, 2): 9.0, (512, 4): 9.0}
+    scored = []
+
+    def score(s):
+        scored.append((s["block_k"], s["split_k"]))
+        return cost[(s["block_k"], s["split_k"])]
+
+    start = {"block_k": 128, "split_k": 1}
+    assert tk._coordinate_search(spec, ["block_k", "split_k"], start, 100, score) == {"block_k": 256, "split_k": 2}
+    # block_k's values first (the start scored once), then split_k's from block_k 256; a second sweep finds nothing
+    assert scored[:6] == [(128, 1), (64, 1), (256, 1), (512, 1), (256, 2), (256, 4)]
+    assert len(scored) == len(set(scored))  # no setting scored twice
+    scored.clear()
+    assert tk._coordinate_search(spec, ["block_k", "split_k"], start, 3, score) == {"block_k": 256, "split_k": 1}
+    assert len(scored) == 3  # the limit counts the start
