@@ -109,8 +109,15 @@ PROJECTIONS = ("qkv", "gate_up", "lm_head", "o_proj", "down")
 
 def projection_table(shape: LlamaShape, **params: Any) -> tuple[tuple[str, str], ...]:
     """Kernel-table entries giving every projection of `shape` these launch params at every T (one T=1 entry
-    per kernel: its numerics-setting fields then hold for every T)."""
+    per kernel: its numerics-setting fields then hold for every T). QKV's block_n is capped at head_dim (its
+    tiles hold rotary pairs of one head)."""
     import json
 
     from specpilot.kernels.table import table_key
-    return tuple((table_key(s.name, *s.dims(shape), 1), json.dumps(params)) for s in SPECS if s.name in PROJECTIONS)
+
+    def own(name: str) -> dict[str, Any]:
+        if name == "qkv" and params.get("block_n") is not None:
+            return {**params, "block_n": min(params["block_n"], shape.head_dim)}
+        return params
+    return tuple((table_key(s.name, *s.dims(shape), 1), json.dumps(own(s.name))) for s in SPECS
+                 if s.name in PROJECTIONS)
