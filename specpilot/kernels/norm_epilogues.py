@@ -58,8 +58,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
         raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
     check_tensor("k_cache", k_cache, (kv_heads, None, None), dt, dev)
     S, D = k_cache.shape[1], k_cache.shape[2]
-    if D < 8 or D & (D - 1):
-        raise ValueError(f"head_dim={D} must be a power of two >= 8")
+    if D < 16 or D & (D - 1):  # a tile (16 columns at least) holds rotary pairs of one head
+        raise ValueError(f"head_dim={D} must be a power of two >= 16")
     if N != (heads + 2 * kv_heads) * D:
         raise ValueError(f"W has {N} rows; heads={heads}, kv_heads={kv_heads}, head_dim={D} need "
                          f"{(heads + 2 * kv_heads) * D}")
