@@ -79,8 +79,9 @@ def test_cpu_tuning_is_refused_unless_asked_for():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the interpreter path")
 def test_tuned_table_keeps_numerics_fields_per_shape_and_round_trips(tmp_path):
     attr = hand_attribution({OpClass.ATTN: 6.0, OpClass.O_PROJ: 3.0})
-    # 6 settings: the coordinate search reaches split_keys after block_n's three values
-    table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], dataclasses.replace(TINY, max_settings=6), allow_cpu=True)
+    # 10 settings: one field at a time, 128-key blocks (what wins by far in the interpreter) need split_keys >= 128
+    # first, so the coordinate search reaches them on its second sweep (with 6, one run in five kept the default)
+    table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], dataclasses.replace(TINY, max_settings=10), allow_cpu=True)
     assert [c.kernel for c in table.selected] == ["attention", "o_proj"]
     by_kernel: dict[str, list[tk.TableEntry]] = {}
     for e in table.entries:
