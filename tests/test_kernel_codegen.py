@@ -215,7 +215,7 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     spread = lambda d: re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d)  # noqa: E731
     assert len(compiled["linear_n16"]) == 1
     assert [spread(d) for d in compiled["preload_linear"]] == [spread(compiled["linear_n16"][0])] * 5
-    # the norm statistic's fp32 dot, then the projection (the epilogues: two projection dots per K chunk)
+    # the norm statistic's fp32 dot, then the projection
     assert len(compiled["norm_linear"]) == 2, compiled["norm_linear"]
     # gate_up's GLU: gate and up rows, two projection dots a chunk; QKV's rotary: one (the partners share the tile)
     assert compiled["norm_linear_epi1"] == [compiled["norm_linear"][0]] + [compiled["norm_linear"][1]] * 2

@@ -8,7 +8,8 @@
 Same kernel as rmsnorm_linear (norm_gemm.py). A gate_up program owning output columns j also accumulates the up
 rows I + j from the same normalised tile, in the same fixed K order; a QKV tile holds column pairs (j, its
 rotate_half partner j + D/2) and exchanges its halves in registers, so W is read once. Every value equals the
-unfused pair's: the projection rounded to the dtype, then the rotation (fp32, from the fp32 tables) or silu_mul. Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
+unfused pair's: the projection rounded to the dtype, then the rotation (fp32, from the fp32 tables) or silu_mul.
+Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
 W may be a W12Tensor (bf16 x), decoded in the kernel's W tile loads as in rmsnorm_linear (w12_tile.py).
 """
 from __future__ import annotations

@@ -357,7 +357,8 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
-                      split_k: int = 1, pair: bool = False, max_block_n: int | None = None) -> tuple[int, int, list[tuple]]:
+                      split_k: int = 1, pair: bool = False,
+                      max_block_n: int | None = None) -> tuple[int, int, list[tuple]]:
     """(block_n, num_stages, launches) of a norm + projection with n output columns; launches: gemm.split_launches
     (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets per column;
     max_block_n: the widest tile the epilogue allows (the default is capped to it, a wider block_n refused)."""

@@ -171,11 +171,12 @@ def _coordinate_search(spec: KernelSpec, fields: Sequence[str], start: dict[str,
             current = dict(best)
             for v in spec.params.SEARCH_SPACE[f]:
                 cand = {**current, f: v}
-                if tuple(cand[g] for g in fields) in seen:
+                key = tuple(cand[g] for g in fields)
+                if key in seen:
                     continue
                 if len(seen) >= limit:
                     return best
-                seen.add(tuple(cand[g] for g in fields))
+                seen.add(key)
                 s = score(cand)
                 if s < best_s:
                     best, best_s, improved = cand, s, True
