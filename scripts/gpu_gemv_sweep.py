@@ -6,7 +6,8 @@ python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1
 For each projection (qkv, o, gate_up, down, head) and T: the default launch's time and the best of the grid
 block_k x block_n x num_warps x num_stages x split_k; block_k and split_k are reduction-order fields, so the best
 (block_k, split_k) is chosen on the sum over T and the rest per T. Prints a table last, with each time's weight
-read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s).
+read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s). Each projection is the engine's launch:
+QKV with its rotary + cache-write epilogue, gate_up with its SwiGLU epilogue, down and o_proj with the residual.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
 from specpilot.kernels import linear, rmsnorm_linear
+from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
 from specpilot.kernels.bench import time_graph
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
@@ -38,12 +40,18 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
     qkv_n = (sh.heads + 2 * sh.kv_heads) * sh.head_dim
     x, nw, r = rnd(T, H, scale=1.0), rnd(H, scale=1.0), rnd(T, H, scale=1.0)
     a, act = rnd(T, sh.heads * sh.head_dim, scale=1.0), rnd(T, I, scale=1.0)
+    # the QKV launch's rotary epilogue writes k and v to a cache at slots 0..T-1
+    D, S = sh.head_dim, 256
+    pos, slots = torch.arange(T, device=dev), torch.arange(T, device=dev)
+    cos, sin = (torch.rand(S, D // 2, generator=g, device=dev) for _ in range(2))
+    kc, vc = (torch.zeros(sh.kv_heads, S, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
     shapes = {"qkv": (qkv_n, H), "o": (H, sh.heads * sh.head_dim), "gate_up": (2 * I, H), "down": (H, I),
               "head": (V, H)}
     calls = {
-        "qkv": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, **p),
+        "qkv": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads, sh.kv_heads,
+                                               **p),
         "o": lambda w, **p: linear(a, w, r, **p),
-        "gate_up": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, **p),
+        "gate_up": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, **p),  # N = I columns, each a gate and an up row
         "down": lambda w, **p: linear(act, w, r, **p),  # the engine's: SwiGLU runs in gate_up's epilogue
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Session 23 on one H200 (Llama-3-8B shapes, random weights): do the norm launches (QKV with its rotary epilogue,
+# gate_up with its SwiGLU epilogue: 96 and 112 programs on 132 SMs at the defaults) gain from other tiles?
+# 1. gpu_gemv_sweep.py over the engine's QKV and gate_up launches (T=1,16, weights rotated through 4 copies);
+# 2. captured-step A/Bs against the defaults: the shipped table, and the shipped table with the sweep's best QKV
+#    and/or gate_up settings (a sweep's best launch is not always the step's: notes/h200.md, session 22).
+#   OUT=... bash scripts/gpu_s23.sh      (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+python3 scripts/gpu_gemv_sweep.py "$OUT/sweep.json" --shape llama8b --tokens 1,16 --kernels "${KERNELS:-qkv,gate_up}" \
+  --block-k "${BLOCK_K:-128,256}" --block-n "${BLOCK_N:-16,32,64,128}" --warps 4,8 --stages "${STAGES:-2,3,4}" --copies 4 \
+  > "$OUT/sweep.txt" 2>&1; echo "sweep rc=$?"; grep "^|" "$OUT/sweep.txt"
+python3 - "$OUT" <<'PY'
+import json, sys
+import yaml
+out = sys.argv[1]
+shipped = [tuple(p) for p in yaml.safe_load(open("specpilot/deployments/llama8b-shape-h200.yaml"))["engine"]["kernel_table"]]
+res = json.load(open(f"{out}/sweep.json"))["results"]
+keys = {"qkv": "qkv@6144x4096", "gate_up": "gate_up@28672x4096"}
+def best(name):
+    pairs = []
+    for T, v in res[name]["per_t"].items():
+        bk, bn, w, st, sk = (int(x) for x in v["best"].split(","))
+        p = {"block_k": bk, "block_n": bn, "num_warps": w, "num_stages": st}
+        if sk > 1:
+            p["split_k"] = sk
+        pairs.append((f"{keys[name]}@T{T}", json.dumps(p)))
+    return pairs
+def table(*names):
+    drop = {keys[n] for n in names}
+    return [p for p in shipped if p[0].rsplit("@", 1)[0] not in drop] + [q for n in names for q in best(n)]
+variants = {"shipped": shipped}
+for n in res:
+    variants[f"{n}-best"] = table(n)
+if len(res) > 1:
+    variants["both-best"] = table(*res)
+for name, pairs in variants.items():
+    json.dump(pairs, open(f"{out}/table-{name}.json", "w"), indent=0)
+    print(name, pairs[-4:])
+PY
+for t in "$OUT"/table-*.json; do
+  v=$(basename "$t" .json); v=${v#table-}
+  python3 scripts/gpu_step_ab.py "$OUT/ab-$v.json" --shape llama3-8b --table "$t" --contexts "${CONTEXTS:-128}" \
+    --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-$v.txt" 2>&1 || echo "a/b $v failed"
+done
+python3 - "$OUT" <<'PY'
+import json, sys, glob, statistics
+print("| table | context | T | default ms | table ms | default/table |\n|---|---|---|---|---|---|")
+for f in sorted(glob.glob(f"{sys.argv[1]}/ab-*.json")):
+    rows = {}
+    for r in json.load(open(f))["rows"]:
+        rows.setdefault((r["context"], r["tokens"]), []).append((r["default_ms"], r["table_ms"]))
+    for (ctx, t), v in sorted(rows.items()):
+        d, m = statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)
+        print(f"| {f.rsplit('/', 1)[1][3:-5]} | {ctx} | {t} | {d:.4f} | {m:.4f} | {d / m:.3f} |")
+PY
