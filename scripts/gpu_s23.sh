@@ -4,18 +4,29 @@
 # 1. gpu_gemv_sweep.py over the engine's QKV and gate_up launches (T=1,16, weights rotated through 4 copies);
 # 2. captured-step A/Bs against the defaults: the shipped table, and the shipped table with the sweep's best QKV
 #    and/or gate_up settings (a sweep's best launch is not always the step's: notes/h200.md, session 22).
-#   OUT=... bash scripts/gpu_s23.sh      (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+# pdl: the captured step with the shipped table on both sides, the large matrices (all of Llama-3-8B's) in PDL mode 2
+#   (the successor launches once every program has left its K loop) and prefetching the first lines of their rows
+#   that fit a budget (kernels/pdl.py), against plain stream order; budgets in MiB from $BUDGETS (0: no prefetch).
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
+python3 -c "import json, yaml; json.dump(yaml.safe_load(open('specpilot/deployments/llama8b-shape-h200.yaml'))['engine']
+['kernel_table'], open('$OUT/shipped.json', 'w'))"
+if [ "${1:-sweep}" = pdl ]; then
+  for mib in ${BUDGETS:-0 4 16 48}; do
+    python3 scripts/gpu_step_ab.py "$OUT/ab-pdl$mib.json" --shape llama3-8b --base-table "$OUT/shipped.json" \
+      --grid-dependency "wait_then_trigger:$mib:wait_then_trigger_at_end" --contexts "${CONTEXTS:-128}" --tokens 1,16 \
+      --rounds 2 --reps 15 > "$OUT/ab-pdl$mib.txt" 2>&1 || { echo "pdl $mib failed"; tail -5 "$OUT/ab-pdl$mib.txt"; }
+  done
+else
 python3 scripts/gpu_gemv_sweep.py "$OUT/sweep.json" --shape llama8b --tokens 1,16 --kernels "${KERNELS:-qkv,gate_up}" \
   --block-k "${BLOCK_K:-128,256}" --block-n "${BLOCK_N:-16,32,64,128}" --warps 4,8 --stages "${STAGES:-2,3,4}" --copies 4 \
   > "$OUT/sweep.txt" 2>&1; echo "sweep rc=$?"; grep "^|" "$OUT/sweep.txt"
 python3 - "$OUT" <<'PY'
 import json, sys
-import yaml
 out = sys.argv[1]
-shipped = [tuple(p) for p in yaml.safe_load(open("specpilot/deployments/llama8b-shape-h200.yaml"))["engine"]["kernel_table"]]
+shipped = [tuple(p) for p in json.load(open(f"{out}/shipped.json"))]
 res = json.load(open(f"{out}/sweep.json"))["results"]
 keys = {"qkv": "qkv@6144x4096", "gate_up": "gate_up@28672x4096"}
 def best(name):
@@ -44,6 +55,7 @@ for t in "$OUT"/table-*.json; do
   python3 scripts/gpu_step_ab.py "$OUT/ab-$v.json" --shape llama3-8b --table "$t" --contexts "${CONTEXTS:-128}" \
     --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-$v.txt" 2>&1 || echo "a/b $v failed"
 done
+fi
 python3 - "$OUT" <<'PY'
 import json, sys, glob, statistics
 print("| table | context | T | default ms | table ms | default/table |\n|---|---|---|---|---|---|")

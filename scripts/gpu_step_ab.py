@@ -4,6 +4,7 @@ in?
 
     python3 scripts/gpu_step_ab.py OUT.json --shape smollm2-135m --table kt/summary.json --contexts 128,2048
     python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --grid-dependency wait_then_trigger::wait_then_trigger_at_end
+    python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --base-table shipped.json --grid-dependency ...
 
 --grid-dependency MODE[:PREFETCH_MIB[:LARGE_MODE]] (kernels.pdl.parse_grid_dependency): the "table" side is captured
 in that mode for matrices within the prefetch budget (and LARGE_MODE for larger ones; default off), the default side
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="smollm2-135m", choices=[s.value for s in ShapeName])
     ap.add_argument("--table", help="a tuner's summary.json (its kernel_table) or a pair list (default: none)")
+    ap.add_argument("--base-table", help="the default side's kernel table (default: none); the table side takes "
+                                         "--table, or this one when --table is not given")
     ap.add_argument("--grid-dependency", default="", help="MODE[:PREFETCH_MIB[:LARGE_MODE]] the table side is "
                                                           "captured in")
     ap.add_argument("--contexts", default="128,2048")
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not a.table and not a.grid_dependency:
         ap.error("give --table, --grid-dependency or both")
-    pairs = read_pairs(a.table) if a.table else ()
+    base = read_pairs(a.base_table) if a.base_table else ()
+    pairs = read_pairs(a.table) if a.table else base
     side = (pairs,)
     if a.grid_dependency:
         try:
@@ -55,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         for t in (int(x) for x in a.tokens.split(",")):
             for order in ("default first", "table first"):
                 b = (side[0], t, *side[1:])
-                configs = [((), t), b] if order == "default first" else [b, ((), t)]
+                configs = [(base, t), b] if order == "default first" else [b, (base, t)]
                 ms = measure(configs)
                 d, tb = (ms[0], ms[1]) if order == "default first" else (ms[1], ms[0])
                 rows.append({"context": ctx, "tokens": t, "order": order, "default_ms": d, "table_ms": tb})
-    a.out.write_text(json.dumps({"table": pairs, "grid_dependency": a.grid_dependency, "rows": rows}, indent=1))
+    a.out.write_text(json.dumps({"base_table": base, "table": pairs, "grid_dependency": a.grid_dependency, "rows": rows}, indent=1))
     print("| context | T | order | default ms | table ms | default/table |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['tokens']} | {r['order']} | {r['default_ms']:.4f} | {r['table_ms']:.4f} | "

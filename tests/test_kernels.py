@@ -593,6 +593,7 @@ def test_pdl_launch_keywords_are_off_on_cpu_and_the_mode_switch_restores():
                 pass
     # SmolLM2 rows: 576 bf16 = 9 lines -> 16; 1536 -> 24 -> 32; Llama-3-8B's 4096 (64 lines) capped at 32
     assert [prefetch_lines(k, 2) for k in (576, 1536, 4096, 64)] == [16, 32, 32, 1]
+    assert [prefetch_lines(4096, 2, most) for most in (1, 4, 5, 20)] == [1, 4, 4, 16]  # powers of two
 
 
 def test_pdl_launch_gives_matrices_over_the_prefetch_budget_the_large_matrix_mode(monkeypatch):
@@ -604,7 +605,11 @@ def test_pdl_launch_gives_matrices_over_the_prefetch_budget_the_large_matrix_mod
     assert pdl_launch(gpu, 28672, 4096) == {"PDL": 0, "PF_LINES": 0}  # Llama-3-8B's gate_up: plain stream order
     assert pdl_launch(gpu) == {"PDL": 1, "launch_pdl": True}  # attention reads no weights: the small-matrix mode
     with grid_dependency(GridDependency.WAIT_THEN_TRIGGER, large_mode=GridDependency.WAIT_THEN_TRIGGER_AT_END):
-        assert pdl_launch(gpu, 28672, 4096) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 0}  # never prefetched
+        # the first lines of each row that fit the budget together: 16 MiB / (28672 rows x 128 B) = 4.6 -> 4 lines
+        assert pdl_launch(gpu, 28672, 4096) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 4}
+        assert pdl_launch(gpu, 4096, 4096)["PF_LINES"] == 32  # o_proj: 32 MiB, 32 lines a row (16 MiB) fit
+        assert pdl_launch(gpu, 128256, 4096)["PF_LINES"] == 1  # the LM head: one line a row
+        assert pdl_launch(gpu, 200000, 4096)["PF_LINES"] == 0  # not even one line a row fits: none
         assert pdl_launch(gpu, 3072, 576) == {"PDL": 1, "launch_pdl": True, "PF_LINES": 16}
     with grid_dependency(GridDependency.WAIT_THEN_TRIGGER_AT_END):
         assert pdl_launch(gpu, 3072, 576) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 16}

@@ -41,7 +41,8 @@ class GridDependency(enum.IntEnum):
 
 
 # PDL only for launches whose weight matrix fits this (L2 is 50 MB on an H200), prefetched before their wait; a
-# launch reading a larger one runs in plain stream order. H200, the whole step: SmolLM2-135M (every matrix small
+# launch reading a larger one runs in plain stream order (or `large_mode`, prefetching the first lines of each row
+# that fit this budget together: the whole first lines would overflow L2 at Llama-3-8B's gate_up). H200, the whole step: SmolLM2-135M (every matrix small
 # but the LM head) 0.79-0.82 ms with PDL vs 1.05-1.07 without; Llama-3-8B (every matrix large) 6.78 ms with PDL and
 # every matrix prefetched, 6.40-6.47 with PDL and none prefetched, 5.15-5.25 without PDL: the bandwidth-bound
 # multi-wave GEMMs lose from overlap, the launch-bound small ones gain. Larger matrices take `large_mode` (default
@@ -97,7 +98,9 @@ def pdl_launch(device: torch.device, weight_rows: int = 0, k: int = 0, elem_size
     on = mode is not GridDependency.OFF and device.type == "cuda" and _supports_pdl(device.index or 0)
     kw = {"PDL": int(mode), "launch_pdl": True} if on else {"PDL": 0}
     if weight_rows:
-        kw["PF_LINES"] = prefetch_lines(k, elem_size) if small else 0
+        budget_lines = _state["prefetch_max_bytes"] // (weight_rows * 128)
+        kw["PF_LINES"] = prefetch_lines(k, elem_size) if small else \
+            prefetch_lines(k, elem_size, most=min(32, budget_lines)) if on and budget_lines else 0
     return kw
 
 
@@ -132,5 +135,7 @@ def prefetch_rows(row_ptrs, K, PDL: tl.constexpr, LINES: tl.constexpr):
 
 
 def prefetch_lines(k: int, elem_size: int, most: int = 32) -> int:
-    """LINES for rows of k elements: all of a row up to `most` lines (4 KiB), a power of two."""
+    """LINES for rows of k elements: all of a row up to `most` lines (4 KiB), a power of two (`most` rounded down
+    to one)."""
+    most = 1 << (most.bit_length() - 1)
     return min(most, triton.next_power_of_2(triton.cdiv(k * elem_size, 128)))
