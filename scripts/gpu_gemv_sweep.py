@@ -3,7 +3,8 @@ launch costs more than these kernels run, so timing outside a graph measures the
 
 python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1,16] [--kernels qkv,o] [--split-k 1,2]
 
-For each projection (qkv, o, gate_up, down, head) and T: the default launch's time and the best of the grid
+For each projection (qkv, o, gate_up, down, head; qkv_linear, gate_up_linear: those matrices through a plain
+projection) and T: the default launch's time and the best of the grid
 block_k x block_n x num_warps x num_stages x split_k; block_k and split_k are reduction-order fields, so the best
 (block_k, split_k) is chosen on the sum over T and the rest per T. Prints a table last, with each time's weight
 read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s). Each projection is the engine's launch:
@@ -47,12 +48,16 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
     kc, vc = (torch.zeros(sh.kv_heads, S, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
     shapes = {"qkv": (qkv_n, H), "o": (H, sh.heads * sh.head_dim), "gate_up": (2 * I, H), "down": (H, I),
               "head": (V, H)}
+    shapes.update(qkv_linear=shapes["qkv"], gate_up_linear=shapes["gate_up"])
     calls = {
         "qkv": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads, sh.kv_heads,
                                                **p),
         "o": lambda w, **p: linear(a, w, r, **p),
         "gate_up": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, **p),  # N = I columns, each a gate and an up row
         "down": lambda w, **p: linear(act, w, r, **p),  # the engine's: SwiGLU runs in gate_up's epilogue
+        # the norm launches' matrices read by a plain projection (no statistic, no epilogue): what the norm costs
+        "qkv_linear": lambda w, **p: linear(x, w, **p),
+        "gate_up_linear": lambda w, **p: linear(x, w, **p),
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),
     }
