@@ -1,5 +1,5 @@
 """GPU check: the norm + projection kernels give the same bits with every T-neutral latency setting
-(stat_unroll, act_prefetch), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes,
+(stat_unroll, act_prefetch, prenorm), and `linear` with early_residual and w_preload, at the SmolLM2 and Llama-3-8B shapes,
 T = 1, 5, 16 (the CPU tests run small shapes).
 
 python3 scripts/gpu_norm_bits.py
@@ -44,6 +44,11 @@ def main() -> None:
             for unroll, pf in itertools.product((1, 2, 4, 8), (0, 1, 2)):
                 got = run(stat_unroll=unroll, act_prefetch=pf)
                 assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, unroll, pf)
+                checked += 1
+            # the norm as a launch of its own (rmsnorm.rms_norm_rows): the fused kernels' bits, whatever the tile
+            for kw in ({}, {"row_tile": 1}, {"block_k": 256, "num_warps": 8}, {"split_k": 2}, {"stat_unroll": 2}):
+                got, want = run(prenorm=True, **kw), run(**kw)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (s, T, "prenorm", kw)
                 checked += 1
             Wo = (torch.randn(h, s.intermediate, generator=g, device=dev) * s.intermediate ** -0.5).to(torch.bfloat16)
             a = torch.randn(T, s.intermediate, generator=g, device=dev).to(torch.bfloat16)

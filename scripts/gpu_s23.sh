@@ -7,13 +7,40 @@
 # pdl: the captured step with the shipped table on both sides, the large matrices (all of Llama-3-8B's) in PDL mode 2
 #   (the successor launches once every program has left its K loop) and prefetching the first lines of their rows
 #   that fit a budget (kernels/pdl.py), against plain stream order; budgets in MiB from $BUDGETS (0: no prefetch).
-#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+# prenorm: the epilogue and rmsnorm tests compiled there, gpu_norm_bits.py (prenorm's bits), then the captured step
+#   with the shipped table against it with prenorm on for QKV, gate_up, both, and those and the LM head.
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 python3 -c "import json, yaml; json.dump(yaml.safe_load(open('specpilot/deployments/llama8b-shape-h200.yaml'))['engine']
 ['kernel_table'], open('$OUT/shipped.json', 'w'))"
-if [ "${1:-sweep}" = pdl ]; then
+if [ "${1:-sweep}" = prenorm ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_rmsnorm.py tests/test_norm_epilogues.py > "$OUT/tests.txt" 2>&1
+  echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"
+  python3 scripts/gpu_norm_bits.py 2>&1 | tail -2
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+shipped = [tuple(p) for p in json.load(open(f"{out}/shipped.json"))]
+keys = {"qkv": "qkv@6144x4096", "gate_up": "gate_up@28672x4096", "lm_head": "lm_head@128256x4096"}
+def with_prenorm(*names):
+    pairs = dict(shipped)
+    for n in names:
+        for t in (1, 16):
+            key = f"{keys[n]}@T{t}"
+            pairs[key] = json.dumps({**json.loads(pairs.get(key, "{}")), "prenorm": True})
+    return list(pairs.items())
+for name, names in {"qkv": ("qkv",), "gate_up": ("gate_up",), "qkv+gate_up": ("qkv", "gate_up"),
+                    "all": ("qkv", "gate_up", "lm_head")}.items():
+    json.dump(with_prenorm(*names), open(f"{out}/prenorm-{name}.json", "w"))
+PY
+  for v in ${VARIANTS:-qkv gate_up qkv+gate_up all}; do
+    python3 scripts/gpu_step_ab.py "$OUT/ab-prenorm-$v.json" --shape llama3-8b --base-table "$OUT/shipped.json" \
+      --table "$OUT/prenorm-$v.json" --contexts "${CONTEXTS:-128}" --tokens 1,16 --rounds 2 --reps 15 \
+      > "$OUT/ab-prenorm-$v.txt" 2>&1 || { echo "prenorm $v failed"; tail -5 "$OUT/ab-prenorm-$v.txt"; }
+  done
+elif [ "${1:-sweep}" = pdl ]; then
   for mib in ${BUDGETS:-0 4 16 48}; do
     python3 scripts/gpu_step_ab.py "$OUT/ab-pdl$mib.json" --shape llama3-8b --base-table "$OUT/shipped.json" \
       --grid-dependency "wait_then_trigger:$mib:wait_then_trigger_at_end" --contexts "${CONTEXTS:-128}" --tokens 1,16 \

@@ -20,8 +20,8 @@ from ..weights.format import W12Tensor
 from ._common import check_int, check_out, check_tensor, dot_precision
 from .act import swiglu_ref
 from .gemm import BLOCK_K
-from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_pdl, norm_warps,
-                        rmsnorm_linear_ref)
+from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand, norm_pdl,
+                        norm_warps, rmsnorm_linear_ref)
 from .rope_kv import rope_kv_write_ref
 
 
@@ -41,7 +41,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, *,
                      out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2) -> torch.Tensor:
+                     split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2,
+                     prenorm: bool = False) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -50,7 +51,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     """
     T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
-                                                act_prefetch=act_prefetch)
+                                                act_prefetch=act_prefetch, prenorm=prenorm)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
@@ -72,14 +73,15 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D)
+    xk, _, norm = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, stat_unroll, num_warps)
     for r0, r1, grid, ws, counters, per_split in launches:
-        _rmsnorm_linear_kernel[grid](x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
+        _rmsnorm_linear_kernel[grid](xk[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
                                      positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
-                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
+                                     NORM=norm, num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
     return out
 
 
@@ -87,25 +89,28 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-                stat_unroll: int = 8, act_prefetch: int = 2):
+                stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, w_rows_per_out=2,
                                                            row_tile=row_tile, split_k=split_k,
-                                                           stat_unroll=stat_unroll, act_prefetch=act_prefetch)
+                                                           stat_unroll=stat_unroll, act_prefetch=act_prefetch,
+                                                           prenorm=prenorm)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
-    has_res = residual is not None
+    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, stat_unroll,
+                                num_warps)
+    has_res = rk is not None
     for r0, r1, grid, ws, counters, per_split in launches:
-        _rmsnorm_linear_kernel[grid](x[r0:r1], residual[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
+        _rmsnorm_linear_kernel[grid](xk[r0:r1], rk[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
                                      residual_out[r0:r1] if has_res else out, x, x, ws, counters, x, x, x, x, x, x,
                                      1, 1,
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                                     STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, num_warps=num_warps,
-                                     num_stages=stages, **norm_pdl(x, 2 * N, K))
+                                     STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, NORM=norm,
+                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
     return out if residual is None else (out, residual_out)

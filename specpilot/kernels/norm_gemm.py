@@ -28,6 +28,7 @@ from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
 from .pdl import pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
+from .rmsnorm import load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -66,11 +67,16 @@ class RMSNormLinearParams(LaunchParams):
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
     act_prefetch: int = 2  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch")
+    # The statistic and normalisation in a launch of their own (rmsnorm.rms_norm_rows), the projection reading the
+    # normalised rows: one launch more, no statistic in each program's path (the same statements: T-neutral).
+    prenorm: bool = False
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
+                                            "prenorm")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
-                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES}
+                                                "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES,
+                                                "prenorm": (False, True)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,15 +84,8 @@ class RMSNormLinearParams(LaunchParams):
             raise ValueError(f"stat_unroll={self.stat_unroll!r} must be one of {STAT_UNROLLS}")
         if not isinstance(self.act_prefetch, int) or self.act_prefetch not in ACT_PREFETCHES:
             raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
-
-
-@triton.jit
-def _load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
-    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    return h
+        if not isinstance(self.prenorm, bool):
+            raise ValueError(f"prenorm={self.prenorm!r} must be a bool")
 
 
 @triton.jit
@@ -95,33 +94,15 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
               HAS_RES: tl.constexpr,
               DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr,
-              ACT_PREFETCH: tl.constexpr):
+              ACT_PREFETCH: tl.constexpr, NORM: tl.constexpr):
     """-> (acc over W rows `cols`, acc over W rows `cols2` when PAIR: a second W row set fed by the same normalised
     tile), over K range [k_lo, k_hi) (the statistic always over all of K; h_owner stores h). bf16 W: read through
-    w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays."""
-    dtype = x_ptr.dtype.element_ty
-    # pass 1: per-row sum of squares in a fixed order (elementwise over chunks, then one sequential fp32 dot)
-    # STAT_UNROLL chunks are loaded before any is squared: their L2 latencies overlap instead of adding up (one
-    # at a time, Llama-3-8B's 32 chunks took ~10 us of a 27 us launch). Masked chunks past K add +0.0: same bits.
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, STAT_UNROLL * BLOCK_K):
-        hs = ()
-        for u in tl.static_range(STAT_UNROLL):
-            kk = k0 + u * BLOCK_K + ks
-            xm = row_ok[:, None] & (kk < K)[None, :]
-            h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
-            if HAS_RES:
-                tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & h_owner)
-            hs = hs + (h,)
-        for u in tl.static_range(STAT_UNROLL):
-            hf = hs[u].to(tl.float32)
-            sq += hf * hf
-    if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout
-        ss = tl.sum(sq, axis=1)
-    else:
-        ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
-        ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)  # 16 identical columns: max picks the value
-    rstd = 1.0 / tl.sqrt_rn(ss / K + eps)
+    w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays. NORM=False: x holds the normalised rows already
+    (rmsnorm.rms_norm_rows), a plain projection of them."""
+    # pass 1: per-row statistic (rmsnorm.row_rstd)
+    if NORM:
+        rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
+                        STAT_UNROLL)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
     if W12:
@@ -133,23 +114,25 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
     # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise
     # sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not pipeline it):
     # one program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
-    if ACT_PREFETCH >= 1:
+    if ACT_PREFETCH >= 1 and NORM:
         kk = k_lo + ks
-        h_next = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
+        h_next = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
         nw_next = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
-        if ACT_PREFETCH >= 1:
-            h, nw = h_next, nw_next
-            kn = kk + BLOCK_K
-            h_next = _load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
-            nw_next = tl.load(nw_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+        if not NORM:  # feeds the dot unchanged: the pipeliner loads it ahead, as in `linear`
+            a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         else:
-            h = _load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
-            nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
-        a = (hn.to(tl.float32) * nw[None, :]).to(dtype)
+            if ACT_PREFETCH >= 1:
+                h, nw = h_next, nw_next
+                kn = kk + BLOCK_K
+                h_next = load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
+                nw_next = tl.load(nw_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+            else:
+                h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
+                nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            a = normalize(h, nw, rstd)
         wm = k_ok[:, None] & col_ok[None, :]
         if W12:
             w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk, wm)
@@ -235,7 +218,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
                            ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
-                           PF_LINES: tl.constexpr = 16):
+                           PF_LINES: tl.constexpr = 16, NORM: tl.constexpr = True):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
@@ -271,7 +254,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                           code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
                           col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), K,
                           eps, HAS_RES, DOT_PREC, EPI == EPI_GLU, W12, BLOCK_M, BLOCK_N, BLOCK_K, STAT_UNROLL,
-                          ACT_PREFETCH)
+                          ACT_PREFETCH, NORM)
     release_successor(PDL)
     acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI == EPI_GLU, BLOCK_M,
                                       BLOCK_N)
@@ -314,13 +297,6 @@ def _argmax_combine_kernel(pmax_ptr, pidx_ptr, out_ptr, NT, BLOCK_T: tl.constexp
     tl.store(out_ptr + row, tl.min(tl.where(ok & (m == best), i, 2147483647), axis=0).to(tl.int64))
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalise in fp32, round to x.dtype, multiply by the weight in x.dtype."""
-    xf = x.float()
-    variance = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
 def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float,
                        residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None):
@@ -332,11 +308,12 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: int = 2) -> tuple:
+                      act_prefetch: int = 2, prenorm: bool = False) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
-                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch)
+                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
+                        prenorm=prenorm)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -354,6 +331,17 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
         raise ValueError("residual_out is only written when residual is given")
     check_launchable(_rmsnorm_linear_kernel, dev)
     return T, K, rows // w_rows_per_out, residual_out, w_args, w12
+
+
+def norm_operand(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 residual_out: torch.Tensor | None, prenorm: bool, block_k: int, row_tile: int, stat_unroll: int,
+                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(the rows the kernel reads, their residual or None, NORM): x and residual as given (the kernel normalises),
+    or with prenorm the normalised rows from rmsnorm.rms_norm_rows (h = x + residual written there)."""
+    if not prenorm:
+        return x, residual, True
+    return rms_norm_rows(x, norm_w, eps, residual, residual_out, block_k=block_k, row_tile=row_tile,
+                         stat_unroll=stat_unroll, num_warps=num_warps), None, False
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
@@ -381,7 +369,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: int = 2):
+                   act_prefetch: int = 2, prenorm: bool = False):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
@@ -392,7 +380,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
                                                            split_k=split_k, stat_unroll=stat_unroll,
-                                                           act_prefetch=act_prefetch)
+                                                           act_prefetch=act_prefetch, prenorm=prenorm)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -404,13 +392,15 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
-    has_res = residual is not None
+    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, stat_unroll,
+                                num_warps)
+    has_res = rk is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.float32, device=dev)
     pidx = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.int32, device=dev)
     rows = lambda t, r0, r1: t[r0:r1] if t.shape[0] == T else t  # noqa: E731 - per-row tensors, not placeholders
     for r0, r1, grid, ws, counters, per_split in launches:
-        _rmsnorm_linear_kernel[grid](x[r0:r1], rows(residual, r0, r1) if has_res else x, norm_w, *w_args,
+        _rmsnorm_linear_kernel[grid](xk[r0:r1], rows(rk, r0, r1) if has_res else x, norm_w, *w_args,
                                  x if bias is None else bias, rows(out, r0, r1),
                                  rows(residual_out, r0, r1) if has_res else out, rows(pmax, r0, r1),
                                  rows(pidx, r0, r1), ws, counters, *_NO_ROPE(x), r1 - r0, N, K, per_split,
@@ -418,7 +408,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
-                                 ACT_PREFETCH=act_prefetch, num_warps=num_warps, num_stages=stages,
+                                 ACT_PREFETCH=act_prefetch, NORM=norm, num_warps=num_warps, num_stages=stages,
                                  **norm_pdl(x, N, K))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)

@@ -1,0 +1,111 @@
+"""The RMSNorm statistic and normalisation every norm + projection kernel runs (norm_gemm.py), and a kernel that
+runs them alone: `rms_norm_rows` writes the normalised rows, so a projection can read them instead of recomputing
+the statistic in each of its programs (RMSNormLinearParams.prenorm).
+
+Why a separate launch can pay: a fused norm + projection program reads and reduces all of x before its first W
+chunk, and every program pays that latency. H200, Llama-3-8B shapes, T=1 (notes/h200.md, session 23): the fused QKV
+launch (norm + rotary epilogue) took 21.7 us where a plain projection of the same matrix took 15.6 us.
+
+The bits are those of the fused kernels: the same statements (row_rstd, normalize) with the same BLOCK_K and
+BLOCK_M, so the normalised tile a projection multiplies is the same whichever launch made it.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import pdl_launch, release_successor, wait_for_predecessor
+
+
+@triton.jit
+def load_h(x_ptr, r_ptr, offs, mask, HAS_RES: tl.constexpr):
+    """x (+ residual, rounded to x's dtype) at offs."""
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return h
+
+
+@triton.jit
+def row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr):
+    """1 / sqrt(mean(h^2) + eps) per row of h = x (+ residual), stored to h_ptr where h_owner (with HAS_RES).
+
+    The sum of squares in a fixed order: elementwise over the BLOCK_K chunks in ascending order, then one
+    sequential fp32 dot with ones (the same order whatever the thread layout). STAT_UNROLL chunks are loaded before
+    any is squared: their L2 latencies overlap instead of adding up (one at a time, Llama-3-8B's 32 chunks took
+    ~10 us of a 27 us launch). Masked chunks past K add +0.0: the same bits."""
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, STAT_UNROLL * BLOCK_K):
+        hs = ()
+        for u in tl.static_range(STAT_UNROLL):
+            kk = k0 + u * BLOCK_K + ks
+            xm = row_ok[:, None] & (kk < K)[None, :]
+            h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], xm, HAS_RES)
+            if HAS_RES:
+                tl.store(h_ptr + row_offs + kk[None, :], h, mask=xm & h_owner)
+            hs = hs + (h,)
+        for u in tl.static_range(STAT_UNROLL):
+            hf = hs[u].to(tl.float32)
+            sq += hf * hf
+    if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout
+        ss = tl.sum(sq, axis=1)
+    else:
+        ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
+        ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)  # 16 identical columns: max picks the value
+    return 1.0 / tl.sqrt_rn(ss / K + eps)
+
+
+@triton.jit
+def normalize(h, nw, rstd):
+    """The chunk the projection multiplies, with the dtype roundings of transformers' LlamaRMSNorm: nw fp32 [BLOCK_K],
+    rstd [BLOCK_M]."""
+    dtype = h.dtype
+    hn = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+    return (hn.to(tl.float32) * nw[None, :]).to(dtype)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _rms_norm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, a_ptr, T, K, eps, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr, PDL: tl.constexpr = 0):
+    # One program per (row tile, K chunk): each computes its rows' statistic (x is small and in L2) and writes one
+    # chunk, so the launch is one round of loads deep, not K / BLOCK_K.
+    wait_for_predecessor(PDL)
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    ks = tl.arange(0, BLOCK_K)
+    row_offs = rows.to(tl.int64)[:, None] * K
+    rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, pid_k == 0, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
+                    STAT_UNROLL)
+    release_successor(PDL)
+    kk = pid_k * BLOCK_K + ks
+    m = row_ok[:, None] & (kk < K)[None, :]
+    h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], m, HAS_RES)
+    nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    tl.store(a_ptr + row_offs + kk[None, :], normalize(h, nw, rstd), mask=m)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in fp32, round to x.dtype, multiply by the weight in x.dtype."""
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def rms_norm_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                  residual_out: torch.Tensor | None, *, block_k: int, row_tile: int, stat_unroll: int,
+                  num_warps: int) -> torch.Tensor:
+    """The normalised rows [T, K] a norm + projection kernel with these block_k / row_tile would multiply (x,
+    residual and their outputs checked by the caller, norm_gemm.check_norm_inputs); h = x + residual to residual_out.
+    num_warps: the projection's, so a one-row tile's tl.sum takes the same layout."""
+    T, K = x.shape
+    a = torch.empty_like(x)
+    has_res = residual is not None
+    _rms_norm_kernel[(triton.cdiv(T, row_tile), triton.cdiv(K, block_k))](
+        x, residual if has_res else x, norm_w, residual_out if has_res else a, a, T, K, float(eps), HAS_RES=has_res,
+        BLOCK_M=row_tile, BLOCK_K=block_k, STAT_UNROLL=stat_unroll, num_warps=num_warps, **pdl_launch(x.device))
+    return a
