@@ -73,7 +73,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D)
-    xk, _, norm = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, stat_unroll, num_warps)
+    xk, _, norm = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps)
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](xk[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
                                      positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
@@ -101,8 +101,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
-    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, stat_unroll,
-                                num_warps)
+    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps)
     has_res = rk is not None
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](xk[r0:r1], rk[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],

@@ -334,14 +334,14 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
 
 
 def norm_operand(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                 residual_out: torch.Tensor | None, prenorm: bool, block_k: int, row_tile: int, stat_unroll: int,
+                 residual_out: torch.Tensor | None, prenorm: bool, block_k: int, row_tile: int,
                  num_warps: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     """(the rows the kernel reads, their residual or None, NORM): x and residual as given (the kernel normalises),
     or with prenorm the normalised rows from rmsnorm.rms_norm_rows (h = x + residual written there)."""
     if not prenorm:
         return x, residual, True
     return rms_norm_rows(x, norm_w, eps, residual, residual_out, block_k=block_k, row_tile=row_tile,
-                         stat_unroll=stat_unroll, num_warps=num_warps), None, False
+                         num_warps=num_warps), None, False
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
@@ -392,8 +392,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
-    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, stat_unroll,
-                                num_warps)
+    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps)
     has_res = rk is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.float32, device=dev)

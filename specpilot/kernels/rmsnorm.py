@@ -79,13 +79,13 @@ def _rms_norm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, a_ptr, T, K, eps, HAS_RES: tl.
     row_ok = rows < T
     ks = tl.arange(0, BLOCK_K)
     row_offs = rows.to(tl.int64)[:, None] * K
+    kk = pid_k * BLOCK_K + ks
+    m = row_ok[:, None] & (kk < K)[None, :]
+    h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], m, HAS_RES)  # in flight with the statistic's loads
+    nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, pid_k == 0, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
                     STAT_UNROLL)
     release_successor(PDL)
-    kk = pid_k * BLOCK_K + ks
-    m = row_ok[:, None] & (kk < K)[None, :]
-    h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], m, HAS_RES)
-    nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     tl.store(a_ptr + row_offs + kk[None, :], normalize(h, nw, rstd), mask=m)
 
 
@@ -96,16 +96,21 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * (xf * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
+# K chunks the statistic of rms_norm_rows loads at once (nothing else is live there: up to 16 chunks, one round of
+# loads for Llama-3-8B's 4096 features at block_k 256, where the fused kernels' registers allow 8)
+NORM_ROWS_UNROLL = 16
+
+
 def rms_norm_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                  residual_out: torch.Tensor | None, *, block_k: int, row_tile: int, stat_unroll: int,
-                  num_warps: int) -> torch.Tensor:
+                  residual_out: torch.Tensor | None, *, block_k: int, row_tile: int, num_warps: int) -> torch.Tensor:
     """The normalised rows [T, K] a norm + projection kernel with these block_k / row_tile would multiply (x,
     residual and their outputs checked by the caller, norm_gemm.check_norm_inputs); h = x + residual to residual_out.
     num_warps: the projection's, so a one-row tile's tl.sum takes the same layout."""
     T, K = x.shape
     a = torch.empty_like(x)
     has_res = residual is not None
+    unroll = min(NORM_ROWS_UNROLL, triton.next_power_of_2(triton.cdiv(K, block_k)))
     _rms_norm_kernel[(triton.cdiv(T, row_tile), triton.cdiv(K, block_k))](
         x, residual if has_res else x, norm_w, residual_out if has_res else a, a, T, K, float(eps), HAS_RES=has_res,
-        BLOCK_M=row_tile, BLOCK_K=block_k, STAT_UNROLL=stat_unroll, num_warps=num_warps, **pdl_launch(x.device))
+        BLOCK_M=row_tile, BLOCK_K=block_k, STAT_UNROLL=unroll, num_warps=num_warps, **pdl_launch(x.device))
     return a
