@@ -9,13 +9,26 @@
 #   that fit a budget (kernels/pdl.py), against plain stream order; budgets in MiB from $BUDGETS (0: no prefetch).
 # prenorm: the epilogue and rmsnorm tests compiled there, gpu_norm_bits.py (prenorm's bits), then the captured step
 #   with the shipped table against it with prenorm on for QKV, gate_up, both, and those and the LM head.
-#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+# check: the HBM read rate and the 8B floor on this machine, and the captured step with and without the shipped table
+#   at contexts 128 and 2048 for this build and the one at $OLD.
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 python3 -c "import json, yaml; json.dump(yaml.safe_load(open('specpilot/deployments/llama8b-shape-h200.yaml'))['engine']
 ['kernel_table'], open('$OUT/shipped.json', 'w'))"
-if [ "${1:-sweep}" = prenorm ]; then
+if [ "${1:-sweep}" = check ]; then
+  python3 -c "import sys; sys.path.insert(0, 'scripts'); from gpu_profile import hbm_read_gbs
+from specpilot.engines.shapes import LLAMA3_8B as L; g = hbm_read_gbs()
+print(f'HBM read {g:.0f} GB/s; Llama-3-8B floor {L.step_weight_count() * 2 / g / 1e6:.3f} ms')"
+  NEW=$PWD
+  for side in old new; do
+    dir=$NEW; [ $side = old ] && dir=${OLD:?set OLD to the baseline snapshot}
+    (cd "$dir" && PYTHONPATH=$dir python3 scripts/gpu_step_ab.py "$OUT/ab-check-$side.json" --shape llama3-8b \
+      --table "$OUT/shipped.json" --contexts 128,2048 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-check-$side.txt" 2>&1) \
+      || { echo "check $side failed"; tail -5 "$OUT/ab-check-$side.txt"; }
+  done
+elif [ "${1:-sweep}" = prenorm ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_rmsnorm.py tests/test_norm_epilogues.py > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"
   python3 scripts/gpu_norm_bits.py 2>&1 | tail -2

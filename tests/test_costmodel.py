@@ -290,3 +290,16 @@ def test_fused_launches_are_labelled_by_their_role_in_launch_order():
     assert label_fused_launches(forward * 3, layers=3) is None
     assert label_fused_launches(forward[:-3], layers=2) is None
     assert label_fused_launches(["ampere_sgemm", "flash_fwd"], layers=2) is None
+
+
+def test_step_weight_count_leaves_out_an_untied_input_embedding_only():
+    from specpilot.engines.shapes import LLAMA3_8B
+    # Llama-3-8B: 8.03e9 parameters, of which the step reads all but the 128256 x 4096 input embedding
+    assert LLAMA3_8B.weight_count() - LLAMA3_8B.step_weight_count() == 128256 * 4096
+    assert LLAMA3_8B.step_weight_count() * 2 == 15_009_849_344
+    # the bytes of the cost model's ops (one token, no context, activations free) are those weights, less the norm
+    # weights (counted as activations there) and plus one token's fp32 logits written by the LM head
+    costs = LLAMA3_8B.op_costs(1, 0, weight_bytes=2.0, act_bytes=0)
+    weights = sum(b for op, (_, b) in costs.items() if op is not OpClass.ACCEPT)
+    assert weights == LLAMA3_8B.step_weight_count() * 2 - (2 * LLAMA3_8B.layers + 1) * 4096 * 2 + 128256 * 4
+    assert SMOLLM2_135M.step_weight_count() == SMOLLM2_135M.weight_count()  # tied: the LM head reads the embedding

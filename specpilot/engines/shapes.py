@@ -103,6 +103,10 @@ class LlamaShape:
         head = 0 if self.tie_embeddings else self.vocab * self.hidden
         return self.vocab * self.hidden + self.layers * per_layer + self.hidden + head
 
+    def step_weight_count(self) -> int:
+        """The weights one decode step reads: all but an untied input embedding, of which it reads a row a token."""
+        return self.weight_count() - (0 if self.tie_embeddings else self.vocab * self.hidden)
+
     def op_costs(self, tokens: int, context: int, weight_bytes: float = 2.0, act_bytes: int = 2) -> dict[OpClass, tuple[float, float]]:
         """(FLOPs, bytes) per op class for one forward of `tokens` tokens attending to `context` cached keys.
 
