@@ -11,7 +11,8 @@
 #   with the shipped table against it with prenorm on for QKV, gate_up, both, and those and the LM head.
 # check: the HBM read rate and the 8B floor on this machine, and the captured step with and without the shipped table
 #   at contexts 128 and 2048 for this build and the one at $OLD.
-#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+# attn: T-neutral attention launch variants for the 16-token verify at context 2048, against the shipped 32-row tiles.
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -27,6 +28,22 @@ print(f'HBM read {g:.0f} GB/s; Llama-3-8B floor {L.step_weight_count() * 2 / g /
     (cd "$dir" && PYTHONPATH=$dir python3 scripts/gpu_step_ab.py "$OUT/ab-check-$side.json" --shape llama3-8b \
       --table "$OUT/shipped.json" --contexts 128,2048 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-check-$side.txt" 2>&1) \
       || { echo "check $side failed"; tail -5 "$OUT/ab-check-$side.txt"; }
+  done
+elif [ "${1:-sweep}" = attn ]; then
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+shipped = dict(tuple(p) for p in json.load(open(f"{out}/shipped.json")))
+variants = {"w8": {"tile_rows": 32, "num_warps": 8}, "tpp2": {"tile_rows": 32, "tiles_per_program": 2},
+            "st3": {"tile_rows": 32, "num_stages": 3}, "w2": {"tile_rows": 32, "num_warps": 2},
+            "st1": {"tile_rows": 32, "num_stages": 1}}
+for name, p in variants.items():
+    json.dump(list({**shipped, "attention@4096x1024@T16": json.dumps(p)}.items()), open(f"{out}/attn-{name}.json", "w"))
+PY
+  for v in w8 tpp2 st3 w2 st1; do
+    python3 scripts/gpu_step_ab.py "$OUT/ab-attn-$v.json" --shape llama3-8b --base-table "$OUT/shipped.json" \
+      --table "$OUT/attn-$v.json" --contexts 2048 --tokens 16 --rounds 2 --reps 15 > "$OUT/ab-attn-$v.txt" 2>&1 \
+      || { echo "attn $v failed"; tail -5 "$OUT/ab-attn-$v.txt"; }
   done
 elif [ "${1:-sweep}" = prenorm ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_rmsnorm.py tests/test_norm_epilogues.py > "$OUT/tests.txt" 2>&1
