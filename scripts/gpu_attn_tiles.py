@@ -7,12 +7,13 @@ per layer, CUDA-graph timed with the base on the device (as the engine runs them
 setting; every setting's output compared bit for bit with tiles 1. Prints a table last; JSON to OUT.
 
     PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4,1r32] [--contexts 128,1024,2048]
-    (an entry t or t r tile_rows: "1r32" is one 32-row tile a program)
+    (an entry t, t r tile_rows, and w num_warps: "1r32" is one 32-row tile a program, "1r32w2" that with 2 warps)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import torch
 
@@ -22,8 +23,11 @@ from specpilot.kernels.bench import time_graph
 
 
 def setting(entry: str) -> dict:
-    tiles, _, rows = entry.partition("r")
-    return {"tiles_per_program": int(tiles), "tile_rows": int(rows or 16)}
+    m = re.fullmatch(r"(\d+)(?:r(\d+))?(?:w(\d+))?", entry)
+    if m is None:
+        raise ValueError(f"tiles entry {entry!r}: expected T[rROWS][wWARPS], e.g. 1r32w2")
+    tiles, rows, warps = m.groups()
+    return {"tiles_per_program": int(tiles), "tile_rows": int(rows or 16), **({"num_warps": int(warps)} if warps else {})}
 
 
 def case(name: str, sh, context: int, T: int, tiles: list[str], layers: int = 8, S: int = 4096) -> dict:

@@ -12,7 +12,9 @@
 # check: the HBM read rate and the 8B floor on this machine, and the captured step with and without the shipped table
 #   at contexts 128 and 2048 for this build and the one at $OLD.
 # attn: T-neutral attention launch variants for the 16-token verify at context 2048, against the shipped 32-row tiles.
-#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+# attn2: the bits and per-layer times of 2-warp attention tiles (gpu_attn_tiles.py), and the captured step with the
+#   shipped table + 2-warp 32-row tiles at T=16 against the defaults (no table), both contexts.
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn|attn2]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -45,6 +47,19 @@ PY
       --table "$OUT/attn-$v.json" --contexts 2048 --tokens 16 --rounds 2 --reps 15 > "$OUT/ab-attn-$v.txt" 2>&1 \
       || { echo "attn $v failed"; tail -5 "$OUT/ab-attn-$v.txt"; }
   done
+elif [ "${1:-sweep}" = attn2 ]; then
+  python3 scripts/gpu_attn_tiles.py "$OUT/attn-tiles.json" --tiles 1,1r32,1r32w2,1w2 --contexts 128,2048 \
+    > "$OUT/attn-tiles.txt" 2>&1; echo "attn tiles rc=$?"; grep "^|" "$OUT/attn-tiles.txt"
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+shipped = dict(tuple(p) for p in json.load(open(f"{out}/shipped.json")))
+json.dump(list({**shipped, "attention@4096x1024@T16": json.dumps({"tile_rows": 32, "num_warps": 2})}.items()),
+          open(f"{out}/attn-w2.json", "w"))
+PY
+  python3 scripts/gpu_step_ab.py "$OUT/ab-attn-w2.json" --shape llama3-8b --table "$OUT/attn-w2.json" \
+    --contexts 128,2048 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-attn-w2.txt" 2>&1 || tail -5 "$OUT/ab-attn-w2.txt"
+  grep "^|" "$OUT/ab-attn-w2.txt"
 elif [ "${1:-sweep}" = prenorm ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_rmsnorm.py tests/test_norm_epilogues.py > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"
