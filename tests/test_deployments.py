@@ -35,9 +35,11 @@ def test_the_shipped_deployments_load():
 
 def test_shipped_deployment_settings():
     cpu, h200, llama = (load_deployment(n) for n in ("smollm2-135m-cpu", "smollm2-135m-h200", "llama8b-shape-h200"))
-    # Llama-3-8B's verify of 16 tokens reads keys in 32-row attention tiles; one token keeps 16 (T-neutral either way)
+    # Llama-3-8B's verify of 16 tokens reads keys in 32-row attention tiles at 2 warps; one token keeps 16 rows at
+    # the default 4 warps (T-neutral either way)
     table = LaunchTable(llama.engine.kernel_table)
     assert [table.get("attention", 4096, 1024, t).get("tile_rows") for t in (1, 5, 16)] == [16, 16, 32]
+    assert [table.get("attention", 4096, 1024, t).get("num_warps", 4) for t in (1, 16)] == [4, 2]
     # its projections' K chunks hold at every token count the batched engine runs (a reduction order)
     for kernel, n, k, block_k in (("qkv", 6144, 4096, 256), ("o_proj", 4096, 4096, 256), ("down", 4096, 14336, 512)):
         assert {table.get(kernel, n, k, t)["block_k"] for t in (1, 6, 16, 32, 144)} == {block_k}, kernel
