@@ -6,12 +6,14 @@ are about kernels and cost, not acceptance. (--device cpu --allow-cpu under TRIT
 on a tiny deployment; its timings mean nothing.)
 
     python3 scripts/gpu_kernel_tuning.py OUT [--deployment llama8b-shape-h200] [--budget '{"max_settings": 16}']
+        [--from-defaults]
 
 Writes OUT/<stage>/<round>/... (every stage's artifacts, as the flow would) and OUT/summary.json.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import sys
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="{}", help="TuneBudget fields as JSON")
     ap.add_argument("--profile", default=json.dumps(PROFILE), help="profile stage params as JSON")
     ap.add_argument("--allow-cpu", action="store_true", help="let the tuner run interpreted kernels (logic check)")
+    ap.add_argument("--from-defaults", action="store_true",
+                    help="start from the default launches, not the deployment's kernel table (does the tuner find "
+                         "that table by itself?)")
     ap.add_argument("--dump-stacks-after", type=float, default=0.0,
                     help="seconds after which every thread's stack goes to stderr (a hang shows where it is)")
     a = ap.parse_args(argv)
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.dump_traceback_later(a.dump_stacks_after)
     dep = load_deployment(a.deployment)
     stock = catalog.stock_candidate(dep)
+    if a.from_defaults:
+        stock = dataclasses.replace(stock, config=stock.config.replace(kernel_table=()))
     run_id = time.strftime("%Y%m%dT%H%M%SZ-kt", time.gmtime())
     store = (a.out / "store").resolve().as_uri()
     profile_params = json.loads(a.profile)
