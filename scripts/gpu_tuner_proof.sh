@@ -4,7 +4,7 @@
 # table the tuner kept, interleaved and in both orders (gpu_step_ab.py: a sequential A/B read a table 4% slower
 # where interleaving read it 3-5% faster, notes/h200.md session 8).
 #   OUT=... bash scripts/gpu_tuner_proof.sh smollm2-shape-h200:smollm2-135m [llama8b-shape-h200:llama3-8b ...]
-# Needs the duckdb wheel (carry .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root
+# FROM_DEFAULTS=1: tune from the default launches, not the deployment's table. Needs the duckdb wheel (carry .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root
 # of a snapshot (.gpu/src). Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +15,7 @@ export PYTHONPATH="$SITE:$PWD" SPECPILOT_BENCHMARKS="${SPECPILOT_BENCHMARKS:-$(c
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 for pair in "$@"; do
   dep=${pair%%:*} shape=${pair##*:}
-  python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$dep" --deployment "$dep" ${BUDGET:+--budget "$BUDGET"} ${DUMP:+--dump-stacks-after "$DUMP"} \
+  python3 scripts/gpu_kernel_tuning.py "$OUT/kt-$dep" --deployment "$dep" ${BUDGET:+--budget "$BUDGET"} ${DUMP:+--dump-stacks-after "$DUMP"} ${FROM_DEFAULTS:+--from-defaults} \
     > "$OUT/kt-$dep.txt" 2>&1; echo "tuner $dep rc=$?"
   grep -E "^\||kernel factor|step gate|dropped|Error" "$OUT/kt-$dep.txt" | tail -40
   python3 scripts/gpu_step_ab.py "$OUT/ab-$dep.json" --shape "$shape" --table "$OUT/kt-$dep/summary.json" \
