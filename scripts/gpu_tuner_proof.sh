@@ -4,8 +4,9 @@
 # table the tuner kept, interleaved and in both orders (gpu_step_ab.py: a sequential A/B read a table 4% slower
 # where interleaving read it 3-5% faster, notes/h200.md session 8).
 #   OUT=... bash scripts/gpu_tuner_proof.sh smollm2-shape-h200:smollm2-135m [llama8b-shape-h200:llama3-8b ...]
-# FROM_DEFAULTS=1: tune from the default launches, not the deployment's table. Needs the duckdb wheel (carry .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root
-# of a snapshot (.gpu/src). Logs and JSON under $OUT; a table last.
+# FROM_DEFAULTS=1: tune from the default launches, not the deployment's table. Needs the duckdb wheel (carry
+# .whl/duck) and the benchmark prompts (carry .tb/benchmarks); run from the repo root of a snapshot (.gpu/src). Logs
+# and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
