@@ -41,7 +41,7 @@ def main() -> None:
                 return [t.view(torch.int16) for t in (q, kc, vc, act, hh, y)]
 
             base = run()
-            for unroll, pf in itertools.product((1, 2, 4, 8), (0, 1, 2, 3)):
+            for unroll, pf in itertools.product((1, 2, 4, 8), (0, 1, 2)):
                 got = run(stat_unroll=unroll, act_prefetch=pf)
                 assert all(torch.equal(a, b) for a, b in zip(got, base)), (s, T, unroll, pf)
                 checked += 1

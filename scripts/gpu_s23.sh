@@ -14,9 +14,7 @@
 # attn: T-neutral attention launch variants for the 16-token verify at context 2048, against the shipped 32-row tiles.
 # attn2: the bits and per-layer times of 2-warp attention tiles (gpu_attn_tiles.py), and the captured step with the
 #   shipped table + 2-warp 32-row tiles at T=16 against the defaults (no table), both contexts.
-# ahead: gpu_norm_bits.py (act_prefetch 3's bits), then the captured step with every norm launch's x two K chunks
-#   ahead (act_prefetch 3) against the shipped table (8B) and the defaults (SmolLM2).
-#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn|attn2|ahead]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn|attn2]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -62,27 +60,6 @@ PY
   python3 scripts/gpu_step_ab.py "$OUT/ab-attn-w2.json" --shape llama3-8b --table "$OUT/attn-w2.json" \
     --contexts 128,2048 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-attn-w2.txt" 2>&1 || tail -5 "$OUT/ab-attn-w2.txt"
   grep "^|" "$OUT/ab-attn-w2.txt"
-elif [ "${1:-sweep}" = ahead ]; then
-  python3 scripts/gpu_norm_bits.py 2>&1 | tail -2
-  python3 - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-shipped = dict(tuple(p) for p in json.load(open(f"{out}/shipped.json")))
-def ahead(base, keys):
-    pairs = dict(base)
-    for key in keys:
-        for t in (1, 16):
-            pairs[f"{key}@T{t}"] = json.dumps({**json.loads(pairs.get(f"{key}@T{t}", "{}")), "act_prefetch": 3})
-    return list(pairs.items())
-json.dump(ahead(shipped, ["qkv@6144x4096", "gate_up@28672x4096", "lm_head@128256x4096"]),
-          open(f"{out}/ahead-8b.json", "w"))
-json.dump(ahead({}, ["qkv@960x576", "gate_up@3072x576", "lm_head@49152x576"]), open(f"{out}/ahead-smollm2.json", "w"))
-PY
-  python3 scripts/gpu_step_ab.py "$OUT/ab-ahead-8b.json" --shape llama3-8b --base-table "$OUT/shipped.json" \
-    --table "$OUT/ahead-8b.json" --contexts 128 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-ahead-8b.txt" 2>&1 \
-    || tail -5 "$OUT/ab-ahead-8b.txt"
-  python3 scripts/gpu_step_ab.py "$OUT/ab-ahead-smollm2.json" --shape smollm2-135m --table "$OUT/ahead-smollm2.json" \
-    --contexts 128 --tokens 1,16 --rounds 2 --reps 30 > "$OUT/ab-ahead-smollm2.txt" 2>&1 || tail -5 "$OUT/ab-ahead-smollm2.txt"
 elif [ "${1:-sweep}" = prenorm ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_rmsnorm.py tests/test_norm_epilogues.py > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"

@@ -25,7 +25,7 @@ def rnd(g, *shape, scale=1.0, dtype=BF):
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 32)])
 @pytest.mark.parametrize("T", [1, 5, 17])
 @pytest.mark.parametrize("row_tile", K.ROW_TILES)
-@pytest.mark.parametrize("act_prefetch", [1, 2, 3])  # 2: rotary inputs before the K loop; 3: and x 2 chunks ahead
+@pytest.mark.parametrize("act_prefetch", [1, 2])  # 2: the rotary inputs are loaded before the K loop
 def test_qkv_rope_equals_projection_then_rope(heads, kv_heads, head_dim, T, row_tile, act_prefetch):
     g = torch.Generator().manual_seed(T * 7 + heads)
     K_in = 64

@@ -34,9 +34,8 @@ from .w12_tile import w12_cols, w12_tile, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
 # Loads a norm launch issues ahead of their use: 0 none; 1 the next K chunk's x (and norm weight) one iteration ahead;
-# 2 that, and the rotary epilogue's positions, slots and cos/sin rows before the K loop instead of after it; 3 as 2,
-# with x two iterations ahead (an L2 trip longer than one iteration's W stream stays off the critical path).
-ACT_PREFETCHES = (0, 1, 2, 3)
+# 2 that, and the rotary epilogue's positions, slots and cos/sin rows before the K loop instead of after it.
+ACT_PREFETCHES = (0, 1, 2)
 # Default warps of a norm + projection launch by its K. H200, captured decode step, every norm launch at 4 warps
 # against 8 (notes/h200.md, session 13): SmolLM2-135M (K=576) 5-6% faster, Llama-3-8B (K=4096) 0.6% slower at
 # T=1 and 5% at T=16.
@@ -115,15 +114,10 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
     # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise
     # sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not pipeline it):
     # one program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
-    AHEAD: tl.constexpr = 2 if ACT_PREFETCH >= 3 else 1  # iterations between a chunk's x load and its use
     if ACT_PREFETCH >= 1 and NORM:
         kk = k_lo + ks
         h_next = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
         nw_next = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        if AHEAD == 2:
-            kk += BLOCK_K
-            h_next2 = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
-            nw_next2 = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + ks
         k_ok = kk < K
@@ -132,14 +126,9 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, ta
         else:
             if ACT_PREFETCH >= 1:
                 h, nw = h_next, nw_next
-                kn = kk + AHEAD * BLOCK_K
-                h_new = load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
-                nw_new = tl.load(nw_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
-                if AHEAD == 2:
-                    h_next, nw_next = h_next2, nw_next2
-                    h_next2, nw_next2 = h_new, nw_new
-                else:
-                    h_next, nw_next = h_new, nw_new
+                kn = kk + BLOCK_K
+                h_next = load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
+                nw_next = tl.load(nw_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
             else:
                 h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
                 nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
