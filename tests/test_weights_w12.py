@@ -286,7 +286,8 @@ def test_w12_rmsnorm_linear_equals_rmsnorm_linear_on_decoded(T, N, Kd, table, ex
 @pytest.mark.parametrize("T", [1, 5, 17])
 def test_every_projection_launch_takes_w12_with_the_same_bits(T, row_tile):
     """One kernel body for both formats: the fused QKV + rotary + cache write, norm + gate_up + SwiGLU, the LM
-    head's argmax epilogue and the SwiGLU-prologue GEMM give on W12 weights the bits they give on decode(W)."""
+    head's argmax epilogue and the SwiGLU-prologue GEMM give on W12 weights the bits they give on decode(W), and so
+    do the norm launches with the norm as a launch of its own (prenorm)."""
     from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
     g = torch.Generator().manual_seed(T * 10 + row_tile)
     heads, kv_heads, D, Kd, I = 2, 1, 16, 96, 40
@@ -299,16 +300,19 @@ def test_every_projection_launch_takes_w12_with_the_same_bits(T, row_tile):
     cos, sin = (t.to(DEV) for t in K.rope_tables(64, D, 10000.0))
     pos = torch.arange(3, 3 + T, device=DEV)
     outs = []
-    for w_qkv, w_gu, w_head, w_down in ((q_qkv, q_gu, q_head, q_down), tuple(map(decode, (q_qkv, q_gu, q_head, q_down)))):
+    packed, plain = (q_qkv, q_gu, q_head, q_down), tuple(map(decode, (q_qkv, q_gu, q_head, q_down)))
+    for (w_qkv, w_gu, w_head, w_down), prenorm in ((plain, False), (packed, False), (packed, True)):
         kc, vc = (torch.zeros(kv_heads, 64, D, dtype=torch.bfloat16, device=DEV) for _ in "kv")
-        q = rmsnorm_qkv_rope(x, nw, w_qkv, 1e-5, pos, pos, cos, sin, kc, vc, heads, kv_heads, row_tile=row_tile)
-        act = rmsnorm_glu(x, nw, w_gu, 1e-5, row_tile=row_tile)
-        logits, best = K.rmsnorm_linear(x, nw, w_head, 1e-5, out_dtype=torch.float32, argmax=True, row_tile=row_tile)
+        p = {"row_tile": row_tile, "prenorm": prenorm}
+        q = rmsnorm_qkv_rope(x, nw, w_qkv, 1e-5, pos, pos, cos, sin, kc, vc, heads, kv_heads, **p)
+        act = rmsnorm_glu(x, nw, w_gu, 1e-5, **p)
+        logits, best = K.rmsnorm_linear(x, nw, w_head, 1e-5, out_dtype=torch.float32, argmax=True, **p)
         gate_up = torch.cat([act, act], dim=1)
         down = K.swiglu_linear(gate_up, w_down, row_tile=row_tile)
         outs.append((q, kc, vc, act, logits, best, down))
-    for w12_out, bf16_out in zip(*outs):
-        assert_same(w12_out, bf16_out)
+    for bf16_out, *w12_outs in zip(*outs):
+        for w12_out in w12_outs:
+            assert_same(w12_out, bf16_out)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 * inf

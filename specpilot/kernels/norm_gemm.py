@@ -10,7 +10,8 @@ Invariance: tokens are tiled by the fixed BLOCK_M; each row's sum of squares is 
 the fixed BLOCK_K chunks in ascending order and then reduced over the chunk by one fp32 `tl.dot` with ones
 (sequential FMAs, the same order whatever the thread layout), so the statistic does not depend on T,
 num_warps or BLOCK_N; the projection is the `linear` kernel's fixed tl.dot chain. Each column-tile program
-recomputes its rows' statistic (x is small and stays in L2); the program of column tile 0 stores h.
+recomputes its rows' statistic (x is small and stays in L2); the program of column tile 0 stores h. The statistic
+and normalisation live in rmsnorm.py, which can also run them as a launch of their own (prenorm): the same bits.
 """
 from __future__ import annotations
 

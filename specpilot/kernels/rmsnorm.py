@@ -2,9 +2,11 @@
 runs them alone: `rms_norm_rows` writes the normalised rows, so a projection can read them instead of recomputing
 the statistic in each of its programs (RMSNormLinearParams.prenorm).
 
-Why a separate launch can pay: a fused norm + projection program reads and reduces all of x before its first W
-chunk, and every program pays that latency. H200, Llama-3-8B shapes, T=1 (notes/h200.md, session 23): the fused QKV
-launch (norm + rotary epilogue) took 21.7 us where a plain projection of the same matrix took 15.6 us.
+Why it is an option: a fused norm + projection program reads and reduces all of x before its first W chunk, and
+every program pays that latency. H200, Llama-3-8B shapes, T=1 (notes/h200.md, session 23): the fused QKV launch
+(norm + rotary epilogue) took 21.7 us where a plain projection of the same matrix took 15.6 us. The separate launch
+cost about what it saved there (the whole step: QKV 1.000x, LM head 1.000x, gate_up 0.957x; SmolLM2 0.98-1.005x),
+so it is off by default, a field the kernel tuner may turn where a shape gains.
 
 The bits are those of the fused kernels: the same statements (row_rstd, normalize) with the same BLOCK_K and
 BLOCK_M, so the normalised tile a projection multiplies is the same whichever launch made it.
