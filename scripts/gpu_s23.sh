@@ -14,7 +14,9 @@
 # attn: T-neutral attention launch variants for the 16-token verify at context 2048, against the shipped 32-row tiles.
 # attn2: the bits and per-layer times of 2-warp attention tiles (gpu_attn_tiles.py), and the captured step with the
 #   shipped table + 2-warp 32-row tiles at T=16 against the defaults (no table), both contexts.
-#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn|attn2]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+# pdl-kernel: one 8B projection at a time in its own PDL mode (a kernel table's grid_dependency; mode 2 prefetches
+#   the first lines of its rows within the 16 MiB budget), against the shipped table in stream order.
+#   OUT=... bash scripts/gpu_s23.sh [sweep|pdl|prenorm|check|attn|attn2|pdl-kernel]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -60,6 +62,27 @@ PY
   python3 scripts/gpu_step_ab.py "$OUT/ab-attn-w2.json" --shape llama3-8b --table "$OUT/attn-w2.json" \
     --contexts 128,2048 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-attn-w2.txt" 2>&1 || tail -5 "$OUT/ab-attn-w2.txt"
   grep "^|" "$OUT/ab-attn-w2.txt"
+elif [ "${1:-sweep}" = pdl-kernel ]; then
+  python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+shipped = dict(tuple(p) for p in json.load(open(f"{out}/shipped.json")))
+keys = {"o": "o_proj@4096x4096", "qkv": "qkv@6144x4096", "down": "down@4096x14336", "gate_up": "gate_up@28672x4096"}
+variants = {"o2": {"o": 2}, "o1": {"o": 1}, "qkv2": {"qkv": 2}, "down2": {"down": 2}, "gate_up2": {"gate_up": 2},
+            "o2-qkv2": {"o": 2, "qkv": 2}}
+for name, modes in variants.items():
+    pairs = dict(shipped)
+    for kernel, mode in modes.items():
+        for t in (1, 16):
+            key = f"{keys[kernel]}@T{t}"
+            pairs[key] = json.dumps({**json.loads(pairs.get(key, "{}")), "grid_dependency": mode})
+    json.dump(list(pairs.items()), open(f"{out}/pk-{name}.json", "w"))
+PY
+  for v in ${VARIANTS:-o2 o1 qkv2 down2 gate_up2 o2-qkv2}; do
+    python3 scripts/gpu_step_ab.py "$OUT/ab-pk-$v.json" --shape llama3-8b --base-table "$OUT/shipped.json" \
+      --table "$OUT/pk-$v.json" --contexts 128 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-pk-$v.txt" 2>&1 \
+      || { echo "pdl-kernel $v failed"; tail -5 "$OUT/ab-pk-$v.txt"; }
+  done
 elif [ "${1:-sweep}" = prenorm ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_rmsnorm.py tests/test_norm_epilogues.py > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"

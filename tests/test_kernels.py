@@ -617,6 +617,32 @@ def test_pdl_launch_gives_matrices_over_the_prefetch_budget_the_large_matrix_mod
     assert pdl_launch(torch.device("cpu"), 3072, 576) == {"PDL": 0, "PF_LINES": 16}
 
 
+def test_a_launch_may_set_its_own_grid_dependency(monkeypatch):
+    import specpilot.kernels.pdl as pdl
+    from specpilot.kernels.pdl import GridDependency, pdl_launch
+    monkeypatch.setattr(pdl, "_supports_pdl", lambda index: True)
+    gpu = torch.device("cuda", 0)
+    # Llama-3-8B's o_proj: stream order by the size policy; mode 2 of its own, with the budget's lines a row
+    assert pdl_launch(gpu, 4096, 4096) == {"PDL": 0, "PF_LINES": 0}
+    assert pdl_launch(gpu, 4096, 4096, mode=2) == {"PDL": 2, "launch_pdl": True, "PF_LINES": 32}
+    assert pdl_launch(gpu, 3072, 576, mode=GridDependency.OFF) == {"PDL": 0, "PF_LINES": 16}  # SmolLM2's gate_up
+    assert pdl_launch(torch.device("cpu"), 4096, 4096, mode=2) == {"PDL": 0, "PF_LINES": 0}  # the interpreter: off
+    for bad in (3, True, "2"):
+        with pytest.raises(ValueError, match="grid_dependency"):
+            pdl_launch(gpu, 4096, 4096, mode=bad)
+        with pytest.raises(ValueError, match="grid_dependency"):
+            K.LinearParams(grid_dependency=bad)
+        with pytest.raises(ValueError, match="grid_dependency"):
+            K.RMSNormLinearParams(grid_dependency=bad)
+    assert "grid_dependency" in K.LinearParams.T_NEUTRAL and "grid_dependency" not in K.LinearParams.SEARCH_SPACE
+    # the wrappers take it (on CPU every launch is in stream order: the same call)
+    g = torch.Generator().manual_seed(0)
+    x, W = torch.randn(2, 32, generator=g).to(DEV), torch.randn(16, 32, generator=g).to(DEV)
+    assert torch.equal(K.linear(x, W, grid_dependency=2), K.linear(x, W))
+    nw = torch.ones(32, device=DEV)
+    assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, grid_dependency=1), K.rmsnorm_linear(x, nw, W, 1e-5))
+
+
 def test_parse_grid_dependency_reads_the_scripts_spec():
     from specpilot.kernels.pdl import PREFETCH_MAX_BYTES, GridDependency, parse_grid_dependency
     assert parse_grid_dependency("wait_then_trigger::wait_then_trigger_at_end") == {

@@ -31,7 +31,7 @@ from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
-from .pdl import pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
+from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
@@ -58,7 +58,12 @@ class LinearParams(LaunchParams):
     split_k: int = 1  # K runs per output tile, added in a fixed order: a reduction-order field (more programs)
     early_residual: bool = True  # load residual and bias before the K loop, not after it (latency: T-neutral)
     w_preload: bool = False  # preload_chunks: the whole W tile loaded before the predecessor wait (T-neutral)
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual", "w_preload")
+    # this launch's PDL mode (pdl.GridDependency value; None: pdl.grid_dependency's policy by matrix size). Scheduling
+    # only (T-neutral), and not searched: a kernel timed against itself says nothing of how it overlaps its
+    # predecessor in a step; judge it with the captured step (scripts/gpu_step_ab.py).
+    grid_dependency: int | None = None
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual", "w_preload",
+                                            "grid_dependency")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
@@ -69,6 +74,7 @@ class LinearParams(LaunchParams):
         for name in ("early_residual", "w_preload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        check_launch_mode(self.grid_dependency)
 
 
 @triton.jit
@@ -318,9 +324,10 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-            split_k: int = 1, early_residual: bool = True, w_preload: bool = False) -> torch.Tensor:
+            split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
+            grid_dependency: int | None = None) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
-                 split_k=split_k, early_residual=early_residual, w_preload=w_preload)
+                 split_k=split_k, early_residual=early_residual, w_preload=w_preload, grid_dependency=grid_dependency)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -342,7 +349,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
-    pdl = pdl_launch(dev, N, K, x.element_size())
+    pdl = pdl_launch(dev, N, K, x.element_size(), grid_dependency)
     preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size())
     for r0, r1, grid, ws, counters, per_split in split_launches(dev, T, N, K, block_k, row_tile, bn, split_k):
         res = x if residual is None else residual[r0:r1]
@@ -359,21 +366,22 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-           early_residual: bool = True, w_preload: bool = False) -> torch.Tensor:
+           early_residual: bool = True, w_preload: bool = False, grid_dependency: int | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
-                   split_k, early_residual, w_preload)
+                   split_k, early_residual, w_preload, grid_dependency)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
-                  split_k: int = 1, early_residual: bool = True, w_preload: bool = False) -> torch.Tensor:
+                  split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
+                  grid_dependency: int | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -381,4 +389,4 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
-                   row_tile, split_k, early_residual, w_preload)
+                   row_tile, split_k, early_residual, w_preload, grid_dependency)

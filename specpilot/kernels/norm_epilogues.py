@@ -42,7 +42,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                      split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2,
-                     prenorm: bool = False) -> torch.Tensor:
+                     prenorm: bool = False, grid_dependency: int | None = None) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -51,7 +51,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     """
     T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
-                                                act_prefetch=act_prefetch, prenorm=prenorm)
+                                                act_prefetch=act_prefetch, prenorm=prenorm,
+                                                grid_dependency=grid_dependency)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
@@ -81,7 +82,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
-                                     NORM=norm, num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K))
+                                     NORM=norm, num_warps=num_warps, num_stages=stages,
+                                     **norm_pdl(x, N, K, grid_dependency))
     return out
 
 
@@ -89,14 +91,15 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-                stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False):
+                stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False,
+                grid_dependency: int | None = None):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, w_rows_per_out=2,
                                                            row_tile=row_tile, split_k=split_k,
                                                            stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                                                           prenorm=prenorm)
+                                                           prenorm=prenorm, grid_dependency=grid_dependency)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
@@ -111,5 +114,5 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                                      STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, NORM=norm,
-                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K))
+                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K, grid_dependency))
     return out if residual is None else (out, residual_out)

@@ -28,7 +28,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
-from .pdl import pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
+from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
@@ -71,8 +71,9 @@ class RMSNormLinearParams(LaunchParams):
     # The statistic and normalisation in a launch of their own (rmsnorm.rms_norm_rows), the projection reading the
     # normalised rows: one launch more, no statistic in each program's path (the same statements: T-neutral).
     prenorm: bool = False
+    grid_dependency: int | None = None  # this launch's PDL mode (gemm.LinearParams.grid_dependency; not searched)
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
-                                            "prenorm")
+                                            "prenorm", "grid_dependency")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
@@ -87,6 +88,7 @@ class RMSNormLinearParams(LaunchParams):
             raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
         if not isinstance(self.prenorm, bool):
             raise ValueError(f"prenorm={self.prenorm!r} must be a bool")
+        check_launch_mode(self.grid_dependency)
 
 
 @triton.jit
@@ -309,12 +311,12 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: int = 2, prenorm: bool = False) -> tuple:
+                      act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
                         row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                        prenorm=prenorm)
+                        prenorm=prenorm, grid_dependency=grid_dependency)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -370,7 +372,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: int = 2, prenorm: bool = False):
+                   act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
 
@@ -381,7 +383,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
                                                            split_k=split_k, stat_unroll=stat_unroll,
-                                                           act_prefetch=act_prefetch, prenorm=prenorm)
+                                                           act_prefetch=act_prefetch, prenorm=prenorm,
+                                                           grid_dependency=grid_dependency)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -409,7 +412,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
                                  ACT_PREFETCH=act_prefetch, NORM=norm, num_warps=num_warps, num_stages=stages,
-                                 **norm_pdl(x, N, K))
+                                 **norm_pdl(x, N, K, grid_dependency))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
@@ -418,9 +421,10 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
     return out if residual is None else (out, residual_out)
 
 
-def norm_pdl(x: torch.Tensor, w_rows: int, k: int) -> dict:
-    """The PDL launch keywords of a norm + projection launch (kernels/pdl.py) reading W [w_rows, k]."""
-    return pdl_launch(x.device, w_rows, k, x.element_size())
+def norm_pdl(x: torch.Tensor, w_rows: int, k: int, mode: int | None = None) -> dict:
+    """The PDL launch keywords of a norm + projection launch (kernels/pdl.py) reading W [w_rows, k]; mode: the
+    launch's own grid_dependency, if any."""
+    return pdl_launch(x.device, w_rows, k, x.element_size(), mode)
 
 
 def _NO_ROPE(x: torch.Tensor) -> tuple:

@@ -88,13 +88,25 @@ def _supports_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def pdl_launch(device: torch.device, weight_rows: int = 0, k: int = 0, elem_size: int = 2) -> dict:
+def check_launch_mode(value) -> None:
+    """A kernel table's grid_dependency field: None (the policy of grid_dependency()) or a GridDependency value."""
+    if value is not None and (isinstance(value, bool) or value not in tuple(GridDependency)):
+        raise ValueError(f"grid_dependency={value!r} must be None or one of {[int(m) for m in GridDependency]}")
+
+
+def pdl_launch(device: torch.device, weight_rows: int = 0, k: int = 0, elem_size: int = 2,
+               mode: int | None = None) -> dict:
     """Launch keywords of a PDL-aware kernel on `device`: its PDL constexpr, the launch attribute when on, and for
     a kernel reading a weight matrix ([weight_rows, k] elements of elem_size bytes) its PF_LINES; a matrix over the
-    prefetch budget takes the large-matrix mode and no prefetch. CPU tensors (the interpreter) and GPUs before sm_90
-    get OFF."""
+    prefetch budget takes the large-matrix mode and prefetches only the first lines of its rows that fit the budget.
+    mode: this launch's GridDependency instead of that policy (a kernel table entry's grid_dependency). CPU tensors
+    (the interpreter) and GPUs before sm_90 get OFF."""
     small = weight_rows * k * elem_size <= _state["prefetch_max_bytes"]
-    mode = _state["mode"] if small else _state["large_mode"]
+    if mode is None:
+        mode = _state["mode"] if small else _state["large_mode"]
+    else:
+        check_launch_mode(mode)
+        mode = GridDependency(mode)
     on = mode is not GridDependency.OFF and device.type == "cuda" and _supports_pdl(device.index or 0)
     kw = {"PDL": int(mode), "launch_pdl": True} if on else {"PDL": 0}
     if weight_rows:
