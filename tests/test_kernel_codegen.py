@@ -45,9 +45,12 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
-                ("EARLY_RES", 1), ("W_PRELOAD", 0))
+                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
+    # a parameter left out compiles as None, silently (a missing NORM once dropped the norm statistic)
+    missing = [a for a in fn.arg_names if a not in sig]
+    assert not missing, (fn.__name__, missing)
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
                                    "launch_pdl": pdl})
@@ -114,6 +117,10 @@ print(json.dumps({
                                                  "STORE_Y": True, "ARGMAX": False, "EPI": epi, "H": 9, "KVH": 3,
                                                  "HALF": 32, **TILE}, num_warps=8)
        for w12 in (False, True) for epi in (0, 1, 2)},  # gate_up's GLU and qkv's rotary epilogues
+    # prenorm (rmsnorm.rms_norm_rows launched first): the projection alone, x fed to the dot unchanged
+    "prenorm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {
+        **FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
+        "H": 9, "KVH": 3, "HALF": 32, **TILE, "NORM": False}, num_warps=8),
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -222,6 +229,7 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     assert compiled["norm_linear_epi2"] == compiled["norm_linear"]
     for name in ("norm_linear", "norm_linear_epi1", "norm_linear_epi2"):
         assert compiled[f"w12_{name}"] == compiled[name], name
+    assert compiled["prenorm_linear"] == compiled["norm_linear"][1:]
 
 
 def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):
