@@ -45,7 +45,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
-                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True))
+                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     sig = {**sig, **{k: "constexpr" for k in consts}}
     # a parameter left out compiles as None, silently (a missing NORM once dropped the norm statistic)
@@ -71,10 +71,10 @@ W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32
        "esc_ptr": "*u8", "KC": "i32"}  # a W12 W's arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
 SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}  # split-K partials and arrival counters (gemm.split_k_combine)
-LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "T": "i32", "N": "i32",
-          "K": "i32", "K_SPLIT": "i32", "stride_x": "i32"}
+LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "ss_ptr": "*fp32", "T": "i32",
+          "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_x": "i32"}
 NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P,
-        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", **SPLIT, "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
+        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", **SPLIT, "ss_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
         "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
         "K_SPLIT": "i32", "eps": "fp32"}
 FLAGS = {"HAS_BIAS": False, "HAS_RES": True}
@@ -121,6 +121,12 @@ print(json.dumps({
     "prenorm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {
         **FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
         "H": 9, "KVH": 3, "HALF": 32, **TILE, "NORM": False}, num_warps=8),
+    # producer statistics (rmsnorm.py): the producer's segment sums and the consumer reading them add no dot
+    "sumsq_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
+                                                       **TILE, "ROW_SUMSQ": 1}),
+    "stat_in_norm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {
+        **FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
+        "H": 9, "KVH": 3, "HALF": 32, **TILE, "STAT_SEGS": 256}, num_warps=8),
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -230,6 +236,8 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     for name in ("norm_linear", "norm_linear_epi1", "norm_linear_epi2"):
         assert compiled[f"w12_{name}"] == compiled[name], name
     assert compiled["prenorm_linear"] == compiled["norm_linear"][1:]
+    assert compiled["sumsq_linear"] == compiled["linear"]
+    assert compiled["stat_in_norm_linear"] == compiled["norm_linear"][1:]
 
 
 def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):

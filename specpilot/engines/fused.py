@@ -95,22 +95,30 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     p_gate_up = lt.get("gate_up", 2 * I, H, T)
     p_down = lt.get("down", H, I, T)
     p_head = lt.get("lm_head", sh.vocab, H, T)
+    # producer statistics (kernels/rmsnorm.py): o_proj / down store their rows' segment sums of squares for the norm
+    # launch after them, where its table entry asks; the first QKV reads the embedding, which nobody summed
+    sums = lambda p: torch.empty(T, H // 16, dtype=torch.float32, device=ids.device) if p else None  # noqa: E731
+    sums_mlp, sums_attn = sums(p_gate_up.get("producer_stat")), sums(p_qkv.get("producer_stat"))
+    sums_head = sums(p_head.get("producer_stat"))
     stream = F.embedding(ids, model.embed_tokens.weight)
+    stat_in = None
     captured = []
     for i, layer in enumerate(model.layers):
         w_qkv, w_o, w_gate_up, w_down = ws[i]
         ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         # rotary + cache write in the QKV kernel's epilogue: the same bits as rope_kv_write, one launch fewer
         q = rmsnorm_qkv_rope(stream, ln1, w_qkv, sh.rms_eps, positions, slots, tables.cos, tables.sin,
-                             k_caches[i], v_caches[i], sh.heads, sh.kv_heads, **p_qkv)
+                             k_caches[i], v_caches[i], sh.heads, sh.kv_heads,
+                             **{**p_qkv, "producer_stat": stat_in is not None}, row_sumsq=stat_in)
         o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots, **p_attn)
-        stream = linear(o, w_o, residual=stream, **p_o)
+        stream = linear(o, w_o, residual=stream, row_sumsq_out=sums_mlp, **p_o)
         # The activation goes in gate_up's epilogue (each output column owns its gate and up pair), not in the down
         # GEMM's prologue, where every column tile recomputes it (H200: 5x slower at 8B, 19.8 vs 4 + 1 us at SmolLM2).
-        act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up)
-        stream = linear(act, w_down, residual=stream, **p_down)
+        act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up, row_sumsq=sums_mlp)
+        stat_in = sums_attn if i + 1 < len(model.layers) else sums_head
+        stream = linear(act, w_down, residual=stream, row_sumsq_out=stat_in, **p_down)
         if i in capture:
             captured.append(stream)
     logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
-                                    argmax=True, store_y=want_logits, **p_head)
+                                    argmax=True, store_y=want_logits, **p_head, row_sumsq=stat_in)
     return logits, argmax, captured

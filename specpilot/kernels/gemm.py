@@ -32,6 +32,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
                       dot_precision)
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
+from .rmsnorm import STAT_SEGMENT, store_row_sumsq
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
@@ -243,11 +244,11 @@ def _x_chunk(x_rows, kk, row_ok, K, SWIGLU: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
-                   ws_ptr, cnt_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ws_ptr, cnt_ptr, ss_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
                    EARLY_RES: tl.constexpr = 0, W_PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = 0,
-                   PF_LINES: tl.constexpr = 16):
+                   PF_LINES: tl.constexpr = 16, ROW_SUMSQ: tl.constexpr = 0):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -304,6 +305,8 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     if HAS_RES:
         y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=om)
+    if ROW_SUMSQ:  # for the norm launch that reads these rows next (rmsnorm.py, producer statistics)
+        store_row_sumsq(ss_ptr, y, rows, pid_n, row_ok & last, N, BLOCK_M, BLOCK_N)
 
 
 def linear_ref(x: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
@@ -325,7 +328,7 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
             split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
-            grid_dependency: int | None = None) -> torch.Tensor:
+            grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
                  split_k=split_k, early_residual=early_residual, w_preload=w_preload, grid_dependency=grid_dependency)
     xname = "gate_up" if swiglu else "x"
@@ -347,18 +350,23 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     check_launchable(_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev)
     bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
+    if row_sumsq_out is not None:
+        if N % STAT_SEGMENT:
+            raise ValueError(f"row_sumsq_out needs N a multiple of {STAT_SEGMENT}, got {N}")
+        check_tensor("row_sumsq_out", row_sumsq_out, (T, N // STAT_SEGMENT), torch.float32, dev)
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
     pdl = pdl_launch(dev, N, K, x.element_size(), grid_dependency)
     preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size())
     for r0, r1, grid, ws, counters, per_split in split_launches(dev, T, N, K, block_k, row_tile, bn, split_k):
         res = x if residual is None else residual[r0:r1]
-        _linear_kernel[grid](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws, counters, r1 - r0,
-                             N, K, per_split, x.shape[1], SWIGLU=swiglu,
+        ss = ws if row_sumsq_out is None else row_sumsq_out[r0:r1]
+        _linear_kernel[grid](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws, counters, ss,
+                             r1 - r0, N, K, per_split, x.shape[1], SWIGLU=swiglu,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
                              W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                             EARLY_RES=int(early_residual), W_PRELOAD=preload, num_warps=num_warps,
-                             num_stages=stages, **pdl)
+                             EARLY_RES=int(early_residual), W_PRELOAD=preload,
+                             ROW_SUMSQ=int(row_sumsq_out is not None), num_warps=num_warps, num_stages=stages, **pdl)
     return out
 
 
@@ -366,14 +374,17 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
-           early_residual: bool = True, w_preload: bool = False, grid_dependency: int | None = None) -> torch.Tensor:
+           early_residual: bool = True, w_preload: bool = False, grid_dependency: int | None = None,
+           row_sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
-    bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype).
+    bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype). row_sumsq_out: a
+    float32 [T, N / 16] tensor that gets the sums of squares of y's 16-column segments (rmsnorm.row_sumsq_ref), for
+    a norm launch with producer_stat=True reading y next.
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
-                   split_k, early_residual, w_preload, grid_dependency)
+                   split_k, early_residual, w_preload, grid_dependency, row_sumsq_out)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
@@ -381,7 +392,7 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                   split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
-                  grid_dependency: int | None = None) -> torch.Tensor:
+                  grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -389,4 +400,4 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: 
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
-                   row_tile, split_k, early_residual, w_preload, grid_dependency)
+                   row_tile, split_k, early_residual, w_preload, grid_dependency, row_sumsq_out)

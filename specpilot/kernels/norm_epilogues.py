@@ -42,7 +42,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                      split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2,
-                     prenorm: bool = False, grid_dependency: int | None = None) -> torch.Tensor:
+                     prenorm: bool = False, grid_dependency: int | None = None, producer_stat: bool = False,
+                     row_sumsq: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -52,7 +53,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
                                                 act_prefetch=act_prefetch, prenorm=prenorm,
-                                                grid_dependency=grid_dependency)
+                                                grid_dependency=grid_dependency, producer_stat=producer_stat,
+                                                row_sumsq=row_sumsq)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
@@ -74,15 +76,15 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D)
-    xk, _, norm = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps)
+    op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq)
     for r0, r1, grid, ws, counters, per_split in launches:
-        _rmsnorm_linear_kernel[grid](xk[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
-                                     positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
+        _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
+                                     op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
-                                     NORM=norm, num_warps=num_warps, num_stages=stages,
+                                     NORM=op.norm, STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
                                      **norm_pdl(x, N, K, grid_dependency))
     return out
 
@@ -92,27 +94,31 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
                 stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False,
-                grid_dependency: int | None = None):
+                grid_dependency: int | None = None, producer_stat: bool = False,
+                row_sumsq: torch.Tensor | None = None):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, w_rows_per_out=2,
                                                            row_tile=row_tile, split_k=split_k,
                                                            stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                                                           prenorm=prenorm, grid_dependency=grid_dependency)
+                                                           prenorm=prenorm, grid_dependency=grid_dependency,
+                                                           producer_stat=producer_stat, row_sumsq=row_sumsq)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
-    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps)
+    op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq)
+    rk = op.residual
     has_res = rk is not None
     for r0, r1, grid, ws, counters, per_split in launches:
-        _rmsnorm_linear_kernel[grid](xk[r0:r1], rk[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
-                                     residual_out[r0:r1] if has_res else out, x, x, ws, counters, x, x, x, x, x, x,
-                                     1, 1,
+        _rmsnorm_linear_kernel[grid](op.x[r0:r1], rk[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
+                                     residual_out[r0:r1] if has_res else out, x, x, ws, counters,
+                                     op.row_sumsq[r0:r1], x, x, x, x, x, x, 1, 1,
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
-                                     STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, NORM=norm,
-                                     num_warps=num_warps, num_stages=stages, **norm_pdl(x, 2 * N, K, grid_dependency))
+                                     STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, NORM=op.norm,
+                                     STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
+                                     **norm_pdl(x, 2 * N, K, grid_dependency))
     return out if residual is None else (out, residual_out)

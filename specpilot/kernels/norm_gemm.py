@@ -16,7 +16,7 @@ and normalisation live in rmsnorm.py, which can also run them as a launch of the
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import triton
@@ -29,7 +29,8 @@ from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
-from .rmsnorm import load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd
+from .rmsnorm import (check_row_sumsq, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd, rstd_from_sumsq,
+                      stat_segments)
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -72,6 +73,10 @@ class RMSNormLinearParams(LaunchParams):
     # normalised rows: one launch more, no statistic in each program's path (the same statements: T-neutral).
     prenorm: bool = False
     grid_dependency: int | None = None  # this launch's PDL mode (gemm.LinearParams.grid_dependency; not searched)
+    # The statistic from the sums of squares the launch that wrote x stored (rmsnorm.py, producer statistics): no
+    # pass over x before the first W chunk. Another summation order (reduction order), and it takes the producer's
+    # cooperation (the fused forward has o_proj / down store them), so it is judged on the step, not searched.
+    producer_stat: bool = False
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
                                             "prenorm", "grid_dependency")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
@@ -86,26 +91,31 @@ class RMSNormLinearParams(LaunchParams):
             raise ValueError(f"stat_unroll={self.stat_unroll!r} must be one of {STAT_UNROLLS}")
         if not isinstance(self.act_prefetch, int) or self.act_prefetch not in ACT_PREFETCHES:
             raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
-        if not isinstance(self.prenorm, bool):
-            raise ValueError(f"prenorm={self.prenorm!r} must be a bool")
+        for name in ("prenorm", "producer_stat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         check_launch_mode(self.grid_dependency)
 
 
 @triton.jit
-def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_cols2, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr,
-              KC, cols, cols2, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
+def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr,
+              esc_ptr, KC, cols, cols2, rows, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
               HAS_RES: tl.constexpr,
               DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr,
-              ACT_PREFETCH: tl.constexpr, NORM: tl.constexpr):
+              ACT_PREFETCH: tl.constexpr, NORM: tl.constexpr, STAT_SEGS: tl.constexpr):
     """-> (acc over W rows `cols`, acc over W rows `cols2` when PAIR: a second W row set fed by the same normalised
     tile), over K range [k_lo, k_hi) (the statistic always over all of K; h_owner stores h). bf16 W: read through
     w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays. NORM=False: x holds the normalised rows already
-    (rmsnorm.rms_norm_rows), a plain projection of them."""
+    (rmsnorm.rms_norm_rows), a plain projection of them. STAT_SEGS > 0: the statistic from the producer's segment
+    sums at ss_ptr (rmsnorm.rstd_from_sumsq), not from a pass over x."""
     # pass 1: per-row statistic (rmsnorm.row_rstd)
     if NORM:
-        rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
-                        STAT_UNROLL)
+        if STAT_SEGS > 0:
+            rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
+        else:
+            rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
+                            STAT_UNROLL)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
     if W12:
@@ -213,7 +223,7 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr,
 
 @triton.jit(do_not_specialize=["T"])
 def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC,
-                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr,
+                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr, ss_ptr,
                            pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
@@ -221,7 +231,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
                            ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
-                           PF_LINES: tl.constexpr = 16, NORM: tl.constexpr = True):
+                           PF_LINES: tl.constexpr = 16, NORM: tl.constexpr = True, STAT_SEGS: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
@@ -253,11 +263,11 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
                                                           sin_ptr, S, max_pos, HALF)
     k_lo = pid_k * K_SPLIT
-    acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K, lo_ptr,
-                          code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, row_offs, row_ok,
-                          col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo, tl.minimum(K, k_lo + K_SPLIT), K,
-                          eps, HAS_RES, DOT_PREC, EPI == EPI_GLU, W12, BLOCK_M, BLOCK_N, BLOCK_K, STAT_UNROLL,
-                          ACT_PREFETCH, NORM)
+    acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K,
+                          lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, rows, row_offs,
+                          row_ok, col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo,
+                          tl.minimum(K, k_lo + K_SPLIT), K, eps, HAS_RES, DOT_PREC, EPI == EPI_GLU, W12, BLOCK_M,
+                          BLOCK_N, BLOCK_K, STAT_UNROLL, ACT_PREFETCH, NORM, STAT_SEGS)
     release_successor(PDL)
     acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI == EPI_GLU, BLOCK_M,
                                       BLOCK_N)
@@ -311,18 +321,20 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
-                      act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None) -> tuple:
+                      act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
+                      producer_stat: bool = False, row_sumsq: torch.Tensor | None = None) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
                         row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                        prenorm=prenorm, grid_dependency=grid_dependency)
+                        prenorm=prenorm, grid_dependency=grid_dependency, producer_stat=producer_stat)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
     if T < 1 or K < 1:
         raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
     check_tensor("norm_w", norm_w, (K,), dt, dev)
+    check_row_sumsq(row_sumsq, producer_stat, x, residual)
     w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
     check_split(split_k, w12)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
@@ -336,15 +348,25 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     return T, K, rows // w_rows_per_out, residual_out, w_args, w12
 
 
+class NormOperand(NamedTuple):
+    x: torch.Tensor  # the rows the kernel reads
+    residual: torch.Tensor | None
+    norm: bool  # NORM: the kernel normalises x (+ residual)
+    row_sumsq: torch.Tensor  # the producer's segment sums (a placeholder when stat_segs == 0)
+    stat_segs: int  # STAT_SEGS: 0, the statistic from x; else from row_sumsq
+
+
 def norm_operand(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
                  residual_out: torch.Tensor | None, prenorm: bool, block_k: int, row_tile: int,
-                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-    """(the rows the kernel reads, their residual or None, NORM): x and residual as given (the kernel normalises),
-    or with prenorm the normalised rows from rmsnorm.rms_norm_rows (h = x + residual written there)."""
+                 num_warps: int, row_sumsq: torch.Tensor | None = None) -> NormOperand:
+    """x and residual as given (the kernel normalises, its statistic from row_sumsq when given), or with prenorm
+    the normalised rows from rmsnorm.rms_norm_rows (h = x + residual written there)."""
     if not prenorm:
-        return x, residual, True
-    return rms_norm_rows(x, norm_w, eps, residual, residual_out, block_k=block_k, row_tile=row_tile,
-                         num_warps=num_warps), None, False
+        segs = 0 if row_sumsq is None else stat_segments(x.shape[1])
+        return NormOperand(x, residual, True, x if row_sumsq is None else row_sumsq, segs)
+    a = rms_norm_rows(x, norm_w, eps, residual, residual_out, block_k=block_k, row_tile=row_tile,
+                      num_warps=num_warps, row_sumsq=row_sumsq)
+    return NormOperand(a, None, False, x, 0)
 
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
@@ -372,9 +394,12 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
-                   act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None):
+                   act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
+                   producer_stat: bool = False, row_sumsq: torch.Tensor | None = None):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
+    producer_stat: the statistic from row_sumsq [T, K / 16], the segment sums of squares the launch that wrote x
+    stored (gemm.linear(..., row_sumsq_out=)); no residual then.
 
     Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
     argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
@@ -384,7 +409,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
                                                            split_k=split_k, stat_unroll=stat_unroll,
                                                            act_prefetch=act_prefetch, prenorm=prenorm,
-                                                           grid_dependency=grid_dependency)
+                                                           grid_dependency=grid_dependency,
+                                                           producer_stat=producer_stat, row_sumsq=row_sumsq)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -396,7 +422,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
-    xk, rk, norm = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps)
+    op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq)
+    xk, rk = op.x, op.residual
     has_res = rk is not None
     tiles = triton.cdiv(N, bn)
     pmax = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.float32, device=dev)
@@ -406,13 +433,14 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
         _rmsnorm_linear_kernel[grid](xk[r0:r1], rows(rk, r0, r1) if has_res else x, norm_w, *w_args,
                                  x if bias is None else bias, rows(out, r0, r1),
                                  rows(residual_out, r0, r1) if has_res else out, rows(pmax, r0, r1),
-                                 rows(pidx, r0, r1), ws, counters, *_NO_ROPE(x), r1 - r0, N, K, per_split,
+                                 rows(pidx, r0, r1), ws, counters, rows(op.row_sumsq, r0, r1), *_NO_ROPE(x),
+                                 r1 - r0, N, K, per_split,
                                  float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
-                                 ACT_PREFETCH=act_prefetch, NORM=norm, num_warps=num_warps, num_stages=stages,
-                                 **norm_pdl(x, N, K, grid_dependency))
+                                 ACT_PREFETCH=act_prefetch, NORM=op.norm, STAT_SEGS=op.stat_segs,
+                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K, grid_dependency))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,

@@ -60,6 +60,85 @@ def row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES
     return 1.0 / tl.sqrt_rn(ss / K + eps)
 
 
+# Producer statistics (RMSNormLinearParams.producer_stat): the launch that writes a row (o_proj, down: gemm.linear
+# with row_sumsq_out) also stores the sums of squares of its 16-column segments, and the norm launch that reads the
+# row adds those K / 16 numbers instead of reading all of it before its first W chunk. 16 is the narrowest column
+# tile a projection takes, so every tile holds whole segments. Both sums are fixed pairwise trees of elementwise
+# adds: their order depends on neither the tile width, the warps, split-K nor T (tests/test_row_sumsq.py).
+STAT_SEGMENT = 16
+
+
+@triton.jit
+def pair_tree_sum(v, M: tl.constexpr, S: tl.constexpr, W: tl.constexpr):
+    """[M, S, W] -> [M, S]: each W-long row summed by a fixed tree, adjacent pairs first (W a power of two; elementwise
+    adds on reshaped registers, so the order is the same whatever the thread layout)."""
+    for level in tl.static_range(12):
+        if (W >> level) > 1:
+            a, b = tl.split(tl.reshape(v, [M, S, W >> (level + 1), 2]))
+            v = a + b
+    return tl.reshape(v, [M, S])
+
+
+@triton.jit
+def store_row_sumsq(ss_ptr, y, rows, pid_n, row_ok, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Stores the sums of squares of y's 16-column segments (y: the [BLOCK_M, BLOCK_N] tile of column tile pid_n,
+    as stored) to ss_ptr [T, N / 16] fp32."""
+    SEGS: tl.constexpr = BLOCK_N // 16
+    v = y.to(tl.float32)
+    seg = pair_tree_sum(tl.reshape(v * v, [BLOCK_M, SEGS, 16]), BLOCK_M, SEGS, 16)
+    segs = pid_n * SEGS + tl.arange(0, SEGS)
+    tl.store(ss_ptr + rows.to(tl.int64)[:, None] * (N // 16) + segs[None, :], seg,
+             mask=row_ok[:, None] & (segs < N // 16)[None, :])
+
+
+@triton.jit
+def rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, SEGS: tl.constexpr):
+    """row_rstd's quantity from a producer's segment sums ss_ptr [T, K / 16] (SEGS: K / 16 rounded up to a power of
+    two; the padding adds +0.0, which changes no sum of squares)."""
+    segs = tl.arange(0, SEGS)
+    ss = tl.load(ss_ptr + rows.to(tl.int64)[:, None] * (K // 16) + segs[None, :],
+                 mask=row_ok[:, None] & (segs < K // 16)[None, :], other=0.0)
+    ss = tl.reshape(pair_tree_sum(tl.reshape(ss, [BLOCK_M, 1, SEGS]), BLOCK_M, 1, SEGS), [BLOCK_M])
+    return 1.0 / tl.sqrt_rn(ss / K + eps)
+
+
+def row_sumsq_ref(h: torch.Tensor) -> torch.Tensor:
+    """[T, K / 16] fp32: what store_row_sumsq stores for rows h [T, K] (K a multiple of 16), in plain torch."""
+    v = h.float().square().view(h.shape[0], -1, STAT_SEGMENT)
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0].contiguous()
+
+
+def stat_segments(k: int) -> int:
+    """The SEGS constexpr of a norm launch over rows of k features (k / 16 padded to a power of two)."""
+    return triton.next_power_of_2(k // STAT_SEGMENT)
+
+
+def check_row_sumsq(row_sumsq: torch.Tensor | None, producer_stat: bool, x: torch.Tensor,
+                    residual: torch.Tensor | None) -> None:
+    """A norm launch's producer statistic: given exactly when producer_stat, [T, K / 16] fp32 on x's device, and only
+    for rows that are x itself (with a residual the kernel normalises x + residual, which no producer summed)."""
+    if not isinstance(producer_stat, bool):
+        raise ValueError(f"producer_stat={producer_stat!r} must be a bool")
+    if not producer_stat:
+        if row_sumsq is not None:
+            raise ValueError("row_sumsq is read only with producer_stat=True")
+        return
+    T, K = x.shape
+    if row_sumsq is None:
+        raise ValueError("producer_stat=True needs row_sumsq, the sums of squares the launch that wrote x stored "
+                         "(gemm.linear(..., row_sumsq_out=))")
+    if residual is not None:
+        raise ValueError("producer_stat=True normalises x as written: it takes no residual")
+    if K % STAT_SEGMENT:
+        raise ValueError(f"producer_stat=True needs K a multiple of {STAT_SEGMENT}, got {K}")
+    if (row_sumsq.dtype != torch.float32 or tuple(row_sumsq.shape) != (T, K // STAT_SEGMENT)
+            or not row_sumsq.is_contiguous() or row_sumsq.device != x.device):
+        raise ValueError(f"row_sumsq must be a contiguous float32 [{T}, {K // STAT_SEGMENT}] tensor on {x.device}, "
+                         f"got {row_sumsq.dtype} {list(row_sumsq.shape)} on {row_sumsq.device}")
+
+
 @triton.jit
 def normalize(h, nw, rstd):
     """The chunk the projection multiplies, with the dtype roundings of transformers' LlamaRMSNorm: nw fp32 [BLOCK_K],
@@ -70,8 +149,9 @@ def normalize(h, nw, rstd):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _rms_norm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, a_ptr, T, K, eps, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr, PDL: tl.constexpr = 0):
+def _rms_norm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, a_ptr, ss_ptr, T, K, eps, HAS_RES: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr, PDL: tl.constexpr = 0,
+                     STAT_SEGS: tl.constexpr = 0):
     # One program per (row tile, K chunk): each computes its rows' statistic (x is small and in L2) and writes one
     # chunk, so the launch is one round of loads deep, not K / BLOCK_K.
     wait_for_predecessor(PDL)
@@ -85,8 +165,11 @@ def _rms_norm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, a_ptr, T, K, eps, HAS_RES: tl.
     m = row_ok[:, None] & (kk < K)[None, :]
     h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], m, HAS_RES)  # in flight with the statistic's loads
     nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-    rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, pid_k == 0, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
-                    STAT_UNROLL)
+    if STAT_SEGS > 0:
+        rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
+    else:
+        rstd = row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, pid_k == 0, K, eps, HAS_RES, BLOCK_M, BLOCK_K,
+                        STAT_UNROLL)
     release_successor(PDL)
     tl.store(a_ptr + row_offs + kk[None, :], normalize(h, nw, rstd), mask=m)
 
@@ -104,15 +187,19 @@ NORM_ROWS_UNROLL = 16
 
 
 def rms_norm_rows(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                  residual_out: torch.Tensor | None, *, block_k: int, row_tile: int, num_warps: int) -> torch.Tensor:
+                  residual_out: torch.Tensor | None, *, block_k: int, row_tile: int, num_warps: int,
+                  row_sumsq: torch.Tensor | None = None) -> torch.Tensor:
     """The normalised rows [T, K] a norm + projection kernel with these block_k / row_tile would multiply (x,
     residual and their outputs checked by the caller, norm_gemm.check_norm_inputs); h = x + residual to residual_out.
-    num_warps: the projection's, so a one-row tile's tl.sum takes the same layout."""
+    num_warps: the projection's, so a one-row tile's tl.sum takes the same layout. row_sumsq: the producer's
+    segment sums (check_row_sumsq), read instead of x for the statistic."""
     T, K = x.shape
     a = torch.empty_like(x)
     has_res = residual is not None
     unroll = min(NORM_ROWS_UNROLL, triton.next_power_of_2(triton.cdiv(K, block_k)))
     _rms_norm_kernel[(triton.cdiv(T, row_tile), triton.cdiv(K, block_k))](
-        x, residual if has_res else x, norm_w, residual_out if has_res else a, a, T, K, float(eps), HAS_RES=has_res,
-        BLOCK_M=row_tile, BLOCK_K=block_k, STAT_UNROLL=unroll, num_warps=num_warps, **pdl_launch(x.device))
+        x, residual if has_res else x, norm_w, residual_out if has_res else a, a,
+        a if row_sumsq is None else row_sumsq, T, K, float(eps), HAS_RES=has_res, BLOCK_M=row_tile, BLOCK_K=block_k,
+        STAT_UNROLL=unroll, STAT_SEGS=0 if row_sumsq is None else stat_segments(K), num_warps=num_warps,
+        **pdl_launch(x.device))
     return a
