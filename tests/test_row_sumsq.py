@@ -165,7 +165,7 @@ def test_a_build_with_producer_statistics_verifies_exactly_what_it_decodes(monke
     computed one token at a time, bit for bit (argmax, top-2 margin, captured features), and the producers did
     store the sums (every o_proj and down of the forward)."""
     from specpilot.kernels import gemm
-    model = tiny_model("gqa", 4)
+    model = tiny_model("gqa", 4).to(DEV)
     table = stat_table(model.shape)
     check_invariance(table)
     stored = []
@@ -181,7 +181,7 @@ def test_a_build_with_producer_statistics_verifies_exactly_what_it_decodes(monke
     p, n = prompt(model.shape.vocab, 7, 4), 6
 
     def fresh():
-        r = ModelRunner(model, c, "cpu", block_width=16, topk=2, capture=(0,))
+        r = ModelRunner(model, c, DEV, block_width=16, topk=2, capture=(0,))
         return r, r.prefill(p)
 
     r, pre = fresh()
@@ -196,3 +196,21 @@ def test_a_build_with_producer_statistics_verifies_exactly_what_it_decodes(monke
     for i, (tok, margin, feat) in enumerate(rows):
         assert out.argmax[i] == tok and torch.equal(out.margin[i], margin), i
         assert torch.equal(out.features[i], feat), i
+
+
+def test_table_variant_sets_an_order_field_at_every_t_of_the_shape(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend("scripts")
+    from table_variant import main
+    from specpilot.engines.shapes import LLAMA3_8B
+    base = [("qkv@6144x4096@T1", '{"block_n": 64}'), ("qkv@6144x4096@T16", '{"block_n": 32}'),
+            ("o_proj@4096x4096@T1", '{"block_n": 32}')]
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    assert main([str(tmp_path / "v.json"), "--shape", "llama3-8b", "--base", str(tmp_path / "base.json"),
+                 "--set", "qkv,lm_head:producer_stat=true"]) == 0
+    got = {k: json.loads(v) for k, v in json.loads((tmp_path / "v.json").read_text())}
+    assert got["qkv@6144x4096@T1"] == {"block_n": 64, "producer_stat": True}
+    assert got["qkv@6144x4096@T16"] == {"block_n": 32, "producer_stat": True}
+    assert got[table_key("lm_head", LLAMA3_8B.vocab, LLAMA3_8B.hidden, 1)] == {"producer_stat": True}
+    assert got["o_proj@4096x4096@T1"] == {"block_n": 32}
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "w.json"), "--set", "qkv:producer_stat"])

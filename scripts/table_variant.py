@@ -1,0 +1,65 @@
+"""A kernel table with some launch fields changed, for a captured-step A/B (scripts/gpu_step_ab.py --table).
+
+    python3 scripts/table_variant.py OUT.json --shape llama3-8b --base shipped.json \
+        --set qkv,gate_up,lm_head:producer_stat=true [--set o_proj:block_n=32 ...]
+
+Each --set gives every entry of those kernels at the shape's (N, K) the fields (JSON values), at every T the base
+table has for it, or at T=1 where it has none: an order-setting field then holds for every T of the shape, as
+check_invariance requires (the result is checked before it is written).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specpilot.kernels.table import check_invariance, parse_key, read_pairs, table_key
+from specpilot.testbed.synthetic import ShapeName
+
+
+def dims(shape, kernel: str) -> tuple[int, int]:
+    from specpilot.stages.kernel_specs import BY_NAME
+    if kernel not in BY_NAME:
+        raise SystemExit(f"unknown kernel {kernel!r} (known: {', '.join(BY_NAME)})")
+    return BY_NAME[kernel].dims(shape)
+
+
+def parse_set(text: str) -> tuple[list[str], dict]:
+    try:
+        kernels, assigns = text.split(":", 1)
+        fields = {k: json.loads(v) for k, v in (a.split("=", 1) for a in assigns.split(";"))}
+    except ValueError as e:
+        raise SystemExit(f"--set {text!r}: want KERNEL[,KERNEL...]:FIELD=JSON[;FIELD=JSON...] ({e})") from None
+    return kernels.split(","), fields
+
+
+def variant(pairs, shape, sets) -> list[tuple[str, str]]:
+    table = dict(pairs)
+    for kernels, fields in sets:
+        for kernel in kernels:
+            n, k = dims(shape, kernel)
+            keys = [key for key in table if parse_key(key)[:3] == (kernel, n, k)] or [table_key(kernel, n, k, 1)]
+            for key in keys:
+                table[key] = json.dumps({**json.loads(table.get(key, "{}")), **fields})
+    out = list(table.items())
+    check_invariance(out)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--shape", default="llama3-8b", choices=[s.value for s in ShapeName])
+    ap.add_argument("--base", help="the table to start from (a pair list or a tuner summary.json); default: empty")
+    ap.add_argument("--set", action="append", default=[], help="KERNELS:FIELD=JSON[;FIELD=JSON]")
+    a = ap.parse_args(argv)
+    pairs = read_pairs(a.base) if a.base else ()
+    out = variant(pairs, ShapeName(a.shape).shape, [parse_set(s) for s in a.set])
+    a.out.write_text(json.dumps(out, indent=1))
+    print(f"{a.out}: {len(out)} entries")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
