@@ -105,10 +105,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{'-' if gb is None else f'{gb:.2f}x'} | {'-' if ga is None else f'{ga:.2f}x'} |")
     print("| kernel@shape@T | default ms | tuned ms | params |\n|---|---|---|---|")
     for e in summary["entries"]:
-        print(f"| {e['kernel']}@{e['n']}x{e['k']}@T{e['tokens']} | {e['default_ms']:.4f} | {e['tuned_ms']:.4f} | "
+        ms = [("step option" if v is None else f"{v:.4f}") for v in (e["default_ms"], e["tuned_ms"])]
+        print(f"| {e['kernel']}@{e['n']}x{e['k']}@T{e['tokens']} | {ms[0]} | {ms[1]} | "
               f"{json.dumps(e['params'], sort_keys=True)} |")
     gate = summary["step_gate"]
-    if gate["step"]:
+    for o in gate["step"].get("options", []):
+        print(f"step option {o['option']}: T={o['tokens']} step ms {o['without_ms']} without -> {o['with_ms']} with "
+              f"(gain {o['gain']:.4f}, {'kept' if o['kept'] else 'dropped'})")
+    if "gain" in gate["step"]:
         print(f"step gate: T={gate['step']['tokens']} step ms {gate['step']['default_ms']} default -> "
               f"{gate['step']['tuned_ms']} with the kept entries (gain {gate['step']['gain']:.4f})")
     for d in gate["dropped"]:

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from specpilot.kernels.table import check_invariance, parse_key, read_pairs, table_key
+from specpilot.kernels.table import read_pairs, with_fields
 from specpilot.testbed.synthetic import ShapeName
 
 
@@ -35,16 +35,10 @@ def parse_set(text: str) -> tuple[list[str], dict]:
 
 
 def variant(pairs, shape, sets) -> list[tuple[str, str]]:
-    table = dict(pairs)
     for kernels, fields in sets:
         for kernel in kernels:
-            n, k = dims(shape, kernel)
-            keys = [key for key in table if parse_key(key)[:3] == (kernel, n, k)] or [table_key(kernel, n, k, 1)]
-            for key in keys:
-                table[key] = json.dumps({**json.loads(table.get(key, "{}")), **fields})
-    out = list(table.items())
-    check_invariance(out)
-    return out
+            pairs = with_fields(pairs, kernel, *dims(shape, kernel), fields)
+    return list(pairs)
 
 
 def main(argv=None) -> int:

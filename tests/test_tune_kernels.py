@@ -256,15 +256,43 @@ def test_step_gate_drops_a_table_that_only_gains_by_being_measured_first():
     assert step["gain"] == 1.0 and step["tuned_ms"] == step["default_ms"] == [pytest.approx(0.99), pytest.approx(3.96)]
 
 
+def test_step_options_are_kept_only_where_the_step_gains_each_on_the_table_so_far():
+    from specpilot.kernels.table import with_fields
+    from specpilot.stages.step_gate import try_options
+    start = (("qkv@32x16@T1", '{"block_n": 16}'),)
+    cost = {"producer_stat": -0.05, "prenorm": +0.01}  # ms a field set on any entry adds to a 1 ms step
+    seen = []
+
+    def measure(configs):
+        seen.append([table for table, _ in configs])
+        return [tokens * 1.0 + sum(c for f, c in cost.items() for _, text in table if f in json.loads(text))
+                for table, tokens in configs]
+    options = [(f, lambda pairs, f=f: with_fields(pairs, "qkv", 32, 16, {f: True}))
+               for f in ("producer_stat", "prenorm")]
+    pairs, records = try_options(start, options, measure, [1, 4], 1.002)
+    assert json.loads(dict(pairs)["qkv@32x16@T1"]) == {"block_n": 16, "producer_stat": True}
+    assert [r["kept"] for r in records] == [True, False]
+    assert records[0]["gain"] == pytest.approx(5.0 / 4.9) and records[1]["without_ms"] == [0.95, 3.95]
+    assert len(seen) == 4  # each option in both orders
+    base_of_second = json.loads(dict(seen[2][-1])["qkv@32x16@T1"])  # the second option judged on top of the first
+    assert base_of_second == {"block_n": 16, "producer_stat": True}
+
+
 def test_tuning_runs_the_step_gate_on_a_real_engine():
     """The gate times the whole step of a Triton-backend engine (here on CPU: the path runs, timings mean
-    nothing) and records its times in the table."""
+    nothing) and records its times in the table; then the step options (producer statistics) on that engine."""
     attr = hand_attribution({OpClass.ATTN: 6.0, OpClass.O_PROJ: 3.0})
     budget = dataclasses.replace(TINY, step_gate=True, min_step_gain=0.0)  # keep every kernel: nothing is faster
     table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], budget, allow_cpu=True)
     assert table.step["tokens"] == [1, 4] and all(v > 0 for v in table.step["tuned_ms"] + table.step["default_ms"])
-    assert {e.kernel for e in table.entries} <= {"attention", "o_proj"} and table.entries
+    tuned = {e.kernel for e in table.entries if e.tuned_ms is not None}
+    assert tuned <= {"attention", "o_proj"} and tuned
+    [option] = table.step["options"]
+    assert option["option"] == "producer_stat" and option["kept"] and all(v > 0 for v in option["with_ms"])
+    made = {e.kernel: e for e in table.entries if e.tuned_ms is None}
+    assert set(made) == {"qkv", "gate_up", "lm_head"} and all(e.params["producer_stat"] for e in made.values())
     assert tk.KernelTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
+    tk.check_invariance(table.config_pairs())
 
 
 def test_token_counts_follow_the_regime_the_build_serves():

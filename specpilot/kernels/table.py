@@ -97,6 +97,19 @@ def launch_params(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int,
     return dataclasses.asdict(PARAMS[kernel](**order_fields(kernel, next(iter(rows.values())))))
 
 
+def with_fields(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int,
+                fields: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """`pairs` with `fields` set on every entry of kernel@NxK (each T it has; a T=1 entry where it has none, whose
+    order-setting fields then hold for every T), checked (check_invariance)."""
+    table = dict(pairs)
+    keys = [key for key in table if parse_key(key)[:3] == (kernel, n, k)] or [table_key(kernel, n, k, 1)]
+    for key in keys:
+        table[key] = json.dumps({**json.loads(table.get(key, "{}")), **fields}, sort_keys=True)
+    out = tuple(table.items())
+    check_invariance(out)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchTable:
     """A validated kernel table the fused forward asks at trace time (T is static inside a captured graph)."""

@@ -109,16 +109,45 @@ def gate(pairs_by_kernel: dict[str, tuple[tuple[str, str], ...]], measure: StepT
     if not kept:  # nothing to compare the untuned step with
         default = measure([((), t) for t in tokens_list])
         return kept, dropped, {"tokens": list(tokens_list), "default_ms": default, "tuned_ms": default, "gain": 1.0}
-    tuned_first = measure([(pairs(kept), t) for t in tokens_list] + [((), t) for t in tokens_list])
-    default_first = measure([((), t) for t in tokens_list] + [(pairs(kept), t) for t in tokens_list])
-    default = [(a + b) / 2 for a, b in zip(tuned_first[n:], default_first[:n])]
-    tuned = [(a + b) / 2 for a, b in zip(tuned_first[:n], default_first[n:])]
+    default, tuned = both_orders(measure, (), pairs(kept), tokens_list)
     gain = sum(default) / sum(tuned)
     if gain < min_gain:
         dropped.append(f"together ({', '.join(kept)}): the step takes {_ms(tokens_list, default)} ms untuned and "
                        f"{_ms(tokens_list, tuned)} ms with them, both orders (gain {gain:.4f} < {min_gain})")
         kept, tuned, gain = [], default, 1.0
     return kept, dropped, {"tokens": list(tokens_list), "default_ms": default, "tuned_ms": tuned, "gain": gain}
+
+
+def both_orders(measure: StepTimer, base: tuple[tuple[str, str], ...], table: tuple[tuple[str, str], ...],
+                tokens_list: Sequence[int]) -> tuple[list[float], list[float]]:
+    """(base ms, table ms) per token count, each the mean of a measurement with the table first and one with the base
+    first (the configuration measured first can read faster)."""
+    n = len(tokens_list)
+    table_first = measure([(table, t) for t in tokens_list] + [(base, t) for t in tokens_list])
+    base_first = measure([(base, t) for t in tokens_list] + [(table, t) for t in tokens_list])
+    return ([(a + b) / 2 for a, b in zip(table_first[n:], base_first[:n])],
+            [(a + b) / 2 for a, b in zip(table_first[:n], base_first[n:])])
+
+
+Pairs = tuple[tuple[str, str], ...]
+
+
+def try_options(pairs: Pairs, options: Sequence[tuple[str, Callable[[Pairs], Pairs]]], measure: StepTimer,
+                tokens_list: Sequence[int], min_gain: float) -> tuple[Pairs, list[dict[str, Any]]]:
+    """Table-wide options a kernel timed alone cannot judge (one launch's change paid or repaid by another, e.g.
+    RMSNormLinearParams.producer_stat): each (name, table -> the table with it) in turn against the table so far,
+    both orders; kept where the step, summed over tokens_list, is min_gain faster. -> (the table, a record each)."""
+    records = []
+    for name, apply in tqdm(list(options), desc="step options", unit="option"):
+        with_it = apply(pairs)
+        without, ms = both_orders(measure, pairs, with_it, tokens_list)
+        gain = sum(without) / sum(ms)
+        kept = gain >= min_gain
+        records.append({"option": name, "tokens": list(tokens_list), "without_ms": without, "with_ms": ms,
+                        "gain": gain, "kept": kept})
+        if kept:
+            pairs = with_it
+    return pairs, records
 
 
 def _ms(tokens_list: Sequence[int], times: Sequence[float]) -> str:

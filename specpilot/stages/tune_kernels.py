@@ -9,7 +9,9 @@
    searches are greedy coordinate searches (one field at a time, `max_settings` settings each).
 3. Proof: winners are re-timed against the defaults afresh, interleaved (re-profiling); what does not reproduce
    `min_gain` is dropped. Then the step gate (step_gate.py): a kernel's entries stay only if the whole captured
-   decode step is `min_step_gain` faster with them (kernels alone can win where the step does not). CUDA timing
+   decode step is `min_step_gain` faster with them (kernels alone can win where the step does not); then the step
+   options (STEP_OPTIONS: settings that move work between launches, e.g. the norm statistic into its producers),
+   each kept only if the captured step gains as much with it. CUDA timing
    is real (CUDA graphs, events); on CPU only the Triton interpreter runs the kernels, whose timings mean nothing
    for a GPU: refused unless allow_cpu=True (tests exercise the search).
 The table goes into EngineConfig.kernel_table as (f"{kernel}@{N}x{K}@T{t}", params JSON).
@@ -63,9 +65,34 @@ class TuneBudget:
     min_gain: float = 1.02  # re-profiled default time / tuned time needed to keep a change
     step_gate: bool = True  # keep a kernel's entries only if the whole decode step is faster with them
     min_step_gain: float = 1.002  # step time without / with a kernel's entries, summed over the tuned T
+    step_options: bool = True  # with the step gate: try STEP_OPTIONS on the captured step, keep what gains
     seed: int = 0  # the timed inputs
 
 
+
+
+@dataclass(frozen=True)
+class StepOption:
+    """A table-wide setting the per-kernel search cannot judge (it moves work from one launch to another): tried on
+    the captured step after the gate (step_gate.try_options), on every tuned T of its kernels."""
+    name: str
+    kernels: tuple[str, ...]
+    fields: tuple[tuple[str, Any], ...]
+    hidden_multiple: int = 1  # the shapes it applies to: hidden a multiple of this
+
+    def apply(self, shape: LlamaShape, specs: Sequence[KernelSpec]) -> Callable[[tuple], tuple]:
+        by_name = {s.name: s for s in specs}
+
+        def apply(pairs: tuple) -> tuple:
+            for kernel in self.kernels:
+                pairs = _table.with_fields(pairs, kernel, *by_name[kernel].dims(shape), dict(self.fields))
+            return pairs
+        return apply
+
+
+# The norm launches' statistic from their producers' segment sums (kernels/rmsnorm.py): o_proj and down pay a few
+# adds and a store in their epilogues, QKV, gate_up and the LM head skip a pass over x.
+STEP_OPTIONS = (StepOption("producer_stat", ("qkv", "gate_up", "lm_head"), (("producer_stat", True),), 16),)
 
 
 @dataclass(frozen=True)
@@ -95,8 +122,8 @@ class TableEntry:
     k: int
     tokens: int
     params: dict[str, Any]  # every LaunchParams field
-    default_ms: float  # re-profiled
-    tuned_ms: float
+    default_ms: float | None  # re-profiled; None for an entry a step option made (KernelTable.step["options"])
+    tuned_ms: float | None
 
     @property
     def key(self) -> str:
@@ -288,20 +315,47 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
                 if winner != default:  # a shape-level setting is written for every T, gain or not: invariance
                     entries.append(TableEntry(spec.name, n, k, t, dataclasses.asdict(winner), d_ms, tuned_ms))
     step: dict[str, Any] = {}
-    if budget.step_gate and entries:
-        from specpilot.stages.step_gate import gate, step_timer
-        groups: dict[str, list[TableEntry]] = {}
-        for e in entries:
-            groups.setdefault(e.kernel, []).append(e)
-        pairs = {k: tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in es) for k, es in groups.items()}
-        kept, dropped, step = gate(pairs, step_timer(shape, dev, dtype, budget.context, budget.reps),
-                                   sorted(set(tokens_list)), budget.min_step_gain)
-        entries = [e for e in entries if e.kernel in kept]
-        refused += [f"step gate: {d}" for d in dropped]
+    if budget.step_gate:
+        from specpilot.stages.step_gate import gate, step_timer, try_options
+        timer = step_timer(shape, dev, dtype, budget.context, budget.reps)
+        if entries:
+            groups: dict[str, list[TableEntry]] = {}
+            for e in entries:
+                groups.setdefault(e.kernel, []).append(e)
+            pairs = {k: tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in es) for k, es in groups.items()}
+            kept, dropped, step = gate(pairs, timer, sorted(set(tokens_list)), budget.min_step_gain)
+            entries = [e for e in entries if e.kernel in kept]
+            refused += [f"step gate: {d}" for d in dropped]
+        if budget.step_options:
+            options = [(o.name, o.apply(shape, specs)) for o in STEP_OPTIONS if shape.hidden % o.hidden_multiple == 0]
+            table_pairs = tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in entries)
+            try:
+                new_pairs, step["options"] = try_options(table_pairs, options, timer, sorted(set(tokens_list)),
+                                                         budget.min_step_gain)
+            except UNLAUNCHABLE as e:
+                new_pairs = table_pairs
+                refused.append(f"step options: {e}")
+            entries = _with_option_entries(entries, new_pairs)
     table = KernelTable(str(dev), str(dtype).removeprefix("torch."), budget.context, tuple(entries), choices,
                         tuple(refused), step)
     check_invariance(table.config_pairs())
     return table
+
+
+def _with_option_entries(entries: list[TableEntry], pairs: Sequence[tuple[str, str]]) -> list[TableEntry]:
+    """The entries of `pairs` (try_options' table): unchanged ones as they were, the others with every field of their
+    params class and no kernel-alone times (a step option was judged on the step)."""
+    old = {e.key: e for e in entries}
+    out = []
+    for key, text in pairs:
+        params = json.loads(text)
+        if key in old and old[key].params == params:
+            out.append(old[key])
+            continue
+        kernel, n, k, t = parse_key(key)
+        full = dataclasses.asdict(_table.PARAMS[kernel](**params))
+        out.append(TableEntry(kernel, n, k, t, full, None, None))
+    return out
 
 
 def token_counts(build: Candidate, concurrency: Sequence[int] = ()) -> list[int]:
