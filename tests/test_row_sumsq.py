@@ -71,6 +71,10 @@ def test_a_w12_producer_stores_the_same_sums():
     y = K.linear(x, W, r, block_n=16, block_k=32, row_sumsq_out=a)
     y12 = K.linear(x, encode(W), r, block_n=16, block_k=32, row_sumsq_out=b)
     assert torch.equal(y, y12) and torch.equal(a, b) and torch.equal(a, row_sumsq_ref(y))
+    # and a W12 norm launch fed the sums: the bf16 launch's bits
+    Wn, nw = rnd(g, 32, 48, scale=0.1), rnd(g, 48)
+    kw = {"block_n": 16, "block_k": 16, "producer_stat": True, "row_sumsq": a}
+    assert torch.equal(K.rmsnorm_linear(y, nw, Wn, 1e-5, **kw), K.rmsnorm_linear(y, nw, encode(Wn), 1e-5, **kw))
 
 
 def one_row_at_a_time(fn, x, sums):
