@@ -19,7 +19,7 @@ import sys
 import pytest
 
 COMPILE = r'''
-import json, re
+import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -93,6 +93,20 @@ def trigger_after_mma(ptx):
     assert len(trigger) == 1 and mma, (len(trigger), len(mma))
     return {"before_first": trigger[0] < mma[0], "after_last": trigger[0] > mma[-1]}
 
+
+def spill_bytes(fn, sig, consts, num_warps):
+    """Bytes a thread spills (ptxas -v on the kernel's PTX, as Triton's own ptxas assembles it for sm_90a)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/k.ptx", "w").write(build(fn, sig, consts, num_warps).asm["ptx"])
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], capture_output=True,
+                             text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+
+
+NORM_EPI0 = {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
+             "H": 9, "KVH": 3, "HALF": 32, **TILE}
+
 print(json.dumps({
     **{f"single_chain{'' if tiles == 1 else f'_tiles{tiles}'}": dots(
         sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False, "TILES": tiles})
@@ -121,12 +135,15 @@ print(json.dumps({
     "prenorm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {
         **FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
         "H": 9, "KVH": 3, "HALF": 32, **TILE, "NORM": False}, num_warps=8),
-    # producer statistics (rmsnorm.py): the producer's segment sums and the consumer reading them add no dot
+    # producer statistics (rmsnorm.py): the producer's segment sums add no dot, the consumer one 16-lane sum
     "sumsq_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
                                                        **TILE, "ROW_SUMSQ": 1}),
     "stat_in_norm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {
         **FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
         "H": 9, "KVH": 3, "HALF": 32, **TILE, "STAT_SEGS": 256}, num_warps=8),
+    # Llama-3-8B's 256 segment sums a row: no more spills than the row pass (a first version spilled 22 KB a thread)
+    "stat_in_spills": [spill_bytes(norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, **extra}, 8)
+                       for extra in ({}, {"STAT_SEGS": 256})],
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -237,7 +254,11 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
         assert compiled[f"w12_{name}"] == compiled[name], name
     assert compiled["prenorm_linear"] == compiled["norm_linear"][1:]
     assert compiled["sumsq_linear"] == compiled["linear"]
-    assert compiled["stat_in_norm_linear"] == compiled["norm_linear"][1:]
+    # the producer's segment sums, 16 lanes a row, by an fp32 dot with ones; then the projection
+    assert len(compiled["stat_in_norm_linear"]) == 2 and "tensor<16x16xf32" in compiled["stat_in_norm_linear"][0]
+    assert compiled["stat_in_norm_linear"][1:] == compiled["norm_linear"][1:]
+    rows_pass, from_sums = compiled["stat_in_spills"]
+    assert from_sums <= rows_pass, compiled["stat_in_spills"]
 
 
 def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):

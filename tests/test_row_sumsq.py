@@ -85,7 +85,7 @@ def one_row_at_a_time(fn, x, sums):
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_a_norm_launch_fed_the_sums_gives_each_row_the_same_bits_whatever_T(row_tile, split_k):
     g = torch.Generator().manual_seed(row_tile + split_k)
-    T, K_in, N = 9, 80, 48  # K / 16 = 5 sums a row: padded to 8 in the kernel
+    T, K_in, N = 9, 80, 48  # K / 16 = 5 sums a row: padded to 16 in the kernel
     x, nw, W = rnd(g, T, K_in), rnd(g, K_in), rnd(g, N, K_in, scale=0.1)
     sums = row_sumsq_ref(x)
     tile = {"block_k": 32, "row_tile": row_tile, "split_k": split_k, "producer_stat": True}

@@ -63,8 +63,9 @@ def row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES
 # Producer statistics (RMSNormLinearParams.producer_stat): the launch that writes a row (o_proj, down: gemm.linear
 # with row_sumsq_out) also stores the sums of squares of its 16-column segments, and the norm launch that reads the
 # row adds those K / 16 numbers instead of reading all of it before its first W chunk. 16 is the narrowest column
-# tile a projection takes, so every tile holds whole segments. Both sums are fixed pairwise trees of elementwise
-# adds: their order depends on neither the tile width, the warps, split-K nor T (tests/test_row_sumsq.py).
+# tile a projection takes, so every tile holds whole segments. A segment is summed by a fixed pairwise tree of
+# elementwise adds, the segments as row_rstd sums squares: neither order depends on the tile width, the warps,
+# split-K or T (tests/test_row_sumsq.py).
 STAT_SEGMENT = 16
 
 
@@ -93,12 +94,25 @@ def store_row_sumsq(ss_ptr, y, rows, pid_n, row_ok, N, BLOCK_M: tl.constexpr, BL
 
 @triton.jit
 def rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, SEGS: tl.constexpr):
-    """row_rstd's quantity from a producer's segment sums ss_ptr [T, K / 16] (SEGS: K / 16 rounded up to a power of
-    two; the padding adds +0.0, which changes no sum of squares)."""
-    segs = tl.arange(0, SEGS)
-    ss = tl.load(ss_ptr + rows.to(tl.int64)[:, None] * (K // 16) + segs[None, :],
-                 mask=row_ok[:, None] & (segs < K // 16)[None, :], other=0.0)
-    ss = tl.reshape(pair_tree_sum(tl.reshape(ss, [BLOCK_M, 1, SEGS]), BLOCK_M, 1, SEGS), [BLOCK_M])
+    """row_rstd's quantity from a producer's segment sums ss_ptr [T, K / 16]: added as row_rstd adds squares, in
+    16-wide chunks elementwise in ascending order (all chunks loaded at once), then the 16 lanes by one sequential
+    fp32 dot with ones. SEGS: K / 16 rounded up to a multiple of 16; the padding adds +0.0, which changes no sum of
+    squares. (A pairwise tree over all segments at once compiled for sm_90 to a layout holding every segment in
+    every thread: 22 KB of spills a thread.)"""
+    lanes = tl.arange(0, 16)
+    parts = ()
+    for c in tl.static_range(SEGS // 16):
+        seg = c * 16 + lanes
+        parts = parts + (tl.load(ss_ptr + rows.to(tl.int64)[:, None] * (K // 16) + seg[None, :],
+                                 mask=row_ok[:, None] & (seg < K // 16)[None, :], other=0.0),)
+    acc = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    for c in tl.static_range(SEGS // 16):
+        acc += parts[c]
+    if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout, as in row_rstd
+        ss = tl.sum(acc, axis=1)
+    else:
+        ones = tl.full([16, 16], 1.0, tl.float32)
+        ss = tl.max(tl.dot(acc, ones, input_precision="ieee"), axis=1)
     return 1.0 / tl.sqrt_rn(ss / K + eps)
 
 
@@ -111,8 +125,8 @@ def row_sumsq_ref(h: torch.Tensor) -> torch.Tensor:
 
 
 def stat_segments(k: int) -> int:
-    """The SEGS constexpr of a norm launch over rows of k features (k / 16 padded to a power of two)."""
-    return triton.next_power_of_2(k // STAT_SEGMENT)
+    """The SEGS constexpr of a norm launch over rows of k features (k / 16 padded to a multiple of 16)."""
+    return triton.cdiv(k // STAT_SEGMENT, 16) * 16
 
 
 def check_row_sumsq(row_sumsq: torch.Tensor | None, producer_stat: bool, x: torch.Tensor,
