@@ -74,7 +74,8 @@ SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}  # split-K partials and arrival c
 LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "ss_ptr": "*fp32", "T": "i32",
           "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_x": "i32"}
 NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P,
-        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", **SPLIT, "ss_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32",
+        "pmax_ptr": "*fp32", "pidx_ptr": "*i32", **SPLIT, "ss_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+        "cos_ptr": "*fp32",
         "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
         "K_SPLIT": "i32", "eps": "fp32"}
 FLAGS = {"HAS_BIAS": False, "HAS_RES": True}

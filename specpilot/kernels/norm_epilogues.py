@@ -79,7 +79,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq)
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
-                                     op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache, v_cache, S, cos.shape[0],
+                                     op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache,
+                                     v_cache, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,

@@ -28,6 +28,7 @@ from specpilot.engines.shapes import LlamaShape
 # (kernel table pairs, tokens[, a context manager factory the step is captured in, e.g. kernels.pdl's
 # grid_dependency]) per configuration -> ms per step of each, measured together (interleaved)
 StepTimer = Callable[[Sequence[tuple]], list[float]]
+Pairs = tuple[tuple[str, str], ...]  # a kernel table (EngineConfig.kernel_table)
 
 
 def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, context: int, reps: int,
@@ -118,7 +119,7 @@ def gate(pairs_by_kernel: dict[str, tuple[tuple[str, str], ...]], measure: StepT
     return kept, dropped, {"tokens": list(tokens_list), "default_ms": default, "tuned_ms": tuned, "gain": gain}
 
 
-def both_orders(measure: StepTimer, base: tuple[tuple[str, str], ...], table: tuple[tuple[str, str], ...],
+def both_orders(measure: StepTimer, base: Pairs, table: Pairs,
                 tokens_list: Sequence[int]) -> tuple[list[float], list[float]]:
     """(base ms, table ms) per token count, each the mean of a measurement with the table first and one with the base
     first (the configuration measured first can read faster)."""
@@ -127,9 +128,6 @@ def both_orders(measure: StepTimer, base: tuple[tuple[str, str], ...], table: tu
     base_first = measure([(base, t) for t in tokens_list] + [(table, t) for t in tokens_list])
     return ([(a + b) / 2 for a, b in zip(table_first[n:], base_first[:n])],
             [(a + b) / 2 for a, b in zip(table_first[:n], base_first[n:])])
-
-
-Pairs = tuple[tuple[str, str], ...]
 
 
 def try_options(pairs: Pairs, options: Sequence[tuple[str, Callable[[Pairs], Pairs]]], measure: StepTimer,
