@@ -62,6 +62,22 @@ def test_a_producer_stores_the_sums_of_what_it_wrote_whatever_its_tile(T, row_ti
     assert torch.equal(sums, row_sumsq_ref(y))
 
 
+def test_split_k_launches_past_64_rows_keep_their_rows_sums():
+    """split-K launches a long T in 64-row chunks (gemm.SPLIT_K_ROWS): each chunk's sums land on its own rows, and a
+    norm launch chunked the same way reads them there."""
+    g = torch.Generator().manual_seed(70)
+    T, K_in, N = 70, 64, 32
+    x, W, r, nw = rnd(g, T, K_in), rnd(g, N, K_in, scale=0.1), rnd(g, T, N), rnd(g, N)
+    sums = torch.full((T, N // 16), float("nan"), device=DEV)
+    y = K.linear(x, W, r, block_n=16, block_k=32, split_k=2, row_sumsq_out=sums)
+    assert torch.equal(sums, row_sumsq_ref(y))
+    Wq = rnd(g, 16, N, scale=0.1)
+    kw = {"block_n": 16, "block_k": 16, "split_k": 2, "producer_stat": True}
+    whole = K.rmsnorm_linear(y, nw, Wq, 1e-5, row_sumsq=sums, **kw)
+    tail = K.rmsnorm_linear(y[64:].contiguous(), nw, Wq, 1e-5, row_sumsq=sums[64:].contiguous(), **kw)
+    assert torch.equal(whole[64:], tail)
+
+
 def test_a_w12_producer_stores_the_same_sums():
     from specpilot.weights.format import encode
     g = torch.Generator().manual_seed(3)
