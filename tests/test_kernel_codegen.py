@@ -95,13 +95,21 @@ def trigger_after_mma(ptx):
     return {"before_first": trigger[0] < mma[0], "after_last": trigger[0] > mma[-1]}
 
 
-def spill_bytes(fn, sig, consts, num_warps):
-    """Bytes a thread spills (ptxas -v on the kernel's PTX, as Triton's own ptxas assembles it for sm_90a)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+def assembled(fn, sig, consts, num_warps):
+    """(ptxas -v log, SASS) of the kernel, assembled for sm_90a by the ptxas Triton ships."""
+    nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
         open(f"{d}/k.ptx", "w").write(build(fn, sig, consts, num_warps).asm["ptx"])
-        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], capture_output=True,
-                             text=True, check=True).stderr
+        log = subprocess.run([f"{nv}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([f"{nv}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True,
+                              check=True).stdout
+    return log, sass
+
+
+def spill_bytes(fn, sig, consts, num_warps):
+    """Bytes a thread spills."""
+    log, _ = assembled(fn, sig, consts, num_warps)
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
@@ -145,6 +153,13 @@ print(json.dumps({
     # Llama-3-8B's 256 segment sums a row: no more spills than the row pass (a first version spilled 22 KB a thread)
     "stat_in_spills": [spill_bytes(norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, **extra}, 8)
                        for extra in ({}, {"STAT_SEGS": 256})],
+    # the producer's squares stay FMULs: an FMA contracted into the segment tree would round them another way, in
+    # some compiled variants only (the attention kernels' 1-ulp story, _common.NO_FP_FUSION)
+    "sumsq_ffma": [assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": swiglu, "DOT_PREC": "tf32",
+                                                           "W12": False, **TILE, "BLOCK_M": bm, "BLOCK_N": bn,
+                                                           "ROW_SUMSQ": 1}, nw)[1].count("FFMA")
+                   for bm, bn, nw, swiglu in ((16, 16, 2, False), (16, 128, 8, True), (1, 64, 4, False),
+                                              (1, 128, 8, True))],
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -260,6 +275,7 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     assert compiled["stat_in_norm_linear"][1:] == compiled["norm_linear"][1:]
     rows_pass, from_sums = compiled["stat_in_spills"]
     assert from_sums <= rows_pass, compiled["stat_in_spills"]
+    assert compiled["sumsq_ffma"] == [0, 0, 0, 0]
 
 
 def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):
