@@ -7,7 +7,7 @@
 #    verify rows against its AR rows);
 # 2. captured-step A/Bs, Llama-3-8B with the shipped table and SmolLM2-135M's shape with its shipped table, against
 #    the same table with producer_stat on the QKV, gate_up and LM-head entries ($VARIANTS: all, qkv, gate_up).
-#   OUT=... bash scripts/gpu_s24.sh [stat]   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
+#   OUT=... bash scripts/gpu_s24.sh   (from the repo root of a snapshot, .gpu/src; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"

@@ -80,12 +80,10 @@ class StepOption:
     fields: tuple[tuple[str, Any], ...]
     hidden_multiple: int = 1  # the shapes it applies to: hidden a multiple of this
 
-    def apply(self, shape: LlamaShape, specs: Sequence[KernelSpec]) -> Callable[[tuple], tuple]:
-        by_name = {s.name: s for s in specs}
-
+    def apply(self, shape: LlamaShape) -> Callable[[tuple], tuple]:
         def apply(pairs: tuple) -> tuple:
             for kernel in self.kernels:
-                pairs = _table.with_fields(pairs, kernel, *by_name[kernel].dims(shape), dict(self.fields))
+                pairs = _table.with_fields(pairs, kernel, *BY_NAME[kernel].dims(shape), dict(self.fields))
             return pairs
         return apply
 
@@ -327,7 +325,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
             entries = [e for e in entries if e.kernel in kept]
             refused += [f"step gate: {d}" for d in dropped]
         if budget.step_options:
-            options = [(o.name, o.apply(shape, specs)) for o in STEP_OPTIONS if shape.hidden % o.hidden_multiple == 0]
+            options = [(o.name, o.apply(shape)) for o in STEP_OPTIONS if shape.hidden % o.hidden_multiple == 0]
             table_pairs = tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in entries)
             try:
                 new_pairs, step["options"] = try_options(table_pairs, options, timer, sorted(set(tokens_list)),
