@@ -33,11 +33,13 @@ def rnd(g, *shape, scale=1.0, dtype=BF):
 
 
 def test_the_reference_is_a_pairwise_tree_over_16_columns():
-    h = torch.tensor([[2.0 ** 24, 1.0, 1.0, 1.0] + [0.0] * 12 + [3.0] * 16])  # squares: 2^48, then ones
+    h = torch.tensor([[2.0 ** 24, 0.0, 2.0 ** 12, 2.0 ** 12] + [0.0] * 12 + [3.0] * 16])  # squares 2^48, 0, 2^24, 2^24
     sums = row_sumsq_ref(h)
     assert sums.shape == (1, 2) and sums.dtype == torch.float32
-    # pairs first: (2^48 + 1) rounds to 2^48, (1 + 1) = 2 survives, 2^48 + 2 rounds to 2^48 + 0 in fp32
-    assert sums[0, 0].item() == 2.0 ** 48 and sums[0, 1].item() == 16 * 9.0
+    # adjacent pairs first: 2^24 + 2^24 = 2^25, one fp32 ulp of 2^48, survives; added one by one to 2^48, each 2^24
+    # is half an ulp and rounds away (ties to even)
+    assert sums[0, 0].item() == 2.0 ** 48 + 2.0 ** 25 and sums[0, 1].item() == 16 * 9.0
+    assert torch.tensor(2.0 ** 48) + 2.0 ** 24 + 2.0 ** 24 == 2.0 ** 48
 
 
 @pytest.mark.parametrize("T,split_k", [(1, 1), (7, 2), (17, 1), (17, 2)])
