@@ -52,10 +52,16 @@ def row_rstd(x_ptr, r_ptr, h_ptr, row_offs, row_ok, ks, h_owner, K, eps, HAS_RES
         for u in tl.static_range(STAT_UNROLL):
             hf = hs[u].to(tl.float32)
             sq += hf * hf
+    return rstd_of_lanes(sq, K, eps, BLOCK_M, BLOCK_K)
+
+
+@triton.jit
+def rstd_of_lanes(sq, K, eps, BLOCK_M: tl.constexpr, LANES: tl.constexpr):
+    """1 / sqrt(sum / K + eps) per row of sq [BLOCK_M, LANES] fp32, the lanes added in a fixed order."""
     if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout
         ss = tl.sum(sq, axis=1)
     else:
-        ones = tl.full([BLOCK_K, 16], 1.0, tl.float32)
+        ones = tl.full([LANES, 16], 1.0, tl.float32)
         ss = tl.max(tl.dot(sq, ones, input_precision="ieee"), axis=1)  # 16 identical columns: max picks the value
     return 1.0 / tl.sqrt_rn(ss / K + eps)
 
@@ -108,12 +114,7 @@ def rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M: tl.constexpr, SEGS: t
     acc = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     for c in tl.static_range(SEGS // 16):
         acc += parts[c]
-    if BLOCK_M == 1:  # one row: tl.sum, its tree fixed by the (T-independent) tile layout, as in row_rstd
-        ss = tl.sum(acc, axis=1)
-    else:
-        ones = tl.full([16, 16], 1.0, tl.float32)
-        ss = tl.max(tl.dot(acc, ones, input_precision="ieee"), axis=1)
-    return 1.0 / tl.sqrt_rn(ss / K + eps)
+    return rstd_of_lanes(acc, K, eps, BLOCK_M, 16)
 
 
 def row_sumsq_ref(h: torch.Tensor) -> torch.Tensor:
