@@ -127,6 +127,11 @@ class TableEntry:
     def key(self) -> str:
         return f"{self.kernel}@{self.n}x{self.k}@T{self.tokens}"
 
+    @property
+    def pair(self) -> tuple[str, str]:
+        """(key, params JSON): this entry as EngineConfig.kernel_table holds it."""
+        return self.key, json.dumps(self.params, sort_keys=True)
+
 
 @dataclass(frozen=True)
 class KernelTable:
@@ -139,7 +144,7 @@ class KernelTable:
     step: dict[str, Any] = dataclasses.field(default_factory=dict)  # the step gate's times (step_gate.gate)
 
     def config_pairs(self) -> tuple[tuple[str, str], ...]:
-        return tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in self.entries)
+        return tuple(e.pair for e in self.entries)
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         """`config` with this table (replacing entries of the same key)."""
@@ -320,13 +325,13 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
             groups: dict[str, list[TableEntry]] = {}
             for e in entries:
                 groups.setdefault(e.kernel, []).append(e)
-            pairs = {k: tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in es) for k, es in groups.items()}
+            pairs = {k: tuple(e.pair for e in es) for k, es in groups.items()}
             kept, dropped, step = gate(pairs, timer, sorted(set(tokens_list)), budget.min_step_gain)
             entries = [e for e in entries if e.kernel in kept]
             refused += [f"step gate: {d}" for d in dropped]
         if budget.step_options:
             options = [(o.name, o.apply(shape)) for o in STEP_OPTIONS if shape.hidden % o.hidden_multiple == 0]
-            table_pairs = tuple((e.key, json.dumps(e.params, sort_keys=True)) for e in entries)
+            table_pairs = tuple(e.pair for e in entries)
             try:
                 new_pairs, step["options"] = try_options(table_pairs, options, timer, sorted(set(tokens_list)),
                                                          budget.min_step_gain)
