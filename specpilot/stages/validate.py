@@ -16,6 +16,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from tqdm import tqdm
+
 from specpilot.bench.session import TokenizedPrompt
 from specpilot.engines.config import EngineConfig
 from specpilot.engines.engine import GenerationResult, SpecEngine
@@ -222,11 +224,14 @@ def validate(factory: EngineFactory, stock: Candidate, candidate: Candidate, pro
                                  candidate_policy if candidate_policy is not None else candidate.load_policy())
     for engine in (stock_engine, cand_engine):  # warm-up: one-time costs (graph capture, allocation) stay out of timing
         engine.warm_up(list(prompts[0].ids), min(2, max_new_tokens))
-    runs = _run_pairs(stock_engine, cand_engine, prompts, max_new_tokens)
+    # one unit a prompt and pass: free-running pairs, the forced passes, and the re-measurement when there is one
+    bar = tqdm(total=2 * len(prompts), desc=f"validate {candidate.name}", unit="prompt")
+    runs = _run_pairs(stock_engine, cand_engine, prompts, max_new_tokens, bar)
     check = SpeedupCheck(speedup_threshold, tuple(_speedup(s, c) for s, c in runs))
     reruns = None  # suspiciously fast (a cache, a skipped check?): measure again, report both, check outputs again
     if check.geomean > speedup_threshold:
-        reruns = _run_pairs(stock_engine, cand_engine, prompts, max_new_tokens)
+        bar.total += len(prompts)
+        reruns = _run_pairs(stock_engine, cand_engine, prompts, max_new_tokens, bar)
         check = SpeedupCheck(speedup_threshold, check.first, tuple(_speedup(s, c) for s, c in reruns))
     ref_runner, cand_runner = forced_runner(stock_engine), forced_runner(cand_engine)
     rows, divergences, margins = [], [], []
@@ -243,16 +248,22 @@ def validate(factory: EngineFactory, stock: Candidate, candidate: Candidate, pro
         rows.append(PromptRow(p.key, len(p.ids), len(s_run.tokens), len(c_run.tokens), s_run.stop_reason,
                               c_run.stop_reason, None if free is None else free.index,
                               sum(d.kind is DivergenceKind.FORCED for d in flips), len(tie_at), min(ref.margin), check.first[i]))
+        bar.update()
+    bar.close()
     return Verdict(_classify(divergences), stock.name, candidate.name, tie_epsilon, max_new_tokens, tuple(rows),
                    tuple(divergences), tuple(margins), check, _reasons(divergences, check, tie_epsilon),
                    type(ref_runner).__name__)
 
 
 def _run_pairs(stock: SpecEngine, cand: SpecEngine, prompts: Sequence[TokenizedPrompt],
-               max_new_tokens: int) -> list[tuple[GenerationResult, GenerationResult]]:
+               max_new_tokens: int, bar: tqdm) -> list[tuple[GenerationResult, GenerationResult]]:
     # Interleaved per prompt: each speedup compares the same request in the same run on the same machine.
-    return [(stock.generate(list(p.ids), max_new_tokens, p.key), cand.generate(list(p.ids), max_new_tokens, p.key))
-            for p in prompts]
+    pairs = []
+    for p in prompts:
+        pairs.append((stock.generate(list(p.ids), max_new_tokens, p.key),
+                      cand.generate(list(p.ids), max_new_tokens, p.key)))
+        bar.update()
+    return pairs
 
 
 def _speedup(stock: GenerationResult, cand: GenerationResult) -> float:
