@@ -4,7 +4,8 @@ launch costs more than these kernels run, so timing outside a graph measures the
 python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1,16] [--kernels qkv,o] [--split-k 1,2]
 
 For each projection (qkv, o, gate_up, down, head; qkv_linear, gate_up_linear: those matrices through a plain
-projection) and T: the default launch's time and the best of the grid
+projection; qkv_norm / qkv_norm_stat: QKV's normed projection without its epilogue, by a row pass / on producer
+statistics; qkv_stat, gate_up_stat: the engine's launches on producer statistics) and T: the default launch's time and the best of the grid
 block_k x block_n x num_warps x num_stages x split_k; block_k and split_k are reduction-order fields, so the best
 (block_k, split_k) is chosen on the sum over T and the rest per T. Prints a table last, with each time's weight
 read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s). Each projection is the engine's launch:
@@ -22,6 +23,7 @@ from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
 from specpilot.kernels import linear, rmsnorm_linear
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
 from specpilot.kernels.bench import time_graph
+from specpilot.kernels.rmsnorm import row_sumsq_ref
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
 
@@ -48,7 +50,9 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
     kc, vc = (torch.zeros(sh.kv_heads, S, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
     shapes = {"qkv": (qkv_n, H), "o": (H, sh.heads * sh.head_dim), "gate_up": (2 * I, H), "down": (H, I),
               "head": (V, H)}
-    shapes.update(qkv_linear=shapes["qkv"], gate_up_linear=shapes["gate_up"])
+    shapes.update(qkv_linear=shapes["qkv"], gate_up_linear=shapes["gate_up"], qkv_norm=shapes["qkv"],
+                  qkv_norm_stat=shapes["qkv"], qkv_stat=shapes["qkv"], gate_up_stat=shapes["gate_up"])
+    sums = row_sumsq_ref(x)  # what o_proj / down store for a launch with producer_stat (kernels/rmsnorm.py)
     calls = {
         "qkv": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads, sh.kv_heads,
                                                **p),
@@ -58,6 +62,13 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
         # the norm launches' matrices read by a plain projection (no statistic, no epilogue): what the norm costs
         "qkv_linear": lambda w, **p: linear(x, w, **p),
         "gate_up_linear": lambda w, **p: linear(x, w, **p),
+        # QKV's cost taken apart: the normed projection without the rotary epilogue (row pass / producer's sums),
+        # and the engine's QKV and gate_up launches on producer statistics
+        "qkv_norm": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, **p),
+        "qkv_norm_stat": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, producer_stat=True, row_sumsq=sums, **p),
+        "qkv_stat": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads,
+                                                    sh.kv_heads, producer_stat=True, row_sumsq=sums, **p),
+        "gate_up_stat": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, producer_stat=True, row_sumsq=sums, **p),
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),
     }

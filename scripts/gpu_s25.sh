@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 25 on one H200 (random weights):
+# 1. the producer-statistics tests and the exact-tree tests compiled there (the engine test in float32 failed on the
+#    H200 in the session's first run: probe_stat.py, if present, shows whether it is the field or fp32 on the GPU);
+# 2. QKV's and gate_up's launch time taken apart (gpu_gemv_sweep.py, weights rotated through 4 copies): the plain
+#    projection, the normed projection by a row pass and on producer statistics, the engine's launches with both.
+#   OUT=... bash scripts/gpu_s25.sh   (from the repo root; PYTHONPATH=$PWD)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT}"
+[ -f probe_stat.py ] && python3 probe_stat.py 2>&1 | tail -8 | cut -c1-400
+python3 -m pytest -q -p no:cacheprovider tests/test_row_sumsq.py tests/test_tree_exact.py > "$OUT/tests.txt" 2>&1
+echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"; grep -E "^FAILED" "$OUT/tests.txt" | cut -c1-200
+K=qkv_linear,qkv_norm,qkv_norm_stat,qkv,qkv_stat,gate_up_linear,gate_up,gate_up_stat
+python3 scripts/gpu_gemv_sweep.py "$OUT/parts-8b.json" --shape llama8b --tokens 1,16 --kernels $K --block-k 256 \
+  --block-n 64 --warps 8 --stages 4 --copies 4 2>&1 | grep "^|"
+python3 scripts/gpu_gemv_sweep.py "$OUT/parts-smollm2.json" --shape smollm2 --tokens 1,16 --kernels $K \
+  --block-k 128 --block-n 32 --warps 4 --stages 2 --copies 4 2>&1 | grep "^|"
