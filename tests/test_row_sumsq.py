@@ -211,7 +211,7 @@ def test_a_build_with_producer_statistics_verifies_exactly_what_it_decodes(monke
     seq, rows = list(p) + [pre.argmax[0]], []
     for _ in range(n):
         out = r.verify(len(seq) - 1, [seq[-1]], [0], chain_anc(1))
-        rows.append((out.argmax[0], out.margin[0], out.features[0]))
+        rows.append((out.argmax[0], out.margin[0], out.features[0].clone()))  # a view of the graph's buffer
         seq.append(out.argmax[0])
     assert stored and all(stored)  # o_proj and down of every layer, every forward
     r, _ = fresh()

@@ -34,12 +34,16 @@ def runner_for(model, tile: int, backend: KernelBackend = KernelBackend.TORCH, o
                block_width: int = 32) -> ModelRunner:
     c = EngineConfig(dtype="float32", max_seq_len=160, token_tile=tile, drafter=DrafterKind.NGRAM,
                      kernel_backend=backend, position_ordered_attention=ordered)
-    return ModelRunner(model, c, "cpu", block_width=block_width, topk=TOPK, capture=CAPTURE)
+    # the Triton kernels compiled where there is a GPU; the torch path stays on the CPU (cuBLAS picks its reduction
+    # by the token count: not bit-exact across T on a GPU)
+    dev = "cuda" if CUDA and backend is KernelBackend.TRITON else "cpu"
+    return ModelRunner(model.to(dev), c, dev, block_width=block_width, topk=TOPK, capture=CAPTURE)
 
 
 def row(out, i: int):
-    """Everything a step exposes about row i: greedy token, margin, top-k tokens/probs, layer-0 features."""
-    return out.argmax[i], out.margin[i], out.topk_tokens[i], out.topk_probs[i], out.features[i]
+    """Everything a step exposes about row i: greedy token, margin, top-k tokens/probs, layer-0 features (a copy:
+    with CUDA graphs a step's features are a view of its output buffer, which the next step overwrites)."""
+    return out.argmax[i], out.margin[i], out.topk_tokens[i], out.topk_probs[i], out.features[i].clone()
 
 
 def assert_rows_equal(a, b, where) -> None:

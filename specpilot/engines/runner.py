@@ -25,7 +25,9 @@ class StepOutput:
     margin: torch.Tensor | None  # top1 - top2 logit per token (device), for token forcing's tie log
     topk_tokens: list[list[int]] | None = None  # per token, the model's top-k next tokens (drafters)
     topk_probs: list[list[float]] | None = None
-    features: torch.Tensor | None = None  # [rows, len(capture) * hidden] target features (block drafters)
+    # [rows, len(capture) * hidden] target features (block drafters); with CUDA graphs a view of the step's output
+    # buffer, valid until the next step (clone to keep)
+    features: torch.Tensor | None = None
 
 
 VIEW_QUANTUM = 256  # granularity of a request's attention view (slots)
