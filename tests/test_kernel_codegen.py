@@ -47,11 +47,18 @@ def build(fn, sig, consts, num_warps=4, pdl=False):
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
+    # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
+    # not to); without them loads are not vectorised and no K loop is pipelined, which is not the code that runs
+    keep = set(getattr(fn, "do_not_specialize", ())) | {fn.arg_names[i] for i in getattr(fn, "do_not_specialize", ())
+                                                        if isinstance(i, int)}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+             if t.startswith("*") or (t == "i32" and a not in keep)}
     sig = {**sig, **{k: "constexpr" for k in consts}}
     # a parameter left out compiles as None, silently (a missing NORM once dropped the norm statistic)
     missing = [a for a in fn.arg_names if a not in sig]
     assert not missing, (fn.__name__, missing)
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
                                    "launch_pdl": pdl})
 
@@ -160,6 +167,14 @@ print(json.dumps({
                                                            "ROW_SUMSQ": 1}, nw)[1].count("FFMA")
                    for bm, bn, nw, swiglu in ((16, 16, 2, False), (16, 128, 8, True), (1, 64, 4, False),
                                               (1, 128, 8, True))],
+    # asynchronous copies to shared memory (the pipelined K loop's loads) in the projections: x and W in `linear`
+    # and a prenorm projection; W alone where x is normalised in registers on its way to the dot
+    "cp_async": {name: len(re.findall(r"cp\.async\.c[ag]\.shared", build(fn, sig, consts, nw).asm["ptx"]))
+                 for name, fn, sig, consts, nw in (
+                     ("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
+                                                              **TILE}, 4),
+                     ("norm_linear", norm_gemm._rmsnorm_linear_kernel, NORM, NORM_EPI0, 8),
+                     ("prenorm_linear", norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "NORM": False}, 8))},
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -302,6 +317,13 @@ def test_paged_attention_under_pdl_compiles_the_same_dots_and_waits(compiled):
 def test_split_k_variants_compile_the_dots_of_the_unsplit_kernels(compiled):
     assert compiled["split4_linear"] == compiled["linear"]
     assert compiled["split4_norm_linear_epi1"] == compiled["norm_linear_epi1"]
+
+
+def test_projection_k_loops_load_through_the_pipeline(compiled):
+    # compiled with the launch's specialisations (build): without 16-byte alignment no load is pipelined at all
+    c = compiled["cp_async"]
+    assert c["linear"] > 0 and c["prenorm_linear"] > 0 and c["norm_linear"] > 0, c
+    assert c["norm_linear"] < c["prenorm_linear"], c  # the normed operand comes through registers
 
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
