@@ -4,10 +4,29 @@
 #    H200 in the session's first run: probe_stat.py, if present, shows whether it is the field or fp32 on the GPU);
 # 2. QKV's and gate_up's launch time taken apart (gpu_gemv_sweep.py, weights rotated through 4 copies): the plain
 #    projection, the normed projection by a row pass and on producer statistics, the engine's launches with both.
-#   OUT=... bash scripts/gpu_s25.sh   (from the repo root; PYTHONPATH=$PWD)
+# confirm: the tests again, then the captured step with each shape deployment's shipped table (producer statistics
+#   on) against it without producer_stat, contexts 128 and 2048.
+#   OUT=... bash scripts/gpu_s25.sh [parts|confirm]   (from the repo root; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
+if [ "${1:-parts}" = confirm ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_row_sumsq.py tests/test_tree_exact.py > "$OUT/tests.txt" 2>&1
+  echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"; grep -E "^FAILED" "$OUT/tests.txt" | cut -c1-200
+  for shape in llama3-8b smollm2-135m; do
+    dep=llama8b-shape-h200; [ $shape = smollm2-135m ] && dep=smollm2-shape-h200
+    python3 -c "import json, yaml
+t = yaml.safe_load(open('specpilot/deployments/$dep.yaml'))['engine'].get('kernel_table', [])
+json.dump(t, open('$OUT/shipped-$shape.json', 'w'))
+off = [(k, json.dumps({f: v for f, v in json.loads(p).items() if f != 'producer_stat'})) for k, p in t]
+json.dump([(k, p) for k, p in off if p != '{}'], open('$OUT/nostat-$shape.json', 'w'))"
+    python3 scripts/gpu_step_ab.py "$OUT/ab-$shape.json" --shape $shape --base-table "$OUT/nostat-$shape.json" \
+      --table "$OUT/shipped-$shape.json" --contexts 128,2048 --tokens 1,16 --rounds 2 --reps 15 > "$OUT/ab-$shape.txt" 2>&1 \
+      || tail -5 "$OUT/ab-$shape.txt"
+    echo "## $shape: without producer_stat (default column) vs shipped (table column)"; grep "^| [0-9]" "$OUT/ab-$shape.txt"
+  done
+  exit 0
+fi
 [ -f probe_stat.py ] && python3 probe_stat.py 2>&1 | tail -8 | cut -c1-400
 python3 -m pytest -q -p no:cacheprovider tests/test_row_sumsq.py tests/test_tree_exact.py > "$OUT/tests.txt" 2>&1
 echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"; grep -E "^FAILED" "$OUT/tests.txt" | cut -c1-200
