@@ -5,7 +5,8 @@ python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1
 
 For each projection (qkv, o, gate_up, down, head; qkv_linear, gate_up_linear: those matrices through a plain
 projection; qkv_norm / qkv_norm_stat: QKV's normed projection without its epilogue, by a row pass / on producer
-statistics; qkv_stat, gate_up_stat: the engine's launches on producer statistics) and T: the default launch's time and the best of the grid
+statistics; qkv_stat, gate_up_stat: the engine's launches on producer statistics; qkv_post, gate_up_post,
+head_post: with post_scale) and T: the default launch's time and the best of the grid
 block_k x block_n x num_warps x num_stages x split_k; block_k and split_k are reduction-order fields, so the best
 (block_k, split_k) is chosen on the sum over T and the rest per T. Prints a table last, with each time's weight
 read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s). Each projection is the engine's launch:
@@ -23,7 +24,7 @@ from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
 from specpilot.kernels import linear, rmsnorm_linear
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
 from specpilot.kernels.bench import time_graph
-from specpilot.kernels.rmsnorm import row_sumsq_ref
+from specpilot.kernels.rmsnorm import row_sumsq_ref, scaled_rows_ref
 
 SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
 
@@ -51,8 +52,10 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
     shapes = {"qkv": (qkv_n, H), "o": (H, sh.heads * sh.head_dim), "gate_up": (2 * I, H), "down": (H, I),
               "head": (V, H)}
     shapes.update(qkv_linear=shapes["qkv"], gate_up_linear=shapes["gate_up"], qkv_norm=shapes["qkv"],
-                  qkv_norm_stat=shapes["qkv"], qkv_stat=shapes["qkv"], gate_up_stat=shapes["gate_up"])
+                  qkv_norm_stat=shapes["qkv"], qkv_stat=shapes["qkv"], gate_up_stat=shapes["gate_up"],
+                  qkv_post=shapes["qkv"], gate_up_post=shapes["gate_up"], head_post=shapes["head"])
     sums = row_sumsq_ref(x)  # what o_proj / down store for a launch with producer_stat (kernels/rmsnorm.py)
+    post = dict(producer_stat=True, row_sumsq=sums, post_scale=True, scaled_x=scaled_rows_ref(x, nw))
     calls = {
         "qkv": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads, sh.kv_heads,
                                                **p),
@@ -69,6 +72,12 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
         "qkv_stat": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads,
                                                     sh.kv_heads, producer_stat=True, row_sumsq=sums, **p),
         "gate_up_stat": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, producer_stat=True, row_sumsq=sums, **p),
+        # post_scale: the producer's scaled rows projected as they are, rstd after the dot
+        "qkv_post": lambda w, **p: rmsnorm_qkv_rope(x, nw, w, 1e-5, pos, slots, cos, sin, kc, vc, sh.heads,
+                                                    sh.kv_heads, **post, **p),
+        "gate_up_post": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, **post, **p),
+        "head_post": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True,
+                                                   store_y=False, **post, **p),
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),
     }

@@ -6,10 +6,34 @@
 #    projection, the normed projection by a row pass and on producer statistics, the engine's launches with both.
 # confirm: the tests again, then the captured step with each shape deployment's shipped table (producer statistics
 #   on) against it without producer_stat, contexts 128 and 2048.
-#   OUT=... bash scripts/gpu_s25.sh [parts|confirm]   (from the repo root; PYTHONPATH=$PWD)
+# post: post_scale's tests compiled, its QKV / gate_up launches at 8B, captured-step A/Bs against the shipped tables.
+#   OUT=... bash scripts/gpu_s25.sh [parts|confirm|post]   (from the repo root; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
+if [ "${1:-parts}" = post ]; then  # post_scale: its bits compiled, its launches, the captured step
+  python3 -m pytest -q -p no:cacheprovider tests/test_post_scale.py tests/test_row_sumsq.py -k "post or build_with" \
+    > "$OUT/tests.txt" 2>&1
+  echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"; grep -E "^FAILED" "$OUT/tests.txt" | cut -c1-200
+  python3 scripts/gpu_gemv_sweep.py "$OUT/post-8b.json" --shape llama8b --tokens 1 --copies 4 \
+    --kernels qkv_linear,qkv_stat,qkv_post,gate_up_linear,gate_up_stat,gate_up_post --block-k 256 --block-n 64 \
+    --warps 8 --stages 4 2>&1 | grep "^| [a-z]"
+  for shape in llama3-8b smollm2-135m; do
+    dep=llama8b-shape-h200; [ $shape = smollm2-135m ] && dep=smollm2-shape-h200
+    python3 -c "import json, yaml; json.dump(yaml.safe_load(open('specpilot/deployments/$dep.yaml'))['engine']
+.get('kernel_table', []), open('$OUT/shipped-$shape.json', 'w'))"
+    for v in ${VARIANTS:-qkv all}; do
+      kernels=qkv,gate_up,lm_head; [ $v != all ] && kernels=$v
+      python3 scripts/table_variant.py "$OUT/post-$shape-$v.json" --shape $shape --base "$OUT/shipped-$shape.json" \
+        --set "$kernels:producer_stat=true;post_scale=true" > /dev/null || { echo "table $shape $v failed"; continue; }
+      python3 scripts/gpu_step_ab.py "$OUT/ab-post-$shape-$v.json" --shape $shape --base-table "$OUT/shipped-$shape.json" \
+        --table "$OUT/post-$shape-$v.json" --contexts 128 --tokens 1,16 --rounds 2 --reps 15 \
+        > "$OUT/ab-post-$shape-$v.txt" 2>&1 || tail -3 "$OUT/ab-post-$shape-$v.txt"
+      echo "## $shape $v: shipped (default column) vs + post_scale (table column)"; grep "^| [0-9]" "$OUT/ab-post-$shape-$v.txt"
+    done
+  done
+  exit 0
+fi
 if [ "${1:-parts}" = confirm ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_row_sumsq.py tests/test_tree_exact.py > "$OUT/tests.txt" 2>&1
   echo "tests rc=$? ($(tail -1 "$OUT/tests.txt"))"; grep -E "^FAILED" "$OUT/tests.txt" | cut -c1-200

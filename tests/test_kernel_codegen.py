@@ -45,7 +45,8 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
-                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0))
+                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
+                ("SCALED", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
     # not to); without them loads are not vectorised and no K loop is pipelined, which is not the code that runs
@@ -78,7 +79,8 @@ W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32
        "esc_ptr": "*u8", "KC": "i32"}  # a W12 W's arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
 SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}  # split-K partials and arrival counters (gemm.split_k_combine)
-LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "ss_ptr": "*fp32", "T": "i32",
+LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "ss_ptr": "*fp32", "sw_ptr": P,
+          "g_ptr": P, "T": "i32",
           "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_x": "i32"}
 NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P,
         "pmax_ptr": "*fp32", "pidx_ptr": "*i32", **SPLIT, "ss_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
@@ -174,7 +176,15 @@ print(json.dumps({
                      ("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
                                                               **TILE}, 4),
                      ("norm_linear", norm_gemm._rmsnorm_linear_kernel, NORM, NORM_EPI0, 8),
-                     ("prenorm_linear", norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "NORM": False}, 8))},
+                     ("prenorm_linear", norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "NORM": False}, 8),
+                     ("post_scale_linear", norm_gemm._rmsnorm_linear_kernel, NORM,
+                      {**NORM_EPI0, "NORM": False, "STAT_SEGS": 256}, 8))},
+    # post_scale (producer statistics, the producer's scaled rows projected as they are): the projection's dot, the
+    # 16-lane sum of the producer's segment sums; the producer that stores those rows: linear's dots
+    "post_scale_norm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "NORM": False,
+                                                                             "STAT_SEGS": 256}, num_warps=8),
+    "scaled_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
+                                                        **TILE, "ROW_SUMSQ": 1, "SCALED": 1}),
     # programmatic dependent launch (kernels/pdl.py): the same dots, plus the wait and the weight prefetch
     **{f"pdl{mode}_{name}": dots(fn, sig, {**consts, "PDL": mode, "PF_LINES": 16}, nw, pdl=True)
        for mode in (1, 2) for name, fn, sig, consts, nw in PDL_KERNELS},
@@ -324,6 +334,13 @@ def test_projection_k_loops_load_through_the_pipeline(compiled):
     c = compiled["cp_async"]
     assert c["linear"] > 0 and c["prenorm_linear"] > 0 and c["norm_linear"] > 0, c
     assert c["norm_linear"] < c["prenorm_linear"], c  # the normed operand comes through registers
+    assert c["post_scale_linear"] == c["prenorm_linear"], c  # post_scale: x through the pipeline as in prenorm
+
+
+def test_post_scale_compiles_the_projection_dots(compiled):
+    assert compiled["scaled_linear"] == compiled["linear"]
+    dots = compiled["post_scale_norm_linear"]
+    assert len(dots) == 2 and "tensor<16x16xf32" in dots[0] and dots[1:] == compiled["norm_linear"][1:], dots
 
 
 def test_device_loop_kernels_compile_for_sm90(compiled):

@@ -175,27 +175,30 @@ def test_bad_statistics_are_refused_with_the_reason():
     assert "producer_stat" not in K.RMSNormLinearParams.SEARCH_SPACE  # needs the producer: judged on the step
 
 
-def stat_table(shape) -> tuple[tuple[str, str], ...]:
-    on = json.dumps({"producer_stat": True})
+def stat_table(shape, fields=(("producer_stat", True),)) -> tuple[tuple[str, str], ...]:
+    on = json.dumps(dict(fields))
     qkv_n = shape.q_dim + 2 * shape.kv_dim
     return ((table_key("qkv", qkv_n, shape.hidden, 1), on),
             (table_key("gate_up", 2 * shape.intermediate, shape.hidden, 1), on),
             (table_key("lm_head", shape.vocab, shape.hidden, 1), on))
 
 
-def test_a_build_with_producer_statistics_verifies_exactly_what_it_decodes(monkeypatch):
-    """The Triton engine with every norm launch on producer statistics: a verified chain's rows equal the rows AR
-    computed one token at a time, bit for bit (argmax, top-2 margin, captured features), and the producers did
-    store the sums (every o_proj and down of the forward)."""
+@pytest.mark.parametrize("fields", [(("producer_stat", True),), (("producer_stat", True), ("post_scale", True))],
+                         ids=["producer_stat", "post_scale"])
+def test_a_build_with_producer_statistics_verifies_exactly_what_it_decodes(monkeypatch, fields):
+    """The Triton engine with every norm launch on producer statistics (and post_scale: projecting the producer's
+    scaled rows): a verified chain's rows equal the rows AR computed one token at a time, bit for bit (argmax,
+    top-2 margin, captured features), and the producers did store the sums (every o_proj and down of the forward)."""
     from specpilot.kernels import gemm
     model = tiny_model("gqa", 4).to(DEV)
-    table = stat_table(model.shape)
+    table = stat_table(model.shape, fields)
     check_invariance(table)
     stored = []
     real = gemm.linear
+    post_scale = dict(fields).get("post_scale", False)
 
     def counting(*a, **kw):
-        stored.append(kw.get("row_sumsq_out") is not None)
+        stored.append(kw.get("row_sumsq_out") is not None and (kw.get("scaled_out") is not None) == post_scale)
         return real(*a, **kw)
 
     monkeypatch.setattr(K, "linear", counting)

@@ -280,17 +280,20 @@ def test_step_options_are_kept_only_where_the_step_gains_each_on_the_table_so_fa
 
 def test_tuning_runs_the_step_gate_on_a_real_engine():
     """The gate times the whole step of a Triton-backend engine (here on CPU: the path runs, timings mean
-    nothing) and records its times in the table; then the step options (producer statistics) on that engine."""
+    nothing) and records its times in the table; then the step options (producer statistics, then post_scale on
+    top) on that engine, each kept at a minimum gain of 0."""
     attr = hand_attribution({OpClass.ATTN: 6.0, OpClass.O_PROJ: 3.0})
     budget = dataclasses.replace(TINY, step_gate=True, min_step_gain=0.0)  # keep every kernel: nothing is faster
     table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], budget, allow_cpu=True)
     assert table.step["tokens"] == [1, 4] and all(v > 0 for v in table.step["tuned_ms"] + table.step["default_ms"])
     tuned = {e.kernel for e in table.entries if e.tuned_ms is not None}
     assert tuned <= {"attention", "o_proj"} and tuned
-    [option] = table.step["options"]
-    assert option["option"] == "producer_stat" and option["kept"] and all(v > 0 for v in option["with_ms"])
+    options = table.step["options"]
+    assert [o["option"] for o in options] == ["producer_stat", "post_scale"]
+    assert all(o["kept"] and all(v > 0 for v in o["with_ms"]) for o in options)
     made = {e.kernel: e for e in table.entries if e.tuned_ms is None}
-    assert set(made) == {"qkv", "gate_up", "lm_head"} and all(e.params["producer_stat"] for e in made.values())
+    assert set(made) == {"qkv", "gate_up", "lm_head"}
+    assert all(e.params["producer_stat"] and e.params["post_scale"] for e in made.values())
     assert tk.KernelTable.from_dict(json.loads(json.dumps(table.to_dict()))) == table
     tk.check_invariance(table.config_pairs())
 

@@ -100,8 +100,12 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     sums = lambda p: torch.empty(T, H // 16, dtype=torch.float32, device=ids.device) if p else None  # noqa: E731
     sums_mlp, sums_attn = sums(p_gate_up.get("producer_stat")), sums(p_qkv.get("producer_stat"))
     sums_head = sums(p_head.get("producer_stat"))
+    # post_scale: the producer also stores its rows times the next launch's norm weight, which that launch projects
+    dt = model.embed_tokens.weight.dtype
+    scaled = lambda p: torch.empty(T, H, dtype=dt, device=ids.device) if p.get("post_scale") else None  # noqa: E731
+    g_mlp, g_attn, g_head = scaled(p_gate_up), scaled(p_qkv), scaled(p_head)
     stream = F.embedding(ids, model.embed_tokens.weight)
-    stat_in = None
+    stat_in = g_in = None
     captured = []
     for i, layer in enumerate(model.layers):
         w_qkv, w_o, w_gate_up, w_down = ws[i]
@@ -109,16 +113,21 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
         # rotary + cache write in the QKV kernel's epilogue: the same bits as rope_kv_write, one launch fewer
         q = rmsnorm_qkv_rope(stream, ln1, w_qkv, sh.rms_eps, positions, slots, tables.cos, tables.sin,
                              k_caches[i], v_caches[i], sh.heads, sh.kv_heads,
-                             **{**p_qkv, "producer_stat": stat_in is not None}, row_sumsq=stat_in)
+                             **{**p_qkv, "producer_stat": stat_in is not None, "post_scale": g_in is not None},
+                             row_sumsq=stat_in, scaled_x=g_in)
         o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots, **p_attn)
-        stream = linear(o, w_o, residual=stream, row_sumsq_out=sums_mlp, **p_o)
+        stream = linear(o, w_o, residual=stream, row_sumsq_out=sums_mlp, **p_o,
+                        scale_w=None if g_mlp is None else ln2, scaled_out=g_mlp)
         # The activation goes in gate_up's epilogue (each output column owns its gate and up pair), not in the down
         # GEMM's prologue, where every column tile recomputes it (H200: 5x slower at 8B, 19.8 vs 4 + 1 us at SmolLM2).
-        act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up, row_sumsq=sums_mlp)
-        stat_in = sums_attn if i + 1 < len(model.layers) else sums_head
-        stream = linear(act, w_down, residual=stream, row_sumsq_out=stat_in, **p_down)
+        act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up, row_sumsq=sums_mlp, scaled_x=g_mlp)
+        last = i + 1 == len(model.layers)
+        stat_in, g_in = (sums_head, g_head) if last else (sums_attn, g_attn)
+        nw_next = model.norm.weight if last else model.layers[i + 1].input_layernorm.weight
+        stream = linear(act, w_down, residual=stream, row_sumsq_out=stat_in, **p_down,
+                        scale_w=None if g_in is None else nw_next, scaled_out=g_in)
         if i in capture:
             captured.append(stream)
     logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
-                                    argmax=True, store_y=want_logits, **p_head, row_sumsq=stat_in)
+                                    argmax=True, store_y=want_logits, **p_head, row_sumsq=stat_in, scaled_x=g_in)
     return logits, argmax, captured

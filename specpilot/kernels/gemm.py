@@ -244,11 +244,12 @@ def _x_chunk(x_rows, kk, row_ok, K, SWIGLU: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
-                   ws_ptr, cnt_ptr, ss_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   ws_ptr, cnt_ptr, ss_ptr, sw_ptr, g_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr,
+                   HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
                    EARLY_RES: tl.constexpr = 0, W_PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = 0,
-                   PF_LINES: tl.constexpr = 16, ROW_SUMSQ: tl.constexpr = 0):
+                   PF_LINES: tl.constexpr = 16, ROW_SUMSQ: tl.constexpr = 0, SCALED: tl.constexpr = 0):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
@@ -307,6 +308,9 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     tl.store(y_ptr + offs, y, mask=om)
     if ROW_SUMSQ:  # for the norm launch that reads these rows next (rmsnorm.py, producer statistics)
         store_row_sumsq(ss_ptr, y, rows, pid_n, row_ok & last, N, BLOCK_M, BLOCK_N)
+    if SCALED:  # y times that launch's norm weight, its operand with post_scale (rmsnorm.scaled_rows_ref)
+        sw = tl.load(sw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(g_ptr + offs, (y.to(tl.float32) * sw[None, :]).to(g_ptr.dtype.element_ty), mask=om)
 
 
 def linear_ref(x: torch.Tensor, W: torch.Tensor, residual: torch.Tensor | None = None, *,
@@ -328,7 +332,8 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
 def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
             split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
-            grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+            grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None,
+            scale_w: torch.Tensor | None = None, scaled_out: torch.Tensor | None = None) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
                  split_k=split_k, early_residual=early_residual, w_preload=w_preload, grid_dependency=grid_dependency)
     xname = "gate_up" if swiglu else "x"
@@ -354,6 +359,11 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
         if N % STAT_SEGMENT:
             raise ValueError(f"row_sumsq_out needs N a multiple of {STAT_SEGMENT}, got {N}")
         check_tensor("row_sumsq_out", row_sumsq_out, (T, N // STAT_SEGMENT), torch.float32, dev)
+    if (scale_w is None) != (scaled_out is None):
+        raise ValueError("scale_w and scaled_out go together (y * scale_w stored to scaled_out)")
+    if scale_w is not None:
+        check_tensor("scale_w", scale_w, (N,), out_dtype, dev)
+        check_tensor("scaled_out", scaled_out, (T, N), out_dtype, dev)
     stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
               if num_stages is None else num_stages)
     pdl = pdl_launch(dev, N, K, x.element_size(), grid_dependency)
@@ -362,11 +372,13 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
         res = x if residual is None else residual[r0:r1]
         ss = ws if row_sumsq_out is None else row_sumsq_out[r0:r1]
         _linear_kernel[grid](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws, counters, ss,
+                             out if scale_w is None else scale_w, out if scaled_out is None else scaled_out[r0:r1],
                              r1 - r0, N, K, per_split, x.shape[1], SWIGLU=swiglu,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
                              W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                              EARLY_RES=int(early_residual), W_PRELOAD=preload,
-                             ROW_SUMSQ=int(row_sumsq_out is not None), num_warps=num_warps, num_stages=stages, **pdl)
+                             ROW_SUMSQ=int(row_sumsq_out is not None), SCALED=int(scale_w is not None),
+                             num_warps=num_warps, num_stages=stages, **pdl)
     return out
 
 
@@ -375,16 +387,18 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
            early_residual: bool = True, w_preload: bool = False, grid_dependency: int | None = None,
-           row_sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+           row_sumsq_out: torch.Tensor | None = None, scale_w: torch.Tensor | None = None,
+           scaled_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype). row_sumsq_out: a
     float32 [T, N / 16] tensor that gets the sums of squares of y's 16-column segments (rmsnorm.row_sumsq_ref), for
-    a norm launch with producer_stat=True reading y next.
+    a norm launch with producer_stat=True reading y next. scale_w [N] with scaled_out [T, N] (out_dtype): y * scale_w
+    stored there too (rmsnorm.scaled_rows_ref), for a norm launch with post_scale=True and that norm weight.
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
-                   split_k, early_residual, w_preload, grid_dependency, row_sumsq_out)
+                   split_k, early_residual, w_preload, grid_dependency, row_sumsq_out, scale_w, scaled_out)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,

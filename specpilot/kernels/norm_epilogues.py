@@ -43,7 +43,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                      split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2,
                      prenorm: bool = False, grid_dependency: int | None = None, producer_stat: bool = False,
-                     row_sumsq: torch.Tensor | None = None) -> torch.Tensor:
+                     row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
+                     scaled_x: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -54,7 +55,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
                                                 act_prefetch=act_prefetch, prenorm=prenorm,
                                                 grid_dependency=grid_dependency, producer_stat=producer_stat,
-                                                row_sumsq=row_sumsq)
+                                                row_sumsq=row_sumsq, post_scale=post_scale, scaled_x=scaled_x)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
@@ -76,7 +77,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D)
-    op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq)
+    op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq, scaled_x)
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
                                      op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache,
@@ -96,7 +97,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
                 stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False,
                 grid_dependency: int | None = None, producer_stat: bool = False,
-                row_sumsq: torch.Tensor | None = None):
+                row_sumsq: torch.Tensor | None = None, post_scale: bool = False, scaled_x: torch.Tensor | None = None):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
@@ -104,12 +105,14 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tens
                                                            row_tile=row_tile, split_k=split_k,
                                                            stat_unroll=stat_unroll, act_prefetch=act_prefetch,
                                                            prenorm=prenorm, grid_dependency=grid_dependency,
-                                                           producer_stat=producer_stat, row_sumsq=row_sumsq)
+                                                           producer_stat=producer_stat, row_sumsq=row_sumsq,
+                                                           post_scale=post_scale, scaled_x=scaled_x)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True)
-    op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq)
+    op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq,
+                      scaled_x)
     rk = op.residual
     has_res = rk is not None
     for r0, r1, grid, ws, counters, per_split in launches:

@@ -29,8 +29,8 @@ from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, tile_mac)
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
-from .rmsnorm import (check_row_sumsq, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd, rstd_from_sumsq,
-                      stat_segments)
+from .rmsnorm import (check_row_sumsq, check_scaled_x, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd,
+                      rstd_from_sumsq, stat_segments)
 from .rope_kv import rotate
 from .w12_tile import w12_cols, w12_tile, weight_operand
 
@@ -77,6 +77,11 @@ class RMSNormLinearParams(LaunchParams):
     # pass over x before the first W chunk. Another summation order (reduction order), and it takes the producer's
     # cooperation (the fused forward has o_proj / down store them), so it is judged on the step, not searched.
     producer_stat: bool = False
+    # With producer_stat: the producer also stores its rows times this launch's norm weight (gemm.linear's
+    # scaled_out), which the K loop reads as a plain projection does (through the pipeline: normalising x in
+    # registers cost ~5 us of an 8B QKV launch), and rstd scales each row's accumulator after it. Other roundings
+    # than LlamaRMSNorm's (one bf16 rounding of h * w, rstd after the dot): a numerics field, judged on the step.
+    post_scale: bool = False
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
                                             "prenorm", "grid_dependency")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
@@ -91,10 +96,12 @@ class RMSNormLinearParams(LaunchParams):
             raise ValueError(f"stat_unroll={self.stat_unroll!r} must be one of {STAT_UNROLLS}")
         if not isinstance(self.act_prefetch, int) or self.act_prefetch not in ACT_PREFETCHES:
             raise ValueError(f"act_prefetch={self.act_prefetch!r} must be one of {ACT_PREFETCHES}")
-        for name in ("prenorm", "producer_stat"):
+        for name in ("prenorm", "producer_stat", "post_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         check_launch_mode(self.grid_dependency)
+        if self.post_scale and (not self.producer_stat or self.prenorm):
+            raise ValueError("post_scale=True needs producer_stat=True and prenorm=False")
 
 
 @triton.jit
@@ -107,8 +114,9 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, lo_ptr, code
     """-> (acc over W rows `cols`, acc over W rows `cols2` when PAIR: a second W row set fed by the same normalised
     tile), over K range [k_lo, k_hi) (the statistic always over all of K; h_owner stores h). bf16 W: read through
     w_cols / w_cols2; W12 W (w12_tile.py): decoded from its arrays. NORM=False: x holds the normalised rows already
-    (rmsnorm.rms_norm_rows), a plain projection of them. STAT_SEGS > 0: the statistic from the producer's segment
-    sums at ss_ptr (rmsnorm.rstd_from_sumsq), not from a pass over x."""
+    (rmsnorm.rms_norm_rows), or (post_scale, with STAT_SEGS > 0) the rows times the norm weight: a plain projection
+    of them. STAT_SEGS > 0 with NORM: the statistic from the producer's segment sums at ss_ptr
+    (rmsnorm.rstd_from_sumsq), not from a pass over x."""
     # pass 1: per-row statistic (rmsnorm.row_rstd)
     if NORM:
         if STAT_SEGS > 0:
@@ -262,6 +270,8 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
     if EPI == EPI_ROPE and ACT_PREFETCH >= 2:  # positions may come from the previous kernel too (device loop)
         rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
                                                           sin_ptr, S, max_pos, HALF)
+    if not NORM and STAT_SEGS > 0:  # post_scale: x holds h * norm_w; rstd scales the accumulators below
+        post_rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
     k_lo = pid_k * K_SPLIT
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K,
                           lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, rows, row_offs,
@@ -272,6 +282,9 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
     acc, acc2, last = split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, EPI == EPI_GLU, BLOCK_M,
                                       BLOCK_N)
     row_ok = row_ok & last  # only the tile's last split-K program stores (all of them without split-K)
+    if not NORM and STAT_SEGS > 0:
+        acc = acc * post_rstd[:, None]
+        acc2 = acc2 * post_rstd[:, None]
     if EPI == EPI_GLU:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], silu_mul(acc.to(dtype), acc2.to(dtype)),
                  mask=row_ok[:, None] & col_ok[None, :])
@@ -322,12 +335,14 @@ def rmsnorm_linear_ref(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, e
 def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k,
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
                       act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
-                      producer_stat: bool = False, row_sumsq: torch.Tensor | None = None) -> tuple:
+                      producer_stat: bool = False, row_sumsq: torch.Tensor | None = None,
+                      post_scale: bool = False, scaled_x: torch.Tensor | None = None) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
                         row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                        prenorm=prenorm, grid_dependency=grid_dependency, producer_stat=producer_stat)
+                        prenorm=prenorm, grid_dependency=grid_dependency, producer_stat=producer_stat,
+                        post_scale=post_scale)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -335,6 +350,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
         raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
     check_tensor("norm_w", norm_w, (K,), dt, dev)
     check_row_sumsq(row_sumsq, producer_stat, x, residual)
+    check_scaled_x(scaled_x, post_scale, producer_stat, prenorm, x)
     w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
     check_split(split_k, w12)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
@@ -358,9 +374,13 @@ class NormOperand(NamedTuple):
 
 def norm_operand(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: torch.Tensor | None,
                  residual_out: torch.Tensor | None, prenorm: bool, block_k: int, row_tile: int,
-                 num_warps: int, row_sumsq: torch.Tensor | None = None) -> NormOperand:
+                 num_warps: int, row_sumsq: torch.Tensor | None = None,
+                 scaled_x: torch.Tensor | None = None) -> NormOperand:
     """x and residual as given (the kernel normalises, its statistic from row_sumsq when given), or with prenorm
-    the normalised rows from rmsnorm.rms_norm_rows (h = x + residual written there)."""
+    the normalised rows from rmsnorm.rms_norm_rows (h = x + residual written there), or with post_scale (scaled_x
+    given) the producer's scaled rows, projected as they are and scaled by rstd from row_sumsq after."""
+    if scaled_x is not None:
+        return NormOperand(scaled_x, None, False, row_sumsq, stat_segments(x.shape[1]))
     if not prenorm:
         segs = 0 if row_sumsq is None else stat_segments(x.shape[1])
         return NormOperand(x, residual, True, x if row_sumsq is None else row_sumsq, segs)
@@ -395,11 +415,13 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
                    act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
-                   producer_stat: bool = False, row_sumsq: torch.Tensor | None = None):
+                   producer_stat: bool = False, row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
+                   scaled_x: torch.Tensor | None = None):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
     producer_stat: the statistic from row_sumsq [T, K / 16], the segment sums of squares the launch that wrote x
-    stored (gemm.linear(..., row_sumsq_out=)); no residual then.
+    stored (gemm.linear(..., row_sumsq_out=)); no residual then. post_scale (with producer_stat): W @ scaled_x,
+    x * norm_w as that launch stored it too (gemm.linear(..., scale_w=norm_w, scaled_out=)), times each row's rstd.
 
     Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
     argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
@@ -410,7 +432,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                                                            split_k=split_k, stat_unroll=stat_unroll,
                                                            act_prefetch=act_prefetch, prenorm=prenorm,
                                                            grid_dependency=grid_dependency,
-                                                           producer_stat=producer_stat, row_sumsq=row_sumsq)
+                                                           producer_stat=producer_stat, row_sumsq=row_sumsq,
+                                                           post_scale=post_scale, scaled_x=scaled_x)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -422,7 +445,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
-    op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq)
+    op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq,
+                      scaled_x)
     xk, rk = op.x, op.residual
     has_res = rk is not None
     tiles = triton.cdiv(N, bn)

@@ -125,20 +125,61 @@ def row_sumsq_ref(h: torch.Tensor) -> torch.Tensor:
     return v[..., 0].contiguous()
 
 
+def scaled_rows_ref(h: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+    """h * norm_w rounded to h's dtype: what a producer stores for a norm launch with post_scale (gemm.linear's
+    scaled_out), in plain torch."""
+    return (h.float() * norm_w.float()).to(h.dtype)
+
+
+def post_scale_ref(h: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 [T, N]: a post-scale norm launch's accumulator, rstd * (W @ (h * norm_w rounded)), rstd from the
+    producer's segment sums (RMSNormLinearParams.post_scale), before its epilogue rounds or transforms it."""
+    ss = row_sumsq_ref(h)
+    lanes = ss.new_zeros(h.shape[0], 16)
+    for c in range(0, ss.shape[1], 16):  # 16-wide chunks added elementwise in order, then the 16 lanes
+        chunk = ss[:, c:c + 16]
+        lanes[:, :chunk.shape[1]] += chunk
+    rstd = 1.0 / torch.sqrt(lanes.sum(-1) / h.shape[1] + eps)
+    return (scaled_rows_ref(h, norm_w).float() @ W.float().T) * rstd[:, None]
+
+
 def stat_segments(k: int) -> int:
     """The SEGS constexpr of a norm launch over rows of k features (k / 16 padded to a multiple of 16)."""
     return triton.cdiv(k // STAT_SEGMENT, 16) * 16
+
+
+def _flag_with_input(flag: str, on: bool, name: str, t: torch.Tensor | None) -> bool:
+    """A launch flag must be a bool, and its input tensor `name` is refused without it. -> the flag."""
+    if not isinstance(on, bool):
+        raise ValueError(f"{flag}={on!r} must be a bool")
+    if not on and t is not None:
+        raise ValueError(f"{name} is read only with {flag}=True")
+    return on
+
+
+def check_scaled_x(scaled_x: torch.Tensor | None, post_scale: bool, producer_stat: bool, prenorm: bool,
+                   x: torch.Tensor) -> None:
+    """A post-scale norm launch's operand: given exactly when post_scale (which reads the producer's statistic and
+    replaces prenorm), x's shape, dtype and device."""
+    if not _flag_with_input("post_scale", post_scale, "scaled_x", scaled_x):
+        return
+    if not producer_stat or prenorm:
+        raise ValueError("post_scale=True needs producer_stat=True (its rstd comes from the producer's sums) and "
+                         "prenorm=False")
+    if scaled_x is None:
+        raise ValueError("post_scale=True needs scaled_x, the rows times the norm weight that the launch that wrote x "
+                         "stored (gemm.linear(..., scale_w=, scaled_out=))")
+    if (scaled_x.dtype != x.dtype or scaled_x.shape != x.shape or not scaled_x.is_contiguous()
+            or scaled_x.device != x.device):
+        raise ValueError(f"scaled_x must be a contiguous {x.dtype} {list(x.shape)} tensor on {x.device}, got "
+                         f"{scaled_x.dtype} {list(scaled_x.shape)} on {scaled_x.device}")
 
 
 def check_row_sumsq(row_sumsq: torch.Tensor | None, producer_stat: bool, x: torch.Tensor,
                     residual: torch.Tensor | None) -> None:
     """A norm launch's producer statistic: given exactly when producer_stat, [T, K / 16] fp32 on x's device, and only
     for rows that are x itself (with a residual the kernel normalises x + residual, which no producer summed)."""
-    if not isinstance(producer_stat, bool):
-        raise ValueError(f"producer_stat={producer_stat!r} must be a bool")
-    if not producer_stat:
-        if row_sumsq is not None:
-            raise ValueError("row_sumsq is read only with producer_stat=True")
+    if not _flag_with_input("producer_stat", producer_stat, "row_sumsq", row_sumsq):
         return
     T, K = x.shape
     if row_sumsq is None:

@@ -42,12 +42,13 @@ def _weights(g: torch.Generator, dtype, dev, n: int, k: int) -> Callable[[], tor
     return itertools.cycle([w] + [w.clone() for _ in range(count - 1)]).__next__
 
 
-def _stat(x: torch.Tensor, p: LaunchParams) -> dict[str, Any]:
-    """A norm launch's producer statistic when its setting reads one: the segment sums its producer would store."""
+def _stat(x: torch.Tensor, nw: torch.Tensor, p: LaunchParams) -> dict[str, Any]:
+    """A norm launch's producer statistic when its setting reads one: the segment sums its producer would store
+    (and with post_scale the rows times the norm weight)."""
     if not getattr(p, "producer_stat", False):
         return {}
-    from specpilot.kernels.rmsnorm import row_sumsq_ref
-    return {"row_sumsq": row_sumsq_ref(x)}
+    from specpilot.kernels.rmsnorm import row_sumsq_ref, scaled_rows_ref
+    return {"row_sumsq": row_sumsq_ref(x), **({"scaled_x": scaled_rows_ref(x, nw)} if p.post_scale else {})}
 
 
 # Input builders: (shape, N, K, T, context, dtype, device, generator) -> Run over fixed inputs of that call, each
@@ -58,12 +59,12 @@ def _qkv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run
     cos, sin = _k().rope_tables(ctx + t, sh.head_dim, sh.rope_theta, dev)
     pos = torch.arange(ctx, ctx + t, device=dev)
     return lambda p: (_epilogues().rmsnorm_qkv_rope(x, nw, w(), sh.rms_eps, pos, pos, cos, sin, kc, vc, sh.heads,
-                                                    sh.kv_heads, **p.as_kwargs(), **_stat(x, p)), kc, vc)
+                                                    sh.kv_heads, **p.as_kwargs(), **_stat(x, nw, p)), kc, vc)
 
 
 def _gate_up(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
     x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
-    return lambda p: _epilogues().rmsnorm_glu(x, nw, w(), sh.rms_eps, **p.as_kwargs(), **_stat(x, p))
+    return lambda p: _epilogues().rmsnorm_glu(x, nw, w(), sh.rms_eps, **p.as_kwargs(), **_stat(x, nw, p))
 
 
 def _lm_head(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
@@ -71,7 +72,7 @@ def _lm_head(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) ->
     # (the engine's hot path skips them) so every bit of them is still compared between settings
     x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
     return lambda p: _k().rmsnorm_linear(x, nw, w(), sh.rms_eps, out_dtype=torch.float32, argmax=True,
-                                         **p.as_kwargs(), **_stat(x, p))
+                                         **p.as_kwargs(), **_stat(x, nw, p))
 
 
 def _linear(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
