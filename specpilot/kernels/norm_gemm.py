@@ -350,7 +350,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
         raise ValueError(f"x must be [T >= 1, K >= 1], got {list(x.shape)}")
     check_tensor("norm_w", norm_w, (K,), dt, dev)
     check_row_sumsq(row_sumsq, producer_stat, x, residual)
-    check_scaled_x(scaled_x, post_scale, producer_stat, prenorm, x)
+    check_scaled_x(scaled_x, post_scale, x)
     w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
     check_split(split_k, w12)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:

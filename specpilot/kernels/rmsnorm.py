@@ -157,15 +157,11 @@ def _flag_with_input(flag: str, on: bool, name: str, t: torch.Tensor | None) -> 
     return on
 
 
-def check_scaled_x(scaled_x: torch.Tensor | None, post_scale: bool, producer_stat: bool, prenorm: bool,
-                   x: torch.Tensor) -> None:
-    """A post-scale norm launch's operand: given exactly when post_scale (which reads the producer's statistic and
-    replaces prenorm), x's shape, dtype and device."""
+def check_scaled_x(scaled_x: torch.Tensor | None, post_scale: bool, x: torch.Tensor) -> None:
+    """A post-scale norm launch's operand: given exactly when post_scale, x's shape, dtype and device (that
+    post_scale comes with producer_stat and without prenorm, RMSNormLinearParams checks)."""
     if not _flag_with_input("post_scale", post_scale, "scaled_x", scaled_x):
         return
-    if not producer_stat or prenorm:
-        raise ValueError("post_scale=True needs producer_stat=True (its rstd comes from the producer's sums) and "
-                         "prenorm=False")
     if scaled_x is None:
         raise ValueError("post_scale=True needs scaled_x, the rows times the norm weight that the launch that wrote x "
                          "stored (gemm.linear(..., scale_w=, scaled_out=))")

@@ -89,7 +89,8 @@ class StepOption:
 
 
 # The norm launches' statistic from their producers' segment sums (kernels/rmsnorm.py): o_proj and down pay a few
-# adds and a store in their epilogues, QKV, gate_up and the LM head skip a pass over x.
+# adds and a store in their epilogues, QKV, gate_up and the LM head skip a pass over x. post_scale on top: the
+# producers also store their rows times the next norm weight, which those launches project without normalising.
 STEP_OPTIONS = (StepOption("producer_stat", ("qkv", "gate_up", "lm_head"), (("producer_stat", True),), 16),
                 StepOption("post_scale", ("qkv", "gate_up", "lm_head"), (("producer_stat", True), ("post_scale", True)),
                            16))
