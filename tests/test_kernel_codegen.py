@@ -31,7 +31,6 @@ from specpilot.engines import device_drafters as dd
 from specpilot.engines import loop_kernels as lk
 from specpilot.engines.drafters import block_fused as bf
 from specpilot.kernels import topk
-from specpilot.kernels import l2_prefetch as l2p
 
 P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
@@ -207,10 +206,6 @@ print(json.dumps({
                           ("combine", pa._paged_combine_kernel,
                            {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "o_ptr": P,
                             "tok_kvlen_ptr": "*i64", "NTOK": "i32"}, {"H": 9, "D": 64, "SPLIT": 64, "GROUP": 64}))},
-    # the side stream's L2 prefetch: prefetch instructions only, no load into registers, no store
-    "l2_prefetch": {op: build(l2p._l2_prefetch_kernel, {"w_ptr": P, "N": "i32", "K": "i32"},
-                              {"ROWS": l2p.PREFETCH_ROWS, "LINES": 32, "STEP": 64}).asm["ptx"].count(op)
-                    for op in ("prefetch.global.L2", "ld.global", "st.global")},
     # the device loop's kernels: compiled for the GPU at all (the interpreter accepts what sm_90 code generation
     # refuses, e.g. a constexpr reassigned in a static_range body)
     "sm90": {name: "ld.global" in build(fn, sig, consts, nw).asm["ptx"] for name, fn, sig, consts, nw in (
@@ -352,8 +347,3 @@ def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
                                 "topk_chunk": True, "topk_merge": True, "assemble": True, "chain_commit": True,
                                 "tree_commit": True}
-
-
-def test_l2_prefetch_compiles_to_prefetches_only(compiled):
-    # 64 rows x 32 lines over 128 threads: 16 requests a thread, nothing loaded into registers or stored
-    assert compiled["l2_prefetch"] == {"prefetch.global.L2": 16, "ld.global": 0, "st.global": 0}, compiled["l2_prefetch"]

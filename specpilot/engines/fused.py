@@ -95,11 +95,6 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     p_gate_up = lt.get("gate_up", 2 * I, H, T)
     p_down = lt.get("down", H, I, T)
     p_head = lt.get("lm_head", sh.vocab, H, T)
-    # side-stream L2 prefetch of a projection's first W lines during the launch before it (kernels/l2_prefetch.py)
-    ahead_o, ahead_down = p_o.pop("side_prefetch_lines", 0), p_down.pop("side_prefetch_lines", 0)
-    side = _SideStream(ids.device) if (ahead_o or ahead_down) else None
-    if side is not None and packed is not None:
-        raise ValueError("side_prefetch_lines reads bf16 weight rows; this build runs W12 weights")
     # producer statistics (kernels/rmsnorm.py): o_proj / down store their rows' segment sums of squares for the norm
     # launch after them, where its table entry asks; the first QKV reads the embedding, which nobody summed
     sums = lambda p: torch.empty(T, H // 16, dtype=torch.float32, device=ids.device) if p else None  # noqa: E731
@@ -120,15 +115,11 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
                              k_caches[i], v_caches[i], sh.heads, sh.kv_heads,
                              **{**p_qkv, "producer_stat": stat_in is not None, "post_scale": g_in is not None},
                              row_sumsq=stat_in, scaled_x=g_in)
-        if ahead_o:
-            side.prefetch(w_o, ahead_o)
         o = attention(q, k_caches[i], v_caches[i], base, anc, block_slots=block_slots, **p_attn)
         stream = linear(o, w_o, residual=stream, row_sumsq_out=sums_mlp, **p_o,
                         scale_w=None if g_mlp is None else ln2, scaled_out=g_mlp)
         # The activation goes in gate_up's epilogue (each output column owns its gate and up pair), not in the down
         # GEMM's prologue, where every column tile recomputes it (H200: 5x slower at 8B, 19.8 vs 4 + 1 us at SmolLM2).
-        if ahead_down:
-            side.prefetch(w_down, ahead_down)
         act = rmsnorm_glu(stream, ln2, w_gate_up, sh.rms_eps, **p_gate_up, row_sumsq=sums_mlp, scaled_x=g_mlp)
         last = i + 1 == len(model.layers)
         stat_in, g_in = (sums_head, g_head) if last else (sums_attn, g_attn)
@@ -139,37 +130,4 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
             captured.append(stream)
     logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
                                     argmax=True, store_y=want_logits, **p_head, row_sumsq=stat_in, scaled_x=g_in)
-    if side is not None:
-        side.join()
     return logits, argmax, captured
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-class _SideStream:
-    """The step's side stream for L2 prefetches: each prefetch forks from the current stream where it is issued
-    (so it starts when every launch before it has finished) and the step joins it once at its end (a capture needs
-    its forks joined; nothing in the step waits on a prefetch). One stream per GPU, reused by every step and graph.
-    On a CPU there is nothing to prefetch into: no-ops."""
-
-    def __init__(self, device: torch.device):
-        self.stream = None
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            if index not in _SIDE_STREAMS:
-                _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-            self.stream = _SIDE_STREAMS[index]
-
-    def prefetch(self, w: torch.Tensor, lines: int) -> None:
-        from specpilot.kernels.l2_prefetch import l2_prefetch
-        if self.stream is None:
-            l2_prefetch(w, lines)  # checks its arguments; no launch on a CPU
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            l2_prefetch(w, lines)
-
-    def join(self) -> None:
-        if self.stream is not None:
-            torch.cuda.current_stream().wait_stream(self.stream)

@@ -69,12 +69,9 @@ class LaunchParams:
 
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ()
     SEARCH_SPACE: ClassVar[dict[str, tuple[Any, ...]]] = {}
-    # Fields the fused forward reads around the launch (e.g. a side-stream prefetch), not the kernel's wrapper.
-    STEP_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def as_kwargs(self) -> dict[str, Any]:
-        """The kernel wrapper's keyword arguments (every field but STEP_FIELDS)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.STEP_FIELDS}
+        return dataclasses.asdict(self)
 
     def t_neutral(self) -> tuple[str, ...]:
         """T_NEUTRAL for this setting. With one row per program (row_tile=1) a K chunk is reduced by tl.sum, whose

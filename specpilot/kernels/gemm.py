@@ -63,14 +63,8 @@ class LinearParams(LaunchParams):
     # only (T-neutral), and not searched: a kernel timed against itself says nothing of how it overlaps its
     # predecessor in a step; judge it with the captured step (scripts/gpu_step_ab.py).
     grid_dependency: int | None = None
-    # Lines (128 B) of each W row a side stream asks L2 for while the launch before this one runs
-    # (kernels/l2_prefetch.py; 0: none): a step-level setting the fused forward reads, not this launch's (so not in
-    # as_kwargs). Only worth it behind a latency-bound predecessor (o_proj behind attention); T-neutral, not
-    # searched: the captured step judges it.
-    side_prefetch_lines: int = 0
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual", "w_preload",
-                                            "grid_dependency", "side_prefetch_lines")
-    STEP_FIELDS: ClassVar[tuple[str, ...]] = ("side_prefetch_lines",)
+                                            "grid_dependency")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
@@ -82,9 +76,6 @@ class LinearParams(LaunchParams):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         check_launch_mode(self.grid_dependency)
-        v = self.side_prefetch_lines
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 1024 or v & (v - 1):
-            raise ValueError(f"side_prefetch_lines={v!r} must be 0 or a power of two up to 1024")
 
 
 @triton.jit
