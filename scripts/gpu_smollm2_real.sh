@@ -5,7 +5,9 @@
 #   a: carry .tb/gguf.part.aa, then .tb/gguf.part.ab      -> parks the parts carried in /root/tb (two calls)
 #   b: carry .gpu + .tb/gguf.part.ac + tok + benchmarks    -> convert; AR speed (engine vs transformers);
 #                                                             n-gram bench (device loop and host loop), 5
-#                                                             benchmarks x 2048 tokens
+#                                                             benchmarks x 2048 tokens (DEP_TABLE=DEPLOYMENT: the
+#                                                             bench's engine and an extra AR mode run that
+#                                                             deployment's kernel table)
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
@@ -36,6 +38,10 @@ SRC=$ROOT/.gpu/src
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/site:$SRC SPECPILOT_BENCHMARKS=$ROOT/.tb/benchmarks PYTHONUNBUFFERED=1
 cd "$SRC"
+dep_table() {  # DEP_TABLE=DEPLOYMENT: the engine runs that deployment's kernel table (e.g. smollm2-shape-h200)
+  [ -n "${DEP_TABLE:-}" ] && python3 -c "import json, yaml
+print(', kernel_table:', json.dumps(yaml.safe_load(open('specpilot/deployments/$DEP_TABLE.yaml'))['engine']['kernel_table']))"
+}
 dep() {  # dep NAME DRAFTERS_YAML -> a deployment YAML of the converted model
   cat > "$TB/$1.yaml" <<YAML
 name: $1
@@ -46,7 +52,7 @@ device: {kind: cuda, gpu: H200, count: 1}
 regime: {kind: single}
 workload: {benchmarks: [gsm8k, humaneval, math500, mbpp, mt_bench], prompts_per_benchmark: ${PPB:-4},
            max_new_tokens: 2048, tune_fraction: 0.5, validate_fraction: 0.5, seed: 0}
-engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: triton}
+engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: triton$(dep_table)}
 YAML
   echo "$TB/$1.yaml"
 }
@@ -84,8 +90,10 @@ case $stage in
     mkdir -p $TB && cp "$ROOT"/.tb/gguf.part.* $TB/ && ls $TB ;;
   b)
     convert
+    [ -n "${DEP_TABLE:-}" ] && python3 -c "import json, yaml
+json.dump(yaml.safe_load(open('specpilot/deployments/$DEP_TABLE.yaml'))['engine']['kernel_table'], open('$OUT/dep_table.json', 'w'))"
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes "${MODES:-torch_graph_t1_fast,triton_graph}" \
-      --skip-checks 2>&1 | grep -v Warning | tail -8
+      --skip-checks ${DEP_TABLE:+--kernel-table "table=$OUT/dep_table.json"} 2>&1 | grep -v Warning | tail -8
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}
   - {kind: ngram, engine: {device_steps: 1}}')" --out "$OUT/bench_ngram" \
       > "$OUT/bench_ngram.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_ngram.txt" ;;
