@@ -50,6 +50,10 @@ def test_shipped_deployment_settings():
     assert cpu.drafters[1].model == ModelRef(ModelRefKind.TESTBED, "smollm2-135m-l6")
     assert (h200.device.kind, h200.device.gpu, h200.device.count) == (DeviceKind.CUDA, "H200", 1)
     assert h200.workload.max_new_tokens == 2048
+    # the real SmolLM2's Triton table: producer statistics for QKV, gate_up and the LM head at every token count
+    real = LaunchTable(h200.engine.kernel_table)
+    for kernel, n in (("qkv", 960), ("gate_up", 3072), ("lm_head", 49152)):
+        assert all(real.get(kernel, n, 576, t).get("producer_stat") for t in (1, 6, 16)), kernel
     assert llama.target == ModelRef(ModelRefKind.RANDOM, "llama3-8b", 0)
     assert llama.regime.kind is RegimeKind.BATCH and llama.regime.concurrency == (16, 20, 24)
     assert llama.regime.arrival is Arrival.ALL and llama.regime.label == "batch16-20-24" and llama.batched
