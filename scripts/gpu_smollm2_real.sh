@@ -38,9 +38,12 @@ SRC=$ROOT/.gpu/src
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/site:$SRC SPECPILOT_BENCHMARKS=$ROOT/.tb/benchmarks PYTHONUNBUFFERED=1
 cd "$SRC"
-dep_table() {  # DEP_TABLE=DEPLOYMENT: the engine runs that deployment's kernel table (e.g. smollm2-shape-h200)
-  [ -n "${DEP_TABLE:-}" ] && python3 -c "import json, yaml
-print(', kernel_table:', json.dumps(yaml.safe_load(open('specpilot/deployments/$DEP_TABLE.yaml'))['engine']['kernel_table']))"
+table_json() {  # DEP_TABLE=DEPLOYMENT (e.g. smollm2-shape-h200): that deployment's kernel table as JSON
+  python3 -c "import json, yaml
+print(json.dumps(yaml.safe_load(open('specpilot/deployments/$DEP_TABLE.yaml'))['engine']['kernel_table']))"
+}
+dep_table() {  # the engine line's kernel table under DEP_TABLE
+  [ -n "${DEP_TABLE:-}" ] && echo ", kernel_table: $(table_json)"
 }
 dep() {  # dep NAME DRAFTERS_YAML -> a deployment YAML of the converted model
   cat > "$TB/$1.yaml" <<YAML
@@ -90,8 +93,7 @@ case $stage in
     mkdir -p $TB && cp "$ROOT"/.tb/gguf.part.* $TB/ && ls $TB ;;
   b)
     convert
-    [ -n "${DEP_TABLE:-}" ] && python3 -c "import json, yaml
-json.dump(yaml.safe_load(open('specpilot/deployments/$DEP_TABLE.yaml'))['engine']['kernel_table'], open('$OUT/dep_table.json', 'w'))"
+    [ -n "${DEP_TABLE:-}" ] && table_json > "$OUT/dep_table.json"
     python3 scripts/gpu_engine_check.py $TB/hf "$OUT/check" --tokens 2048 --modes "${MODES:-torch_graph_t1_fast,triton_graph}" \
       --skip-checks ${DEP_TABLE:+--kernel-table "table=$OUT/dep_table.json"} 2>&1 | grep -v Warning | tail -8
     python3 -m specpilot.bench.cli bench --deployment "$(dep ngram '  - {kind: ngram}
