@@ -162,3 +162,16 @@ def test_report_names_a_stalled_request():
     assert "mbpp/48:" not in text and "mbpp/1:" not in text
     assert [r.stalled for r in report.requests] == [True, False, False]
     assert report.to_dict()["requests"][0]["outside_ms"] == 451.0
+
+
+@pytest.mark.parametrize("variant, label", [
+    ("block:/work/x/drafting/shipped/smollm2-135m{ngram_prefix=True,verify=chain}",
+     "block:smollm2-135m\n{ngram_prefix=True,verify=chain}"),
+    ("draft_model:/tmp/draft/", "draft_model:draft"),  # a trailing slash still names the folder
+    ("ngram{draft_len=3}", "ngram\n{draft_len=3}"),
+    ("draft_model:smollm2-135m-l6", "draft_model:smollm2-135m-l6"),  # a testbed name, no path
+    ("ar", "ar"),
+])
+def test_the_picture_names_a_variant_by_its_model_folder(variant, label):
+    from specpilot.bench.plot import short_label
+    assert short_label(variant) == label

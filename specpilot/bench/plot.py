@@ -5,6 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def short_label(variant: str) -> str:
+    """A variant's name for the picture: a model path cut to its last component (the bench table keeps the whole
+    name), the knobs on a line of their own."""
+    name, brace, knobs = variant.partition("{")
+    kind, colon, model = name.partition(":")
+    if "/" in model:
+        model = model.rstrip("/").rsplit("/", 1)[-1]
+    return kind + colon + model + ("\n{" + knobs if brace else "")
+
+
 def plot_speedups(report: dict, path: str | Path) -> Path | None:
     """report: BenchReport.to_dict() (or a saved bench.json) -> a PNG at path; None where matplotlib is absent
     (bare GPU hosts), so a bench never fails for its picture."""
@@ -27,7 +37,7 @@ def plot_speedups(report: dict, path: str | Path) -> Path | None:
         bars = ax.barh(ys, xs, height, label=b, color="black" if b == "overall" else None)
         if b == "overall":
             ax.bar_label(bars, fmt="%.2fx", padding=2, fontsize=8)
-    labels = [f"{v}\n{s['tokens_per_step']:.2f} tokens/step{'' if s['all_match_ar'] else ', NOT = AR'}"
+    labels = [f"{short_label(v)}\n{s['tokens_per_step']:.2f} tokens/step{'' if s['all_match_ar'] else ', NOT = AR'}"
               for v, s in rows.items()]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
@@ -38,5 +48,5 @@ def plot_speedups(report: dict, path: str | Path) -> Path | None:
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
+    fig.savefig(out, format="png", dpi=100, bbox_inches="tight")  # long variant names widen the picture
     return out
