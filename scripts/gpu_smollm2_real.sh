@@ -4,8 +4,8 @@
 # GGUF goes in three parts, from scripts/gpu_prepare.sh; see notes/h200.md):
 #   a: carry .tb/gguf.part.aa, then .tb/gguf.part.ab      -> parks the parts carried in /root/tb (two calls)
 #   b: carry .gpu + .tb/gguf.part.ac + tok + benchmarks    -> convert; AR speed (engine vs transformers);
-#                                                             n-gram bench (device loop and host loop), 5
-#                                                             benchmarks x 2048 tokens (DEP_TABLE=DEPLOYMENT: the
+#      + .whl/gguf-0.19.0-py3-none-any.whl                    n-gram bench (device loop and host loop), 5
+#      (not all of .whl: 64 MiB a call)                       benchmarks x 2048 tokens (DEP_TABLE=DEPLOYMENT: the
 #                                                             bench's engine and an extra AR mode run that
 #                                                             deployment's kernel table)
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
