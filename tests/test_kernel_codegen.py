@@ -45,7 +45,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
 def build(fn, sig, consts, num_warps=4, pdl=False):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
-                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
+                ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
                 ("SCALED", 0))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
@@ -141,9 +141,12 @@ print(json.dumps({
        for w12 in (False, True)},
     # o_proj / down with the whole W tile loaded before the wait (gemm.preload_chunks): the same dots
     "preload_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
-                                                         **TILE, "BLOCK_N": 16, "W_PRELOAD": 5}),
+                                                         **TILE, "BLOCK_N": 16, "W_PRELOAD": 5, "K_LOOP": 0}),
     "linear_n16": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
                                                      **TILE, "BLOCK_N": 16}),
+    # a large tile's first chunk preloaded, the K loop over the rest: one unrolled dot, then the loop's
+    "head_preload_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
+                                                              "W12": False, **TILE, "W_PRELOAD": 1}),
     **{f"{'w12_' if w12 else ''}norm_linear{f'_epi{epi}' if epi else ''}": dots(
         norm_gemm._rmsnorm_linear_kernel, NORM, {**FLAGS, "HAS_RES": epi == 0, "DOT_PREC": "tf32", "W12": w12,
                                                  "STORE_Y": True, "ARGMAX": False, "EPI": epi, "H": 9, "KVH": 3,
@@ -286,6 +289,7 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     spread = lambda d: re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d)  # noqa: E731
     assert len(compiled["linear_n16"]) == 1
     assert [spread(d) for d in compiled["preload_linear"]] == [spread(compiled["linear_n16"][0])] * 5
+    assert [spread(d) for d in compiled["head_preload_linear"]] == [spread(compiled["linear"][0])] * 2
     # the norm statistic's fp32 dot, then the projection
     assert len(compiled["norm_linear"]) == 2, compiled["norm_linear"]
     # gate_up's GLU: gate and up rows, two projection dots a chunk; QKV's rotary: one (the partners share the tile)

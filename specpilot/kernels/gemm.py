@@ -126,15 +126,23 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
 # register-to-shared conversion, where the K loop's tiles arrive by cp.async). Not in the norm + projection kernels:
 # they already hold ~255 registers a thread at SmolLM2 shapes; preloaded there they spilled (ptxas: 20 KB a thread at
 # 4 warps, 0.8-1.4 KB at 8) and the step took 1.41 / 0.87 ms against 0.70.
+# A larger tile (Llama-3-8B's) preloads only its first chunks, up to PRELOAD_HEAD_BYTES, and runs the K loop over the
+# rest: under PDL its first W bytes then arrive while the predecessor still runs, instead of after the wait.
 PRELOAD_MAX_BYTES = 64 << 10
+PRELOAD_HEAD_BYTES = 16 << 10
 
 
 def preload_chunks(w_preload: bool, w12: bool, split_k: int, block_n: int, k: int, block_k: int,
                    elem_size: int) -> int:
-    """The W_PRELOAD constexpr of a launch: how many K chunks its programs load before the wait (0: none)."""
+    """The W_PRELOAD constexpr of a launch: how many K chunks its programs load before the wait (0: none): every
+    chunk of a tile up to PRELOAD_MAX_BYTES, else the first ones within PRELOAD_HEAD_BYTES."""
+    if not w_preload or w12 or split_k != 1:
+        return 0
     chunks = triton.cdiv(k, block_k)
-    tile_bytes = block_n * chunks * block_k * elem_size
-    return chunks if w_preload and not w12 and split_k == 1 and tile_bytes <= PRELOAD_MAX_BYTES else 0
+    chunk_bytes = block_n * block_k * elem_size
+    if chunks * chunk_bytes <= PRELOAD_MAX_BYTES:
+        return chunks
+    return min(chunks, PRELOAD_HEAD_BYTES // chunk_bytes)
 
 
 @triton.jit
@@ -248,7 +256,8 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
                    HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
-                   EARLY_RES: tl.constexpr = 0, W_PRELOAD: tl.constexpr = 0, PDL: tl.constexpr = 0,
+                   EARLY_RES: tl.constexpr = 0, W_PRELOAD: tl.constexpr = 0, K_LOOP: tl.constexpr = 1,
+                   PDL: tl.constexpr = 0,
                    PF_LINES: tl.constexpr = 16, ROW_SUMSQ: tl.constexpr = 0, SCALED: tl.constexpr = 0):
     # token tiles vary fastest, so the programs sharing a W column tile run together and W is read from HBM once
     pid = tl.program_id(0)
@@ -265,7 +274,7 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
-    if W_PRELOAD > 0:  # the whole W tile now, while the predecessor still runs (weights are never written)
+    if W_PRELOAD > 0:  # the W tile (a large one's first chunks) now, while the predecessor runs (never written)
         w_pre = preload_w(w_cols, ks, col_ok, K, BLOCK_K, W_PRELOAD)
     elif not W12:
         prefetch_rows(w_ptr + tl.minimum(cols, N - 1).to(tl.int64) * K, K, PDL, PF_LINES)
@@ -283,7 +292,8 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
             xs = xs + (_x_chunk(x_rows, c * BLOCK_K + ks, row_ok, K, SWIGLU),)
         for c in tl.static_range(W_PRELOAD):
             acc = tile_mac(xs[c], w_pre[c], acc, DOT_PREC, BLOCK_M)
-    else:
+        k_lo = W_PRELOAD * BLOCK_K  # a large tile's K loop takes the chunks it did not preload
+    if K_LOOP:  # 0: the whole tile was preloaded
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
@@ -377,6 +387,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
                              W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                              EARLY_RES=int(early_residual), W_PRELOAD=preload,
+                             K_LOOP=int(preload < triton.cdiv(K, block_k)),
                              ROW_SUMSQ=int(row_sumsq_out is not None), SCALED=int(scale_w is not None),
                              num_warps=num_warps, num_stages=stages, **pdl)
     return out
