@@ -119,9 +119,9 @@ def split_k_combine(acc, acc2, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K: tl.constex
 
 # w_preload: a program loads its whole W tile (every K chunk, as registers) before it waits for its predecessor,
 # so after the wait only the activations' L2 trip and the dots remain on its critical path (the pipelined K loop
-# starts its W loads after the wait; PDL's L2 prefetch only shortens them). Only for tiles up to this size (the
-# launch-bound small matrices: SmolLM2's W tiles are 18-48 KiB), bf16/fp16 W, and no split-K; larger tiles keep
-# the K loop. The same dots in the same order: the same bits. Off by default, a tuner field: on an H200 (session 20)
+# starts its W loads after the wait; PDL's L2 prefetch only shortens them). The whole tile for tiles up to this size
+# (the launch-bound small matrices: SmolLM2's W tiles are 18-48 KiB); bf16/fp16 W and no split-K only; larger tiles
+# as below. The same dots in the same order: the same bits. Off by default, a tuner field: on an H200 (session 20)
 # a SmolLM2 step with o_proj and down preloaded was 3-5% slower (each unrolled tile reaches its MMA through a
 # register-to-shared conversion, where the K loop's tiles arrive by cp.async). Not in the norm + projection kernels:
 # they already hold ~255 registers a thread at SmolLM2 shapes; preloaded there they spilled (ptxas: 20 KB a thread at
