@@ -142,7 +142,7 @@ def preload_chunks(w_preload: bool, w12: bool, split_k: int, block_n: int, k: in
     chunk_bytes = block_n * block_k * elem_size
     if chunks * chunk_bytes <= PRELOAD_MAX_BYTES:
         return chunks
-    return min(chunks, PRELOAD_HEAD_BYTES // chunk_bytes)
+    return PRELOAD_HEAD_BYTES // chunk_bytes  # fewer than chunks: the tile is over PRELOAD_MAX_BYTES
 
 
 @triton.jit
