@@ -8,7 +8,8 @@ weights, fp32 sums. The same tile code runs as
   sep_pdl  the same with programmatic dependent launch (each program loads its W tile, then waits);
   layer    one persistent launch per layer: the four GEMVs as phases behind grid barriers, each program loading its
            next phase's W tile before it spins;
-  whole    one persistent launch for every layer.
+  whole    one persistent launch for every layer;
+  *_ld     the same, polling the barrier with volatile loads from every thread (then one acquire fence).
 The persistent grid is the SM count (every program resident, or a barrier never opens). Each variant is captured in
 a CUDA graph and timed per replay; all must agree bit for bit (the same tiles, the same sums). Prints a table of us
 per GEMV and the weight-read floor.
@@ -67,10 +68,20 @@ def _arrive(cnt_ptr, idx):
 
 
 @triton.jit
-def _wait(cnt_ptr, idx, target):
-    seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire", scope="gpu")
-    while seen < target:
+def _wait(cnt_ptr, idx, target, SPIN: tl.constexpr):
+    """SPIN 0: one thread polls with acquire atomics (each poll a shared-memory broadcast and a CTA barrier);
+    1: every thread polls with volatile loads (L2, no CTA barrier a poll), then one acquire fence."""
+    if SPIN == 0:
         seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(cnt_ptr + idx, 0, sem="acquire", scope="gpu")
+    else:
+        seen = tl.load(cnt_ptr + idx, volatile=True)
+        while seen < target:
+            seen = tl.load(cnt_ptr + idx, volatile=True)
+        # the acquire half of the arrivals' release: the polls were relaxed
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, $1;", "=r,r", [tl.full([1], 0, tl.int32) + seen],
+                                  dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
 
 
@@ -87,25 +98,26 @@ def _phase_kernel(w_ptr, x_ptr, y_ptr, N, K, BN: tl.constexpr, CHUNKS: tl.conste
 @triton.jit
 def _persistent_kernel(wq, wo, wg, wd, b0, b1, b2, cnt, L0, L1, H, Q, HO, G, I, SQ, SO, SG, SD, NPROG: tl.constexpr,
                        BQ: tl.constexpr, BO: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-                       CH_H: tl.constexpr, CH_HO: tl.constexpr, CH_I: tl.constexpr):
+                       CH_H: tl.constexpr, CH_HO: tl.constexpr, CH_I: tl.constexpr,
+                       SPIN: tl.constexpr):
     pid = tl.program_id(0)  # SQ..SD: a layer's elements in each stacked weight (int64 when large)
     for layer in tl.range(L0, L1):
         i = layer * 4
         t = _load_w(wq + layer * SQ, pid * BQ, Q, H, BQ, CH_H)  # before the wait: streams through the barrier
         if layer > L0:
-            _wait(cnt, i - 1, NPROG)
+            _wait(cnt, i - 1, NPROG, SPIN)
         _gemv(t, b0, b1, pid * BQ, Q, H, BQ, CH_H, True)
         _arrive(cnt, i)
         t = _load_w(wo + layer * SO, pid * BO, H, HO, BO, CH_HO)
-        _wait(cnt, i, NPROG)
+        _wait(cnt, i, NPROG, SPIN)
         _gemv(t, b1, b0, pid * BO, H, HO, BO, CH_HO, True)
         _arrive(cnt, i + 1)
         t = _load_w(wg + layer * SG, pid * BG, G, H, BG, CH_H)
-        _wait(cnt, i + 1, NPROG)
+        _wait(cnt, i + 1, NPROG, SPIN)
         _gemv(t, b0, b2, pid * BG, G, H, BG, CH_H, True)
         _arrive(cnt, i + 2)
         t = _load_w(wd + layer * SD, pid * BD, H, I, BD, CH_I)
-        _wait(cnt, i + 2, NPROG)
+        _wait(cnt, i + 2, NPROG, SPIN)
         _gemv(t, b2, b0, pid * BD, H, I, BD, CH_I, True)
         _arrive(cnt, i + 3)
 
@@ -151,7 +163,7 @@ class Chain:
                 _phase_kernel[(triton.cdiv(n, bn),)](w, x, y, n, k, BN=bn, CHUNKS=triton.cdiv(k, CHUNK),
                                                      PDL=pdl, num_warps=4, **kw)
 
-    def run_persistent(self, per_layer: bool):
+    def run_persistent(self, per_layer: bool, spin: int = 0):
         self.b0.copy_(self.x0)
         self.cnt.zero_()
         spans = [(i, i + 1) for i in range(self.L)] if per_layer else [(0, self.L)]
@@ -160,7 +172,7 @@ class Chain:
                 self.wq, self.wo, self.wg, self.wd, self.b0, self.b1, self.b2, self.cnt, l0, l1, self.H, self.Q,
                 self.HO, self.G, self.I, *(w[0].numel() for w in (self.wq, self.wo, self.wg, self.wd)), NPROG=self.programs, BQ=self.bn["q"], BO=self.bn["o"], BG=self.bn["g"],
                 BD=self.bn["d"], CH_H=triton.cdiv(self.H, CHUNK), CH_HO=triton.cdiv(self.HO, CHUNK),
-                CH_I=triton.cdiv(self.I, CHUNK), num_warps=4)
+                CH_I=triton.cdiv(self.I, CHUNK), SPIN=spin, num_warps=4)
 
     def reference(self) -> torch.Tensor:
         """The chain in torch (fp32 sums of bf16 products, rounded to bf16 after each GEMV): close, not bitwise."""
@@ -220,7 +232,9 @@ def main() -> None:
         floor_us = ch.weight_bytes() / 4.2e12 * 1e6 / gemvs
         outs = {}
         for name, fn in (("sep", lambda: ch.run_separate(False)), ("sep_pdl", lambda: ch.run_separate(True)),
-                         ("layer", lambda: ch.run_persistent(True)), ("whole", lambda: ch.run_persistent(False))):
+                         ("layer", lambda: ch.run_persistent(True)), ("whole", lambda: ch.run_persistent(False)),
+                         ("layer_ld", lambda: ch.run_persistent(True, 1)),
+                         ("whole_ld", lambda: ch.run_persistent(False, 1))):
             ms = time_replay(fn, a.reps)
             outs[name] = ch.b0.clone()
             rows.append({"programs": programs, "variant": name, "ms": ms, "us_per_gemv": ms * 1e3 / gemvs,
