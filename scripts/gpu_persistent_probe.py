@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-import specpilot.kernels  # noqa: F401  (its interpreter fixes, for --cpu)
+from specpilot.kernels.bench import time_graph  # (importing specpilot.kernels fixes the interpreter: --cpu)
 
 CHUNK = 128
 # (hidden, qkv rows, o_proj inputs, intermediate). Whole W tiles live in registers: small shapes only.
@@ -183,25 +183,6 @@ class Chain:
         return x
 
 
-def time_replay(fn, reps: int) -> float:
-    """Median ms of one replay of fn captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -235,7 +216,7 @@ def main() -> None:
                          ("layer", lambda: ch.run_persistent(True)), ("whole", lambda: ch.run_persistent(False)),
                          ("layer_ld", lambda: ch.run_persistent(True, 1)),
                          ("whole_ld", lambda: ch.run_persistent(False, 1))):
-            ms = time_replay(fn, a.reps)
+            ms = time_graph([fn], a.reps)
             outs[name] = ch.b0.clone()
             rows.append({"programs": programs, "variant": name, "ms": ms, "us_per_gemv": ms * 1e3 / gemvs,
                          "floor_us_per_gemv": floor_us, "equal_sep": bool(torch.equal(outs[name], outs["sep"]))})
