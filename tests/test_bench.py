@@ -175,3 +175,57 @@ def test_report_names_a_stalled_request():
 def test_the_picture_names_a_variant_by_its_model_folder(variant, label):
     from specpilot.bench.plot import short_label
     assert short_label(variant) == label
+
+
+def _requests(variant: str, speedups: dict[str, list[float]]):
+    from specpilot.bench.harness import RequestResult
+    return [RequestResult(benchmark=b, prompt_id=str(i), variant=variant, prompt_tokens=50, new_tokens=200,
+                          decode_s=0.1 / s, prefill_s=0.01, steps=80, stop_reason="eos", tokens_per_step=2.5,
+                          step_hist={2: 40, 3: 40}, matches_ar=True, first_divergence=None, speedup=s)
+            for b, xs in speedups.items() for i, s in enumerate(xs)]
+
+
+def test_the_overall_interval_resamples_within_each_benchmark():
+    """Hand-built reports: equal speedups give a point; a benchmark of one request weighs the same in every resample
+    (stratified), so when the others are all equal the interval is that point too; spread widens it, it holds the
+    geometric mean, stays inside the speedups seen, and is the same on every call (seeded)."""
+    from specpilot.bench.harness import BenchReport
+    point = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [2.0] * 4, "mbpp": [2.0] * 3}))
+    lo, hi = point.geomean_interval("s")
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    strata = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [1.0] * 3, "mbpp": [16.0]}))
+    lo, hi = strata.geomean_interval("s")
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)  # (0 + 0 + 0 + log 16) / 4, in every resample
+    assert BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [3.0]})).geomean_interval("s") is None
+    spread = {"gsm8k": [1.2, 1.4, 9.0, 1.3], "humaneval": [2.0, 11.0, 1.5, 1.8]}
+    wide = BenchReport("dep", "cuda", 256, ["s"], _requests("s", spread))
+    narrow = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {b: [1.5 + x / 100 for x in xs]
+                                                                     for b, xs in spread.items()}))
+    lo, hi = wide.geomean_interval("s")
+    assert 1.2 < lo < wide.geomean("s") < hi < 11.0
+    assert wide.geomean_interval("s") == (lo, hi)
+    assert hi / lo > 1.5 > (lambda a, b: b / a)(*narrow.geomean_interval("s"))
+    with pytest.raises(ValueError, match="level"):
+        wide.geomean_interval("s", level=1.0)
+
+
+def test_the_table_and_the_picture_show_the_interval(tmp_path):
+    """The table's overall cell carries the interval (a variant without requests gets dashes), the saved summary holds
+    it, and the picture draws it, also
+    from a report saved before intervals existed (no key: a zero-width bar)."""
+    pytest.importorskip("matplotlib")
+    from specpilot.bench.harness import AR_LABEL, BenchReport, format_report
+    from specpilot.bench.plot import plot_speedups
+    report = BenchReport("dep", "cuda", 256, [AR_LABEL, "spec"],
+                         _requests("spec", {"gsm8k": [1.5, 3.0, 2.0], "mbpp": [2.5, 1.8]}))
+    lo, hi = report.geomean_interval("spec")
+    text = format_report(report)
+    assert f"| {report.geomean('spec'):.2f}x [{lo:.2f}-{hi:.2f}] | 2.50 | 0.25 | - | - | yes |" in text
+    assert f"| {AR_LABEL} | - | - | - | - | - | - | - | yes |" in text  # a variant without requests: dashes
+    saved = report.to_dict()
+    assert saved["summary"]["spec"]["geomean_interval"] == (lo, hi)
+    assert saved["summary"][AR_LABEL]["geomean_interval"] is None
+    assert plot_speedups(saved, tmp_path / "now.png").stat().st_size > 0
+    for s in saved["summary"].values():
+        del s["geomean_interval"], s["interval_level"]
+    assert plot_speedups(saved, tmp_path / "before.png").stat().st_size > 0

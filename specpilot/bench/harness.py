@@ -2,11 +2,15 @@
 
 Per request: tokens, TPOT, tokens committed per step (mean and histogram), speedup = AR decode time /
 speculative decode time for the same request (prefill is the same code in both and is excluded), and
-whether every token equals AR's. Geometric means per benchmark and overall.
+whether every token equals AR's. Geometric means per benchmark and overall, the overall one with a bootstrap
+interval (requests resampled within each benchmark): with a few prompts a benchmark, a handful of requests that
+loop to the token limit at 10-15 tokens a step can carry the mean (H200, session 27: the same drafter 3.15x over 4
+prompts a benchmark, 2.74x over 8), and the interval shows how far a number can be leaned on.
 """
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field, fields
 
@@ -22,6 +26,7 @@ AR_LABEL = "ar"  # the exact AR reference (batch-invariant shapes): every varian
 AR_FAST_LABEL = "ar_fast"  # the engine's fastest AR mode (per-step shapes); speedups are measured against
 # the faster of the two AR modes, so a speedup never comes from a slowed-down baseline
 STALL_MS = 50.0  # decode time outside a request's steps above which the report names the request
+CI_LEVEL, CI_RESAMPLES = 0.9, 2000  # the overall geometric mean's bootstrap interval
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,26 @@ class BenchReport:
               and (benchmark is None or r.benchmark == benchmark)]
         return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
+    def geomean_interval(self, variant: str, level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,
+                         seed: int = 0) -> tuple[float, float] | None:
+        """A bootstrap percentile interval of the overall geometric mean: each resample draws every benchmark's
+        requests with replacement from that benchmark's (the bench's strata: each benchmark keeps its weight).
+        Seeded, so a report always shows the same interval. None with fewer than two requests."""
+        if not 0 < level < 1 or resamples < 1:
+            raise ValueError(f"need 0 < level < 1 and resamples >= 1, got {level}, {resamples}")
+        strata = defaultdict(list)
+        for r in self.requests:
+            if r.variant == variant and r.speedup:
+                strata[r.benchmark].append(math.log(r.speedup))
+        n = sum(len(xs) for xs in strata.values())
+        if n < 2:
+            return None
+        rng = random.Random(seed)
+        means = sorted(sum(sum(rng.choices(xs, k=len(xs))) for xs in strata.values()) / n for _ in range(resamples))
+        lo = means[int((1 - level) / 2 * resamples)]
+        hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
+        return math.exp(lo), math.exp(hi)
+
     def all_match(self, variant: str | None = None) -> bool:
         """Every token equal to the exact AR reference (all claimed-exact variants when variant is None; the
         fastest-shapes AR mode claims no exactness and is only reported)."""
@@ -98,7 +123,8 @@ class BenchReport:
         return sorted({r.benchmark for r in self.requests})
 
     def to_dict(self) -> dict:
-        summary = {v: {"geomean_speedup": self.geomean(v), "all_match_ar": self.all_match(v),
+        summary = {v: {"geomean_speedup": self.geomean(v), "geomean_interval": self.geomean_interval(v),
+                       "interval_level": CI_LEVEL, "all_match_ar": self.all_match(v),
                        "per_benchmark": {b: self.geomean(v, b) for b in self.benchmarks()},
                        "tokens_per_step": self.mean(v, "tokens_per_step"), "tpot_ms": self.mean(v, "tpot_ms"),
                        "draft_ms_per_step": self.mean(v, "draft_ms"), "verify_ms_per_step": self.mean(v, "verify_ms")}
@@ -193,7 +219,9 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
 def format_report(report: BenchReport) -> str:
     lines = [f"deployment {report.deployment} on {report.device}, {report.max_new_tokens} new tokens max, "
              f"speedup = fastest AR decode time / variant decode time (geometric mean over requests); "
-             f"'{AR_LABEL}' is the exact reference, '{AR_FAST_LABEL}' the fastest AR shapes", ""]
+             f"'{AR_LABEL}' is the exact reference, '{AR_FAST_LABEL}' the fastest AR shapes; "
+             f"[lo-hi]: the overall mean's {CI_LEVEL:.0%} bootstrap interval (requests resampled within each benchmark)",
+             ""]
     benches = report.benchmarks()
     lines.append("| variant | " + " | ".join(benches) + " | overall | tokens/step | TPOT ms | draft ms/step | "
                  "verify ms/step | all tokens = AR |")
@@ -202,10 +230,13 @@ def format_report(report: BenchReport) -> str:
         per = [report.geomean(v, b) for b in benches]
         tps, tpot = report.mean(v, "tokens_per_step"), report.mean(v, "tpot_ms")
         cells = ["-" if x is None else f"{x:.2f}x" for x in per]
-        overall = report.geomean(v)
+        overall, interval = report.geomean(v), report.geomean_interval(v)
+        overall_cell = "-" if overall is None else f"{overall:.2f}x" + (
+            f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
         split = [report.mean(v, "draft_ms"), report.mean(v, "verify_ms")]
-        lines.append(f"| {v} | " + " | ".join(cells) + f" | {'-' if overall is None else f'{overall:.2f}x'} | "
-                     f"{tps:.2f} | {tpot:.2f} | " + " | ".join("-" if x is None else f"{x:.3f}" for x in split)
+        numbers = ["-" if x is None else f"{x:.2f}" for x in (tps, tpot)]
+        numbers += ["-" if x is None else f"{x:.3f}" for x in split]
+        lines.append(f"| {v} | " + " | ".join([*cells, overall_cell, *numbers])
                      + f" | {'yes' if report.all_match(v) else 'NO'} |")
     for ref in sorted({r.reference for r in report.requests} - {AR_LABEL}):
         users = sorted({r.variant for r in report.requests if r.reference == ref})

@@ -1,5 +1,6 @@
 """A bench's speedups as one picture: per variant, its speedup on each benchmark and overall (geometric means over
-requests), the AR line at 1x, tokens per step beside each variant's name, and whether every token equalled AR."""
+requests; the overall bar with its bootstrap interval where the report has one), the AR line at 1x, tokens per step
+beside each variant's name, and whether every token equalled AR."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,9 +35,17 @@ def plot_speedups(report: dict, path: str | Path) -> Path | None:
     for i, b in enumerate(benchmarks):
         ys = [n + (i - (len(benchmarks) - 1) / 2) * height for n in range(len(rows))]
         xs = [(s["geomean_speedup"] if b == "overall" else s["per_benchmark"].get(b)) or 0.0 for s in rows.values()]
-        bars = ax.barh(ys, xs, height, label=b, color="black" if b == "overall" else None)
-        if b == "overall":
-            ax.bar_label(bars, fmt="%.2fx", padding=2, fontsize=8)
+        if b != "overall":
+            ax.barh(ys, xs, height, label=b)
+            continue
+        # reports saved before the interval existed have none: a zero-width error bar
+        spans = [s.get("geomean_interval") or (x, x) for s, x in zip(rows.values(), xs)]
+        xerr = [[x - lo for x, (lo, _) in zip(xs, spans)], [hi - x for x, (_, hi) in zip(xs, spans)]]
+        level = next(iter(rows.values())).get("interval_level")
+        ax.barh(ys, xs, height, label=f"overall ({level:.0%} interval)" if level else "overall", color="black",
+                xerr=xerr, ecolor="tab:red", capsize=2)
+        for y, x, (_, hi) in zip(ys, xs, spans):  # the value past the interval's end, clear of its bar
+            ax.text(max(x, hi), y, f" {x:.2f}x", va="center", fontsize=8)
     labels = [f"{short_label(v)}\n{s['tokens_per_step']:.2f} tokens/step{'' if s['all_match_ar'] else ', NOT = AR'}"
               for v, s in rows.items()]
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
