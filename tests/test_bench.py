@@ -186,16 +186,21 @@ def _requests(variant: str, speedups: dict[str, list[float]]):
 
 
 def test_the_overall_interval_resamples_within_each_benchmark():
-    """Hand-built reports: equal speedups give a point; a benchmark of one request weighs the same in every resample
-    (stratified), so when the others are all equal the interval is that point too; spread widens it, it holds the
-    geometric mean, stays inside the speedups seen, and is the same on every call (seeded)."""
+    """Hand-built reports: equal speedups give a point; resampled within benchmarks, each benchmark weighs the same in
+    every resample, so when each one's requests are equal the interval is a point too (unless a benchmark has a
+    single request: then all are pooled); spread widens it, it holds the geometric mean, stays inside the speedups
+    seen, and is the same on every call (seeded)."""
     from specpilot.bench.harness import BenchReport
     point = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [2.0] * 4, "mbpp": [2.0] * 3}))
     lo, hi = point.geomean_interval("s")
     assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
-    strata = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [1.0] * 3, "mbpp": [16.0]}))
+    strata = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [1.0] * 2, "mbpp": [16.0] * 2}))
     lo, hi = strata.geomean_interval("s")
-    assert lo == pytest.approx(2.0) and hi == pytest.approx(2.0)  # (0 + 0 + 0 + log 16) / 4, in every resample
+    assert lo == pytest.approx(4.0) and hi == pytest.approx(4.0)  # (0 + 0 + log 16 + log 16) / 4, in every resample
+    # a benchmark of one request cannot be resampled within itself: every request is pooled, and the mean varies
+    pooled = BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [1.0] * 3, "mbpp": [16.0]}))
+    lo, hi = pooled.geomean_interval("s")
+    assert lo < 1.99 < pooled.geomean("s") < 2.01 < hi
     assert BenchReport("dep", "cuda", 256, ["s"], _requests("s", {"gsm8k": [3.0]})).geomean_interval("s") is None
     spread = {"gsm8k": [1.2, 1.4, 9.0, 1.3], "humaneval": [2.0, 11.0, 1.5, 1.8]}
     wide = BenchReport("dep", "cuda", 256, ["s"], _requests("s", spread))

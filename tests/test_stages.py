@@ -319,3 +319,36 @@ def test_quick_bench_measures_policy_candidates_and_refuses_agent_code(pipeline,
     lossy_m, agent_m = QuickBench(session, prompts, 16, stock)([lossy, agent])
     assert not lossy_m.matches_ar and lossy_m.objective == 0.0 and not lossy_m.error.startswith("ValueError")
     assert agent_m.error.startswith("PermissionError")
+
+
+def _held(speeds: dict[str, dict[tuple[str, str], float]]):
+    """A held-out comparison built by hand: per build its speed on each (benchmark, prompt); speedups vs AR taken
+    as the geometric mean of those speeds (AR's speed 1 on every request)."""
+    import math
+    from specpilot.stages.heldout import Heldout
+    gm = {label: math.exp(sum(math.log(x) for x in s.values()) / len(s)) for label, s in speeds.items()}
+    return Heldout(gm, {label: {} for label in speeds}, {label: True for label in speeds},
+                   {label: gm[label] / gm["stock"] for label in speeds}, 8, 64, {}, speeds)
+
+
+def test_a_candidate_leading_within_the_noise_keeps_the_runner_up():
+    """Integrate's rule, on hand-built held-out numbers: a candidate faster on every request becomes the final build;
+    one whose lead comes from a single request of eight (the others slower) does not, and the decision says why;
+    with one held-out request nothing can be resampled and the lead decides."""
+    from specpilot.stages.integrate import _credibly_faster
+    units = [(b, str(i)) for b in ("gsm8k", "mbpp") for i in range(4)]
+    stock = {u: 1.0 for u in units}
+    steady = {u: 1.2 + 0.01 * i for i, u in enumerate(units)}
+    lucky = {u: (3.0 if i == 0 else 0.97) for i, u in enumerate(units)}
+    for candidate, final in ((steady, "candidate"), (lucky, "current")):
+        held = _held({"stock": stock, "current": {u: 1.01 for u in units}, "candidate": candidate})
+        assert held.speedup_vs_ar["candidate"] > held.speedup_vs_ar["current"] > held.speedup_vs_ar["stock"]
+        decisions = []
+        assert _credibly_faster(held, ["stock", "current", "candidate"], held.speedup_vs_ar, decisions) == final
+        lo, hi = held.ratio_interval("candidate", "current")
+        assert (lo > 1.0) == (final == "candidate") and hi > 1.0
+        assert bool(decisions) == (final != "candidate")
+    assert "not credibly faster, current stays" in decisions[0] and "interval over current" in decisions[0]
+    one = _held({"stock": {units[0]: 1.0}, "candidate": {units[0]: 1.05}})
+    assert one.ratio_interval("candidate", "stock") is None
+    assert _credibly_faster(one, ["stock", "candidate"], one.speedup_vs_ar, []) == "candidate"

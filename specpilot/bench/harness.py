@@ -91,23 +91,12 @@ class BenchReport:
 
     def geomean_interval(self, variant: str, level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,
                          seed: int = 0) -> tuple[float, float] | None:
-        """A bootstrap percentile interval of the overall geometric mean: each resample draws every benchmark's
-        requests with replacement from that benchmark's (the bench's strata: each benchmark keeps its weight).
-        Seeded, so a report always shows the same interval. None with fewer than two requests."""
-        if not 0 < level < 1 or resamples < 1:
-            raise ValueError(f"need 0 < level < 1 and resamples >= 1, got {level}, {resamples}")
+        """bootstrap_interval of the overall geometric mean, each benchmark's requests a stratum."""
         strata = defaultdict(list)
         for r in self.requests:
             if r.variant == variant and r.speedup:
                 strata[r.benchmark].append(math.log(r.speedup))
-        n = sum(len(xs) for xs in strata.values())
-        if n < 2:
-            return None
-        rng = random.Random(seed)
-        means = sorted(sum(sum(rng.choices(xs, k=len(xs))) for xs in strata.values()) / n for _ in range(resamples))
-        lo = means[int((1 - level) / 2 * resamples)]
-        hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
-        return math.exp(lo), math.exp(hi)
+        return bootstrap_interval(strata, level, resamples, seed)
 
     def all_match(self, variant: str | None = None) -> bool:
         """Every token equal to the exact AR reference (all claimed-exact variants when variant is None; the
@@ -131,6 +120,28 @@ class BenchReport:
                    for v in self.variants}
         return {"deployment": self.deployment, "device": self.device, "max_new_tokens": self.max_new_tokens,
                 "summary": summary, "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.requests]}
+
+
+def bootstrap_interval(strata: dict[str, list[float]], level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """A bootstrap percentile interval of exp(mean of logs), i.e. of a geometric mean, from log values grouped in
+    strata (benchmarks; concurrencies): each resample draws every stratum's values with replacement from that
+    stratum, so each keeps its weight. A stratum of one value would never vary, so where any has fewer than two, all
+    values are pooled into one. Seeded (the same values give the same interval); strata are taken in name order.
+    None with fewer than two values."""
+    if not 0 < level < 1 or resamples < 1:
+        raise ValueError(f"need 0 < level < 1 and resamples >= 1, got {level}, {resamples}")
+    groups = [strata[k] for k in sorted(strata) if strata[k]]
+    n = sum(len(xs) for xs in groups)
+    if n < 2:
+        return None
+    if min(len(xs) for xs in groups) < 2:
+        groups = [[x for xs in groups for x in xs]]
+    rng = random.Random(seed)
+    means = sorted(sum(sum(rng.choices(xs, k=len(xs))) for xs in groups) / n for _ in range(resamples))
+    lo = means[int((1 - level) / 2 * resamples)]
+    hi = means[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return math.exp(lo), math.exp(hi)
 
 
 def _mean(xs: list[float]) -> float | None:

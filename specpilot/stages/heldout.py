@@ -6,15 +6,17 @@ prompts with the batched engine at every concurrency of the deployment under its
 batched AR (stages/batch_bench.py); its speed is the geometric mean over concurrencies of its throughput over
 batched AR. Either way the result says, per build, its speedup over AR, overall and per benchmark (batch regime:
 per concurrency, `c<n>-<arrival>`, as memory's evidence rows name them), whether every token equalled AR's, and
-how much faster the final build is than stock.
+how much faster the final build is than stock, and per pair of builds a paired bootstrap interval of one's speed over
+the other's (request by request, or concurrency by concurrency), which integrate reads before it adopts a candidate.
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpilot.bench.harness import AR_LABEL, Variant, run_bench
+from specpilot.bench.harness import AR_LABEL, CI_LEVEL, Variant, bootstrap_interval, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.stages.batch_bench import BatchBench, geomean
 from specpilot.stages.candidate import Candidate
@@ -30,9 +32,22 @@ class Heldout:
     prompts: int
     max_new_tokens: int
     report: dict[str, Any] = field(default_factory=dict, compare=False)  # heldout.json
+    # build label -> (stratum, unit) -> its speed there (single: 1 / decode s of a request, stratum its benchmark;
+    # batch: throughput over batched AR at a concurrency, one stratum): what ratio_interval pairs
+    unit_speeds: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict, compare=False)
 
     def benchmarks(self) -> list[str]:
         return sorted({b for per in self.per_benchmark.values() for b in per})
+
+    def ratio_interval(self, a: str, b: str, level: float = CI_LEVEL) -> tuple[float, float] | None:
+        """A paired bootstrap interval of build a's speed over build b's (the geometric mean of their per-unit ratios,
+        units resampled within strata); None with fewer than two shared units."""
+        sa, sb = self.unit_speeds.get(a, {}), self.unit_speeds.get(b, {})
+        strata = defaultdict(list)
+        for key in sorted(sa.keys() & sb.keys()):
+            if sa[key] > 0 and sb[key] > 0:
+                strata[key[0]].append(math.log(sa[key] / sb[key]))
+        return bootstrap_interval(strata, level)
 
     def geomean(self, label: str, benchmark: str | None = None) -> float | None:
         """BenchReport's accessor: overall or one benchmark's speedup over AR (None when not measured)."""
@@ -57,7 +72,9 @@ def heldout_single(session: DeploymentSession, builds: dict[str, Candidate], pro
                    {label: {b: report.geomean(label, b) for b in report.benchmarks()} for label in builds},
                    {label: report.all_match(label) for label in builds},
                    {label: vs_stock(label) for label in builds} if "stock" in builds else {},
-                   len({r.prompt_id for r in report.requests}), max_new_tokens, report.to_dict())
+                   len({r.prompt_id for r in report.requests}), max_new_tokens, report.to_dict(),
+                   {label: {(b, p): 1.0 / max(t, 1e-9) for (v, p, b), t in decode.items() if v == label}
+                    for label in builds})
 
 
 def heldout_batched(session: DeploymentSession, builds: dict[str, Candidate], prompts: list[TokenizedPrompt],
@@ -76,5 +93,6 @@ def heldout_batched(session: DeploymentSession, builds: dict[str, Candidate], pr
                    {label: {f"c{c}-{arrival}": s for c, s in speedups.get(label, {}).items()} for label in builds},
                    {label: result.matches(label) for label in builds},
                    {label: geomean(list(result.speedup(label, "stock").values())) if label in ran else 0.0
-                    for label in builds} if "stock" in builds else {}, len(prompts), max_new_tokens, report)
+                    for label in builds} if "stock" in builds else {}, len(prompts), max_new_tokens, report,
+                   {label: {("levels", f"c{c}"): x for c, x in speedups[label].items()} for label in ran})
 

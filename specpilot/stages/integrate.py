@@ -4,8 +4,10 @@ result against stock on the held-out prompts, emit the new build content-address
 Integration applies the accepted candidates' config deltas together where they agree (a field set to two
 values, or two drafters, cannot be combined), checks the combination still beats the best single candidate
 by decoding it again and proves it lossless by token forcing. The final build is whichever of stock, the
-current build and that result is fastest on the held-out prompts, so it is never slower than stock there;
-when nothing beats stock the final build is stock and the decision says so. Agent code is validated in the
+current build and that result is fastest on the held-out prompts, so it is never slower than stock there, except
+that the new result must lead credibly: its paired bootstrap interval over the runner-up lies above 1 (a lead
+within the noise of a few requests keeps the runner-up); when nothing beats stock the final build is stock and
+the decision says so. Agent code is validated in the
 sandbox (agents/forcing.py) and, passing, recorded but not built in. Memory is written only here
 (stages/remember.py), including whether memory's candidates carried over to this scope.
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specpilot.agents.forcing import validate_isolated, write_sandboxed_verdict
+from specpilot.bench.harness import CI_LEVEL
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.deployments import Deployment
 from specpilot.engines.config import ConfigError, DType
@@ -253,6 +256,8 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
     speedups = held.speedup_vs_ar
     eligible = [label for label in HELDOUT_LABELS if label in builds and (label == "stock" or held.matches_ar[label])]
     final_label = max(eligible, key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
+    if final_label == "candidate":
+        final_label = _credibly_faster(held, eligible, speedups, decisions)
     decisions.append(f"held-out ({len(heldout_prompts)} prompts, {max_new} new tokens"
                      + (f", batched at concurrency {list(dep.regime.concurrency)}" if dep.batched else "") + "): "
                      + ", ".join(f"{label} {speedups[label]:.3f}x vs AR" for label in builds)
@@ -260,6 +265,21 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
                      + (" (no candidate beat stock: the final build IS stock)" if final_label == "stock" else ""))
     return IntegrateResult(builds[final_label], final_label, tuple(p.candidate.name for p in parts), candidate,
                            tuple(decisions), held, held.final_vs_stock[final_label], speedups)
+
+
+def _credibly_faster(held: Heldout, eligible: list[str], speedups: dict[str, float], decisions: list[str]) -> str:
+    """The candidate leads the held-out comparison: it becomes the final build only if its paired interval over the
+    runner-up (the faster of stock and the current build) lies above 1. A lead inside the noise of a few requests
+    would swap builds on chance and record a mechanism that proved nothing. One shared unit: the lead decides."""
+    runner_up = max((label for label in eligible if label != "candidate"),
+                    key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
+    interval = held.ratio_interval("candidate", runner_up)
+    if interval is None or interval[0] > 1.0:
+        return "candidate"
+    decisions.append(f"candidate {speedups['candidate']:.3f}x vs AR leads {runner_up} ({speedups[runner_up]:.3f}x), "
+                     f"but its paired {CI_LEVEL:.0%} interval over {runner_up} is {interval[0]:.3f}-{interval[1]:.3f}x: "
+                     f"not credibly faster, {runner_up} stays")
+    return runner_up
 
 
 def mark_run_failed(memory_path: str | None, run_id: str, reason: str) -> None:
