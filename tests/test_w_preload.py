@@ -65,3 +65,20 @@ def test_preload_applies_only_to_unsplit_bf16_tiles_whole_when_small():
     assert "w_preload" in LinearParams.T_NEUTRAL
     with pytest.raises(ValueError, match="w_preload"):
         LinearParams(w_preload=1)
+
+
+def test_the_persistent_probe_runs_its_variants_to_the_same_bits(monkeypatch):
+    """scripts/gpu_persistent_probe.py (session 27: a grid barrier costs what a kernel boundary costs) under the
+    interpreter: with one program every barrier opens, so separate launches, one launch a layer and one for all
+    layers must give the same bits, close to torch's chain."""
+    monkeypatch.syspath_prepend("scripts")
+    from gpu_persistent_probe import Chain
+    chain = Chain("tiny", 3, "cpu", programs=1)
+    outs = []
+    for run in (lambda: chain.run_separate(False), lambda: chain.run_persistent(True),
+                lambda: chain.run_persistent(False)):
+        run()
+        outs.append(chain.b0.clone())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert chain.cnt.tolist() == [1] * 12  # every program (one) arrived at each layer's four barriers
+    torch.testing.assert_close(outs[0].float(), chain.reference().float(), atol=0.05, rtol=0.05)
