@@ -49,6 +49,11 @@ def test_tune_reports_three_factors_and_never_loses_to_stock(tuned):
     table = report.table()
     for column in ("tau gap (1/tau)", "kernel factor", "overhead factor", "vs stock", "vs AR", "Held-out"):
         assert column in table
+    if report.final_is_stock:  # the interval of a build over itself says nothing
+        assert report.final_vs_stock_interval is None and "paired interval" not in table
+    elif report.final_vs_stock_interval is not None:  # None: a single held-out request
+        lo, hi = report.final_vs_stock_interval
+        assert lo <= report.final_vs_stock <= hi and f"paired interval {lo:.3f}-{hi:.3f}x" in table
 
 
 def test_memory_holds_a_validated_mechanism_with_scope_and_evidence(tuned):

@@ -352,3 +352,15 @@ def test_a_candidate_leading_within_the_noise_keeps_the_runner_up():
     one = _held({"stock": {units[0]: 1.0}, "candidate": {units[0]: 1.05}})
     assert one.ratio_interval("candidate", "stock") is None
     assert _credibly_faster(one, ["stock", "candidate"], one.speedup_vs_ar, []) == "candidate"
+
+
+def test_the_final_builds_interval_over_stock():
+    """IntegrateResult.final_vs_stock_interval: the held-out paired interval of the final build over stock, None when
+    the final build is stock."""
+    from specpilot.stages.integrate import IntegrateResult
+    units = [(b, str(i)) for b in ("gsm8k", "mbpp") for i in range(3)]
+    held = _held({"stock": {u: 1.0 for u in units}, "candidate": {u: 1.3 + 0.02 * i for i, u in enumerate(units)}})
+    result = lambda label: IntegrateResult(None, label, (), None, (), held, 1.0, held.speedup_vs_ar)  # noqa: E731
+    lo, hi = result("candidate").final_vs_stock_interval
+    assert 1.3 <= lo < held.final_vs_stock["candidate"] < hi <= 1.4
+    assert result("stock").final_vs_stock_interval is None

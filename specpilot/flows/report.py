@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from specpilot.bench.harness import CI_LEVEL
+
 
 @dataclass(frozen=True)
 class RoundReport:
@@ -41,6 +43,7 @@ class TuneReport:
     heldout_prompts: int
     heldout_max_new_tokens: int
     build_uri: str
+    final_vs_stock_interval: tuple[float, float] | None = None  # its paired bootstrap interval (CI_LEVEL)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "rounds": [asdict(r) for r in self.rounds]}
@@ -52,6 +55,12 @@ class TuneReport:
         names = {f.name for f in fields(cls)}
         return cls(**{**{k: v for k, v in d.items() if k in names}, "rounds": rounds,
                       "final_mechanisms": tuple(d["final_mechanisms"])})
+
+    def _interval(self) -> str:
+        if not self.final_vs_stock_interval:
+            return ""
+        lo, hi = self.final_vs_stock_interval
+        return f" ({CI_LEVEL:.0%} paired interval {lo:.3f}-{hi:.3f}x)"
 
     def table(self) -> str:
         lines = [f"## Tune of {self.deployment} (run {self.run_id}) on {self.device}", "",
@@ -66,7 +75,8 @@ class TuneReport:
         verdict = ("no candidate beat stock on the held-out prompts: the final build IS stock" if self.final_is_stock
                    else f"final build {self.final_build} ({', '.join(self.final_mechanisms) or 'no mechanisms'})")
         lines += ["", f"**{verdict}.** Held-out ({self.heldout_prompts} prompts of the validate split, "
-                      f"{self.heldout_max_new_tokens} new tokens, greedy): final vs stock **{self.final_vs_stock:.3f}x**, "
+                      f"{self.heldout_max_new_tokens} new tokens, greedy): final vs stock **{self.final_vs_stock:.3f}x**"
+                      f"{self._interval()}, "
                       f"final vs AR **{self.final_vs_ar:.3f}x** (stock vs AR {self.stock_vs_ar:.3f}x).",
                   f"Build: {self.build_uri}", ""]
         for r in self.rounds:

@@ -186,6 +186,7 @@ def tune(deployment: str, rounds: int = 1, gpus: int = 1, store: str | None = No
     report = TuneReport(dep.name, run_id, device_name(devices[0]), store_uri, settings.to_dict(), tuple(reports),
                         build.name, final["final_is_stock"], tuple(build.mechanisms), final["final_vs_stock"],
                         final["final_vs_ar"], final["stock_vs_ar"], final["heldout_prompts"],
-                        final["heldout_max_new_tokens"], final["build"]["manifest_uri"])
+                        final["heldout_max_new_tokens"], final["build"]["manifest_uri"],
+                        final.get("final_vs_stock_interval"))
     publish_summary(dep.name, report)
     return report.to_dict()

@@ -163,10 +163,16 @@ class IntegrateResult:
     def final_is_stock(self) -> bool:
         return self.final_label == "stock"
 
+    @property
+    def final_vs_stock_interval(self) -> tuple[float, float] | None:
+        """final_vs_stock's paired bootstrap interval (None when the final build is stock or one unit was run)."""
+        return None if self.final_is_stock else self.heldout.ratio_interval(self.final_label, "stock")
+
     def summary(self) -> dict[str, Any]:
         return {"final": self.final.to_dict(), "final_label": self.final_label, "final_is_stock": self.final_is_stock,
                 "combined_from": list(self.combined_from), "decisions": list(self.decisions),
-                "final_vs_stock": self.final_vs_stock, "final_vs_ar": self.speedup_vs_ar[self.final_label],
+                "final_vs_stock": self.final_vs_stock, "final_vs_stock_interval": self.final_vs_stock_interval,
+                "final_vs_ar": self.speedup_vs_ar[self.final_label],
                 "stock_vs_ar": self.speedup_vs_ar["stock"], "speedup_vs_ar": self.speedup_vs_ar,
                 "heldout_prompts": self.heldout.prompts, "heldout_max_new_tokens": self.heldout.max_new_tokens,
                 "final_batch_config": None if self.final.batch_config is None else self.final.batch_config.to_dict()}
