@@ -37,13 +37,12 @@ SPLIT = 64  # keys a split (the engine's default split_keys)
 
 @triton.jit
 def _top(m_ptr, rows, stride, n_split, ok, MAXG: tl.constexpr):
-    """The rows' max over their splits, MAXG splits a load (a max is exact in any order, so this may be a tile)."""
-    top = tl.full(rows.shape, float("-inf"), tl.float32)
+    """The rows' max over their splits (n_split <= MAXG) from one tile load: a max is exact in any order. (A loop
+    of such maxima failed triton 3.6's TritonGPUOptimizeThreadLocality pass on the H200.)"""
     sp = tl.arange(0, MAXG)
-    for g0 in range(0, n_split, MAXG):
-        m = tl.load(m_ptr + (g0 + sp)[None, :] * stride + rows[:, None],
-                    mask=ok[:, None] & (g0 + sp < n_split)[None, :], other=float("-inf"))
-        top = tl.maximum(top, tl.max(m, axis=1))
+    m = tl.load(m_ptr + sp[None, :] * stride + rows[:, None], mask=ok[:, None] & (sp < n_split)[None, :],
+                other=float("-inf"))
+    top = tl.max(m, axis=1)
     return tl.where(top > float("-inf"), top, 0.0)
 
 
