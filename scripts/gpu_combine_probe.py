@@ -146,7 +146,8 @@ def main() -> None:
                 rows.append({"shape": shape, "context": ctx, "T": T, "seq_equal": seq_equal, "max_rel_err": err})
     if a.out != "-":
         json.dump(rows, open(a.out, "w"), indent=1)
-    print("| shape | context | T | splits | " + " | ".join(f"{v} us" for v in VARIANTS) + " | seq bits equal | rel err |")
+    print("| shape | context | T | splits | " + " | ".join(f"{v} us" for v in VARIANTS)
+          + " | seq bits equal | rel err |")
     print("|---" * (6 + len(VARIANTS)) + "|")
     for i in range(0, len(rows), len(VARIANTS) + 1):
         group, check = rows[i:i + len(VARIANTS)], rows[i + len(VARIANTS)]

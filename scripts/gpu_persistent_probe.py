@@ -170,7 +170,8 @@ class Chain:
         for l0, l1 in spans:
             _persistent_kernel[(self.programs,)](
                 self.wq, self.wo, self.wg, self.wd, self.b0, self.b1, self.b2, self.cnt, l0, l1, self.H, self.Q,
-                self.HO, self.G, self.I, *(w[0].numel() for w in (self.wq, self.wo, self.wg, self.wd)), NPROG=self.programs, BQ=self.bn["q"], BO=self.bn["o"], BG=self.bn["g"],
+                self.HO, self.G, self.I, *(w[0].numel() for w in (self.wq, self.wo, self.wg, self.wd)),
+                NPROG=self.programs, BQ=self.bn["q"], BO=self.bn["o"], BG=self.bn["g"],
                 BD=self.bn["d"], CH_H=triton.cdiv(self.H, CHUNK), CH_HO=triton.cdiv(self.HO, CHUNK),
                 CH_I=triton.cdiv(self.I, CHUNK), SPIN=spin, num_warps=4)
 

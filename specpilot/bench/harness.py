@@ -231,7 +231,8 @@ def format_report(report: BenchReport) -> str:
     lines = [f"deployment {report.deployment} on {report.device}, {report.max_new_tokens} new tokens max, "
              f"speedup = fastest AR decode time / variant decode time (geometric mean over requests); "
              f"'{AR_LABEL}' is the exact reference, '{AR_FAST_LABEL}' the fastest AR shapes; "
-             f"[lo-hi]: the overall mean's {CI_LEVEL:.0%} bootstrap interval (requests resampled within each benchmark)",
+             f"[lo-hi]: the overall mean's {CI_LEVEL:.0%} bootstrap interval "
+             "(requests resampled within each benchmark)",
              ""]
     benches = report.benchmarks()
     lines.append("| variant | " + " | ".join(benches) + " | overall | tokens/step | TPOT ms | draft ms/step | "

@@ -75,8 +75,8 @@ class TuneReport:
         verdict = ("no candidate beat stock on the held-out prompts: the final build IS stock" if self.final_is_stock
                    else f"final build {self.final_build} ({', '.join(self.final_mechanisms) or 'no mechanisms'})")
         lines += ["", f"**{verdict}.** Held-out ({self.heldout_prompts} prompts of the validate split, "
-                      f"{self.heldout_max_new_tokens} new tokens, greedy): final vs stock **{self.final_vs_stock:.3f}x**"
-                      f"{self._interval()}, "
+                      f"{self.heldout_max_new_tokens} new tokens, greedy): final vs stock "
+                      f"**{self.final_vs_stock:.3f}x**{self._interval()}, "
                       f"final vs AR **{self.final_vs_ar:.3f}x** (stock vs AR {self.stock_vs_ar:.3f}x).",
                   f"Build: {self.build_uri}", ""]
         for r in self.rounds:

@@ -283,7 +283,8 @@ def _credibly_faster(held: Heldout, eligible: list[str], speedups: dict[str, flo
     if interval is None or interval[0] > 1.0:
         return "candidate"
     decisions.append(f"candidate {speedups['candidate']:.3f}x vs AR leads {runner_up} ({speedups[runner_up]:.3f}x), "
-                     f"but its paired {CI_LEVEL:.0%} interval over {runner_up} is {interval[0]:.3f}-{interval[1]:.3f}x: "
+                     f"but its paired {CI_LEVEL:.0%} interval over {runner_up} is "
+                     f"{interval[0]:.3f}-{interval[1]:.3f}x: "
                      f"not credibly faster, {runner_up} stays")
     return runner_up
 
