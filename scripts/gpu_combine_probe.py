@@ -10,7 +10,9 @@ bits whatever its layout. Variants, each timed as 30 launches in one CUDA graph 
   seq_row   sequential, one program a row ([D] vectors), the splits in a runtime loop;
   seq_tok   sequential, one program a token ([H, D] tile: every head at once);
   seq_g8    seq_tok with the splits' loads issued 8 at a time (a static group), then the 8 fmas in order;
-  seq_row_g8  seq_row so grouped.
+  seq_row_g8  seq_row so grouped;
+  seq_row_ns4  seq_row's loop as tl.range(num_stages=4) (triton's software pipelining);
+  seq_row_ahead  seq_row with each split's loads issued one split ahead by hand.
 Every seq_* variant takes the splits' max from [rows, 64] tiles (a max is exact in any order).
 The seq_* variants must agree bit for bit (same statements per element); today's is compared with a tolerance.
 
@@ -47,34 +49,54 @@ def _top(m_ptr, rows, stride, n_split, ok, MAXG: tl.constexpr):
 
 
 @triton.jit
-def _add_split(m_ptr, l_ptr, o_ptr, sp, rows, dd, stride, top, acc, lsum, ok, D: tl.constexpr):
+def _load_split(m_ptr, l_ptr, o_ptr, sp, rows, dd, stride, ok, D: tl.constexpr):
     m = tl.load(m_ptr + sp * stride + rows, mask=ok, other=float("-inf"))
+    lv = tl.load(l_ptr + sp * stride + rows, mask=ok, other=0.0)
+    o = tl.load(o_ptr + (sp * stride + rows)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+    return m, lv, o
+
+
+@triton.jit
+def _fold(m, lv, o, top, acc, lsum):
+    """One split into the sums, per element: the same statements whatever the layout (m = -inf: exact no-op)."""
     use = m > float("-inf")
     scale = tl.where(use, tl.exp2(m - top), 0.0)
-    lsum = tl.fma(scale, tl.where(use, tl.load(l_ptr + sp * stride + rows, mask=ok, other=0.0), 0.0), lsum)
-    o = tl.load(o_ptr + (sp * stride + rows)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+    lsum = tl.fma(scale, tl.where(use, lv, 0.0), lsum)
     acc = tl.fma(scale[:, None], tl.where(use[:, None], o, 0.0), acc)
     return acc, lsum
 
 
 @triton.jit
 def _seq_kernel(m_ptr, l_ptr, o_ptr, out_ptr, stride, n_split, R: tl.constexpr, RP: tl.constexpr,
-                D: tl.constexpr, GROUP: tl.constexpr):
-    """R rows a program (RP: R rounded up to a power of two); GROUP > 1: the splits' loads issued GROUP at a time."""
+                D: tl.constexpr, LOOP: tl.constexpr, GROUP: tl.constexpr):
+    """R rows a program (RP: R rounded up to a power of two). LOOP 0: a plain loop over the splits; 1: their loads
+    issued GROUP at a time; 2: tl.range with num_stages=GROUP (triton's pipelining); 3: each split's loads issued
+    one split ahead by hand (registers carry the next split)."""
     rows = tl.program_id(0) * R + tl.arange(0, RP)
     ok = tl.arange(0, RP) < R
     dd = tl.arange(0, D)
     top = _top(m_ptr, rows, stride, n_split, ok, 64)
     acc = tl.zeros([RP, D], tl.float32)
     lsum = tl.zeros([RP], tl.float32)
-    if GROUP == 1:
+    if LOOP == 0:
         for sp in range(0, n_split):
-            acc, lsum = _add_split(m_ptr, l_ptr, o_ptr, sp, rows, dd, stride, top, acc, lsum, ok, D)
-    else:
+            m, lv, o = _load_split(m_ptr, l_ptr, o_ptr, sp, rows, dd, stride, ok, D)
+            acc, lsum = _fold(m, lv, o, top, acc, lsum)
+    elif LOOP == 1:
         for g0 in range(0, n_split, GROUP):
             for j in tl.static_range(GROUP):  # past n_split: m = -inf, an exact no-op
-                acc, lsum = _add_split(m_ptr, l_ptr, o_ptr, g0 + j, rows, dd, stride, top, acc, lsum,
-                                       ok & (g0 + j < n_split), D)
+                m, lv, o = _load_split(m_ptr, l_ptr, o_ptr, g0 + j, rows, dd, stride, ok & (g0 + j < n_split), D)
+                acc, lsum = _fold(m, lv, o, top, acc, lsum)
+    elif LOOP == 2:
+        for sp in tl.range(0, n_split, num_stages=GROUP):
+            m, lv, o = _load_split(m_ptr, l_ptr, o_ptr, sp, rows, dd, stride, ok, D)
+            acc, lsum = _fold(m, lv, o, top, acc, lsum)
+    else:
+        m, lv, o = _load_split(m_ptr, l_ptr, o_ptr, 0, rows, dd, stride, ok, D)
+        for sp in range(0, n_split):
+            m2, lv2, o2 = _load_split(m_ptr, l_ptr, o_ptr, sp + 1, rows, dd, stride, ok & (sp + 1 < n_split), D)
+            acc, lsum = _fold(m, lv, o, top, acc, lsum)
+            m, lv, o = m2, lv2, o2
     out = acc / lsum[:, None]
     tl.store(out_ptr + rows[:, None] * D + dd[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
@@ -102,12 +124,13 @@ def run(variant: str, m, l, o, T: int, H: int, D: int, out):
         _attn_combine_kernel[(R,)](m, l, o, out, m, T, base, n_split * SPLIT, H=H, D=D, BASE_IS_PTR=False,
                                    SPLIT=SPLIT, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION)
         return
-    rows, group = {"seq_row": (1, 1), "seq_tok": (H, 1), "seq_g8": (H, 8), "seq_row_g8": (1, 8)}[variant]
-    _seq_kernel[(R // rows,)](m, l, o, out, R, n_split, R=rows, RP=triton.next_power_of_2(rows), D=D, GROUP=group,
-                              num_warps=4, **NO_FP_FUSION)
+    rows, loop, group = {"seq_row": (1, 0, 1), "seq_tok": (H, 0, 1), "seq_g8": (H, 1, 8), "seq_row_g8": (1, 1, 8),
+                         "seq_row_ns4": (1, 2, 4), "seq_row_ahead": (1, 3, 1)}[variant]
+    _seq_kernel[(R // rows,)](m, l, o, out, R, n_split, R=rows, RP=triton.next_power_of_2(rows), D=D, LOOP=loop,
+                              GROUP=group, num_warps=4, **NO_FP_FUSION)
 
 
-VARIANTS = ("today", "seq_row", "seq_tok", "seq_g8", "seq_row_g8")
+VARIANTS = ("today", "seq_row", "seq_tok", "seq_g8", "seq_row_g8", "seq_row_ns4", "seq_row_ahead")
 
 
 def main() -> None:
