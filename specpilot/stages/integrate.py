@@ -261,7 +261,7 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
     held = (heldout_batched if dep.batched else heldout_single)(session, builds, heldout_prompts, max_new)
     speedups = held.speedup_vs_ar
     eligible = [label for label in HELDOUT_LABELS if label in builds and (label == "stock" or held.matches_ar[label])]
-    final_label = max(eligible, key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
+    final_label = _fastest(eligible, speedups)
     if final_label == "candidate":
         final_label = _credibly_faster(held, eligible, speedups, decisions)
     decisions.append(f"held-out ({len(heldout_prompts)} prompts, {max_new} new tokens"
@@ -273,12 +273,16 @@ def integrate(session: DeploymentSession, stock: Candidate, current: Candidate, 
                            tuple(decisions), held, held.final_vs_stock[final_label], speedups)
 
 
+def _fastest(labels: list[str], speedups: dict[str, float]) -> str:
+    """The fastest build of labels on the held-out prompts; on equal speed the simpler (HELDOUT_LABELS order)."""
+    return max(labels, key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
+
+
 def _credibly_faster(held: Heldout, eligible: list[str], speedups: dict[str, float], decisions: list[str]) -> str:
     """The candidate leads the held-out comparison: it becomes the final build only if its paired interval over the
     runner-up (the faster of stock and the current build) lies above 1. A lead inside the noise of a few requests
     would swap builds on chance and record a mechanism that proved nothing. One shared unit: the lead decides."""
-    runner_up = max((label for label in eligible if label != "candidate"),
-                    key=lambda label: (speedups[label], -HELDOUT_LABELS.index(label)))
+    runner_up = _fastest([label for label in eligible if label != "candidate"], speedups)
     interval = held.ratio_interval("candidate", runner_up)
     if interval is None or interval[0] > 1.0:
         return "candidate"
