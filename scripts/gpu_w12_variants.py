@@ -9,6 +9,9 @@ the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit fo
 - octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word (nibble e:
            element 32e+j); eight slices decoded by 20 PTX integer instructions (OCT_ASM), eight dots
 - octs_Spf: the same with the next block's bytes loaded before this block's decode
+- octe_S:  the package's oct layout (specpilot.weights.oct) of plain randn * 0.02 weights, escapes included: each
+           (row, block) cell's escapes patched into the decode's per-pair exponent addends (checked bit for bit)
+- octn_S:  the same kernel with the patch skipped (timing only: escaped elements decode wrong)
 Earlier variants (one byte per element with a table gather, paired 64-wide halves: 2-3x slower than these) are in
 notes/h200-s13-w12-variants.json and this file's history.
 
@@ -26,6 +29,8 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels.gemm import _counters, linear, split_k_combine
+from specpilot.weights.format import encode
+from specpilot.weights.oct import oct_layout
 
 CHUNK = 128
 
@@ -40,7 +45,7 @@ def _dec(lo, code, base):
 def _program_tile(N, BLOCK_N: tl.constexpr):
     """(column tile, split-K run, token rows, W rows, W rows as int64 [1, BLOCK_N]) of this program."""
     pid = tl.program_id(0)
-    tiles = tl.cdiv(N, BLOCK_N)
+    tiles = (N + BLOCK_N - 1) // BLOCK_N  # not tl.cdiv: the interpreter calls it outside a kernel's scope
     cols = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     return pid % tiles, pid // tiles, tl.arange(0, 16), cols, cols[None, :].to(tl.int64)
 
@@ -141,6 +146,110 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
+# The same decode with one exponent addend per output pair (e, e+4) ($11..$14): the package's oct layout puts
+# escaped elements' exact exponents in through these addends (see _octe_kernel).
+OCT4_ASM = tl.constexpr("""{
+.reg .b32 t, u, r, m;
+mov.b32 m, 0x807F807F;
+prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$0, $4}, r;
+prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; add.u32 u, u, $12;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$1, $5}, r;
+prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; add.u32 u, u, $13;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$2, $6}, r;
+prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; add.u32 u, u, $14;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$3, $7}, r;
+}""")
+
+
+@triton.jit
+def _oct4_pair(La, Lb, Cw, A, q: tl.constexpr):
+    """Interpreter: elements (q, q + 4) of the asm above from plain integer ops (bit for bit the same)."""
+    if q == 0:
+        u = (Cw << 7) & 0x07800780
+    elif q == 1:
+        u = (Cw << 3) & 0x07800780
+    elif q == 2:
+        u = (Cw >> 1) & 0x07800780
+    else:
+        u = (Cw >> 5) & 0x07800780
+    u = u + A
+    la = (La >> (8 * q)) & 0xFF
+    lb = (Lb >> (8 * q)) & 0xFF
+    lo = ((la & 0x80) << 8) | (la & 0x7F) | (u & 0x7F80)
+    hi = ((lb & 0x80) << 8) | (lb & 0x7F) | ((u >> 16) & 0x7F80)
+    return lo.to(tl.uint16).to(tl.bfloat16, bitcast=True), hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _oct4_decode(La, Lb, Cw, A0, A1, A2, A3, ASM: tl.constexpr):
+    if ASM:
+        h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
+            OCT4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r", [La, Lb, Cw, A0, A1, A2, A3], dtype=(tl.uint16,) * 8,
+            is_pure=True, pack=1)
+        return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
+                h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
+                h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
+                h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
+    else:
+        w0, w4 = _oct4_pair(La, Lb, Cw, A0, 0)
+        w1, w5 = _oct4_pair(La, Lb, Cw, A1, 1)
+        w2, w6 = _oct4_pair(La, Lb, Cw, A2, 2)
+        w3, w7 = _oct4_pair(La, Lb, Cw, A3, 3)
+        return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp, K_SPLIT,
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, ESC: tl.constexpr = True):
+    """The package's oct layout (specpilot.weights.oct) with its escapes: per 256-block, the (row, block) cell's
+    escapes (position, exponent) become signed exponent deltas added to the addend of their output pair, at the
+    tile row j of their position: every element decodes to its exact exponent in the same five instructions.
+    ESC=False skips the patch (wrong bits where escapes are; timing only)."""
+    tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
+    K4 = Kp // 4
+    K8 = Kp // 8
+    nb = Kp // 256
+    j = tl.arange(0, 32)
+    col_ok = cols < N
+    base = tl.load(base_ptr + cols, mask=col_ok, other=0)
+    b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))[None, :]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    cell = cols * nb
+    for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, Kp), 256):
+        La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
+        Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
+        Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
+        A0 = b2
+        A1 = b2
+        A2 = b2
+        A3 = b2
+        if ESC:
+            c0 = tl.load(cell_ptr + cell + k0 // 256, mask=col_ok, other=0)
+            cnt = tl.load(cell_ptr + cell + k0 // 256 + 1, mask=col_ok, other=0) - c0
+            for s in range(0, tl.max(cnt, axis=0)):
+                ok = s < cnt
+                ent = tl.load(esc_ptr + c0 + s, mask=ok, other=0)
+                pos = ent & 0xFF
+                e = pos >> 5
+                delta = ((ent >> 8) & 0xFF) - base - 15  # the code 15 decoded base + 15; the element has ent's
+                d = tl.where(e < 4, delta << 7, delta << 23)
+                hit = (j[:, None] == (pos & 31)[None, :]) & ok[None, :]
+                dd = tl.where(hit, d[None, :], 0)
+                q = (e & 3)[None, :]
+                A0 += tl.where(q == 0, dd, 0)
+                A1 += tl.where(q == 1, dd, 0)
+                A2 += tl.where(q == 2, dd, 0)
+                A3 += tl.where(q == 3, dd, 0)
+        ws = _oct4_decode(La, Lb, Cw, A0, A1, A2, A3, ASM)
+        for e in tl.static_range(8):
+            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :],
+                         mask=(rows[:, None] < T) & (k0 + 32 * e + j[None, :] < K), other=0.0)
+            acc = tl.dot(xq, ws[e], acc)
+    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last & col_ok[None, :])
+
+
 def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
     """bf16 W [N, K] ~ 0.02 randn with every exponent clamped into the 15-wide window ending at the largest."""
     w = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16).view(torch.int16).to(torch.int32)
@@ -187,6 +296,12 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     if name == "octs":
         return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args, ASM=x.is_cuda,
                                                PF=tail.endswith("pf"), **kw)
+    if name in ("octe", "octn"):  # the package's oct layout, with its escapes (octn: patch skipped)
+        o = lay["oct"]
+        Kp = o.padded_cols
+        return lambda: _octe_kernel[grid](x, o.words, o.codes, o.base, o.cell_esc, o.escapes, y, ws,
+                                          _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256, ESC=name == "octe",
+                                          ASM=x.is_cuda, **kw)
     if name == "quads":
         return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], *args, **kw)
     raise ValueError(f"unknown variant {variant!r}")
@@ -216,14 +331,25 @@ def main() -> None:
         data = []
         for _ in range(copies):
             W, base, codes = escape_free(N, K, g, dev)
-            data.append((W, base, layouts(W, codes)))
+            lay = layouts(W, codes)
+            if any(v.split("_")[0] in ("octe", "octn") for v in a.variants.split(",")):
+                plain = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16)
+                lay["plain"], lay["oct"] = plain, oct_layout(encode(plain))
+            data.append((W, base, lay))
+        if "oct" in data[0][2]:
+            o = data[0][2]["oct"]
+            counts = o.cell_counts
+            print(f"{shape:>11} escapes {o.escapes.numel() / (N * K):.2e} of weights, cells with any "
+                  f"{(counts > 0).float().mean().item():.3f}, most in a cell {int(counts.max())}, "
+                  f"{o.kernel_bytes / (N * K):.4f} bytes a weight", flush=True)
         for T in (int(v) for v in a.tokens.split(",")):
             x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
             for variant in a.variants.split(","):
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
                 split = variant.split("_")[1].removesuffix("pf")
-                launcher(f"pkg_{split}", x, data[0][0], None, ref, 0, 32, 4, 3)()
+                ref_w = data[0][2]["plain"] if variant.split("_")[0] in ("octe", "octn") else data[0][0]
+                launcher(f"pkg_{split}", x, ref_w, None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
                     if time.time() - t0 > a.budget_s:
