@@ -12,6 +12,8 @@ the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit fo
 - octe_S:  the package's oct layout (specpilot.weights.oct) of plain randn * 0.02 weights, escapes included: each
            (row, block) cell's escapes patched into the decode's per-pair exponent addends (checked bit for bit)
 - octn_S:  the same kernel with the patch skipped (timing only: escaped elements decode wrong)
+- oct1_S:  each cell's first escape in a dense slot word loaded with the block (always applied), the list only for
+           cells with more (oct1n_S: those skipped, timing only)
 Earlier variants (one byte per element with a table gather, paired 64-wide halves: 2-3x slower than these) are in
 notes/h200-s13-w12-variants.json and this file's history.
 
@@ -33,6 +35,7 @@ from specpilot.weights.format import encode
 from specpilot.weights.oct import oct_layout
 
 CHUNK = 128
+OCT_LAYOUT_VARIANTS = ("octe", "octn", "oct1", "oct1n")  # on the package's oct layout of plain randn weights
 
 
 @triton.jit
@@ -250,6 +253,70 @@ def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last & col_ok[None, :])
 
 
+@triton.jit
+def _slot_addends(A0, A1, A2, A3, ent, ok, base, j):
+    """The four pair addends with one escape per column added: ent = position | exponent << 8 (where ok)."""
+    pos = ent & 0xFF
+    e = pos >> 5
+    delta = ((ent >> 8) & 0xFF) - base - 15  # the code 15 decodes to base + 15; the element's exponent is ent's
+    d = tl.where(ok, tl.where(e < 4, delta << 7, delta << 23), 0)
+    q = e & 3
+    hit = j[:, None] == (pos & 31)[None, :]
+    A0 += tl.where(hit, tl.where(q == 0, d, 0)[None, :], 0)
+    A1 += tl.where(hit, tl.where(q == 1, d, 0)[None, :], 0)
+    A2 += tl.where(hit, tl.where(q == 2, d, 0)[None, :], 0)
+    A3 += tl.where(hit, tl.where(q == 3, d, 0)[None, :], 0)
+    return A0, A1, A2, A3
+
+
+@triton.jit
+def _oct1_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp,
+                 K_SPLIT, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, MORE: tl.constexpr = True):
+    """_octe_kernel with each cell's first escape in a dense slot word [N, Kp/256] (position | exponent << 8 |
+    valid << 16 | more << 17), loaded with the block's bytes (no dependent load) and always applied; a cell with
+    more escapes (bit 17) sends the tile through the escape list for the rest. MORE=False skips that (timing)."""
+    tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
+    K4 = Kp // 4
+    K8 = Kp // 8
+    nb = Kp // 256
+    j = tl.arange(0, 32)
+    col_ok = cols < N
+    base = tl.load(base_ptr + cols, mask=col_ok, other=0)
+    b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))[None, :]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    cell = cols * nb
+    for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, Kp), 256):
+        La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
+        Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
+        Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
+        sw = tl.load(slot_ptr + cell + k0 // 256, mask=col_ok, other=0)
+        A0, A1, A2, A3 = _slot_addends(b2, b2, b2, b2, sw, (sw & 0x10000) != 0, base, j)
+        if MORE:
+            if tl.max(sw >> 17, axis=0) > 0:
+                c0 = tl.load(cell_ptr + cell + k0 // 256, mask=col_ok, other=0)
+                cnt = tl.load(cell_ptr + cell + k0 // 256 + 1, mask=col_ok, other=0) - c0
+                for s in range(1, tl.max(cnt, axis=0)):
+                    ok = s < cnt
+                    ent = tl.load(esc_ptr + c0 + s, mask=ok, other=0)
+                    A0, A1, A2, A3 = _slot_addends(A0, A1, A2, A3, ent, ok, base, j)
+        ws = _oct4_decode(La, Lb, Cw, A0, A1, A2, A3, ASM)
+        for e in tl.static_range(8):
+            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :],
+                         mask=(rows[:, None] < T) & (k0 + 32 * e + j[None, :] < K), other=0.0)
+            acc = tl.dot(xq, ws[e], acc)
+    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last & col_ok[None, :])
+
+
+def first_slots(o) -> torch.Tensor:
+    """int32 [N, Kp/256]: each cell's first escape | valid << 16 | (more than one) << 17, else 0."""
+    counts = o.cell_counts.reshape(-1)
+    first = o.escapes[o.cell_esc[:-1].clamp(max=max(0, o.escapes.numel() - 1)).long()] if o.escapes.numel() else \
+        torch.zeros_like(counts)
+    slot = torch.where(counts > 0, first | (1 << 16) | ((counts > 1).to(torch.int32) << 17), 0)
+    return slot.to(torch.int32).reshape(o.shape[0], -1).contiguous()
+
+
 def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
     """bf16 W [N, K] ~ 0.02 randn with every exponent clamped into the 15-wide window ending at the largest."""
     w = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16).view(torch.int16).to(torch.int32)
@@ -296,6 +363,13 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     if name == "octs":
         return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args, ASM=x.is_cuda,
                                                PF=tail.endswith("pf"), **kw)
+    if name in ("oct1", "oct1n"):  # dense first slot + the list for the rest (oct1n: the rest skipped)
+        o = lay["oct"]
+        Kp = o.padded_cols
+        slots = lay.setdefault("slots", first_slots(o))
+        return lambda: _oct1_kernel[grid](x, o.words, o.codes, o.base, slots, o.cell_esc, o.escapes, y, ws,
+                                          _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256,
+                                          MORE=name == "oct1", ASM=x.is_cuda, **kw)
     if name in ("octe", "octn"):  # the package's oct layout, with its escapes (octn: patch skipped)
         o = lay["oct"]
         Kp = o.padded_cols
@@ -332,7 +406,7 @@ def main() -> None:
         for _ in range(copies):
             W, base, codes = escape_free(N, K, g, dev)
             lay = layouts(W, codes)
-            if any(v.split("_")[0] in ("octe", "octn") for v in a.variants.split(",")):
+            if any(v.split("_")[0] in OCT_LAYOUT_VARIANTS for v in a.variants.split(",")):
                 plain = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16)
                 lay["plain"], lay["oct"] = plain, oct_layout(encode(plain))
             data.append((W, base, lay))
@@ -348,7 +422,7 @@ def main() -> None:
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
                 split = variant.split("_")[1].removesuffix("pf")
-                ref_w = data[0][2]["plain"] if variant.split("_")[0] in ("octe", "octn") else data[0][0]
+                ref_w = data[0][2]["plain"] if variant.split("_")[0] in OCT_LAYOUT_VARIANTS else data[0][0]
                 launcher(f"pkg_{split}", x, ref_w, None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
