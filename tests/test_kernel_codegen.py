@@ -75,8 +75,8 @@ def dots(fn, sig, consts, num_warps=4, pdl=False):
     return out
 
 
-W12 = {"lo_ptr": "*u8", "code_ptr": "*u8", "tab_ptr": "*u8", "rowtab_ptr": "*i32", "rowesc_ptr": "*i32",
-       "esc_ptr": "*u8", "KC": "i32"}  # a W12 W's arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
+W12 = {"words_ptr": "*i32", "codes_ptr": "*i32", "base_ptr": "*i32", "eslot_ptr": "*i32", "cell_ptr": "*i32",
+       "esc_ptr": "*i32", "Kp": "i32"}  # a W12 W's oct arrays (kernels/w12_tile.py); a bf16 W passes w_ptr in each
 TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
 SPLIT = {"ws_ptr": "*fp32", "cnt_ptr": "*i32"}  # split-K partials and arrival counters (gemm.split_k_combine)
 LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **SPLIT, "ss_ptr": "*fp32", "sw_ptr": P,
@@ -281,9 +281,17 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
         assert compiled[f"single_{kind}_row_tile32"] == compiled["paged_row_tile"], kind
 
 
+def any_k(dot: str) -> str:
+    """A projection dot's types with its K width left out: W12 runs eight 32-wide dots where bf16 runs one per chunk."""
+    return re.sub(r"tensor<(16x)?(32|128)(x64)?xbf16", lambda m: f"tensor<{m.group(1) or ''}K{m.group(3) or ''}xbf16",
+                  dot)
+
+
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     assert len(compiled["linear"]) == 1 and "kWidth = 2" in compiled["linear"][0]
-    assert compiled["w12_linear"] == compiled["linear"]
+    # the same MMA (operand layouts, kWidth, accumulator) over 32-wide K slices: per 16-wide K step the same rounding
+    assert len(compiled["w12_linear"]) == 8 and "tensor<16x32xbf16" in compiled["w12_linear"][0]
+    assert {any_k(d) for d in compiled["w12_linear"]} == {any_k(compiled["linear"][0])}
     # preloaded (gemm.preload_chunks): the same MMA per chunk, unrolled; only the warps' spread over the tile may
     # differ, as with num_warps (T-neutral: each element's chain is one warp's, in K order)
     spread = lambda d: re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d)  # noqa: E731
@@ -295,8 +303,10 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     # gate_up's GLU: gate and up rows, two projection dots a chunk; QKV's rotary: one (the partners share the tile)
     assert compiled["norm_linear_epi1"] == [compiled["norm_linear"][0]] + [compiled["norm_linear"][1]] * 2
     assert compiled["norm_linear_epi2"] == compiled["norm_linear"]
-    for name in ("norm_linear", "norm_linear_epi1", "norm_linear_epi2"):
-        assert compiled[f"w12_{name}"] == compiled[name], name
+    for name, per_block in (("norm_linear", 8), ("norm_linear_epi1", 16), ("norm_linear_epi2", 8)):
+        stat, *proj = compiled[f"w12_{name}"]
+        assert stat == compiled[name][0] and len(proj) == per_block, name
+        assert {any_k(d) for d in proj} == {any_k(compiled[name][1])}, name
     assert compiled["prenorm_linear"] == compiled["norm_linear"][1:]
     assert compiled["sumsq_linear"] == compiled["linear"]
     # the producer's segment sums, 16 lanes a row, by an fp32 dot with ones; then the projection

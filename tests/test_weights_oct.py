@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.weights import bitwise_equal, concat_rows, decode, encode
-from specpilot.weights.oct import BLOCK, decode_oct, oct_layout
+from specpilot.weights.oct import BLOCK, SLOT_MORE, SLOT_VALID, decode_oct, oct_layout
 
 
 def bits(*values: int) -> torch.Tensor:
@@ -47,7 +47,22 @@ def test_llama_like_weights_are_exact_with_few_escapes(K):
     Kp = lay.padded_cols
     assert lay.words.shape == (64, Kp // 4) and lay.codes.shape == (64, Kp // 8) and lay.base.shape == (64,)
     assert lay.cell_esc.shape == (64 * Kp // BLOCK + 1,)
-    assert lay.kernel_bytes == 64 * Kp * 1.5 + 64 * 4 + lay.cell_esc.numel() * 4 + lay.escapes.numel() * 4
+    assert lay.kernel_bytes == (64 * Kp * 1.5 + 64 * 4 + lay.cell_esc.numel() * 4 + lay.escapes.numel() * 4
+                                + 64 * Kp // BLOCK * 4)
+
+
+def test_slots_hold_each_cells_first_escape_and_flag_the_rest():
+    t = (torch.randn(8, 600, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    t[2, 3], t[2, 4], t[2, 255], t[5, 513] = 1e-30, -2e-30, 3e-31, 1e-25  # row 2 block 0 three, row 5 block 2 one
+    lay = oct_layout(encode(t))
+    counts = lay.cell_counts
+    assert lay.slots.shape == counts.shape == (8, 3)
+    for r in range(8):
+        for b in range(3):
+            slot, n = int(lay.slots[r, b]), int(counts[r, b])
+            first = int(lay.escapes[int(lay.cell_esc[r * 3 + b])]) if n else 0
+            assert slot == (first | SLOT_VALID if n else 0) | (SLOT_MORE if n > 1 else 0), (r, b)
+    assert int(lay.slots[2, 0]) & 0xFF == 3 and int(lay.slots[5, 2]) & 0xFF == 1 and counts[2, 0] >= 3
 
 
 def test_edge_values_and_an_all_escape_table():

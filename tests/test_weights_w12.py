@@ -282,7 +282,7 @@ def test_w12_rmsnorm_linear_equals_rmsnorm_linear_on_decoded(T, N, Kd, table, ex
                 K.rmsnorm_linear(x, nw, decode(Q), 1e-5, res, bias=bias, out_dtype=out_dtype))
 
 
-@pytest.mark.parametrize("row_tile", [16, 1])
+@pytest.mark.parametrize("row_tile", [16])
 @pytest.mark.parametrize("T", [1, 5, 17])
 def test_every_projection_launch_takes_w12_with_the_same_bits(T, row_tile):
     """One kernel body for both formats: the fused QKV + rotary + cache write, norm + gate_up + SwiGLU, the LM
@@ -346,6 +346,20 @@ def test_w12_kernels_are_batch_invariant(table):
             assert torch.equal(_bits(fn(x)[p]), _bits(alone)), f"{name}: row {p} differs among T={T} rows"
 
 
+@pytest.mark.parametrize("Kd,split_k,block_k", [(1024, 2, 128), (1024, 4, 128), (1536, 2, 256)])
+def test_w12_split_k_equals_bf16_split_k(Kd, split_k, block_k):
+    """Split-K runs start at any 256-block: each cell's escapes are found from the cell, not by walking K."""
+    g = torch.Generator().manual_seed(Kd + split_k)
+    W = weights("plain", 40, Kd, seed=12)
+    W[3, 300:310] = 1e-30  # a cell with ten escapes, in the second run
+    Q = encode(W)
+    x = torch.randn(5, Kd, generator=g).to(torch.bfloat16).to(DEV)
+    nw = (1 + 0.2 * torch.randn(Kd, generator=g)).to(torch.bfloat16).to(DEV)
+    p = {"split_k": split_k, "block_k": block_k}
+    assert_same(K.linear(x, Q, **p), K.linear(x, decode(Q), **p))
+    assert_same(K.rmsnorm_linear(x, nw, Q, 1e-5, **p), K.rmsnorm_linear(x, nw, decode(Q), 1e-5, **p))
+
+
 def test_w12_wrapper_errors():
     Q = encode(weights("plain", 16, 64, seed=11))
     x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEV)
@@ -359,6 +373,14 @@ def test_w12_wrapper_errors():
         K.rmsnorm_linear(x, x[0], Q, 0.0)
     with pytest.raises(ValueError, match="block_n"):
         K.linear(x, Q, block_n=24)
+    with pytest.raises(ValueError, match="row_tile=16"):
+        K.linear(x, Q, row_tile=1)
+    Q576 = encode(weights("plain", 16, 576, seed=11))
+    x576 = torch.zeros(2, 576, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="whole 256-element blocks"):  # 5 chunks of 128 in 2 runs: 384 a run
+        K.linear(x576, Q576, split_k=2)
+    with pytest.raises(ValueError, match="whole 256-element blocks"):
+        K.rmsnorm_linear(x576, x576[0], Q576, 1e-5, split_k=2)
 
 
 def test_bench_w12_refuses_cpu():

@@ -5,10 +5,10 @@ o_proj+residual, norm+gate_up+SwiGLU, down+residual. Every kernel tiles tokens b
 a fixed order, so a token's row is bit-identical whatever the forward's width: AR (1 token) and verify (k tokens)
 agree without padding to a common shape. Same weights as the torch path (the LlamaModel's).
 
-weight_format=W12: the same launches read the projections as W12 weights (specpilot.weights), decoded in each
-kernel's W tile load (kernels/w12_tile.py), which gives the bf16 bits on the decoded weights; the W12 weights are
-built once, with the tables, and checked bit for bit against the model, so W12 changes no output, only the bytes
-read per step.
+weight_format=W12: the same launches read the projections as W12 weights (specpilot.weights) in the kernels' oct
+layout, decoded in each kernel's K loop (kernels/w12_tile.py), which gives the bf16 bits on the decoded weights; the
+W12 weights and their layouts are built once and checked bit for bit against the model, so W12 changes no output,
+only the bytes read per step.
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from specpilot.engines.config import WeightFormat
 from specpilot.engines.llama import LlamaModel
 from specpilot.kernels.attn import AttentionParams
 from specpilot.kernels.table import LaunchTable
-from specpilot.weights.model import W12Weights
+from specpilot.weights.model import OctWeights, W12Weights
 
 
 @dataclass
 class FusedTables:
     cos: torch.Tensor  # [max_pos, D/2] fp32
     sin: torch.Tensor
-    w12: W12Weights | None = None  # the projections in W12 (weight_format=W12); None: read the model's bf16
+    w12: OctWeights | None = None  # the projections in W12, kernel layout (weight_format=W12); None: the model's bf16
     launch: LaunchTable = field(default_factory=LaunchTable)  # EngineConfig.kernel_table (tuned launch params)
 
 
@@ -50,7 +50,8 @@ def rope_tables_for(model: LlamaModel, max_positions: int, device,
             packed.check_against(model)  # the engine's exactness rests on decoding to the very weights it runs
     elif w12 is not None:
         raise ValueError(f"W12 weights given but weight_format={weight_format.value}")
-    return FusedTables(cos.contiguous(), sin.contiguous(), packed, LaunchTable(tuple(kernel_table)))
+    return FusedTables(cos.contiguous(), sin.contiguous(), None if packed is None else packed.kernel_layouts(),
+                       LaunchTable(tuple(kernel_table)))
 
 
 def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.NATIVE) -> None:
@@ -84,7 +85,7 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
         ws = [(a.qkv_proj.weight, a.o_proj.weight, m.gate_up_proj.weight, m.down_proj.weight)
               for a, m in ((layer.self_attn, layer.mlp) for layer in model.layers)]
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    else:  # W12Tensors: the same kernels decode them in the W tile load (kernels/w12_tile.py)
+    else:  # W12 in the oct layout: the same kernels decode it in their K loop (kernels/w12_tile.py)
         ws = [(p.qkv, p.o, p.gate_up, p.down) for p in packed.layers]
         head = packed.head
     T, lt = ids.shape[0], tables.launch

@@ -56,6 +56,8 @@ def capture_graph(body, warmups: int = 2, pool=None):
 NO_FP_FUSION = {"enable_fp_fusion": False}
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)
+# K per rounding step of the interpreter's float tl.dot (fix 3 of _fix_interpreter): an MMA's K (m16n8k16).
+DOT_K_STEP = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +105,18 @@ def _fix_interpreter() -> None:
        through torch, so interpreted kernels round like compiled ones.
     3. Its `tl.dot` multiplies bf16's raw uint16 bits as integers, and for floats it calls BLAS, whose result for
        a row depends on the row's position in the tile (OpenBLAS sgemm handles rows 6..11 of 16 with another
-       micro-kernel), so the interpreter could not show batch invariance: replace float dots by exact products
-       summed in fp64 in ascending k for every element, rounded to fp32 and added to the accumulator (the GPU's
-       MMA also forms exact products and accumulates in a fixed order, in fp32).
+       micro-kernel), so the interpreter could not show batch invariance. Float dots are replaced by 16-wide K
+       steps in ascending k, the same for every output element: for each slice s of 16 k's,
+       `acc = fp32(acc + fp32(sum over s of the exact products, in fp64, ascending k))` -- the slice sum is
+       rounded to fp32 once, then added to the fp32 accumulator (one more rounding). Why per 16: the GPU's MMA
+       (m16n8k16) rounds once per 16-wide K instruction, chained through the accumulator in K order, so on the GPU
+       one 256-wide dot, two 128-wide and eight chained 32-wide dots over the same K give the same bits; the
+       interpreter keeps that property (a kernel that runs eight 32-wide dots, such as W12 decode, equals one that
+       runs one wide dot, bit for bit, on CPU). One rounding of the whole K's fp64 sum (this fix's first form)
+       made the result depend on the dot's width. The exact fp32 rounding inside an MMA is only modelled, not
+       reproduced: the interpreter's bits are not the GPU's. A K that is not a multiple of 16 (the interpreter
+       accepts any K >= 1; a GPU 16-bit dot needs a power of two >= 16) is not refused: its last slice is
+       shorter (K < 16: one slice, as before), so interpreter-only tiny shapes keep running.
     All only touch the interpreter; re-running is a no-op.
     """
     try:
@@ -145,10 +156,30 @@ def _fix_interpreter() -> None:
             if h.dtype.scalar == tl.bfloat16:
                 data = convert_float(data, tl.bfloat16, tl.float32, None).view(np.float32)
             return data.astype(np.float64)
-        # exact products, summed over k in ascending order, the same way for every output element
-        prod = f64(a)[..., :, :, None] * f64(b)[..., None, :, :]
-        acc = np.add.reduce(prod, axis=-2).astype(np.float32) + d.data
-        return interpreter.TensorHandle(acc.astype(np.float32), tl.float32)
+
+        def slice_sums(x, y, w):
+            # x [..., M, S*w], y [..., S*w, N] -> [..., M, S, N]: per w-wide k slice, the exact products summed
+            # in fp64 in ascending k (explicit adds: np.add.reduce may sum pairwise along a contiguous axis)
+            s = x.shape[-1] // w
+            prod = (x.reshape(x.shape[:-1] + (s, w))[..., :, :, :, None]
+                    * y.reshape(y.shape[:-2] + (s, w) + y.shape[-1:])[..., None, :, :, :])  # [..., M, S, w, N]
+            total = prod[..., 0, :].copy()
+            for j in range(1, w):
+                total += prod[..., j, :]
+            return total
+
+        x, y = f64(a), f64(b)  # [..., M, K], [..., K, N]
+        k_full = x.shape[-1] - x.shape[-1] % DOT_K_STEP
+        parts = []
+        if k_full:
+            parts.append(slice_sums(x[..., :k_full], y[..., :k_full, :], DOT_K_STEP))
+        if k_full < x.shape[-1]:  # a shorter last slice (K not a multiple of 16: interpreter-only shapes)
+            parts.append(slice_sums(x[..., k_full:], y[..., k_full:, :], x.shape[-1] - k_full))
+        sums = np.concatenate(parts, axis=-2).astype(np.float32)  # each slice sum rounded to fp32 once
+        acc = np.array(d.data, dtype=np.float32)
+        for i in range(sums.shape[-2]):  # ascending k: one fp32 add (rounding) per slice
+            acc = acc + sums[..., i, :]
+        return interpreter.TensorHandle(acc, tl.float32)
 
     interpreter._patch_lang_tensor = patch_lang_tensor
     interpreter._convert_float = convert_float

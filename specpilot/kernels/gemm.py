@@ -27,23 +27,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq
-from .w12_tile import w12_cols, w12_tile, weight_operand
+from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, oct_load, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
 SPLIT_KS = (1, 2, 4, 8)  # split-K factors a launch may use (split_k_combine unrolls the sum)
 
 
-def check_split(split_k: int, w12: bool) -> None:
+def check_split(split_k: int) -> None:
     if split_k not in SPLIT_KS:
         raise ValueError(f"split_k={split_k!r} must be one of {SPLIT_KS}")
-    if w12 and split_k > 1:  # a W12 row's escape cursor walks K from its start (w12_tile.py)
-        raise ValueError("split_k > 1 is not supported with W12 weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,15 +157,20 @@ def preload_w(w_cols, ks, col_ok, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr
 SPLIT_K_ROWS = 64
 
 
+def split_size(k: int, block_k: int, split_k: int) -> int:
+    """K elements of each split-K run: whole chunks of block_k, as even as they go (the last run may be shorter)."""
+    chunks = triton.cdiv(k, block_k)
+    if split_k > chunks:
+        raise ValueError(f"split_k={split_k} exceeds the {chunks} K chunks of {block_k} (K={k})")
+    return triton.cdiv(chunks, split_k) * block_k
+
+
 def split_launches(device: torch.device, tokens: int, n: int, k: int, block_k: int, row_tile: int, block_n: int,
                    split_k: int, pair: bool = False) -> list[tuple]:
     """The launches of a projection over `tokens` rows and n output columns: one without split-K, else one per
     SPLIT_K_ROWS rows; each (first row, end row, grid, partials workspace, arrival counters, K elements per split).
     pair: two W row sets per column, whose partials split-K keeps too."""
-    chunks = triton.cdiv(k, block_k)
-    if split_k > chunks:
-        raise ValueError(f"split_k={split_k} exceeds the {chunks} K chunks of {block_k} (K={k})")
-    per_split = triton.cdiv(chunks, split_k) * block_k
+    per_split = split_size(k, block_k, split_k)
     step = tokens if split_k == 1 else SPLIT_K_ROWS
     launches = []
     for r0 in range(0, tokens, step):
@@ -251,7 +253,7 @@ def _x_chunk(x_rows, kk, row_ok, K, SWIGLU: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, b_ptr, r_ptr, y_ptr,
+def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr, Kp, b_ptr, r_ptr, y_ptr,
                    ws_ptr, cnt_ptr, ss_ptr, sw_ptr, g_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr,
                    HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -282,8 +284,6 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
     if EARLY_RES:  # their L2 latency overlaps the K loop instead of following it
         bias, r = _epilogue_inputs(b_ptr, r_ptr, offs, cols, row_ok, col_ok, HAS_BIAS, HAS_RES)
-    if W12:  # W12 weights (w12_tile.py): the W tile load below is the only other difference
-        lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = pid_k * K_SPLIT
     if W_PRELOAD > 0:  # every x chunk loaded before the first dot (one L2 trip), then the same dot chain
@@ -293,17 +293,28 @@ def _linear_kernel(x_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_p
         for c in tl.static_range(W_PRELOAD):
             acc = tile_mac(xs[c], w_pre[c], acc, DOT_PREC, BLOCK_M)
         k_lo = W_PRELOAD * BLOCK_K  # a large tile's K loop takes the chunks it did not preload
-    if K_LOOP:  # 0: the whole tile was preloaded
+    if W12:  # W12 weights (w12_tile.py): 256-element blocks, each eight 32-wide dots in ascending K
+        w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
+        js = tl.arange(0, 32)
+        k_end = tl.minimum(K, k_lo + K_SPLIT)
+        k_last = k_lo + (k_end - 1 - k_lo) // OCT_BLOCK * OCT_BLOCK
+        La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k_lo, Kp)
+        for k0 in range(k_lo, k_end, OCT_BLOCK):
+            nLa, nLb, nCw, nsw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok,
+                                          tl.minimum(k0 + OCT_BLOCK, k_last), Kp)  # the last block: loaded again
+            ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
+            La, Lb, Cw, sw = nLa, nLb, nCw, nsw
+            for e in tl.static_range(8):
+                if k0 + 32 * e < K:  # a K tail's padding slices (x would be all zero there) are skipped
+                    acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC,
+                                   BLOCK_M)
+    elif K_LOOP:  # 0: the whole tile was preloaded
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
             a = _x_chunk(x_rows, kk, row_ok, K, SWIGLU)
             wm = k_ok[:, None] & col_ok[None, :]
-            if W12:
-                w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk,
-                                       wm)
-            else:
-                w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
+            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)  # [BLOCK_K, BLOCK_N]
             acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
     release_successor(PDL)
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, BLOCK_M, BLOCK_N)
@@ -339,7 +350,7 @@ def swiglu_linear_ref(gate_up: torch.Tensor, W: torch.Tensor, residual: torch.Te
     return linear_ref(swiglu_ref(gate_up), W, residual, bias=bias, out_dtype=out_dtype)
 
 
-def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dtype, out, swiglu: bool,
+def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dtype, out, swiglu: bool,
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
             split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
             grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None,
@@ -354,7 +365,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     if T < 1 or K < 1 or (swiglu and x.shape[1] % 2):
         raise ValueError(f"{xname} must be [T >= 1, {'2*I' if swiglu else 'K'}], got {list(x.shape)}")
     w_args, w12, N = weight_operand(W, K, dt, dev)
-    check_split(split_k, w12)
+    check_split(split_k)
     out_dtype = dt if out_dtype is None else out_dtype
     if out_dtype not in ACT_DTYPES:
         raise ValueError(f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
@@ -378,7 +389,9 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
               if num_stages is None else num_stages)
     pdl = pdl_launch(dev, N, K, x.element_size(), grid_dependency)
     preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size())
-    for r0, r1, grid, ws, counters, per_split in split_launches(dev, T, N, K, block_k, row_tile, bn, split_k):
+    launches = split_launches(dev, T, N, K, block_k, row_tile, bn, split_k)
+    check_w12_launch(w12, row_tile, launches[0][5], K)
+    for r0, r1, grid, ws, counters, per_split in launches:
         res = x if residual is None else residual[r0:r1]
         ss = ws if row_sumsq_out is None else row_sumsq_out[r0:r1]
         _linear_kernel[grid](x[r0:r1], *w_args, x if bias is None else bias, res, out[r0:r1], ws, counters, ss,
@@ -393,7 +406,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual, bias, out_dt
     return out
 
 
-def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
+def linear(x: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor | None = None, *,
            bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
            block_n: int | None = None, num_warps: int = 4, num_stages: int | None = None,
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
@@ -401,7 +414,8 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
            row_sumsq_out: torch.Tensor | None = None, scale_w: torch.Tensor | None = None,
            scaled_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
-    W12Tensor (bf16 x), read 1.5 bytes a weight and decoded in the kernel: the bits of linear(x, decode(W)).
+    W12 weight (an OctLayout, or a W12Tensor converted on each call; bf16 x), read ~1.52 bytes a weight and decoded in
+    the kernel: the bits of linear(x, decode(W)).
 
     bias [N] has x's dtype; residual [T, N] and the result have out_dtype (default x.dtype). row_sumsq_out: a
     float32 [T, N / 16] tensor that gets the sums of squares of y's 16-column segments (rmsnorm.row_sumsq_ref), for
@@ -412,7 +426,7 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor 
                    split_k, early_residual, w_preload, grid_dependency, row_sumsq_out, scale_w, scaled_out)
 
 
-def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Tensor, residual: torch.Tensor | None = None, *,
+def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor | None = None, *,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,

@@ -10,13 +10,13 @@ rows I + j from the same normalised tile, in the same fixed K order; a QKV tile 
 rotate_half partner j + D/2) and exchanges its halves in registers, so W is read once. Every value equals the
 unfused pair's: the projection rounded to the dtype, then the rotation (fp32, from the fp32 tables) or silu_mul.
 Batch invariance is rmsnorm_linear's: nothing depends on T or other rows.
-W may be a W12Tensor (bf16 x), decoded in the kernel's W tile loads as in rmsnorm_linear (w12_tile.py).
+W may be a W12 weight (OctLayout or W12Tensor; bf16 x), decoded in the kernel's K loop as in rmsnorm_linear (w12_tile.py).
 """
 from __future__ import annotations
 
 import torch
 
-from ..weights.format import W12Tensor
+from .w12_tile import W12Weight
 from ._common import check_int, check_out, check_tensor, dot_precision
 from .act import swiglu_ref
 from .gemm import BLOCK_K
@@ -36,7 +36,7 @@ def rmsnorm_glu_ref(x, norm_w, W, eps, residual=None):
     return swiglu_ref(y) if residual is None else (swiglu_ref(y[0]), y[1])
 
 
-def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
+def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weight, eps: float,
                      positions: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int, *,
                      out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
@@ -91,7 +91,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     return out
 
 
-def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
+def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weight, eps: float,
                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,

@@ -22,17 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..weights.format import W12Tensor
 from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
                       dot_precision)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
-                   split_k_combine, split_launches, tile_mac)
+                   split_k_combine, split_launches, split_size, tile_mac)
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import (check_row_sumsq, check_scaled_x, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd,
                       rstd_from_sumsq, stat_segments)
 from .rope_kv import rotate
-from .w12_tile import w12_cols, w12_tile, weight_operand
+from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, oct_load, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
 # Loads a norm launch issues ahead of their use: 0 none; 1 the next K chunk's x (and norm weight) one iteration ahead;
@@ -105,8 +104,8 @@ class RMSNormLinearParams(LaunchParams):
 
 
 @triton.jit
-def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr,
-              esc_ptr, KC, cols, cols2, rows, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
+def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr,
+              esc_ptr, Kp, cols, cols2, rows, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
               HAS_RES: tl.constexpr,
               DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr,
@@ -126,48 +125,64 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, lo_ptr, code
                             STAT_UNROLL)
 
     # pass 2: normalise each chunk with the dtype roundings of LlamaRMSNorm and feed the projection
-    if W12:
-        lo_cols, code_cols, tab_base, esc_next = w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC)
-        if PAIR:
-            lo_cols2, code_cols2, tab_base2, esc_next2 = w12_cols(rowtab_ptr, rowesc_ptr, cols2, col_ok2, K, KC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency otherwise
-    # sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not pipeline it):
-    # one program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
-    if ACT_PREFETCH >= 1 and NORM:
-        kk = k_lo + ks
-        h_next = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
-        nw_next = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < K
-        if not NORM:  # feeds the dot unchanged: the pipeliner loads it ahead, as in `linear`
-            a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        else:
-            if ACT_PREFETCH >= 1:
-                h, nw = h_next, nw_next
-                kn = kk + BLOCK_K
-                h_next = load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
-                nw_next = tl.load(nw_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+    if W12:  # W12 weights (w12_tile.py): 256-element blocks, each eight 32-wide slices of x and dots, K ascending
+        w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
+        w_rows2, w_base2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)
+        js = tl.arange(0, 32)
+        k_last = k_lo + (k_hi - 1 - k_lo) // OCT_BLOCK * OCT_BLOCK
+        La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k_lo, Kp)
+        La2, Lb2, Cw2, sw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2 & PAIR, k_lo, Kp)
+        for k0 in range(k_lo, k_hi, OCT_BLOCK):  # each block's words loaded one block ahead (the last: again)
+            k_next = tl.minimum(k0 + OCT_BLOCK, k_last)
+            nLa, nLb, nCw, nsw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k_next, Kp)
+            ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
+            La, Lb, Cw, sw = nLa, nLb, nCw, nsw
+            if PAIR:
+                nLa2, nLb2, nCw2, nsw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2, k_next, Kp)
+                ws2 = oct_block(La2, Lb2, Cw2, sw2, cell_ptr, esc_ptr, w_base2, b22, cells2, col_ok2, k0)
+                La2, Lb2, Cw2, sw2 = nLa2, nLb2, nCw2, nsw2
+            for e in tl.static_range(8):
+                if k0 + 32 * e < K:  # a K tail's padding slices are skipped
+                    kk = k0 + 32 * e + js
+                    k_ok = kk < K
+                    if not NORM:
+                        a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    else:
+                        h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
+                        a = normalize(h, tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), rstd)
+                    acc = tile_mac(a, ws[e], acc, DOT_PREC, BLOCK_M)
+                    if PAIR:
+                        acc2 = tile_mac(a, ws2[e], acc2, DOT_PREC, BLOCK_M)
+    else:
+        # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency
+        # otherwise sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not
+        # pipeline it): one program of a Llama-3-8B-sized launch took 24 us against the plain GEMM's 15.
+        if ACT_PREFETCH >= 1 and NORM:
+            kk = k_lo + ks
+            h_next = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & (kk < K)[None, :], HAS_RES)
+            nw_next = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            if not NORM:  # feeds the dot unchanged: the pipeliner loads it ahead, as in `linear`
+                a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             else:
-                h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
-                nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            a = normalize(h, nw, rstd)
-        wm = k_ok[:, None] & col_ok[None, :]
-        if W12:
-            w, esc_next = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk, wm)
-        else:
-            w = tl.load(w_cols + kk[:, None], mask=wm, other=0.0)
-        acc = tile_mac(a, w, acc, DOT_PREC, BLOCK_M)
-        if PAIR:
-            wm2 = k_ok[:, None] & col_ok2[None, :]
-            if W12:
-                w2, esc_next2 = w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols2, code_cols2, tab_base2, esc_next2,
-                                         kk, wm2)
-            else:
-                w2 = tl.load(w_cols2 + kk[:, None], mask=wm2, other=0.0)
-            acc2 = tile_mac(a, w2, acc2, DOT_PREC, BLOCK_M)
+                if ACT_PREFETCH >= 1:
+                    h, nw = h_next, nw_next
+                    kn = kk + BLOCK_K
+                    h_next = load_h(x_ptr, r_ptr, row_offs + kn[None, :], row_ok[:, None] & (kn < K)[None, :], HAS_RES)
+                    nw_next = tl.load(nw_ptr + kn, mask=kn < K, other=0.0).to(tl.float32)
+                else:
+                    h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
+                    nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                a = normalize(h, nw, rstd)
+            wm = k_ok[:, None] & col_ok[None, :]
+            acc = tile_mac(a, tl.load(w_cols + kk[:, None], mask=wm, other=0.0), acc, DOT_PREC, BLOCK_M)
+            if PAIR:
+                wm2 = k_ok[:, None] & col_ok2[None, :]
+                acc2 = tile_mac(a, tl.load(w_cols2 + kk[:, None], mask=wm2, other=0.0), acc2, DOT_PREC, BLOCK_M)
     return acc, acc2
 
 
@@ -230,8 +245,8 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC,
-                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr, ss_ptr,
+def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr,
+                           Kp, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr, ss_ptr,
                            pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
@@ -274,7 +289,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, lo_ptr, code_ptr, tab_pt
         post_rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
     k_lo = pid_k * K_SPLIT
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K,
-                          lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC, cols, cols2, rows, row_offs,
+                          words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr, Kp, cols, cols2, rows, row_offs,
                           row_ok, col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo,
                           tl.minimum(K, k_lo + K_SPLIT), K, eps, HAS_RES, DOT_PREC, EPI == EPI_GLU, W12, BLOCK_M,
                           BLOCK_N, BLOCK_K, STAT_UNROLL, ACT_PREFETCH, NORM, STAT_SEGS)
@@ -352,7 +367,8 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     check_row_sumsq(row_sumsq, producer_stat, x, residual)
     check_scaled_x(scaled_x, post_scale, x)
     w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
-    check_split(split_k, w12)
+    check_split(split_k)
+    check_w12_launch(w12, row_tile, split_size(K, block_k, split_k), K)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     if residual is not None:
@@ -408,7 +424,7 @@ def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int
     return bn, stages, split_launches(x.device, T, n, x.shape[1], block_k, row_tile, bn, split_k, pair)
 
 
-def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Tensor, eps: float,
+def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weight, eps: float,
                    residual: torch.Tensor | None = None, *, bias: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                    residual_out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int | None = None,
@@ -418,7 +434,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12T
                    producer_stat: bool = False, row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
                    scaled_x: torch.Tensor | None = None):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
-    W12Tensor [N, K] with bf16 x (decoded in the kernel: the bits of W = decode(W)).
+    W12 weight [N, K] (OctLayout, or W12Tensor converted on each call) with bf16 x (decoded in the kernel: the bits of
+    W = decode(W)).
     producer_stat: the statistic from row_sumsq [T, K / 16], the segment sums of squares the launch that wrote x
     stored (gemm.linear(..., row_sumsq_out=)); no residual then. post_scale (with producer_stat): W @ scaled_x,
     x * norm_w as that launch stored it too (gemm.linear(..., scale_w=norm_w, scaled_out=)), times each row's rstd.

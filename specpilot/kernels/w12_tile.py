@@ -1,76 +1,173 @@
-"""W12 weights (specpilot.weights.format) read by the projection kernels, decoded inside the matmul.
+"""W12 weights read by the projection kernels in the oct layout (specpilot.weights.oct), decoded inside the matmul.
 
 `linear`, `swiglu_linear`, `rmsnorm_linear`, `rmsnorm_qkv_rope` and `rmsnorm_glu` take W either as a bf16 tensor
-or as a W12Tensor. With W12 their kernels swap one statement, the W tile load, for `w12_tile`: each
-[BLOCK_K, BLOCK_N] tile of W is rebuilt in registers as exact bf16 (sign+mantissa byte, exponent from the row's
-table, escaped exponents from the escape list) and fed to the same dot chain, in the same K order, with the same
-prologue and epilogue. One kernel body for both formats, so the outputs are bit-identical to the bf16 ones on
-decode(W) for any T, batch invariance included; enabling W12 changes no output token, only the bytes read (1.5 a
-weight).
+or as a W12 tensor: an OctLayout (what the engine holds), or a W12Tensor, converted by oct_layout on every call.
+With W12 their K loop walks 256-element blocks: `oct_block` rebuilds a block of the tile's W rows in registers as
+eight exact bf16 [32, BLOCK_N] slices (sign+mantissa bytes, exponent = the row's base + a 4-bit code, escaped
+exponents patched in), and each slice meets its 32 x columns in one dot, in ascending K. A GPU MMA rounds once per
+16-wide K step, so these dots give the bits of the bf16 kernels' 128-wide ones (the interpreter's dot does the same,
+kernels/_common.py); same prologue, epilogue and split-K order: outputs bit-identical to the bf16 ones on decode(W)
+for any T, batch invariance included. W12 changes no output token, only the bytes read (~1.52 a weight).
 
-Escapes: a program walks K in ascending chunks, so it keeps, per W row, the index of that row's next escape
-(row_esc[n] + escapes already passed). A tile without escapes skips the escape path; a tile with some takes an
-integer cumsum over K (exact in any order) and a masked gather. Escape-heavy tensors stay exact, only slower.
+The decode (measured in scripts/gpu_w12_variants.py, notes/h200.md sessions 13 and 28): per two weights one `prmt`
+spreads two sign+mantissa bytes over two bf16 halves, shift + and + add place base + code at each half's exponent,
+one `lop3` merges them, as inline PTX (Triton's own integer ops made the decode ALU-bound). Escapes ride on the add:
+each output pair's addend carries, at the tile row of an escaped element, the signed difference between its
+exponent and base + 15 (what its code decodes to). A cell's first escape comes from the dense `slots` array, loaded
+with the block (no load waits on another); a cell with more sends its tile through the escape list for the rest.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import torch
 import triton
 import triton.language as tl
 
 from ..weights.format import W12Tensor
+from ..weights.oct import BLOCK, SLOT_MORE, SLOT_VALID, OctLayout, oct_layout
 from ._common import check_tensor, is_interpreted
 
-ESCAPE = tl.constexpr(15)  # a constexpr global: compiled kernels may only read constexpr globals
+OCT_BLOCK = tl.constexpr(BLOCK)  # K elements a block: eight 32-wide slices (constexpr globals only, in kernels)
+_SLOT_VALID = tl.constexpr(SLOT_VALID)
+_SLOT_MORE_SHIFT = tl.constexpr(SLOT_MORE.bit_length() - 1)
+
+# Eight bf16 from two lo words (bytes q: elements 32q + j and 128 + 32q + j), a code word (nibble e: element 32e + j)
+# and four exponent addends (pair q = elements (q, q + 4)): per pair one byte permute spreads [lo_q, lo_q, lo_q+4,
+# lo_q+4] over two 16-bit halves, whose sign and mantissa bits one lop3 keeps while or-ing in the exponents (code
+# shifted to bit 7 of each half, plus the addend): five integer instructions per two weights.
+OCT_ASM = tl.constexpr("""{
+.reg .b32 t, u, r, m;
+mov.b32 m, 0x807F807F;
+prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$0, $4}, r;
+prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; add.u32 u, u, $12;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$1, $5}, r;
+prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; add.u32 u, u, $13;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$2, $6}, r;
+prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; add.u32 u, u, $14;
+lop3.b32 r, t, m, u, 0xEA; mov.b32 {$3, $7}, r;
+}""")
 
 
 @triton.jit
-def w12_tile(lo_ptr, code_ptr, tab_ptr, esc_ptr, lo_cols, code_cols, tab_base, esc_next, kk, m):
-    """W^T tile [BLOCK_K, BLOCK_N] as bf16 (masked elements +0.0), and the rows' next escape index after it."""
-    lo = tl.load(lo_ptr + lo_cols + kk[:, None], mask=m, other=0).to(tl.int32)
-    byte = tl.load(code_ptr + code_cols + (kk // 2)[:, None], mask=m, other=0).to(tl.int32)
-    code = (byte >> ((kk % 2) * 4)[:, None]) & 15
-    ex = tl.load(tab_ptr + tab_base + code).to(tl.int32)
-    esc = (code == ESCAPE).to(tl.int32)  # masked elements loaded code 0: never an escape
-    if tl.max(tl.max(esc, axis=1), axis=0) > 0:
-        # rank of each escape among its row's escapes: exclusive prefix count down K (integers: exact)
-        rank = esc_next[None, :] + tl.cumsum(esc, axis=0) - esc
-        ex = tl.where(esc != 0, tl.load(esc_ptr + rank, mask=esc != 0, other=0).to(tl.int32), ex)
-        esc_next += tl.sum(esc, axis=0)
-    ex = tl.where(m, ex, 0)  # a masked element must be +0.0 (table[0] may be 255: 0 * inf would poison the dot)
-    bits = ((lo & 0x80) << 8) | (ex << 7) | (lo & 0x7F)
-    # The reduction (a no-op) hides the 8-bit loads above from Triton's operand-width heuristic: seen through,
-    # they gave this kernel's dots kWidth=4 operands (another K order inside the MMA) where the bf16 kernels
-    # have kWidth=2, and on an H200 the W12 GEMM parted from the bf16 one at T=16 (tests/test_kernel_codegen.py).
-    bits = tl.max(bits[:, :, None], axis=2)
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), esc_next
+def _oct_pair(La, Lb, Cw, A, q: tl.constexpr):
+    """The interpreter's decode of pair q (elements q and q + 4): the asm's bits from plain integer ops."""
+    if q == 0:
+        u = (Cw << 7) & 0x07800780
+    elif q == 1:
+        u = (Cw << 3) & 0x07800780
+    elif q == 2:
+        u = (Cw >> 1) & 0x07800780
+    else:
+        u = (Cw >> 5) & 0x07800780
+    u = u + A
+    la = (La >> (8 * q)) & 0xFF
+    lb = (Lb >> (8 * q)) & 0xFF
+    lo = ((la & 0x80) << 8) | (la & 0x7F) | (u & 0x7F80)
+    hi = ((lb & 0x80) << 8) | (lb & 0x7F) | ((u >> 16) & 0x7F80)
+    return lo.to(tl.uint16).to(tl.bfloat16, bitcast=True), hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+W12Weight = Union[OctLayout, W12Tensor]  # what the projection kernels take for W besides a dense tensor
+
+_COMPILED = tl.constexpr(not is_interpreted(_oct_pair))  # the interpreter runs no PTX
 
 
 @triton.jit
-def w12_cols(rowtab_ptr, rowesc_ptr, cols, col_ok, K, KC):
-    """Per output column (a W row): byte offsets of its lo and code rows, its table's offset, its first escape."""
-    c64 = cols.to(tl.int64)
-    tab = tl.load(rowtab_ptr + cols, mask=col_ok, other=0) * 16
-    first_esc = tl.load(rowesc_ptr + cols, mask=col_ok, other=0)
-    return c64[None, :] * K, c64[None, :] * KC, tab[None, :], first_esc
+def _oct_decode(La, Lb, Cw, A0, A1, A2, A3):
+    if _COMPILED:
+        h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
+            OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r", [La, Lb, Cw, A0, A1, A2, A3], dtype=(tl.uint16,) * 8,
+            is_pure=True, pack=1)
+        return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
+                h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
+                h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
+                h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
+    else:
+        w0, w4 = _oct_pair(La, Lb, Cw, A0, 0)
+        w1, w5 = _oct_pair(La, Lb, Cw, A1, 1)
+        w2, w6 = _oct_pair(La, Lb, Cw, A2, 2)
+        w3, w7 = _oct_pair(La, Lb, Cw, A3, 3)
+        return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _escape_addends(A0, A1, A2, A3, ent, ok, base, j):
+    """The pair addends with one escape per W row added where ok: ent = position in the block | exponent << 8.
+    Per column the four candidate addends are vectors (cheap); per tile element one compare and four selects."""
+    pos = ent & 0xFF
+    e = pos >> 5
+    delta = ((ent >> 8) & 0xFF) - base - 15  # its code (15) decodes to base + 15; its exponent is ent's
+    d = tl.where(ok, tl.where(e < 4, delta << 7, delta << 23), 0)  # a half's exponent stays 0..255: no borrow
+    q = e & 3
+    hit = j[:, None] == (pos & 31)[None, :]
+    A0 = tl.where(hit, A0 + tl.where(q == 0, d, 0)[None, :], A0)
+    A1 = tl.where(hit, A1 + tl.where(q == 1, d, 0)[None, :], A1)
+    A2 = tl.where(hit, A2 + tl.where(q == 2, d, 0)[None, :], A2)
+    A3 = tl.where(hit, A3 + tl.where(q == 3, d, 0)[None, :], A3)
+    return A0, A1, A2, A3
+
+
+@triton.jit
+def oct_cols(base_ptr, cols, col_ok, Kp):
+    """Per W row of a tile: (rows as int64 [1, BLOCK_N], base [BLOCK_N], the escape-free exponent addend
+    [32, BLOCK_N], index of the row's first cell). Rows past N read as zeros and decode to +0.0."""
+    base = tl.load(base_ptr + cols, mask=col_ok, other=0)
+    b2 = ((base << 7) | (base << 23))[None, :] + tl.zeros([32, 1], dtype=tl.int32)
+    return cols.to(tl.int64)[None, :], base, b2, cols * (Kp // OCT_BLOCK)
+
+
+@triton.jit
+def oct_load(words_ptr, codes_ptr, slot_ptr, w_rows, cells, col_ok, k0, Kp):
+    """The raw words of block [k0, k0 + 256) of the tile's rows: (lo words a, lo words b, code word, slot word).
+    Loaded a block ahead of their decode (oct_block), so their HBM latency overlaps the previous block's work."""
+    j = tl.arange(0, 32)
+    m = col_ok[None, :]
+    La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)
+    Lb = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + 32 + j[:, None], mask=m, other=0)
+    Cw = tl.load(codes_ptr + w_rows * (Kp // 8) + k0 // 8 + j[:, None], mask=m, other=0)
+    sw = tl.load(slot_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=0)
+    return La, Lb, Cw, sw
+
+
+@triton.jit
+def oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, base, b2, cells, col_ok, k0):
+    """W^T over K [k0, k0 + 256) of the tile's rows, from oct_load's words, as eight bf16 [32, BLOCK_N] slices, K
+    ascending (exact): the slot's escape always patched, a cell's further escapes from the list."""
+    j = tl.arange(0, 32)
+    A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & _SLOT_VALID) != 0, base, j)
+    if tl.max(sw >> _SLOT_MORE_SHIFT, axis=0) > 0:  # a cell with more than one escape: the rest from the list
+        cell = cells + k0 // OCT_BLOCK
+        c0 = tl.load(cell_ptr + cell, mask=col_ok, other=0)
+        cnt = tl.load(cell_ptr + cell + 1, mask=col_ok, other=0) - c0
+        for s in range(1, tl.max(cnt, axis=0)):
+            ok = s < cnt
+            A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, tl.load(esc_ptr + c0 + s, mask=ok, other=0), ok,
+                                             base, j)
+    return _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
+
+
+def as_oct(W: OctLayout | W12Tensor) -> OctLayout:
+    """The kernels' layout of a W12 weight (a W12Tensor is converted: hold the OctLayout to convert once)."""
+    return W if isinstance(W, OctLayout) else oct_layout(W)
 
 
 def weight_operand(W: Any, K: int, dtype: torch.dtype, device: torch.device, rows_per_out: int = 1
                    ) -> tuple[tuple, bool, int]:
-    """A projection's W, bf16/fp16/fp32 [N, K] or W12Tensor [N, K], as the kernels take it: (the arguments w_ptr,
-    lo_ptr, code_ptr, tab_ptr, rowtab_ptr, rowesc_ptr, esc_ptr, KC; the W12 flag; N). A W12 W decodes to bf16,
-    so the activations must be bf16 too."""
-    if isinstance(W, W12Tensor):
+    """A projection's W, bf16/fp16/fp32 [N, K], or W12 [N, K] (OctLayout or W12Tensor), as the kernels take it:
+    (the arguments w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr, Kp; the W12 flag; N). A W12 W
+    decodes to bf16, so the activations must be bf16 too."""
+    if isinstance(W, (W12Tensor, OctLayout)):
         if dtype != torch.bfloat16:
             raise ValueError(f"W12 weights decode to bf16: x must have dtype torch.bfloat16, got {dtype}")
-        if len(W.shape) != 2 or W.cols != K:
+        if len(W.shape) != 2 or W.shape[1] != K:
             raise ValueError(f"W must have shape [N, {K}], got {list(W.shape)}")
-        if W.device != device:
-            raise ValueError(f"W is on {W.device} but x is on {device}")
-        esc = W.escapes if W.escapes.numel() else W.lo  # never dereferenced when there are no escapes
-        args, w12, n = (W.lo, W.lo, W.codes, W.tables, W.row_table, W.row_esc, esc, W.codes.shape[1]), True, W.rows
+        o = as_oct(W)
+        if o.words.device != device:
+            raise ValueError(f"W is on {o.words.device} but x is on {device}")
+        esc = o.escapes if o.escapes.numel() else o.words  # never dereferenced when there are no escapes
+        args, w12, n = (o.words, o.words, o.codes, o.base, o.slots, o.cell_esc, esc, o.padded_cols), True, o.shape[0]
     else:
         check_tensor("W", W, (None, K), dtype, device)
         args, w12, n = (W,) * 7 + (1,), False, W.shape[0]  # the W12 pointers are never read
@@ -79,17 +176,31 @@ def weight_operand(W: Any, K: int, dtype: torch.dtype, device: torch.device, row
     return args, w12, n
 
 
+def check_w12_launch(w12: bool, row_tile: int, k_split: int, k: int) -> None:
+    """W12's dots are 32 wide: the bits of the bf16 kernel's chunks only through MMA tiles (16-row tiles; one-row
+    tiles sum each chunk with tl.sum, whose tree follows the chunk width), and split-K runs of whole blocks."""
+    if not w12:
+        return
+    if row_tile != 16:
+        raise ValueError(f"W12 weights need row_tile=16 (got {row_tile}): one-row tiles reduce 128-wide chunks")
+    if k_split < k and k_split % BLOCK:
+        raise ValueError(f"with W12 weights each split-K run must hold whole {BLOCK}-element blocks, got "
+                         f"{k_split} elements a run (K={k}); pick another split_k or block_k")
+
+
 LLAMA3_8B_SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096))  # [N, K]: q/o, down, gate|up half, head
 
 
 def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequence[int] = (1, 16), *,
+              split_ks: Sequence[int] = (1, 4),
               device: str | torch.device = "cuda", reps: int = 20, seed: int = 0) -> list[dict[str, Any]]:
     """GPU: median us of `linear` on W12 weights against `linear` on bf16 per ([N, K], T), on randn * 0.02 bf16 weights.
 
     Timed as CUDA-graph replays over enough weight copies to exceed the L2 cache four times (weights from HBM).
     Each row also checks that the W12 output equals the bf16 one on the decoded weights bit for bit.
     """
-    from ..weights.format import decode, encode
+    from ..weights.format import encode
+    from ..weights.oct import decode_oct
     from .bench import time_graph
     from .gemm import _linear_kernel, linear
 
@@ -104,26 +215,30 @@ def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequ
     for N, K in shapes:
         copies = max(1, min(16, -(-4 * l2 // (N * K * 2))))
         Ws = [(torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16) for _ in range(copies)]
-        Qs = [encode(W) for W in Ws]
+        Qs = [oct_layout(encode(W)) for W in Ws]
         for T in tokens:
             x = (torch.randn(T, K, generator=g, device=dev)).to(torch.bfloat16)
-            if not torch.equal(linear(x, Qs[0]).view(torch.int16), linear(x, decode(Qs[0])).view(torch.int16)):
-                raise RuntimeError(f"linear on W12 differs from linear on bf16 at [N, K]=[{N}, {K}], T={T}")
-            ms = time_graph([lambda Q=Q: linear(x, Q) for Q in Qs], reps)
-            ref_ms = time_graph([lambda W=W: linear(x, W) for W in Ws], reps)
-            st = Qs[0].stats
-            rows.append({"N": N, "K": K, "tokens": T, "w12_us": ms * 1e3, "bf16_us": ref_ms * 1e3,
-                         "speedup": ref_ms / ms, "w12_gbps": st.kernel_bytes / ms / 1e6,
-                         "bf16_gbps": N * K * 2 / ref_ms / 1e6, "bytes_per_weight": st.bytes_per_weight,
-                         "escape_rate": st.escape_rate, "copies": copies})
+            for split in split_ks:
+                if not torch.equal(linear(x, Qs[0], split_k=split).view(torch.int16),
+                                   linear(x, decode_oct(Qs[0]), split_k=split).view(torch.int16)):
+                    raise RuntimeError(f"linear on W12 differs from linear on bf16 at [N, K]=[{N}, {K}], T={T}, "
+                                       f"split_k={split}")
+                ms = time_graph([lambda Q=Q: linear(x, Q, split_k=split) for Q in Qs], reps)
+                ref_ms = time_graph([lambda W=W: linear(x, W, split_k=split) for W in Ws], reps)
+                o = Qs[0]
+                rows.append({"N": N, "K": K, "tokens": T, "split_k": split, "w12_us": ms * 1e3,
+                             "bf16_us": ref_ms * 1e3, "speedup": ref_ms / ms, "w12_gbps": o.kernel_bytes / ms / 1e6,
+                             "bf16_gbps": N * K * 2 / ref_ms / 1e6, "bytes_per_weight": o.kernel_bytes / (N * K),
+                             "escape_rate": o.escapes.numel() / (N * K), "copies": copies})
         del Ws, Qs
     return rows
 
 
 def format_w12_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'N':>7}{'K':>7}{'T':>4}{'w12 us':>9}{'bf16 us':>9}{'x bf16':>8}{'w12 GB/s':>10}{'bf16 GB/s':>10}"
-             f"{'B/w':>8}{'esc rate':>10}"]
-    lines += [f"{r['N']:>7}{r['K']:>7}{r['tokens']:>4}{r['w12_us']:>9.1f}{r['bf16_us']:>9.1f}{r['speedup']:>8.2f}"
+    lines = [f"{'N':>7}{'K':>7}{'T':>4}{'split':>6}{'w12 us':>9}{'bf16 us':>9}{'x bf16':>8}{'w12 GB/s':>10}"
+             f"{'bf16 GB/s':>10}{'B/w':>8}{'esc rate':>10}"]
+    lines += [f"{r['N']:>7}{r['K']:>7}{r['tokens']:>4}{r['split_k']:>6}{r['w12_us']:>9.1f}{r['bf16_us']:>9.1f}"
+              f"{r['speedup']:>8.2f}"
               f"{r['w12_gbps']:>10.0f}{r['bf16_gbps']:>10.0f}{r['bytes_per_weight']:>8.4f}{r['escape_rate']:>10.2e}"
               for r in rows]
     return "\n".join(lines)

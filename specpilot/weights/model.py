@@ -14,14 +14,15 @@ import torch
 
 from specpilot.weights.format import (W12Error, W12Stats, W12Tensor, bitwise_equal, concat_rows, decode, encode,
                                       sum_stats)
+from specpilot.weights.oct import OctLayout, decode_oct, oct_layout
 
 
 @dataclass(frozen=True)
-class W12Layer:
-    qkv: W12Tensor
-    o: W12Tensor
-    gate_up: W12Tensor
-    down: W12Tensor
+class W12Layer:  # W12Tensors in W12Weights, their OctLayouts in OctWeights
+    qkv: W12Tensor | OctLayout
+    o: W12Tensor | OctLayout
+    gate_up: W12Tensor | OctLayout
+    down: W12Tensor | OctLayout
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,25 @@ class W12Weights:
     @property
     def stats(self) -> W12Stats:
         return sum_stats(w.stats for _, w in self.named())
+
+    def kernel_layouts(self) -> "OctWeights":
+        """Every tensor in the kernels' layout (specpilot.weights.oct), each checked to hold the same bits."""
+        def lay(name: str, w: W12Tensor) -> OctLayout:
+            o = oct_layout(w)
+            if not bitwise_equal(decode_oct(o), decode(w)):
+                raise W12Error(f"{name}: the kernel layout does not hold the W12 tensor's bits")
+            return o
+
+        layers = tuple(W12Layer(*(lay(f"layers.{i}.{f}", getattr(l, f)) for f in ("qkv", "o", "gate_up", "down")))
+                       for i, l in enumerate(self.layers))
+        return OctWeights(layers, lay("lm_head", self.head))
+
+
+@dataclass(frozen=True)
+class OctWeights:
+    """W12Weights in the kernels' layout, what the engine's forward reads (fields as W12Layer's, OctLayout each)."""
+    layers: tuple[W12Layer, ...]
+    head: OctLayout
 
 
 def _head(model: torch.nn.Module) -> torch.Tensor:

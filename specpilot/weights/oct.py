@@ -15,6 +15,9 @@ file format stays as it is) and holds, for K padded to Kp = ceil(K / 256) * 256 
   SmolLM2-135M (Q4_1-dequantised) escapes are 3e-4 of the projections' weights but clustered, 98% of (row, block)
   cells hold none and some hold 11-17, so slots sized by the most would cost 0.17-0.27 bytes a weight
   (notes/h200.md, session 14).
+- `slots`  int32 [N, Kp/256]: each cell's first escape | SLOT_VALID (| SLOT_MORE when it holds more), else 0. A
+  kernel loads it with the block's bytes (no load that waits on another) and patches that escape always; only a
+  cell with SLOT_MORE sends it through `escapes` (random weights: 3.9% of cells hold one, 0.08% more than one).
 `decode_oct` is the reference decoder (plain torch, exact); the kernels are to decode the same bits (not yet
 wired: the package's W12 kernels still read `lo`/`codes`). Measured on SmolLM2-135M's 121 matrices (all exact): the
 projections need 1.90 bytes a weight here against W12's 1.51, all of it the K padding (576 -> 768 for q|k|v, o and
@@ -31,6 +34,8 @@ import torch
 from specpilot.weights.format import ESCAPE, W12Tensor, _row_chunks, decode
 
 BLOCK = 256  # elements of a row per block: eight 32-wide K slices
+SLOT_VALID = 1 << 16  # slots: the cell holds an escape (the word's low 16 bits are its first, as in `escapes`)
+SLOT_MORE = 1 << 17  # slots: the cell holds more than one (the rest only in `escapes`)
 WINDOW = ESCAPE  # exponents a code spans (codes 0..14); 15 escapes
 
 
@@ -42,6 +47,7 @@ class OctLayout:
     base: torch.Tensor
     cell_esc: torch.Tensor
     escapes: torch.Tensor
+    slots: torch.Tensor
 
     @property
     def padded_cols(self) -> int:
@@ -56,7 +62,7 @@ class OctLayout:
     def kernel_bytes(self) -> int:
         """What one matmul over the layout reads."""
         return sum(t.numel() * t.element_size() for t in (self.words, self.codes, self.base, self.cell_esc,
-                                                           self.escapes))
+                                                           self.escapes, self.slots))
 
 
 def _window_starts(exponents: torch.Tensor) -> torch.Tensor:
@@ -107,7 +113,17 @@ def oct_layout(w: W12Tensor) -> OctLayout:
     cell_esc = torch.zeros(N * nb + 1, dtype=torch.int32, device=dev)
     torch.cumsum(torch.bincount(cell, minlength=N * nb), 0, out=cell_esc[1:])
     escapes = ((cols % BLOCK) | (exps << 8)).to(torch.int32)
-    return OctLayout((N, K), words, codes, base, cell_esc, escapes)
+    return OctLayout((N, K), words, codes, base, cell_esc, escapes, _first_slots(cell_esc, escapes, N))
+
+
+def _first_slots(cell_esc: torch.Tensor, escapes: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [N, Kp/256]: each cell's first escape | SLOT_VALID, | SLOT_MORE when the cell holds more; else 0."""
+    counts = torch.diff(cell_esc)
+    if escapes.numel() == 0:
+        return torch.zeros(rows, counts.numel() // rows, dtype=torch.int32, device=cell_esc.device)
+    first = escapes[cell_esc[:-1].clamp(max=escapes.numel() - 1).long()]
+    slot = torch.where(counts > 0, first | SLOT_VALID, 0) | torch.where(counts > 1, SLOT_MORE, 0)
+    return slot.to(torch.int32).reshape(rows, -1).contiguous()
 
 
 def _rows(w: W12Tensor, r0: int, r1: int) -> W12Tensor:
