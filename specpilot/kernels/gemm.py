@@ -296,14 +296,9 @@ def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell
     if W12:  # W12 weights (w12_tile.py): 256-element blocks, each eight 32-wide dots in ascending K
         w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
         js = tl.arange(0, 32)
-        k_end = tl.minimum(K, k_lo + K_SPLIT)
-        k_last = k_lo + (k_end - 1 - k_lo) // OCT_BLOCK * OCT_BLOCK
-        La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k_lo, Kp)
-        for k0 in range(k_lo, k_end, OCT_BLOCK):
-            nLa, nLb, nCw, nsw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok,
-                                          tl.minimum(k0 + OCT_BLOCK, k_last), Kp)  # the last block: loaded again
+        for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), OCT_BLOCK):
+            La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k0, Kp)
             ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
-            La, Lb, Cw, sw = nLa, nLb, nCw, nsw
             for e in tl.static_range(8):
                 if k0 + 32 * e < K:  # a K tail's padding slices (x would be all zero there) are skipped
                     acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC,

@@ -131,18 +131,12 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
         w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
         w_rows2, w_base2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)
         js = tl.arange(0, 32)
-        k_last = k_lo + (k_hi - 1 - k_lo) // OCT_BLOCK * OCT_BLOCK
-        La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k_lo, Kp)
-        La2, Lb2, Cw2, sw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2 & PAIR, k_lo, Kp)
-        for k0 in range(k_lo, k_hi, OCT_BLOCK):  # each block's words loaded one block ahead (the last: again)
-            k_next = tl.minimum(k0 + OCT_BLOCK, k_last)
-            nLa, nLb, nCw, nsw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k_next, Kp)
+        for k0 in range(k_lo, k_hi, OCT_BLOCK):
+            La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k0, Kp)
             ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
-            La, Lb, Cw, sw = nLa, nLb, nCw, nsw
             if PAIR:
-                nLa2, nLb2, nCw2, nsw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2, k_next, Kp)
+                La2, Lb2, Cw2, sw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2, k0, Kp)
                 ws2 = oct_block(La2, Lb2, Cw2, sw2, cell_ptr, esc_ptr, w_base2, b22, cells2, col_ok2, k0)
-                La2, Lb2, Cw2, sw2 = nLa2, nLb2, nCw2, nsw2
             for e in tl.static_range(8):
                 if k0 + 32 * e < K:  # a K tail's padding slices are skipped
                     kk = k0 + 32 * e + js

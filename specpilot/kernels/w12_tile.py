@@ -121,7 +121,8 @@ def oct_cols(base_ptr, cols, col_ok, Kp):
 @triton.jit
 def oct_load(words_ptr, codes_ptr, slot_ptr, w_rows, cells, col_ok, k0, Kp):
     """The raw words of block [k0, k0 + 256) of the tile's rows: (lo words a, lo words b, code word, slot word).
-    Loaded a block ahead of their decode (oct_block), so their HBM latency overlaps the previous block's work."""
+    Loading them a block ahead by hand (while the previous block decodes) made the H200 GEMVs 1.4-2x slower
+    (session 28: registers); Triton's pipeliner is left to overlap them."""
     j = tl.arange(0, 32)
     m = col_ok[None, :]
     La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)

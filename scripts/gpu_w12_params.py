@@ -1,0 +1,65 @@
+"""GPU: the package's W12 `linear` over launch parameters (block_n x num_stages x split_k, 4 warps), T=1 and 16,
+against bf16 `linear` at its defaults: which launch shape suits the oct decode (notes/h200.md, session 28).
+
+python3 scripts/gpu_w12_params.py OUT.json [--shapes 4096x4096,14336x4096] [--budget-s 200]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from specpilot.kernels import linear
+from specpilot.kernels.bench import time_graph
+from specpilot.weights.format import encode
+from specpilot.weights.oct import oct_layout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--budget-s", type=float, default=200)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    rows, t0 = [], time.time()
+    for shape in a.shapes.split(","):
+        N, K = (int(v) for v in shape.split("x"))
+        copies = max(1, min(16, -(-4 * l2 // (N * K * 2))))
+        Ws = [(torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16) for _ in range(copies)]
+        Qs = [oct_layout(encode(W)) for W in Ws]
+        for T in (int(v) for v in a.tokens.split(",")):
+            x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
+            ref = time_graph([lambda W=W: linear(x, W) for W in Ws], 15) * 1e3
+            best = None
+            for bn, stages, split, warps in itertools.product((16, 32, 64), (1, 2, 3), (1, 2, 4, 8), (4,)):
+                if time.time() - t0 > a.budget_s:
+                    break
+                p = dict(block_n=bn, num_stages=stages, split_k=split, num_warps=warps)
+                try:
+                    us = time_graph([lambda Q=Q: linear(x, Q, **p) for Q in Qs], 15) * 1e3
+                except Exception as e:  # noqa: BLE001 - a sweep: record and go on
+                    rows.append({"shape": shape, "T": T, **p, "error": str(e)[:200]})
+                    continue
+                row = {"shape": shape, "T": T, **p, "us": us, "bf16_default_us": ref}
+                rows.append(row)
+                if best is None or us < best["us"]:
+                    best = row
+            if best:
+                print(f"{shape:>11} T={T:<3} bf16 default {ref:7.1f} us  W12 best {best['us']:7.1f} us "
+                      f"({ref / best['us']:.2f}x) bn={best['block_n']} stages={best['num_stages']} "
+                      f"split={best['split_k']} warps={best['num_warps']}", flush=True)
+        del Ws, Qs
+        torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
