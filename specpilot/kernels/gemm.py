@@ -299,10 +299,8 @@ def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), OCT_BLOCK):
             La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k0, Kp)
             ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
-            for e in tl.static_range(8):
-                if k0 + 32 * e < K:  # a K tail's padding slices (x would be all zero there) are skipped
-                    acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC,
-                                   BLOCK_M)
+            for e in tl.static_range(8):  # a K tail's padding slices meet x = 0: +0 added to a sum never -0
+                acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC, BLOCK_M)
     elif K_LOOP:  # 0: the whole tile was preloaded
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
             kk = k0 + ks
