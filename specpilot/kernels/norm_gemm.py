@@ -137,17 +137,18 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
             if PAIR:
                 La2, Lb2, Cw2, sw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2, k0, Kp)
                 ws2 = oct_block(La2, Lb2, Cw2, sw2, cell_ptr, esc_ptr, w_base2, b22, cells2, col_ok2, k0)
-            for e in tl.static_range(8):  # a K tail's padding slices meet x = 0: +0 added to a sum never -0
-                kk = k0 + 32 * e + js
-                k_ok = kk < K
-                if not NORM:
-                    a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                else:
-                    h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
-                    a = normalize(h, tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), rstd)
-                acc = tile_mac(a, ws[e], acc, DOT_PREC, BLOCK_M)
-                if PAIR:
-                    acc2 = tile_mac(a, ws2[e], acc2, DOT_PREC, BLOCK_M)
+            for e in tl.static_range(8):
+                if k0 + 32 * e < K:  # a K tail's padding slices are skipped (and see gemm's W12 loop on pipelining)
+                    kk = k0 + 32 * e + js
+                    k_ok = kk < K
+                    if not NORM:
+                        a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    else:
+                        h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
+                        a = normalize(h, tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), rstd)
+                    acc = tile_mac(a, ws[e], acc, DOT_PREC, BLOCK_M)
+                    if PAIR:
+                        acc2 = tile_mac(a, ws2[e], acc2, DOT_PREC, BLOCK_M)
     else:
         # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency
         # otherwise sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not
