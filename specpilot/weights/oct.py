@@ -18,8 +18,8 @@ file format stays as it is) and holds, for K padded to Kp = ceil(K / 256) * 256 
 - `slots`  int32 [N, Kp/256]: each cell's first escape | SLOT_VALID (| SLOT_MORE when it holds more), else 0. A
   kernel loads it with the block's bytes (no load that waits on another) and patches that escape always; only a
   cell with SLOT_MORE sends it through `escapes` (random weights: 3.9% of cells hold one, 0.08% more than one).
-`decode_oct` is the reference decoder (plain torch, exact); the kernels are to decode the same bits (not yet
-wired: the package's W12 kernels still read `lo`/`codes`). Measured on SmolLM2-135M's 121 matrices (all exact): the
+`decode_oct` is the reference decoder (plain torch, exact); the W12 projection kernels (kernels/w12_tile.py) decode
+the same bits from these arrays. Measured on SmolLM2-135M's 121 matrices (all exact): the
 projections need 1.90 bytes a weight here against W12's 1.51, all of it the K padding (576 -> 768 for q|k|v, o and
 gate|up; down's 1536 pads nothing), so K tails need a packing of their own before a kernel reads this; the
 embedding (= LM head) escapes 1.0e-2 of its weights outside any 15-wide window where W12's table (not contiguous)
