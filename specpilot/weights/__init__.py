@@ -3,7 +3,7 @@
 format.py: the W12Tensor arrays, encode / decode / concat_rows and stats; pack.py: the packed-directory layout
 (pack_model, load_w12 with its round-trip check, verify); model.py: the fused per-layer W12 weights the engine's
 Triton forward reads (decoded inside the projection kernels: specpilot.kernels.w12_tile); oct.py: the packed-register
-kernel layout derived from a W12 tensor (notes/w12-oct-plan.md; no kernel reads it yet); cli.py:
+kernel layout derived from a W12 tensor, which the projection kernels read (notes/w12-oct-plan.md); cli.py:
 `specpilot weights pack|verify`.
 """
 from specpilot.weights.format import (ESCAPE, W12Error, W12Stats, W12Tensor, bitwise_equal, concat_rows, decode,
