@@ -7,7 +7,7 @@ the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit fo
 - quads_S: lo as int32 [N, K/4], word j of a 128-block = elements j, 32+j, 64+j, 96+j (bytes 0..3), codes int16
            likewise (nibbles 0..3); decoded with Triton integer ops into four 32-wide slices, four dots
 - octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word (nibble e:
-           element 32e+j); eight slices decoded by 20 PTX integer instructions (OCT_ASM), eight dots
+           element 32e+j); eight slices decoded by 20 PTX integer instructions (kernels/w12_tile.OCT_ASM), eight dots
 - octs_Spf: the same with the next block's bytes loaded before this block's decode
 - octe_S:  the package's oct layout (specpilot.weights.oct) of plain randn * 0.02 weights, escapes included: each
            (row, block) cell's escapes patched into the decode's per-pair exponent addends (checked bit for bit)
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels.gemm import _counters, linear, split_k_combine
+from specpilot.kernels.w12_tile import _escape_addends, _oct_decode  # the package's decode (inline PTX)
 from specpilot.weights.format import encode
 from specpilot.weights.oct import oct_layout
 
@@ -71,50 +72,9 @@ def _quad_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_S
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
-
-# Eight bf16 from two lo words (bytes of elements 0-3 and 4-7) and a code word (nibble e = element e's code):
-# per output pair (e, e+4): one byte permute spreads [l_e, l_e, l_e+4, l_e+4] over two 16-bit halves, whose
-# sign and mantissa bits one lop3 keeps while or-ing in the exponents (code shifted to bit 7 of each half,
-# plus base): five integer instructions per two weights.
-OCT_ASM = tl.constexpr("""{
-.reg .b32 t, u, r, m;
-mov.b32 m, 0x807F807F;
-prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$0, $4}, r;
-prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$1, $5}, r;
-prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$2, $6}, r;
-prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$3, $7}, r;
-}""")
-
-
-@triton.jit
-def _oct_one(La, Lb, Cw, b2, e: tl.constexpr):
-    lo = ((La if e < 4 else Lb) >> (8 * (e % 4))) & 0xFF
-    return _dec(lo, (Cw >> (4 * e)) & 15, (b2 >> 7) & 0xFF)
-
-
-@triton.jit
-def _oct_decode(La, Lb, Cw, b2, ASM: tl.constexpr):
-    if ASM:
-        h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
-            OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [La, Lb, Cw, b2], dtype=(tl.uint16,) * 8, is_pure=True,
-            pack=1)
-        return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
-                h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
-                h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
-                h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
-    else:  # the interpreter runs no PTX: the same bits from plain integer ops
-        return (_oct_one(La, Lb, Cw, b2, 0), _oct_one(La, Lb, Cw, b2, 1), _oct_one(La, Lb, Cw, b2, 2),
-                _oct_one(La, Lb, Cw, b2, 3), _oct_one(La, Lb, Cw, b2, 4), _oct_one(La, Lb, Cw, b2, 5),
-                _oct_one(La, Lb, Cw, b2, 6), _oct_one(La, Lb, Cw, b2, 7))
-
-
 @triton.jit
 def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SPLIT, base, BLOCK_N: tl.constexpr,
-                      SPLIT_K: tl.constexpr, ASM: tl.constexpr,
+                      SPLIT_K: tl.constexpr,
                       PF: tl.constexpr = False):
     tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
     K4 = K // 4
@@ -137,7 +97,7 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
             La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
             Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
             Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
-        ws = _oct_decode(La, Lb, Cw, b2, ASM)
+        ws = _oct_decode(La, Lb, Cw, b2, b2, b2, b2)
         for e in tl.static_range(8):
             xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :], mask=rows[:, None] < T, other=0.0)
             acc = tl.dot(xq, ws[e], acc)
@@ -149,62 +109,9 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
-# The same decode with one exponent addend per output pair (e, e+4) ($11..$14): the package's oct layout puts
-# escaped elements' exact exponents in through these addends (see _octe_kernel).
-OCT4_ASM = tl.constexpr("""{
-.reg .b32 t, u, r, m;
-mov.b32 m, 0x807F807F;
-prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$0, $4}, r;
-prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; add.u32 u, u, $12;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$1, $5}, r;
-prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; add.u32 u, u, $13;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$2, $6}, r;
-prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; add.u32 u, u, $14;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$3, $7}, r;
-}""")
-
-
-@triton.jit
-def _oct4_pair(La, Lb, Cw, A, q: tl.constexpr):
-    """Interpreter: elements (q, q + 4) of the asm above from plain integer ops (bit for bit the same)."""
-    if q == 0:
-        u = (Cw << 7) & 0x07800780
-    elif q == 1:
-        u = (Cw << 3) & 0x07800780
-    elif q == 2:
-        u = (Cw >> 1) & 0x07800780
-    else:
-        u = (Cw >> 5) & 0x07800780
-    u = u + A
-    la = (La >> (8 * q)) & 0xFF
-    lb = (Lb >> (8 * q)) & 0xFF
-    lo = ((la & 0x80) << 8) | (la & 0x7F) | (u & 0x7F80)
-    hi = ((lb & 0x80) << 8) | (lb & 0x7F) | ((u >> 16) & 0x7F80)
-    return lo.to(tl.uint16).to(tl.bfloat16, bitcast=True), hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _oct4_decode(La, Lb, Cw, A0, A1, A2, A3, ASM: tl.constexpr):
-    if ASM:
-        h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
-            OCT4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r", [La, Lb, Cw, A0, A1, A2, A3], dtype=(tl.uint16,) * 8,
-            is_pure=True, pack=1)
-        return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
-                h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
-                h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
-                h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
-    else:
-        w0, w4 = _oct4_pair(La, Lb, Cw, A0, 0)
-        w1, w5 = _oct4_pair(La, Lb, Cw, A1, 1)
-        w2, w6 = _oct4_pair(La, Lb, Cw, A2, 2)
-        w3, w7 = _oct4_pair(La, Lb, Cw, A3, 3)
-        return w0, w1, w2, w3, w4, w5, w6, w7
-
-
 @triton.jit
 def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp, K_SPLIT,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, ESC: tl.constexpr = True):
+                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ESC: tl.constexpr = True):
     """The package's oct layout (specpilot.weights.oct) with its escapes: per 256-block, the (row, block) cell's
     escapes (position, exponent) become signed exponent deltas added to the addend of their output pair, at the
     tile row j of their position: every element decodes to its exact exponent in the same five instructions.
@@ -232,19 +139,9 @@ def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr
             cnt = tl.load(cell_ptr + cell + k0 // 256 + 1, mask=col_ok, other=0) - c0
             for s in range(0, tl.max(cnt, axis=0)):
                 ok = s < cnt
-                ent = tl.load(esc_ptr + c0 + s, mask=ok, other=0)
-                pos = ent & 0xFF
-                e = pos >> 5
-                delta = ((ent >> 8) & 0xFF) - base - 15  # the code 15 decoded base + 15; the element has ent's
-                d = tl.where(e < 4, delta << 7, delta << 23)
-                hit = (j[:, None] == (pos & 31)[None, :]) & ok[None, :]
-                dd = tl.where(hit, d[None, :], 0)
-                q = (e & 3)[None, :]
-                A0 += tl.where(q == 0, dd, 0)
-                A1 += tl.where(q == 1, dd, 0)
-                A2 += tl.where(q == 2, dd, 0)
-                A3 += tl.where(q == 3, dd, 0)
-        ws = _oct4_decode(La, Lb, Cw, A0, A1, A2, A3, ASM)
+                A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, tl.load(esc_ptr + c0 + s, mask=ok, other=0), ok,
+                                                 base, j)
+        ws = _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
         for e in tl.static_range(8):
             xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :],
                          mask=(rows[:, None] < T) & (k0 + 32 * e + j[None, :] < K), other=0.0)
@@ -254,24 +151,8 @@ def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr
 
 
 @triton.jit
-def _slot_addends(A0, A1, A2, A3, ent, ok, base, j):
-    """The four pair addends with one escape per column added: ent = position | exponent << 8 (where ok)."""
-    pos = ent & 0xFF
-    e = pos >> 5
-    delta = ((ent >> 8) & 0xFF) - base - 15  # the code 15 decodes to base + 15; the element's exponent is ent's
-    d = tl.where(ok, tl.where(e < 4, delta << 7, delta << 23), 0)
-    q = e & 3
-    hit = j[:, None] == (pos & 31)[None, :]
-    A0 += tl.where(hit, tl.where(q == 0, d, 0)[None, :], 0)
-    A1 += tl.where(hit, tl.where(q == 1, d, 0)[None, :], 0)
-    A2 += tl.where(hit, tl.where(q == 2, d, 0)[None, :], 0)
-    A3 += tl.where(hit, tl.where(q == 3, d, 0)[None, :], 0)
-    return A0, A1, A2, A3
-
-
-@triton.jit
 def _oct1_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp,
-                 K_SPLIT, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ASM: tl.constexpr, MORE: tl.constexpr = True):
+                 K_SPLIT, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MORE: tl.constexpr = True):
     """_octe_kernel with each cell's first escape in a dense slot word [N, Kp/256] (position | exponent << 8 |
     valid << 16 | more << 17), loaded with the block's bytes (no dependent load) and always applied; a cell with
     more escapes (bit 17) sends the tile through the escape list for the rest. MORE=False skips that (timing)."""
@@ -290,7 +171,7 @@ def _oct1_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_p
         Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
         Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
         sw = tl.load(slot_ptr + cell + k0 // 256, mask=col_ok, other=0)
-        A0, A1, A2, A3 = _slot_addends(b2, b2, b2, b2, sw, (sw & 0x10000) != 0, base, j)
+        A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & 0x10000) != 0, base, j)
         if MORE:
             if tl.max(sw >> 17, axis=0) > 0:
                 c0 = tl.load(cell_ptr + cell + k0 // 256, mask=col_ok, other=0)
@@ -298,8 +179,8 @@ def _oct1_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_p
                 for s in range(1, tl.max(cnt, axis=0)):
                     ok = s < cnt
                     ent = tl.load(esc_ptr + c0 + s, mask=ok, other=0)
-                    A0, A1, A2, A3 = _slot_addends(A0, A1, A2, A3, ent, ok, base, j)
-        ws = _oct4_decode(La, Lb, Cw, A0, A1, A2, A3, ASM)
+                    A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, ent, ok, base, j)
+        ws = _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
         for e in tl.static_range(8):
             xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :],
                          mask=(rows[:, None] < T) & (k0 + 32 * e + j[None, :] < K), other=0.0)
@@ -361,7 +242,7 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     args = (y, ws, _counters(x.device), T, N, K, K // split, base)
     kw = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
     if name == "octs":
-        return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args, ASM=x.is_cuda,
+        return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args,
                                                PF=tail.endswith("pf"), **kw)
     if name in ("oct1", "oct1n"):  # dense first slot + the list for the rest (oct1n: the rest skipped)
         o = lay["oct"]
@@ -369,13 +250,13 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
         slots = lay.setdefault("slots", first_slots(o))
         return lambda: _oct1_kernel[grid](x, o.words, o.codes, o.base, slots, o.cell_esc, o.escapes, y, ws,
                                           _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256,
-                                          MORE=name == "oct1", ASM=x.is_cuda, **kw)
+                                          MORE=name == "oct1", **kw)
     if name in ("octe", "octn"):  # the package's oct layout, with its escapes (octn: patch skipped)
         o = lay["oct"]
         Kp = o.padded_cols
         return lambda: _octe_kernel[grid](x, o.words, o.codes, o.base, o.cell_esc, o.escapes, y, ws,
                                           _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256, ESC=name == "octe",
-                                          ASM=x.is_cuda, **kw)
+                                          **kw)
     if name == "quads":
         return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], *args, **kw)
     raise ValueError(f"unknown variant {variant!r}")
