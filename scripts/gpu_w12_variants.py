@@ -36,7 +36,6 @@ from specpilot.weights.format import encode
 from specpilot.weights.oct import oct_layout
 
 CHUNK = 128
-OCT_LAYOUT_VARIANTS = ("octe", "octn", "oct1", "oct1n")  # on the package's oct layout of plain randn weights
 
 
 @triton.jit
@@ -109,35 +108,42 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
+# How _oct_esc_kernel patches escapes (variants octn, octe, oct1n, oct1)
+ESC_NONE, ESC_LIST, ESC_SLOT, ESC_SLOT_LIST = (tl.constexpr(m) for m in range(4))  # constexpr: read inside the kernel
+ESC_MODES = {"octn": ESC_NONE, "octe": ESC_LIST, "oct1n": ESC_SLOT, "oct1": ESC_SLOT_LIST}
+
+
 @triton.jit
-def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp, K_SPLIT,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, ESC: tl.constexpr = True):
-    """The package's oct layout (specpilot.weights.oct) with its escapes: per 256-block, the (row, block) cell's
-    escapes (position, exponent) become signed exponent deltas added to the addend of their output pair, at the
-    tile row j of their position: every element decodes to its exact exponent in the same five instructions.
-    ESC=False skips the patch (wrong bits where escapes are; timing only)."""
+def _oct_esc_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp,
+                    K_SPLIT, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MODE: tl.constexpr):
+    """The package's oct layout (specpilot.weights.oct) with its escapes, patched into the decode's per-pair exponent
+    addends (w12_tile._escape_addends) per 256-block: ESC_LIST walks each (row, block) cell's escape list; ESC_SLOT
+    applies each cell's dense first slot, loaded with the block's bytes; ESC_SLOT_LIST both (the list only past the
+    first, only for cells whose slot says so); ESC_NONE and ESC_SLOT leave escapes wrong (timing only)."""
     tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
-    K4 = Kp // 4
-    K8 = Kp // 8
-    nb = Kp // 256
     j = tl.arange(0, 32)
     col_ok = cols < N
     base = tl.load(base_ptr + cols, mask=col_ok, other=0)
     b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))[None, :]
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    cell = cols * nb
+    cell = cols * (Kp // 256)
     for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, Kp), 256):
-        La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
-        Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
-        Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
-        A0 = b2
-        A1 = b2
-        A2 = b2
-        A3 = b2
-        if ESC:
+        La = tl.load(l_ptr + c64 * (Kp // 4) + k0 // 4 + j[:, None])
+        Lb = tl.load(l_ptr + c64 * (Kp // 4) + k0 // 4 + 32 + j[:, None])
+        Cw = tl.load(c_ptr + c64 * (Kp // 8) + k0 // 8 + j[:, None])
+        A0, A1, A2, A3 = b2, b2, b2, b2
+        first = 0
+        walk = MODE == ESC_LIST
+        if MODE == ESC_SLOT or MODE == ESC_SLOT_LIST:
+            sw = tl.load(slot_ptr + cell + k0 // 256, mask=col_ok, other=0)
+            A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & 0x10000) != 0, base, j)
+            first = 1
+            if MODE == ESC_SLOT_LIST:
+                walk = tl.max(sw >> 17, axis=0) > 0
+        if walk:
             c0 = tl.load(cell_ptr + cell + k0 // 256, mask=col_ok, other=0)
             cnt = tl.load(cell_ptr + cell + k0 // 256 + 1, mask=col_ok, other=0) - c0
-            for s in range(0, tl.max(cnt, axis=0)):
+            for s in range(first, tl.max(cnt, axis=0)):
                 ok = s < cnt
                 A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, tl.load(esc_ptr + c0 + s, mask=ok, other=0), ok,
                                                  base, j)
@@ -148,54 +154,6 @@ def _octe_kernel(x_ptr, l_ptr, c_ptr, base_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr
             acc = tl.dot(xq, ws[e], acc)
     acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last & col_ok[None, :])
-
-
-@triton.jit
-def _oct1_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp,
-                 K_SPLIT, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MORE: tl.constexpr = True):
-    """_octe_kernel with each cell's first escape in a dense slot word [N, Kp/256] (position | exponent << 8 |
-    valid << 16 | more << 17), loaded with the block's bytes (no dependent load) and always applied; a cell with
-    more escapes (bit 17) sends the tile through the escape list for the rest. MORE=False skips that (timing)."""
-    tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
-    K4 = Kp // 4
-    K8 = Kp // 8
-    nb = Kp // 256
-    j = tl.arange(0, 32)
-    col_ok = cols < N
-    base = tl.load(base_ptr + cols, mask=col_ok, other=0)
-    b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))[None, :]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    cell = cols * nb
-    for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, Kp), 256):
-        La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
-        Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
-        Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
-        sw = tl.load(slot_ptr + cell + k0 // 256, mask=col_ok, other=0)
-        A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & 0x10000) != 0, base, j)
-        if MORE:
-            if tl.max(sw >> 17, axis=0) > 0:
-                c0 = tl.load(cell_ptr + cell + k0 // 256, mask=col_ok, other=0)
-                cnt = tl.load(cell_ptr + cell + k0 // 256 + 1, mask=col_ok, other=0) - c0
-                for s in range(1, tl.max(cnt, axis=0)):
-                    ok = s < cnt
-                    ent = tl.load(esc_ptr + c0 + s, mask=ok, other=0)
-                    A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, ent, ok, base, j)
-        ws = _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
-        for e in tl.static_range(8):
-            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :],
-                         mask=(rows[:, None] < T) & (k0 + 32 * e + j[None, :] < K), other=0.0)
-            acc = tl.dot(xq, ws[e], acc)
-    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last & col_ok[None, :])
-
-
-def first_slots(o) -> torch.Tensor:
-    """int32 [N, Kp/256]: each cell's first escape | valid << 16 | (more than one) << 17, else 0."""
-    counts = o.cell_counts.reshape(-1)
-    first = o.escapes[o.cell_esc[:-1].clamp(max=max(0, o.escapes.numel() - 1)).long()] if o.escapes.numel() else \
-        torch.zeros_like(counts)
-    slot = torch.where(counts > 0, first | (1 << 16) | ((counts > 1).to(torch.int32) << 17), 0)
-    return slot.to(torch.int32).reshape(o.shape[0], -1).contiguous()
 
 
 def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -244,19 +202,12 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     if name == "octs":
         return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args,
                                                PF=tail.endswith("pf"), **kw)
-    if name in ("oct1", "oct1n"):  # dense first slot + the list for the rest (oct1n: the rest skipped)
+    if name in ESC_MODES:  # the package's oct layout of plain weights, its escapes patched per ESC_MODES
         o = lay["oct"]
         Kp = o.padded_cols
-        slots = lay.setdefault("slots", first_slots(o))
-        return lambda: _oct1_kernel[grid](x, o.words, o.codes, o.base, slots, o.cell_esc, o.escapes, y, ws,
-                                          _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256,
-                                          MORE=name == "oct1", **kw)
-    if name in ("octe", "octn"):  # the package's oct layout, with its escapes (octn: patch skipped)
-        o = lay["oct"]
-        Kp = o.padded_cols
-        return lambda: _octe_kernel[grid](x, o.words, o.codes, o.base, o.cell_esc, o.escapes, y, ws,
-                                          _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256, ESC=name == "octe",
-                                          **kw)
+        return lambda: _oct_esc_kernel[grid](x, o.words, o.codes, o.base, o.slots, o.cell_esc, o.escapes, y, ws,
+                                             _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256,
+                                             MODE=ESC_MODES[name], **kw)
     if name == "quads":
         return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], *args, **kw)
     raise ValueError(f"unknown variant {variant!r}")
@@ -287,7 +238,7 @@ def main() -> None:
         for _ in range(copies):
             W, base, codes = escape_free(N, K, g, dev)
             lay = layouts(W, codes)
-            if any(v.split("_")[0] in OCT_LAYOUT_VARIANTS for v in a.variants.split(",")):
+            if any(v.split("_")[0] in ESC_MODES for v in a.variants.split(",")):
                 plain = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16)
                 lay["plain"], lay["oct"] = plain, oct_layout(encode(plain))
             data.append((W, base, lay))
@@ -303,7 +254,7 @@ def main() -> None:
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
                 split = variant.split("_")[1].removesuffix("pf")
-                ref_w = data[0][2]["plain"] if variant.split("_")[0] in OCT_LAYOUT_VARIANTS else data[0][0]
+                ref_w = data[0][2]["plain"] if variant.split("_")[0] in ESC_MODES else data[0][0]
                 launcher(f"pkg_{split}", x, ref_w, None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
