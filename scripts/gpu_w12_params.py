@@ -13,7 +13,7 @@ import time
 import torch
 
 from specpilot.kernels import linear
-from specpilot.kernels.bench import time_graph
+from specpilot.kernels.bench import l2_copies, time_graph
 from specpilot.weights.format import encode
 from specpilot.weights.oct import oct_layout
 
@@ -27,11 +27,10 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows, t0 = [], time.time()
     for shape in a.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
-        copies = max(1, min(16, -(-4 * l2 // (N * K * 2))))
+        copies = l2_copies(N * K * 2, dev)
         Ws = [(torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16) for _ in range(copies)]
         Qs = [oct_layout(encode(W)) for W in Ws]
         for T in (int(v) for v in a.tokens.split(",")):

@@ -214,7 +214,7 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
 
 
 def main() -> None:
-    from specpilot.kernels.bench import time_graph
+    from specpilot.kernels.bench import l2_copies, time_graph
 
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -229,11 +229,10 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows, t0 = [], time.time()
     for shape in a.shapes.split(","):
         N, K = (int(v) for v in shape.split("x"))
-        copies = max(1, min(16, -(-4 * l2 // (N * K * 2))))
+        copies = l2_copies(N * K * 2, dev)
         data = []
         for _ in range(copies):
             W, base, codes = escape_free(N, K, g, dev)

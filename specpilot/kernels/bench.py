@@ -27,6 +27,12 @@ KERNELS = ("qkv", "rope_kv", "attention", "o_proj", "gate_up", "swiglu", "down",
            "greedy_accept")
 
 
+def l2_copies(nbytes: float, device: torch.device, most: int = 16) -> int:
+    """How many copies of an input of `nbytes` a timing loop rotates so they span 4x the GPU's L2 (reads from HBM)."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(most, -(-4 * l2 // max(int(nbytes), 1))))
+
+
 def _require_cuda(device: torch.device) -> None:
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError(f"bench_kernels needs a CUDA GPU (device={device}, cuda available="
@@ -154,13 +160,12 @@ def bench_kernels(shape: LlamaShape, tokens_list: Sequence[int], device: str | t
     if unknown:
         raise ValueError(f"unknown kernels {unknown}; choose from {KERNELS}")
     act_bytes = torch.empty((), dtype=dtype).element_size()
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows: list[dict[str, Any]] = []
     for T in (int(t) for t in tokens_list):
         costs = _costs(shape, T, context + T, act_bytes)
         for name in names:
             flops, nbytes = costs[name]
-            copies = max(1, min(64, -(-4 * l2 // max(int(nbytes), 1))))
+            copies = l2_copies(nbytes, dev, most=64)
             calls = [_make(name, shape, T, context, dtype, dev, seed) for seed in range(copies)]
             ref_mode = "eager" if name in EAGER_REFS else "graph"
             ms = _time([c[0] for c in calls], True, reps, warmup_ms, rep_ms)

@@ -202,7 +202,7 @@ def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequ
     """
     from ..weights.format import encode
     from ..weights.oct import decode_oct
-    from .bench import time_graph
+    from .bench import l2_copies, time_graph
     from .gemm import _linear_kernel, linear
 
     dev = torch.device(device)
@@ -211,10 +211,9 @@ def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequ
     if is_interpreted(_linear_kernel):
         raise RuntimeError("bench_w12 cannot time kernels built under TRITON_INTERPRET=1; unset it first")
     g = torch.Generator(device=dev).manual_seed(seed)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows: list[dict[str, Any]] = []
     for N, K in shapes:
-        copies = max(1, min(16, -(-4 * l2 // (N * K * 2))))
+        copies = l2_copies(N * K * 2, dev)
         Ws = [(torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16) for _ in range(copies)]
         Qs = [oct_layout(encode(W)) for W in Ws]
         for T in tokens:
