@@ -129,7 +129,8 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W12:  # W12 weights (w12_tile.py): 256-element blocks, each eight 32-wide slices of x and dots, K ascending
         w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
-        w_rows2, w_base2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)
+        if PAIR:
+            w_rows2, w_base2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)
         js = tl.arange(0, 32)
         for k0 in range(k_lo, k_hi, OCT_BLOCK):
             La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k0, Kp)
