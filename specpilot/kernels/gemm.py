@@ -32,7 +32,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq
-from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, oct_load, weight_operand
+from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
 SPLIT_KS = (1, 2, 4, 8)  # split-K factors a launch may use (split_k_combine unrolls the sum)
@@ -297,8 +297,8 @@ def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell
         w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
         js = tl.arange(0, 32)
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), OCT_BLOCK):
-            La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k0, Kp)
-            ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
+            ws = oct_block(words_ptr, codes_ptr, eslot_ptr, cell_ptr, esc_ptr, w_rows, w_base, b2, cells, col_ok, k0,
+                           Kp)
             for e in tl.static_range(8):
                 # a K tail's padding slices are skipped. The guard also keeps Triton from pipelining this loop:
                 # without it (session 28, H200) the loop ran 1.1-1.4x faster but a cell's further escapes went

@@ -31,7 +31,7 @@ from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor
 from .rmsnorm import (check_row_sumsq, check_scaled_x, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd,
                       rstd_from_sumsq, stat_segments)
 from .rope_kv import rotate
-from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, oct_load, weight_operand
+from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
 # Loads a norm launch issues ahead of their use: 0 none; 1 the next K chunk's x (and norm weight) one iteration ahead;
@@ -133,11 +133,11 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
             w_rows2, w_base2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)
         js = tl.arange(0, 32)
         for k0 in range(k_lo, k_hi, OCT_BLOCK):
-            La, Lb, Cw, sw = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows, cells, col_ok, k0, Kp)
-            ws = oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, w_base, b2, cells, col_ok, k0)
+            ws = oct_block(words_ptr, codes_ptr, eslot_ptr, cell_ptr, esc_ptr, w_rows, w_base, b2, cells, col_ok, k0,
+                           Kp)
             if PAIR:
-                La2, Lb2, Cw2, sw2 = oct_load(words_ptr, codes_ptr, eslot_ptr, w_rows2, cells2, col_ok2, k0, Kp)
-                ws2 = oct_block(La2, Lb2, Cw2, sw2, cell_ptr, esc_ptr, w_base2, b22, cells2, col_ok2, k0)
+                ws2 = oct_block(words_ptr, codes_ptr, eslot_ptr, cell_ptr, esc_ptr, w_rows2, w_base2, b22, cells2,
+                                col_ok2, k0, Kp)
             for e in tl.static_range(8):
                 if k0 + 32 * e < K:  # a K tail's padding slices are skipped (and see gemm's W12 loop on pipelining)
                     kk = k0 + 32 * e + js

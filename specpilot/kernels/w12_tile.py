@@ -119,27 +119,19 @@ def oct_cols(base_ptr, cols, col_ok, Kp):
 
 
 @triton.jit
-def oct_load(words_ptr, codes_ptr, slot_ptr, w_rows, cells, col_ok, k0, Kp):
-    """The raw words of block [k0, k0 + 256) of the tile's rows: (lo words a, lo words b, code word, slot word).
-    Loading them a block ahead by hand (while the previous block decodes) made the H200 GEMVs 1.4-2x slower
-    (session 28: registers); Triton's pipeliner is left to overlap them."""
+def oct_block(words_ptr, codes_ptr, slot_ptr, cell_ptr, esc_ptr, w_rows, base, b2, cells, col_ok, k0, Kp):
+    """W^T over K [k0, k0 + 256) of the tile's rows as eight bf16 [32, BLOCK_N] slices, K ascending (exact): the
+    block's words loaded, the slot's escape always patched, a cell's further escapes from the list. (Loading the
+    next block's words here by hand, while this one decodes, made the H200 GEMVs 1.4-2x slower: session 28.)"""
     j = tl.arange(0, 32)
     m = col_ok[None, :]
     La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)
     Lb = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + 32 + j[:, None], mask=m, other=0)
     Cw = tl.load(codes_ptr + w_rows * (Kp // 8) + k0 // 8 + j[:, None], mask=m, other=0)
-    sw = tl.load(slot_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=0)
-    return La, Lb, Cw, sw
-
-
-@triton.jit
-def oct_block(La, Lb, Cw, sw, cell_ptr, esc_ptr, base, b2, cells, col_ok, k0):
-    """W^T over K [k0, k0 + 256) of the tile's rows, from oct_load's words, as eight bf16 [32, BLOCK_N] slices, K
-    ascending (exact): the slot's escape always patched, a cell's further escapes from the list."""
-    j = tl.arange(0, 32)
+    cell = cells + k0 // OCT_BLOCK
+    sw = tl.load(slot_ptr + cell, mask=col_ok, other=0)
     A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & _SLOT_VALID) != 0, base, j)
     if tl.max(sw >> _SLOT_MORE_SHIFT, axis=0) > 0:  # a cell with more than one escape: the rest from the list
-        cell = cells + k0 // OCT_BLOCK
         c0 = tl.load(cell_ptr + cell, mask=col_ok, other=0)
         cnt = tl.load(cell_ptr + cell + 1, mask=col_ok, other=0) - c0
         for s in range(1, tl.max(cnt, axis=0)):
