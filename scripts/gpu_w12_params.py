@@ -1,5 +1,6 @@
-"""GPU: the package's W12 `linear` over launch parameters (block_n x num_stages x split_k, 4 warps), T=1 and 16,
-against bf16 `linear` at its defaults: which launch shape suits the oct decode (notes/h200.md, session 28).
+"""GPU: the package's W12 `linear` and bf16 `linear` over the same launch parameters (block_n x num_stages x split_k,
+4 warps), T=1 and 16, best against best (and bf16 at its defaults): which launch shape suits the oct decode, and
+the issue #6 ratio (notes/h200.md, sessions 28-29).
 
 python3 scripts/gpu_w12_params.py OUT.json [--shapes 4096x4096,14336x4096] [--budget-s 200]
 """
@@ -36,24 +37,27 @@ def main() -> None:
         for T in (int(v) for v in a.tokens.split(",")):
             x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
             ref = time_graph([lambda W=W: linear(x, W) for W in Ws], 15) * 1e3
-            best = None
-            for bn, stages, split, warps in itertools.product((16, 32, 64), (1, 2, 3), (1, 2, 4, 8), (4,)):
+            best = {}
+            for (fmt, ws), bn, stages, split in itertools.product((("bf16", Ws), ("w12", Qs)), (16, 32, 64),
+                                                                  (1, 2, 3, 4), (1, 2, 4, 8)):
                 if time.time() - t0 > a.budget_s:
                     break
-                p = dict(block_n=bn, num_stages=stages, split_k=split, num_warps=warps)
+                p = dict(block_n=bn, num_stages=stages, split_k=split, num_warps=4)
                 try:
-                    us = time_graph([lambda Q=Q: linear(x, Q, **p) for Q in Qs], 15) * 1e3
+                    us = time_graph([lambda w=w: linear(x, w, **p) for w in ws], 15) * 1e3
                 except Exception as e:  # noqa: BLE001 - a sweep: record and go on
-                    rows.append({"shape": shape, "T": T, **p, "error": str(e)[:200]})
+                    rows.append({"shape": shape, "T": T, "format": fmt, **p, "error": str(e)[:200]})
                     continue
-                row = {"shape": shape, "T": T, **p, "us": us, "bf16_default_us": ref}
+                row = {"shape": shape, "T": T, "format": fmt, **p, "us": us, "bf16_default_us": ref}
                 rows.append(row)
-                if best is None or us < best["us"]:
-                    best = row
-            if best:
-                print(f"{shape:>11} T={T:<3} bf16 default {ref:7.1f} us  W12 best {best['us']:7.1f} us "
-                      f"({ref / best['us']:.2f}x) bn={best['block_n']} stages={best['num_stages']} "
-                      f"split={best['split_k']} warps={best['num_warps']}", flush=True)
+                if fmt not in best or us < best[fmt]["us"]:
+                    best[fmt] = row
+            if len(best) == 2:
+                b, w = best["bf16"], best["w12"]
+                print(f"{shape:>11} T={T:<3} bf16 default {ref:7.1f} best {b['us']:7.1f} us (bn={b['block_n']} "
+                      f"stages={b['num_stages']} split={b['split_k']})  W12 best {w['us']:7.1f} us (bn={w['block_n']} "
+                      f"stages={w['num_stages']} split={w['split_k']})  W12 x bf16 best {b['us'] / w['us']:.2f}",
+                      flush=True)
         del Ws, Qs
         torch.cuda.empty_cache()
     with open(a.out, "w") as f:

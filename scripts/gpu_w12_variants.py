@@ -9,13 +9,9 @@ the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit fo
 - octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word (nibble e:
            element 32e+j); eight slices decoded by 20 PTX integer instructions (kernels/w12_tile.OCT_ASM), eight dots
 - octs_Spf: the same with the next block's bytes loaded before this block's decode
-- octe_S:  the package's oct layout (specpilot.weights.oct) of plain randn * 0.02 weights, escapes included: each
-           (row, block) cell's escapes patched into the decode's per-pair exponent addends (checked bit for bit)
-- octn_S:  the same kernel with the patch skipped (timing only: escaped elements decode wrong)
-- oct1_S:  each cell's first escape in a dense slot word loaded with the block (always applied), the list only for
-           cells with more (oct1n_S: those skipped, timing only)
 Earlier variants (one byte per element with a table gather, paired 64-wide halves: 2-3x slower than these) are in
-notes/h200-s13-w12-variants.json and this file's history.
+notes/h200-s13-w12-variants.json and this file's history; the session-28 escape variants over the package's oct
+layout as it was then (octe, octn, oct1, oct1n: escape lists and first-escape slots) at commit 490f0dd.
 
 python3 scripts/gpu_w12_variants.py OUT.json --variants pkg_1,pkg_4,octs_1,octs_4pf [--shapes 4096x4096,...]
 """
@@ -31,9 +27,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels.gemm import _counters, linear, split_k_combine
-from specpilot.kernels.w12_tile import _escape_addends, _oct_decode  # the package's decode (inline PTX)
-from specpilot.weights.format import encode
-from specpilot.weights.oct import oct_layout
+from specpilot.kernels.w12_tile import _oct_decode  # the package's decode (inline PTX)
 
 CHUNK = 128
 
@@ -108,54 +102,6 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last)
 
 
-# How _oct_esc_kernel patches escapes (variants octn, octe, oct1n, oct1)
-ESC_NONE, ESC_LIST, ESC_SLOT, ESC_SLOT_LIST = (tl.constexpr(m) for m in range(4))  # constexpr: read inside the kernel
-ESC_MODES = {"octn": ESC_NONE, "octe": ESC_LIST, "oct1n": ESC_SLOT, "oct1": ESC_SLOT_LIST}
-
-
-@triton.jit
-def _oct_esc_kernel(x_ptr, l_ptr, c_ptr, base_ptr, slot_ptr, cell_ptr, esc_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, Kp,
-                    K_SPLIT, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, MODE: tl.constexpr):
-    """The package's oct layout (specpilot.weights.oct) with its escapes, patched into the decode's per-pair exponent
-    addends (w12_tile._escape_addends) per 256-block: ESC_LIST walks each (row, block) cell's escape list; ESC_SLOT
-    applies each cell's dense first slot, loaded with the block's bytes; ESC_SLOT_LIST both (the list only past the
-    first, only for cells whose slot says so); ESC_NONE and ESC_SLOT leave escapes wrong (timing only)."""
-    tile, pid_k, rows, cols, c64 = _program_tile(N, BLOCK_N)
-    j = tl.arange(0, 32)
-    col_ok = cols < N
-    base = tl.load(base_ptr + cols, mask=col_ok, other=0)
-    b2 = tl.zeros([32, BLOCK_N], dtype=tl.int32) + ((base << 7) | (base << 23))[None, :]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    cell = cols * (Kp // 256)
-    for k0 in range(pid_k * K_SPLIT, tl.minimum((pid_k + 1) * K_SPLIT, Kp), 256):
-        La = tl.load(l_ptr + c64 * (Kp // 4) + k0 // 4 + j[:, None])
-        Lb = tl.load(l_ptr + c64 * (Kp // 4) + k0 // 4 + 32 + j[:, None])
-        Cw = tl.load(c_ptr + c64 * (Kp // 8) + k0 // 8 + j[:, None])
-        A0, A1, A2, A3 = b2, b2, b2, b2
-        first = 0
-        walk = MODE == ESC_LIST
-        if MODE == ESC_SLOT or MODE == ESC_SLOT_LIST:
-            sw = tl.load(slot_ptr + cell + k0 // 256, mask=col_ok, other=0)
-            A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & 0x10000) != 0, base, j)
-            first = 1
-            if MODE == ESC_SLOT_LIST:
-                walk = tl.max(sw >> 17, axis=0) > 0
-        if walk:
-            c0 = tl.load(cell_ptr + cell + k0 // 256, mask=col_ok, other=0)
-            cnt = tl.load(cell_ptr + cell + k0 // 256 + 1, mask=col_ok, other=0) - c0
-            for s in range(first, tl.max(cnt, axis=0)):
-                ok = s < cnt
-                A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, tl.load(esc_ptr + c0 + s, mask=ok, other=0), ok,
-                                                 base, j)
-        ws = _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
-        for e in tl.static_range(8):
-            xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :],
-                         mask=(rows[:, None] < T) & (k0 + 32 * e + j[None, :] < K), other=0.0)
-            acc = tl.dot(xq, ws[e], acc)
-    acc, _, last = split_k_combine(acc, acc, ws_ptr, cnt_ptr, tile, pid_k, SPLIT_K, False, 16, BLOCK_N)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < T) & last & col_ok[None, :])
-
-
 def escape_free(N: int, K: int, g: torch.Generator, dev) -> tuple[torch.Tensor, int, torch.Tensor]:
     """bf16 W [N, K] ~ 0.02 randn with every exponent clamped into the 15-wide window ending at the largest."""
     w = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16).view(torch.int16).to(torch.int32)
@@ -202,12 +148,6 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
     if name == "octs":
         return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args,
                                                PF=tail.endswith("pf"), **kw)
-    if name in ESC_MODES:  # the package's oct layout of plain weights, its escapes patched per ESC_MODES
-        o = lay["oct"]
-        Kp = o.padded_cols
-        return lambda: _oct_esc_kernel[grid](x, o.words, o.codes, o.base, o.slots, o.cell_esc, o.escapes, y, ws,
-                                             _counters(x.device), T, N, K, Kp, triton.cdiv(Kp // 256, split) * 256,
-                                             MODE=ESC_MODES[name], **kw)
     if name == "quads":
         return lambda: _quad_split_kernel[grid](x, lay["quad_l"], lay["quad_c"], *args, **kw)
     raise ValueError(f"unknown variant {variant!r}")
@@ -237,24 +177,14 @@ def main() -> None:
         for _ in range(copies):
             W, base, codes = escape_free(N, K, g, dev)
             lay = layouts(W, codes)
-            if any(v.split("_")[0] in ESC_MODES for v in a.variants.split(",")):
-                plain = (torch.randn(N, K, generator=g, device=dev) * 0.02).to(torch.bfloat16)
-                lay["plain"], lay["oct"] = plain, oct_layout(encode(plain))
             data.append((W, base, lay))
-        if "oct" in data[0][2]:
-            o = data[0][2]["oct"]
-            counts = o.cell_counts
-            print(f"{shape:>11} escapes {o.escapes.numel() / (N * K):.2e} of weights, cells with any "
-                  f"{(counts > 0).float().mean().item():.3f}, most in a cell {int(counts.max())}, "
-                  f"{o.kernel_bytes / (N * K):.4f} bytes a weight", flush=True)
         for T in (int(v) for v in a.tokens.split(",")):
             x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
             for variant in a.variants.split(","):
                 best = None
                 ref = torch.empty(T, N, device=dev)  # the same reduction order: split-K partials change it
                 split = variant.split("_")[1].removesuffix("pf")
-                ref_w = data[0][2]["plain"] if variant.split("_")[0] in ESC_MODES else data[0][0]
-                launcher(f"pkg_{split}", x, ref_w, None, ref, 0, 32, 4, 3)()
+                launcher(f"pkg_{split}", x, data[0][0], None, ref, 0, 32, 4, 3)()
                 for bn, warps, stages in itertools.product(*(map(int, s.split(",")) for s in
                                                             (a.block_n, a.warps, a.stages))):
                     if time.time() - t0 > a.budget_s:

@@ -13,7 +13,16 @@ import torch
 from specpilot.engines.loader import load_model
 from specpilot.testbed import fetch_smollm2
 from specpilot.weights import bitwise_equal, encode
-from specpilot.weights.oct import decode_oct, oct_layout
+from specpilot.weights.oct import BLOCK, WINDOW, decode_oct, oct_layout
+
+
+def cell_escapes(t: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Escapes (elements outside the row's window) per (row, 256-block) cell, int64 [N, Kp/256]."""
+    d = ((t.view(torch.int16).to(torch.int64) >> 7) & 0xFF) - base[:, None].to(torch.int64)
+    out = ((d < 0) | (d >= WINDOW)).to(torch.int64)
+    K = t.shape[1]
+    out = torch.nn.functional.pad(out, (0, -(-K // BLOCK) * BLOCK - K))
+    return out.view(t.shape[0], -1, BLOCK).sum(2)
 
 
 def main() -> int:
@@ -29,9 +38,11 @@ def main() -> int:
             raise SystemExit(f"{name}: the oct layout does not decode to the weights")
         g = groups.setdefault("embedding / LM head" if "embed" in name else "projections",
                               [0, 0, 0, 0, 0, torch.zeros(4, dtype=torch.int64), 0])
-        counts = lay.cell_counts.flatten()
+        counts = cell_escapes(p.data, lay.base).flatten()
+        if not torch.equal(counts > 0, (lay.fat_cells >= 0).flatten()):
+            raise SystemExit(f"{name}: correction words do not match the cells with escapes")
         g[0] += p.numel()
-        g[1] += lay.escapes.numel()
+        g[1] += lay.escapes
         g[2] += w.stats.escapes
         g[3] += lay.kernel_bytes
         g[4] += w.stats.kernel_bytes

@@ -184,6 +184,19 @@ def test_pack_from_a_llama_model_and_fused_layout(tmp_path):
         pack_model(tiny_model("mqa"), tmp_path / "fp32")
 
 
+def test_kernel_layouts_keep_bf16_where_the_layout_reads_more():
+    """A tensor with escapes in most (row, block) cells (as SmolLM2's embedding) would read more than bf16 in the oct
+    layout: the kernels get its bf16 decode; plain weights get the layout."""
+    from specpilot.weights.oct import OctLayout
+    g = torch.Generator().manual_seed(3)
+    plain = (torch.randn(8, 512, generator=g) * 0.02).to(torch.bfloat16)
+    wild = all_bf16_patterns()[torch.randperm(65536, generator=g)[:8 * 512]].reshape(8, 512)
+    lay = W12Weights((), encode(plain)).kernel_layouts()
+    assert isinstance(lay.head, OctLayout) and lay.head.kernel_bytes < 2 * plain.numel()
+    lay = W12Weights((), encode(wild)).kernel_layouts()
+    assert isinstance(lay.head, torch.Tensor) and same_bits(lay.head, wild)
+
+
 def test_corruption_is_caught_on_load_and_by_verify(model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -32,7 +32,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launch
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq
-from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, weight_operand
+from .w12_tile import OCT_BLOCK, OCT_ROW_BLOCK_BYTES, W12Weight, check_w12_launch, oct_block, oct_cols, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
 SPLIT_KS = (1, 2, 4, 8)  # split-K factors a launch may use (split_k_combine unrolls the sum)
@@ -215,9 +215,14 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: i
 
 
 def default_num_stages(block_n: int, elem_size: int, a_tiles: int = 1, most: int = 5,
-                       smem_budget: int = 200 * 1024, block_k: int = BLOCK_K, row_tile: int = BLOCK_M) -> int:
-    """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget."""
-    per_stage = (a_tiles * row_tile + block_n) * block_k * elem_size
+                       smem_budget: int = 200 * 1024, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
+                       w12: bool = False) -> int:
+    """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget (W12: a stage is a
+    256-element block of x and of the W rows' oct arrays, correction words included)."""
+    if w12:
+        per_stage = a_tiles * row_tile * OCT_BLOCK * elem_size + block_n * OCT_ROW_BLOCK_BYTES
+    else:
+        per_stage = (a_tiles * row_tile + block_n) * block_k * elem_size
     return max(1, min(most, smem_budget // per_stage))
 
 
@@ -252,8 +257,22 @@ def _x_chunk(x_rows, kk, row_ok, K, SWIGLU: tl.constexpr):
     return tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
 
 
+@triton.jit
+def _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, row_ok, k0, K,
+                   Kp, SWIGLU: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
+    """acc + x[:, k0:k0 + 256] @ W12 block k0 of the tile's rows: eight 32-wide dots in ascending K. TAIL: K ends
+    inside this block, and its padding slices are skipped (a branch only there keeps the whole-block loop free of
+    them: with per-slice branches Triton did not pipeline it, 1.1-1.4x slower on the H200, session 28)."""
+    js = tl.arange(0, 32)
+    ws = oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp)
+    for e in tl.static_range(8):
+        if not TAIL or k0 + 32 * e < K:
+            acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC, BLOCK_M)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
-def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr, Kp, b_ptr, r_ptr, y_ptr,
+def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, Kp, b_ptr, r_ptr, y_ptr,
                    ws_ptr, cnt_ptr, ss_ptr, sw_ptr, g_ptr, T, N, K, K_SPLIT, stride_x, SWIGLU: tl.constexpr,
                    HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -294,18 +313,15 @@ def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell
             acc = tile_mac(xs[c], w_pre[c], acc, DOT_PREC, BLOCK_M)
         k_lo = W_PRELOAD * BLOCK_K  # a large tile's K loop takes the chunks it did not preload
     if W12:  # W12 weights (w12_tile.py): 256-element blocks, each eight 32-wide dots in ascending K
-        w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
-        js = tl.arange(0, 32)
-        for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), OCT_BLOCK):
-            ws = oct_block(words_ptr, codes_ptr, eslot_ptr, cell_ptr, esc_ptr, w_rows, w_base, b2, cells, col_ok, k0,
-                           Kp)
-            for e in tl.static_range(8):
-                # a K tail's padding slices are skipped. The guard also keeps Triton from pipelining this loop:
-                # without it (session 28, H200) the loop ran 1.1-1.4x faster but a cell's further escapes went
-                # unpatched at split_k=2 (tests/test_weights_w12.py) and default num_stages overflowed shared memory
-                if k0 + 32 * e < K:
-                    acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC,
-                                   BLOCK_M)
+        w_rows, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
+        k_end = tl.minimum(K, k_lo + K_SPLIT)
+        k_full = k_lo + (k_end - k_lo) // OCT_BLOCK * OCT_BLOCK
+        for k0 in range(k_lo, k_full, OCT_BLOCK):  # whole blocks: a body without branches, which Triton pipelines
+            acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok,
+                                 row_ok, k0, K, Kp, SWIGLU, DOT_PREC, BLOCK_M, False)
+        if k_full < k_end:  # K's tail block, its padding slices skipped
+            acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok,
+                                 row_ok, k_full, K, Kp, SWIGLU, DOT_PREC, BLOCK_M, True)
     elif K_LOOP:  # 0: the whole tile was preloaded
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
             kk = k0 + ks
@@ -383,8 +399,8 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
     if scale_w is not None:
         check_tensor("scale_w", scale_w, (N,), out_dtype, dev)
         check_tensor("scaled_out", scaled_out, (T, N), out_dtype, dev)
-    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile)
-              if num_stages is None else num_stages)
+    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile,
+                                 w12=w12) if num_stages is None else num_stages)
     pdl = pdl_launch(dev, N, K, x.element_size(), grid_dependency)
     preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size())
     launches = split_launches(dev, T, N, K, block_k, row_tile, bn, split_k)

@@ -104,8 +104,34 @@ class RMSNormLinearParams(LaunchParams):
 
 
 @triton.jit
-def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr,
-              esc_ptr, Kp, cols, cols2, rows, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
+def _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr, codes_ptr, fcell_ptr,
+                        fat_ptr, w_rows, b2, cells, col_ok, w_rows2, b22, cells2, col_ok2, k0, K, Kp,
+                        HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
+    """_two_pass's pass 2 over W12 block k0: x (normalised when NORM) per 32-wide slice, one dot per slice and row
+    set, K ascending; TAIL skips the padding slices of the block K ends in (gemm._w12_block_mac)."""
+    js = tl.arange(0, 32)
+    ws = oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp)
+    if PAIR:
+        ws2 = oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows2, b22, cells2, col_ok2, k0, Kp)
+    for e in tl.static_range(8):
+        if not TAIL or k0 + 32 * e < K:
+            kk = k0 + 32 * e + js
+            k_ok = kk < K
+            if not NORM:
+                a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            else:
+                h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
+                a = normalize(h, tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), rstd)
+            acc = tile_mac(a, ws[e], acc, DOT_PREC, BLOCK_M)
+            if PAIR:
+                acc2 = tile_mac(a, ws2[e], acc2, DOT_PREC, BLOCK_M)
+    return acc, acc2
+
+
+@triton.jit
+def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr,
+              Kp, cols, cols2, rows, row_offs, row_ok, col_ok, col_ok2, ks, h_owner, k_lo, k_hi, K, eps,
               HAS_RES: tl.constexpr,
               DOT_PREC: tl.constexpr, PAIR: tl.constexpr, W12: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_UNROLL: tl.constexpr,
@@ -117,6 +143,7 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
     of them. STAT_SEGS > 0 with NORM: the statistic from the producer's segment sums at ss_ptr
     (rmsnorm.rstd_from_sumsq), not from a pass over x."""
     # pass 1: per-row statistic (rmsnorm.row_rstd)
+    rstd = 0.0  # unused without NORM
     if NORM:
         if STAT_SEGS > 0:
             rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
@@ -128,28 +155,18 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if W12:  # W12 weights (w12_tile.py): 256-element blocks, each eight 32-wide slices of x and dots, K ascending
-        w_rows, w_base, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
-        if PAIR:
-            w_rows2, w_base2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)
-        js = tl.arange(0, 32)
-        for k0 in range(k_lo, k_hi, OCT_BLOCK):
-            ws = oct_block(words_ptr, codes_ptr, eslot_ptr, cell_ptr, esc_ptr, w_rows, w_base, b2, cells, col_ok, k0,
-                           Kp)
-            if PAIR:
-                ws2 = oct_block(words_ptr, codes_ptr, eslot_ptr, cell_ptr, esc_ptr, w_rows2, w_base2, b22, cells2,
-                                col_ok2, k0, Kp)
-            for e in tl.static_range(8):
-                if k0 + 32 * e < K:  # a K tail's padding slices are skipped (and see gemm's W12 loop on pipelining)
-                    kk = k0 + 32 * e + js
-                    k_ok = kk < K
-                    if not NORM:
-                        a = tl.load(x_ptr + row_offs + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    else:
-                        h = load_h(x_ptr, r_ptr, row_offs + kk[None, :], row_ok[:, None] & k_ok[None, :], HAS_RES)
-                        a = normalize(h, tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32), rstd)
-                    acc = tile_mac(a, ws[e], acc, DOT_PREC, BLOCK_M)
-                    if PAIR:
-                        acc2 = tile_mac(a, ws2[e], acc2, DOT_PREC, BLOCK_M)
+        w_rows, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
+        w_rows2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)  # unused (and dropped) without PAIR
+        k_full = k_lo + (k_hi - k_lo) // OCT_BLOCK * OCT_BLOCK
+        for k0 in range(k_lo, k_full, OCT_BLOCK):  # whole blocks: a body without branches (gemm._w12_block_mac)
+            acc, acc2 = _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr,
+                                            codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, w_rows2, b22,
+                                            cells2, col_ok2, k0, K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M, False)
+        if k_full < k_hi:  # K's tail block, its padding slices skipped
+            acc, acc2 = _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr,
+                                            codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, w_rows2, b22,
+                                            cells2, col_ok2, k_full, K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M,
+                                            True)
     else:
         # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency
         # otherwise sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not
@@ -240,8 +257,8 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr,
-                           Kp, b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr, ss_ptr,
+def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, Kp,
+                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr, ss_ptr,
                            pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
@@ -284,7 +301,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
         post_rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
     k_lo = pid_k * K_SPLIT
     acc, acc2 = _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_ptr + cols2.to(tl.int64)[None, :] * K,
-                          words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr, Kp, cols, cols2, rows, row_offs,
+                          words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, Kp, cols, cols2, rows, row_offs,
                           row_ok, col_ok, col_ok2, ks, (pid_n == 0) & (pid_k == 0), k_lo,
                           tl.minimum(K, k_lo + K_SPLIT), K, eps, HAS_RES, DOT_PREC, EPI == EPI_GLU, W12, BLOCK_M,
                           BLOCK_N, BLOCK_K, STAT_UNROLL, ACT_PREFETCH, NORM, STAT_SEGS)
@@ -402,10 +419,11 @@ def norm_operand(x: torch.Tensor, norm_w: torch.Tensor, eps: float, residual: to
 
 def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int, row_tile: int = BLOCK_M,
                       split_k: int = 1, pair: bool = False,
-                      max_block_n: int | None = None) -> tuple[int, int, list[tuple]]:
+                      max_block_n: int | None = None, w12: bool = False) -> tuple[int, int, list[tuple]]:
     """(block_n, num_stages, launches) of a norm + projection with n output columns; launches: gemm.split_launches
     (first row, end row, grid, split-K workspace, counters, K per split); pair: two W row sets per column;
-    max_block_n: the widest tile the epilogue allows (the default is capped to it, a wider block_n refused)."""
+    max_block_n: the widest tile the epilogue allows (the default is capped to it, a wider block_n refused);
+    w12: W is a W12 weight (its pipeline stages are sized by 256-element blocks)."""
     T = x.shape[0]
     if block_n is None:
         bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size())
@@ -414,8 +432,8 @@ def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int
         raise ValueError(f"block_n={block_n} exceeds {max_block_n}, the widest tile this epilogue allows")
     else:
         bn = block_n
-    stages = default_num_stages(bn, x.element_size(), most=4, block_k=block_k, row_tile=row_tile) \
-        if num_stages is None else num_stages
+    stages = default_num_stages(bn * (2 if pair and w12 else 1), x.element_size(), most=4, block_k=block_k,
+                                row_tile=row_tile, w12=w12) if num_stages is None else num_stages
     return bn, stages, split_launches(x.device, T, n, x.shape[1], block_k, row_tile, bn, split_k, pair)
 
 
@@ -456,7 +474,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
     if (argmax and residual is not None) or not (store_y or argmax):
         raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
-    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k)
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, w12=w12)
     op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq,
                       scaled_x)
     xk, rk = op.x, op.residual

@@ -12,9 +12,8 @@ for any T, batch invariance included. W12 changes no output token, only the byte
 The decode (measured in scripts/gpu_w12_variants.py, notes/h200.md sessions 13 and 28): per two weights one `prmt`
 spreads two sign+mantissa bytes over two bf16 halves, shift + and + add place base + code at each half's exponent,
 one `lop3` merges them, as inline PTX (Triton's own integer ops made the decode ALU-bound). Escapes ride on the add:
-each output pair's addend carries, at the tile row of an escaped element, the signed difference between its
-exponent and base + 15 (what its code decodes to). A cell's first escape comes from the dense `slots` array, loaded
-with the block (no load waits on another); a cell with more sends its tile through the escape list for the rest.
+a cell (row, 256-block) that holds any carries four correction words per lane (OctLayout.fat), one per output pair,
+loaded under a mask that is false for the ~96% of cells without escapes and added to the pair's exponent addend.
 """
 from __future__ import annotations
 
@@ -25,12 +24,11 @@ import triton
 import triton.language as tl
 
 from ..weights.format import W12Tensor
-from ..weights.oct import BLOCK, SLOT_MORE, SLOT_VALID, OctLayout, oct_layout
+from ..weights.oct import BLOCK, OctLayout, oct_layout
 from ._common import check_tensor, is_interpreted
 
 OCT_BLOCK = tl.constexpr(BLOCK)  # K elements a block: eight 32-wide slices (constexpr globals only, in kernels)
-_SLOT_VALID = tl.constexpr(SLOT_VALID)
-_SLOT_MORE_SHIFT = tl.constexpr(SLOT_MORE.bit_length() - 1)
+OCT_ROW_BLOCK_BYTES = BLOCK * 3 // 2 + 4 * 32 * 4 + 4  # one W row's block: words, codes, correction words, cell
 
 # Eight bf16 from two lo words (bytes q: elements 32q + j and 128 + 32q + j), a code word (nibble e: element 32e + j)
 # and four exponent addends (pair q = elements (q, q + 4)): per pair one byte permute spreads [lo_q, lo_q, lo_q+4,
@@ -93,51 +91,32 @@ def _oct_decode(La, Lb, Cw, A0, A1, A2, A3):
 
 
 @triton.jit
-def _escape_addends(A0, A1, A2, A3, ent, ok, base, j):
-    """The pair addends with one escape per W row added where ok: ent = position in the block | exponent << 8.
-    Per column the four candidate addends are vectors (cheap); per tile element one compare and four selects."""
-    pos = ent & 0xFF
-    e = pos >> 5
-    delta = ((ent >> 8) & 0xFF) - base - 15  # its code (15) decodes to base + 15; its exponent is ent's
-    d = tl.where(ok, tl.where(e < 4, delta << 7, delta << 23), 0)  # a half's exponent stays 0..255: no borrow
-    q = e & 3
-    hit = j[:, None] == (pos & 31)[None, :]
-    A0 = tl.where(hit, A0 + tl.where(q == 0, d, 0)[None, :], A0)
-    A1 = tl.where(hit, A1 + tl.where(q == 1, d, 0)[None, :], A1)
-    A2 = tl.where(hit, A2 + tl.where(q == 2, d, 0)[None, :], A2)
-    A3 = tl.where(hit, A3 + tl.where(q == 3, d, 0)[None, :], A3)
-    return A0, A1, A2, A3
-
-
-@triton.jit
 def oct_cols(base_ptr, cols, col_ok, Kp):
-    """Per W row of a tile: (rows as int64 [1, BLOCK_N], base [BLOCK_N], the escape-free exponent addend
-    [32, BLOCK_N], index of the row's first cell). Rows past N read as zeros and decode to +0.0."""
+    """Per W row of a tile: (rows as int64 [1, BLOCK_N], the exponent addend base at bits 7 and 23 [32, BLOCK_N],
+    index of the row's first cell). Rows past N read as zeros and decode to +0.0."""
     base = tl.load(base_ptr + cols, mask=col_ok, other=0)
     b2 = ((base << 7) | (base << 23))[None, :] + tl.zeros([32, 1], dtype=tl.int32)
-    return cols.to(tl.int64)[None, :], base, b2, cols * (Kp // OCT_BLOCK)
+    return cols.to(tl.int64)[None, :], b2, cols * (Kp // OCT_BLOCK)
 
 
 @triton.jit
-def oct_block(words_ptr, codes_ptr, slot_ptr, cell_ptr, esc_ptr, w_rows, base, b2, cells, col_ok, k0, Kp):
+def oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp):
     """W^T over K [k0, k0 + 256) of the tile's rows as eight bf16 [32, BLOCK_N] slices, K ascending (exact): the
-    block's words loaded, the slot's escape always patched, a cell's further escapes from the list. (Loading the
-    next block's words here by hand, while this one decodes, made the H200 GEMVs 1.4-2x slower: session 28.)"""
+    block's words, and a cell with escapes adds its correction words to the pair addends (a masked load: cells
+    without escapes read nothing more). No data-dependent control flow, so Triton can pipeline the caller's loop.
+    (Loading the next block's words here by hand made the H200 GEMVs 1.4-2x slower: session 28.)"""
     j = tl.arange(0, 32)
     m = col_ok[None, :]
     La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)
     Lb = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + 32 + j[:, None], mask=m, other=0)
     Cw = tl.load(codes_ptr + w_rows * (Kp // 8) + k0 // 8 + j[:, None], mask=m, other=0)
-    cell = cells + k0 // OCT_BLOCK
-    sw = tl.load(slot_ptr + cell, mask=col_ok, other=0)
-    A0, A1, A2, A3 = _escape_addends(b2, b2, b2, b2, sw, (sw & _SLOT_VALID) != 0, base, j)
-    if tl.max(sw >> _SLOT_MORE_SHIFT, axis=0) > 0:  # a cell with more than one escape: the rest from the list
-        c0 = tl.load(cell_ptr + cell, mask=col_ok, other=0)
-        cnt = tl.load(cell_ptr + cell + 1, mask=col_ok, other=0) - c0
-        for s in range(1, tl.max(cnt, axis=0)):
-            ok = s < cnt
-            A0, A1, A2, A3 = _escape_addends(A0, A1, A2, A3, tl.load(esc_ptr + c0 + s, mask=ok, other=0), ok,
-                                             base, j)
+    f = tl.load(fcell_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=-1)
+    fm = m & (f >= 0)[None, :]
+    fw = fat_ptr + (f.to(tl.int64) * 128)[None, :] + j[:, None]
+    A0 = b2 + tl.load(fw, mask=fm, other=0)
+    A1 = b2 + tl.load(fw + 32, mask=fm, other=0)
+    A2 = b2 + tl.load(fw + 64, mask=fm, other=0)
+    A3 = b2 + tl.load(fw + 96, mask=fm, other=0)
     return _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
 
 
@@ -149,7 +128,7 @@ def as_oct(W: OctLayout | W12Tensor) -> OctLayout:
 def weight_operand(W: Any, K: int, dtype: torch.dtype, device: torch.device, rows_per_out: int = 1
                    ) -> tuple[tuple, bool, int]:
     """A projection's W, bf16/fp16/fp32 [N, K], or W12 [N, K] (OctLayout or W12Tensor), as the kernels take it:
-    (the arguments w_ptr, words_ptr, codes_ptr, base_ptr, eslot_ptr, cell_ptr, esc_ptr, Kp; the W12 flag; N). A W12 W
+    (the arguments w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, Kp; the W12 flag; N). A W12 W
     decodes to bf16, so the activations must be bf16 too."""
     if isinstance(W, (W12Tensor, OctLayout)):
         if dtype != torch.bfloat16:
@@ -159,11 +138,11 @@ def weight_operand(W: Any, K: int, dtype: torch.dtype, device: torch.device, row
         o = as_oct(W)
         if o.words.device != device:
             raise ValueError(f"W is on {o.words.device} but x is on {device}")
-        esc = o.escapes if o.escapes.numel() else o.words  # never dereferenced when there are no escapes
-        args, w12, n = (o.words, o.words, o.codes, o.base, o.slots, o.cell_esc, esc, o.padded_cols), True, o.shape[0]
+        fat = o.fat if o.fat.numel() else o.words  # never dereferenced when no cell has escapes
+        args, w12, n = (o.words, o.words, o.codes, o.base, o.fat_cells, fat, o.padded_cols), True, o.shape[0]
     else:
         check_tensor("W", W, (None, K), dtype, device)
-        args, w12, n = (W,) * 7 + (1,), False, W.shape[0]  # the W12 pointers are never read
+        args, w12, n = (W,) * 6 + (1,), False, W.shape[0]  # the W12 pointers are never read
     if n < 1 or n % rows_per_out:
         raise ValueError(f"W must have a positive multiple of {rows_per_out} rows, got {n}")
     return args, w12, n
@@ -221,7 +200,7 @@ def bench_w12(shapes: Sequence[tuple[int, int]] = LLAMA3_8B_SHAPES, tokens: Sequ
                 rows.append({"N": N, "K": K, "tokens": T, "split_k": split, "w12_us": ms * 1e3,
                              "bf16_us": ref_ms * 1e3, "speedup": ref_ms / ms, "w12_gbps": o.kernel_bytes / ms / 1e6,
                              "bf16_gbps": N * K * 2 / ref_ms / 1e6, "bytes_per_weight": o.kernel_bytes / (N * K),
-                             "escape_rate": o.escapes.numel() / (N * K), "copies": copies})
+                             "escape_rate": o.escapes / (N * K), "copies": copies})
         del Ws, Qs
     return rows
 

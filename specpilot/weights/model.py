@@ -18,11 +18,11 @@ from specpilot.weights.oct import OctLayout, decode_oct, oct_layout
 
 
 @dataclass(frozen=True)
-class W12Layer:  # W12Tensors in W12Weights, their OctLayouts in OctWeights
-    qkv: W12Tensor | OctLayout
-    o: W12Tensor | OctLayout
-    gate_up: W12Tensor | OctLayout
-    down: W12Tensor | OctLayout
+class W12Layer:  # W12Tensors in W12Weights, their OctLayouts (or bf16 tensors) in OctWeights
+    qkv: W12Tensor | OctLayout | torch.Tensor
+    o: W12Tensor | OctLayout | torch.Tensor
+    gate_up: W12Tensor | OctLayout | torch.Tensor
+    down: W12Tensor | OctLayout | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,14 @@ class W12Weights:
         return sum_stats(w.stats for _, w in self.named())
 
     def kernel_layouts(self) -> "OctWeights":
-        """Every tensor in the kernels' layout (specpilot.weights.oct), each checked to hold the same bits."""
-        def lay(name: str, w: W12Tensor) -> OctLayout:
+        """Every tensor in the kernels' layout (specpilot.weights.oct), each checked to hold the same bits; a tensor
+        whose layout would read more bytes than bf16 (escapes in most cells, as SmolLM2-135M's embedding) stays
+        bf16 (its decode: the same bits, the same kernels)."""
+        def lay(name: str, w: W12Tensor) -> OctLayout | torch.Tensor:
             o = oct_layout(w)
             if not bitwise_equal(decode_oct(o), decode(w)):
                 raise W12Error(f"{name}: the kernel layout does not hold the W12 tensor's bits")
-            return o
+            return decode(w) if o.kernel_bytes >= 2 * w.stats.numel else o
 
         layers = tuple(W12Layer(*(lay(f"layers.{i}.{f}", getattr(l, f)) for f in ("qkv", "o", "gate_up", "down")))
                        for i, l in enumerate(self.layers))
@@ -105,9 +107,10 @@ class W12Weights:
 
 @dataclass(frozen=True)
 class OctWeights:
-    """W12Weights in the kernels' layout, what the engine's forward reads (fields as W12Layer's, OctLayout each)."""
+    """W12Weights in the kernels' layout, what the engine's forward reads (fields as W12Layer's, each an OctLayout or,
+    where that would read more than bf16, a bf16 tensor)."""
     layers: tuple[W12Layer, ...]
-    head: OctLayout
+    head: OctLayout | torch.Tensor
 
 
 def _head(model: torch.nn.Module) -> torch.Tensor:
