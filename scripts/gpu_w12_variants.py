@@ -7,7 +7,7 @@ the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit fo
 - quads_S: lo as int32 [N, K/4], word j of a 128-block = elements j, 32+j, 64+j, 96+j (bytes 0..3), codes int16
            likewise (nibbles 0..3); decoded with Triton integer ops into four 32-wide slices, four dots
 - octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word (nibble e:
-           element 32e+j); eight slices decoded by 20 PTX integer instructions (kernels/w12_tile.OCT_ASM), eight dots
+           element 32e+j); eight slices decoded by kernels/w12_tile.OCT_ASM (high nibbles 0), eight dots
 - octs_Spf: the same with the next block's bytes loaded before this block's decode
 Earlier variants (one byte per element with a table gather, paired 64-wide halves: 2-3x slower than these) are in
 notes/h200-s13-w12-variants.json and this file's history; the session-28 escape variants over the package's oct
@@ -90,7 +90,7 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
             La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
             Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
             Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
-        ws = _oct_decode(La, Lb, Cw, b2, b2, b2, b2)
+        ws = _oct_decode(La, Lb, Cw, tl.zeros_like(b2), b2)  # escape-free: no high nibbles
         for e in tl.static_range(8):
             xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :], mask=rows[:, None] < T, other=0.0)
             acc = tl.dot(xq, ws[e], acc)

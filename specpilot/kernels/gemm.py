@@ -200,15 +200,17 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: int = BLOCK_M) -> int:
+def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: int = BLOCK_M,
+                    w12: bool = False) -> int:
     """Largest column tile that still gives `target_programs` programs (about one wave on a 132-SM GPU).
 
     It may depend on T because block_n is T-neutral (each output element's reduction is the same whatever
     tile owns it; test_t_neutral_params_change_no_bit checks every block_n/num_warps/num_stages on the GPU),
     except with one row per program, where it shapes the reduction tree: then it depends on n alone.
+    W12 tiles stop at 64 columns: wider ones ran 1.1-1.9x slower on the H200 (fewer pipeline stages fit, session 29).
     """
     m_tiles = 1 if row_tile == 1 else triton.cdiv(tokens, BLOCK_M)
-    for bn in (128, 64, 32):
+    for bn in ((64, 32) if w12 else (128, 64, 32)):
         if triton.cdiv(n, bn) * m_tiles >= target_programs:
             return bn
     return 16
@@ -389,7 +391,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
         check_tensor("residual", residual, (T, N), out_dtype, dev)
     check_launchable(_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev)
-    bn = default_block_n(N, T, row_tile=row_tile) if block_n is None else block_n
+    bn = default_block_n(N, T, row_tile=row_tile, w12=w12) if block_n is None else block_n
     if row_sumsq_out is not None:
         if N % STAT_SEGMENT:
             raise ValueError(f"row_sumsq_out needs N a multiple of {STAT_SEGMENT}, got {N}")

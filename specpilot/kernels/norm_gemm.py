@@ -426,7 +426,8 @@ def norm_launch_shape(x: torch.Tensor, n: int, block_n, num_stages, block_k: int
     w12: W is a W12 weight (its pipeline stages are sized by 256-element blocks)."""
     T = x.shape[0]
     if block_n is None:
-        bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile), block_k, x.element_size())
+        bn = fit_block_n(default_block_n(n, T, target_programs=64, row_tile=row_tile, w12=w12), block_k,
+                         x.element_size())
         bn = bn if max_block_n is None else min(bn, max_block_n)
     elif max_block_n is not None and block_n > max_block_n:
         raise ValueError(f"block_n={block_n} exceeds {max_block_n}, the widest tile this epilogue allows")

@@ -3,17 +3,18 @@
 `linear`, `swiglu_linear`, `rmsnorm_linear`, `rmsnorm_qkv_rope` and `rmsnorm_glu` take W either as a bf16 tensor
 or as a W12 tensor: an OctLayout (what the engine holds), or a W12Tensor, converted by oct_layout on every call.
 With W12 their K loop walks 256-element blocks: `oct_block` rebuilds a block of the tile's W rows in registers as
-eight exact bf16 [32, BLOCK_N] slices (sign+mantissa bytes, exponent = the row's base + a 4-bit code, escaped
-exponents patched in), and each slice meets its 32 x columns in one dot, in ascending K. A GPU MMA rounds once per
-16-wide K step, so these dots give the bits of the bf16 kernels' 128-wide ones (the interpreter's dot does the same,
-kernels/_common.py); same prologue, epilogue and split-K order: outputs bit-identical to the bf16 ones on decode(W)
-for any T, batch invariance included. W12 changes no output token, only the bytes read (~1.52 a weight).
+eight exact bf16 [32, BLOCK_N] slices (sign+mantissa bytes, exponent = the row's base + a 4-bit code + 16 x a high
+nibble where the cell has escapes), and each slice meets its 32 x columns in one dot, in ascending K. A GPU MMA
+rounds once per 16-wide K step, so these dots give the bits of the bf16 kernels' 128-wide ones (the interpreter's
+dot does the same, kernels/_common.py); same prologue, epilogue and split-K order: outputs bit-identical to the
+bf16 ones on decode(W) for any T, batch invariance included. W12 changes no output token, only the bytes read
+(~1.52 a weight).
 
-The decode (measured in scripts/gpu_w12_variants.py, notes/h200.md sessions 13 and 28): per two weights one `prmt`
-spreads two sign+mantissa bytes over two bf16 halves, shift + and + add place base + code at each half's exponent,
-one `lop3` merges them, as inline PTX (Triton's own integer ops made the decode ALU-bound). Escapes ride on the add:
-a cell (row, 256-block) that holds any carries four correction words per lane (OctLayout.fat), one per output pair,
-loaded under a mask that is false for the ~96% of cells without escapes and added to the pair's exponent addend.
+The decode (measured in scripts/gpu_w12_variants.py, notes/h200.md sessions 13, 28, 29): per two weights one `prmt`
+spreads two sign+mantissa bytes over two bf16 halves, shifts + ands + add place base + code at each half's exponent,
+one `lop3` merges them, as inline PTX (Triton's own integer ops made the decode ALU-bound). Escapes (exponents
+outside the row's 16-wide window) ride on the same add: a cell (row, 256-block) that holds any has a word of high
+exponent nibbles per lane (OctLayout.fat), loaded under a mask that is false for the ~98% of cells without.
 """
 from __future__ import annotations
 
@@ -28,38 +29,40 @@ from ..weights.oct import BLOCK, OctLayout, oct_layout
 from ._common import check_tensor, is_interpreted
 
 OCT_BLOCK = tl.constexpr(BLOCK)  # K elements a block: eight 32-wide slices (constexpr globals only, in kernels)
-OCT_ROW_BLOCK_BYTES = BLOCK * 3 // 2 + 4 * 32 * 4 + 4  # one W row's block: words, codes, correction words, cell
+OCT_ROW_BLOCK_BYTES = BLOCK * 3 // 2 + 32 * 4 + 4  # one W row's block: words, codes, high nibbles, cell index
 
-# Eight bf16 from two lo words (bytes q: elements 32q + j and 128 + 32q + j), a code word (nibble e: element 32e + j)
-# and four exponent addends (pair q = elements (q, q + 4)): per pair one byte permute spreads [lo_q, lo_q, lo_q+4,
-# lo_q+4] over two 16-bit halves, whose sign and mantissa bits one lop3 keeps while or-ing in the exponents (code
-# shifted to bit 7 of each half, plus the addend): five integer instructions per two weights.
+# Eight bf16 from two lo words (bytes q: elements 32q + j and 128 + 32q + j), a code word and a high-nibble word
+# (nibble e: element 32e + j) and the row's base at bits 7 and 23: per pair q (elements q, q + 4) one byte permute
+# spreads [lo_q, lo_q, lo_q+4, lo_q+4] over two 16-bit halves; code and high nibble shifted to bits 7 and 11 of each
+# half, or-ed, plus the base give each half's exponent (mod 256: a carry out of a half only reaches its bit 15 or
+# the word's top, which the merge drops); one lop3 takes sign and mantissa from the bytes, the exponent from the
+# sum: eight integer instructions per two weights.
 OCT_ASM = tl.constexpr("""{
-.reg .b32 t, u, r, m;
+.reg .b32 t, u, v, r, m;
 mov.b32 m, 0x807F807F;
-prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; add.u32 u, u, $11;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$0, $4}, r;
-prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; add.u32 u, u, $12;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$1, $5}, r;
-prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; add.u32 u, u, $13;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$2, $6}, r;
-prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; add.u32 u, u, $14;
-lop3.b32 r, t, m, u, 0xEA; mov.b32 {$3, $7}, r;
+prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; shl.b32 v, $11, 11; and.b32 v, v, 0x78007800;
+or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$0, $4}, r;
+prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; shl.b32 v, $11, 7; and.b32 v, v, 0x78007800;
+or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$1, $5}, r;
+prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; shl.b32 v, $11, 3; and.b32 v, v, 0x78007800;
+or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$2, $6}, r;
+prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; shr.u32 v, $11, 1; and.b32 v, v, 0x78007800;
+or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$3, $7}, r;
 }""")
 
 
 @triton.jit
-def _oct_pair(La, Lb, Cw, A, q: tl.constexpr):
+def _oct_pair(La, Lb, Cw, H, b2, q: tl.constexpr):
     """The interpreter's decode of pair q (elements q and q + 4): the asm's bits from plain integer ops."""
     if q == 0:
-        u = (Cw << 7) & 0x07800780
+        u = ((Cw << 7) & 0x07800780) | ((H << 11) & 0x78007800)
     elif q == 1:
-        u = (Cw << 3) & 0x07800780
+        u = ((Cw << 3) & 0x07800780) | ((H << 7) & 0x78007800)
     elif q == 2:
-        u = (Cw >> 1) & 0x07800780
+        u = ((Cw >> 1) & 0x07800780) | ((H << 3) & 0x78007800)
     else:
-        u = (Cw >> 5) & 0x07800780
-    u = u + A
+        u = ((Cw >> 5) & 0x07800780) | ((H >> 1) & 0x78007800)
+    u = u + b2
     la = (La >> (8 * q)) & 0xFF
     lb = (Lb >> (8 * q)) & 0xFF
     lo = ((la & 0x80) << 8) | (la & 0x7F) | (u & 0x7F80)
@@ -73,27 +76,27 @@ _COMPILED = tl.constexpr(not is_interpreted(_oct_pair))  # the interpreter runs 
 
 
 @triton.jit
-def _oct_decode(La, Lb, Cw, A0, A1, A2, A3):
+def _oct_decode(La, Lb, Cw, H, b2):
     if _COMPILED:
         h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
-            OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r", [La, Lb, Cw, A0, A1, A2, A3], dtype=(tl.uint16,) * 8,
+            OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [La, Lb, Cw, H, b2], dtype=(tl.uint16,) * 8,
             is_pure=True, pack=1)
         return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
                 h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
                 h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
                 h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
     else:
-        w0, w4 = _oct_pair(La, Lb, Cw, A0, 0)
-        w1, w5 = _oct_pair(La, Lb, Cw, A1, 1)
-        w2, w6 = _oct_pair(La, Lb, Cw, A2, 2)
-        w3, w7 = _oct_pair(La, Lb, Cw, A3, 3)
+        w0, w4 = _oct_pair(La, Lb, Cw, H, b2, 0)
+        w1, w5 = _oct_pair(La, Lb, Cw, H, b2, 1)
+        w2, w6 = _oct_pair(La, Lb, Cw, H, b2, 2)
+        w3, w7 = _oct_pair(La, Lb, Cw, H, b2, 3)
         return w0, w1, w2, w3, w4, w5, w6, w7
 
 
 @triton.jit
 def oct_cols(base_ptr, cols, col_ok, Kp):
-    """Per W row of a tile: (rows as int64 [1, BLOCK_N], the exponent addend base at bits 7 and 23 [32, BLOCK_N],
-    index of the row's first cell). Rows past N read as zeros and decode to +0.0."""
+    """Per W row of a tile: (rows as int64 [1, BLOCK_N], the row's base at bits 7 and 23 [32, BLOCK_N], index of the
+    row's first cell). Rows past N read as zeros and decode to +0.0."""
     base = tl.load(base_ptr + cols, mask=col_ok, other=0)
     b2 = ((base << 7) | (base << 23))[None, :] + tl.zeros([32, 1], dtype=tl.int32)
     return cols.to(tl.int64)[None, :], b2, cols * (Kp // OCT_BLOCK)
@@ -102,22 +105,17 @@ def oct_cols(base_ptr, cols, col_ok, Kp):
 @triton.jit
 def oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp):
     """W^T over K [k0, k0 + 256) of the tile's rows as eight bf16 [32, BLOCK_N] slices, K ascending (exact): the
-    block's words, and a cell with escapes adds its correction words to the pair addends (a masked load: cells
-    without escapes read nothing more). No data-dependent control flow, so Triton can pipeline the caller's loop.
-    (Loading the next block's words here by hand made the H200 GEMVs 1.4-2x slower: session 28.)"""
+    block's words, and for a cell with escapes its high nibbles (a masked load: cells without escapes read nothing
+    more). No data-dependent control flow, so Triton can pipeline the caller's loop. (Loading the next block's
+    words here by hand made the H200 GEMVs 1.4-2x slower: session 28.)"""
     j = tl.arange(0, 32)
     m = col_ok[None, :]
     La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)
     Lb = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + 32 + j[:, None], mask=m, other=0)
     Cw = tl.load(codes_ptr + w_rows * (Kp // 8) + k0 // 8 + j[:, None], mask=m, other=0)
     f = tl.load(fcell_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=-1)
-    fm = m & (f >= 0)[None, :]
-    fw = fat_ptr + (f.to(tl.int64) * 128)[None, :] + j[:, None]
-    A0 = b2 + tl.load(fw, mask=fm, other=0)
-    A1 = b2 + tl.load(fw + 32, mask=fm, other=0)
-    A2 = b2 + tl.load(fw + 64, mask=fm, other=0)
-    A3 = b2 + tl.load(fw + 96, mask=fm, other=0)
-    return _oct_decode(La, Lb, Cw, A0, A1, A2, A3)
+    H = tl.load(fat_ptr + (f.to(tl.int64) * 32)[None, :] + j[:, None], mask=m & (f >= 0)[None, :], other=0)
+    return _oct_decode(La, Lb, Cw, H, b2)
 
 
 def as_oct(W: OctLayout | W12Tensor) -> OctLayout:
