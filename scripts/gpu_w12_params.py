@@ -2,7 +2,8 @@
 4 warps), T=1 and 16, best against best (and bf16 at its defaults): which launch shape suits the oct decode, and
 the issue #6 ratio (notes/h200.md, sessions 28-29).
 
-python3 scripts/gpu_w12_params.py OUT.json [--shapes 4096x4096,14336x4096] [--budget-s 200]
+python3 scripts/gpu_w12_params.py OUT.json [--shapes 4096x4096,14336x4096] [--op linear|norm|glu] [--budget-s 200]
+(--op norm: rmsnorm_linear, glu: rmsnorm_glu with W [2I, K] = gate|up, as the engine's QKV / gate_up launches)
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import time
 
 import torch
 
-from specpilot.kernels import linear
+from specpilot.kernels import linear, rmsnorm_linear
+from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.bench import l2_copies, time_graph
 from specpilot.weights.format import encode
 from specpilot.weights.oct import oct_layout
@@ -24,6 +26,10 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336")
     ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--op", choices=("linear", "norm", "glu"), default="linear")
+    ap.add_argument("--block-n", default="16,32,64")
+    ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--budget-s", type=float, default=200)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -36,25 +42,32 @@ def main() -> None:
         Qs = [oct_layout(encode(W)) for W in Ws]
         for T in (int(v) for v in a.tokens.split(",")):
             x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
-            ref = time_graph([lambda W=W: linear(x, W) for W in Ws], 15) * 1e3
+            nw = (1 + 0.1 * torch.randn(K, generator=g, device=dev)).to(torch.bfloat16)
+            op = {"linear": lambda w, **p: linear(x, w, **p),
+                  "norm": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, **p),
+                  "glu": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, **p)}[a.op]
+            ref = time_graph([lambda W=W: op(W) for W in Ws], 15) * 1e3
+            ref12 = time_graph([lambda Q=Q: op(Q) for Q in Qs], 15) * 1e3
             best = {}
-            for (fmt, ws), bn, stages, split in itertools.product((("bf16", Ws), ("w12", Qs)), (16, 32, 64),
-                                                                  (1, 2, 3, 4), (1, 2, 4, 8)):
+            grid = (tuple(int(v) for v in g.split(",")) for g in (a.block_n, a.stages, a.splits))
+            for bn, stages, split, (fmt, ws) in itertools.product(*grid, (("bf16", Ws), ("w12", Qs))):
                 if time.time() - t0 > a.budget_s:
                     break
                 p = dict(block_n=bn, num_stages=stages, split_k=split, num_warps=4)
                 try:
-                    us = time_graph([lambda w=w: linear(x, w, **p) for w in ws], 15) * 1e3
+                    us = time_graph([lambda w=w: op(w, **p) for w in ws], 15) * 1e3
                 except Exception as e:  # noqa: BLE001 - a sweep: record and go on
                     rows.append({"shape": shape, "T": T, "format": fmt, **p, "error": str(e)[:200]})
                     continue
-                row = {"shape": shape, "T": T, "format": fmt, **p, "us": us, "bf16_default_us": ref}
+                row = {"op": a.op, "shape": shape, "T": T, "format": fmt, **p, "us": us, "bf16_default_us": ref,
+                       "w12_default_us": ref12}
                 rows.append(row)
                 if fmt not in best or us < best[fmt]["us"]:
                     best[fmt] = row
             if len(best) == 2:
                 b, w = best["bf16"], best["w12"]
-                print(f"{shape:>11} T={T:<3} bf16 default {ref:7.1f} best {b['us']:7.1f} us (bn={b['block_n']} "
+                print(f"{a.op:>6} {shape:>11} T={T:<3} default bf16 {ref:7.1f} W12 {ref12:7.1f} | bf16 best {b['us']:7.1f} us "
+                      f"(bn={b['block_n']} "
                       f"stages={b['num_stages']} split={b['split_k']})  W12 best {w['us']:7.1f} us (bn={w['block_n']} "
                       f"stages={w['num_stages']} split={w['split_k']})  W12 x bf16 best {b['us'] / w['us']:.2f}",
                       flush=True)
