@@ -66,8 +66,8 @@ def main() -> None:
                     best[fmt] = row
             if len(best) == 2:
                 b, w = best["bf16"], best["w12"]
-                print(f"{a.op:>6} {shape:>11} T={T:<3} default bf16 {ref:7.1f} W12 {ref12:7.1f} | bf16 best {b['us']:7.1f} us "
-                      f"(bn={b['block_n']} "
+                print(f"{a.op:>6} {shape:>11} T={T:<3} default bf16 {ref:7.1f} W12 {ref12:7.1f} | bf16 best "
+                      f"{b['us']:7.1f} us (bn={b['block_n']} "
                       f"stages={b['num_stages']} split={b['split_k']})  W12 best {w['us']:7.1f} us (bn={w['block_n']} "
                       f"stages={w['num_stages']} split={w['split_k']})  W12 x bf16 best {b['us'] / w['us']:.2f}",
                       flush=True)
