@@ -108,7 +108,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
                                                            prenorm=prenorm, grid_dependency=grid_dependency,
                                                            producer_stat=producer_stat, row_sumsq=row_sumsq,
                                                            post_scale=post_scale, scaled_x=scaled_x)
-    num_warps = norm_warps(K, num_warps)
+    num_warps = norm_warps(K, num_warps, w12_pair=w12)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True, w12=w12)
