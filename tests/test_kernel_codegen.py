@@ -116,6 +116,14 @@ def assembled(fn, sig, consts, num_warps):
     return log, sass
 
 
+def sass_ops(sass):
+    """Opcode -> how many times it appears in a SASS listing (predicates and modifiers dropped)."""
+    ops = {}
+    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass):
+        ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+    return ops
+
+
 def spill_bytes(fn, sig, consts, num_warps):
     """Bytes a thread spills."""
     log, _ = assembled(fn, sig, consts, num_warps)
@@ -167,6 +175,9 @@ print(json.dumps({
                        for extra in ({}, {"STAT_SEGS": 256})],
     # the producer's squares stay FMULs: an FMA contracted into the segment tree would round them another way, in
     # some compiled variants only (the attention kernels' 1-ulp story, _common.NO_FP_FUSION)
+    # the W12 linear assembled by ptxas (the decode's inline PTX included): its SASS opcodes, counted
+    "w12_sass_ops": sass_ops(assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
+                                                                     "W12": True, **TILE}, 4)[1]),
     "sumsq_ffma": [assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": swiglu, "DOT_PREC": "tf32",
                                                            "W12": False, **TILE, "BLOCK_M": bm, "BLOCK_N": bn,
                                                            "ROW_SUMSQ": 1}, nw)[1].count("FFMA")
@@ -285,6 +296,14 @@ def any_k(dot: str) -> str:
     """A projection dot's types with its K width left out: W12 runs eight 32-wide dots where bf16 runs one per chunk."""
     return re.sub(r"tensor<(16x)?(32|128)(x64)?xbf16", lambda m: f"tensor<{m.group(1) or ''}K{m.group(3) or ''}xbf16",
                   dot)
+
+
+def test_w12_decode_assembles(compiled):
+    """ptxas takes the decode's inline PTX (w12_tile.OCT_ASM; tests/test_oct_asm.py checks what it computes): the
+    W12 linear assembles for sm_90a with its byte permutes and MMAs. (ptxas re-optimises the PTX: an 8- and a
+    7-instruction spelling of the pair decode gave the same SASS opcode counts, session 29.)"""
+    ops = compiled["w12_sass_ops"]
+    assert ops.get("PRMT", 0) >= 2 * 16 * 4 and ops.get("HMMA", 0) > 0, ops
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
