@@ -71,6 +71,36 @@ def test_projection_specs_launch_the_kernel_variants_the_engine_runs():
     assert logits.shape == (t, SHAPE.vocab) and torch.equal(best, logits.argmax(-1))  # the argmax epilogue ran
 
 
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "lm_head", "o_proj", "down"])
+def test_w12_projection_specs_launch_w12_weights_with_the_bf16_bits(name):
+    """A weight_format=w12 build's projections are timed on W12 weights (the oct layout the engine holds), drawn from
+    the same values: every output equals the bf16 weights' bit for bit, whatever the setting."""
+    from specpilot.kernels import LinearParams, RMSNormLinearParams
+    from specpilot.stages.kernel_specs import BY_NAME, _weights
+    from specpilot.weights.oct import OctLayout
+    spec, dev = BY_NAME[name], torch.device(DEVICE)
+    assert isinstance(_weights(torch.Generator(), torch.bfloat16, dev, 8, 32, w12=True)(), OctLayout)
+    n, k = spec.dims(SHAPE)
+    p = (RMSNormLinearParams if spec.params is RMSNormLinearParams else LinearParams)(block_n=16, num_warps=4)
+    outs = [spec.make(SHAPE, n, k, 2, 8, torch.bfloat16, dev, torch.Generator().manual_seed(3), w12=w12)(p)
+            for w12 in (False, True)]
+    flat = [[t for t in (o if isinstance(o, tuple) else (o,))] for o in outs]
+    assert all(torch.equal(a.view(torch.int8) if a.is_floating_point() else a,
+                           b.view(torch.int8) if b.is_floating_point() else b) for a, b in zip(*flat))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the interpreter path")
+def test_w12_builds_are_tuned_on_w12_weights():
+    attr = hand_attribution({OpClass.O_PROJ: 4.0})
+    with pytest.raises(tk.TuneError, match="bfloat16"):
+        tk.tune_kernels(attr, SHAPE, DEVICE, [1], TINY, allow_cpu=True, dtype=torch.float32,
+                        weight_format=tk.WeightFormat.W12)
+    table = tk.tune_kernels(attr, SHAPE, DEVICE, [1, 4], dataclasses.replace(TINY, max_kernels=1), allow_cpu=True,
+                            weight_format=tk.WeightFormat.W12)
+    assert [c.kernel for c in table.selected] == ["o_proj"]
+    assert {e.tokens for e in table.entries} <= {1, 4} and all(e.kernel == "o_proj" for e in table.entries)
+
+
 def test_cpu_tuning_is_refused_unless_asked_for():
     with pytest.raises(tk.TuneError, match="allow_cpu"):
         tk.tune_kernels(hand_attribution({OpClass.O_PROJ: 4.0}), SHAPE, "cpu", [1, 4], TINY)

@@ -35,10 +35,17 @@ COLD_BYTES = 96 << 20
 MAX_COPIES = 64
 
 
-def _weights(g: torch.Generator, dtype, dev, n: int, k: int) -> Callable[[], torch.Tensor]:
-    """A W [n, k] and a source cycling through identical copies of it (on a GPU: COLD_BYTES of them)."""
+def _weights(g: torch.Generator, dtype, dev, n: int, k: int, w12: bool = False) -> Callable[[], Any]:
+    """A W [n, k] and a source cycling through identical copies of it (on a GPU: COLD_BYTES of them); w12: the
+    same bf16 values in the W12 kernels' layout, as the engine holds a weight_format=w12 build's projections."""
     w = _rnd(g, dtype, dev, n, k, scale=k ** -0.5)
-    count = 1 if dev.type != "cuda" else max(1, min(MAX_COPIES, COLD_BYTES // (w.numel() * w.element_size())))
+    size = w.numel() * w.element_size()
+    if w12:
+        from specpilot.weights import encode
+        from specpilot.weights.oct import oct_layout
+        w = oct_layout(encode(w))
+        size = w.kernel_bytes
+    count = 1 if dev.type != "cuda" else max(1, min(MAX_COPIES, COLD_BYTES // size))
     return itertools.cycle([w] + [w.clone() for _ in range(count - 1)]).__next__
 
 
@@ -51,10 +58,11 @@ def _stat(x: torch.Tensor, nw: torch.Tensor, p: LaunchParams) -> dict[str, Any]:
     return {"row_sumsq": row_sumsq_ref(x), **({"scaled_x": scaled_rows_ref(x, nw)} if p.post_scale else {})}
 
 
-# Input builders: (shape, N, K, T, context, dtype, device, generator) -> Run over fixed inputs of that call, each
-# launching the kernel variant the engine's fused layers launch (tests/test_tune_kernels.py checks the match).
-def _qkv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
+# Input builders: (shape, N, K, T, context, dtype, device, generator, w12) -> Run over fixed inputs of that call, each
+# launching the kernel variant the engine's fused layers launch (tests/test_tune_kernels.py checks the match); w12:
+# the projections read W12 weights (the same values: a setting's outputs equal the bf16 weights' bit for bit).
+def _qkv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g, w12: bool = False) -> Run:
+    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k, w12)
     kc, vc = (_rnd(g, dtype, dev, sh.kv_heads, ctx + t, sh.head_dim) for _ in range(2))
     cos, sin = _k().rope_tables(ctx + t, sh.head_dim, sh.rope_theta, dev)
     pos = torch.arange(ctx, ctx + t, device=dev)
@@ -62,31 +70,31 @@ def _qkv(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run
                                                     sh.kv_heads, **p.as_kwargs(), **_stat(x, nw, p)), kc, vc)
 
 
-def _gate_up(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
+def _gate_up(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g, w12: bool = False) -> Run:
+    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k, w12)
     return lambda p: _epilogues().rmsnorm_glu(x, nw, w(), sh.rms_eps, **p.as_kwargs(), **_stat(x, nw, p))
 
 
-def _lm_head(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+def _lm_head(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g, w12: bool = False) -> Run:
     # with the argmax epilogue and its combine launch, as fused_forward launches the head; the logits are kept
     # (the engine's hot path skips them) so every bit of them is still compared between settings
-    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k)
+    x, nw, w = _rnd(g, dtype, dev, t, k), _rnd(g, dtype, dev, k), _weights(g, dtype, dev, n, k, w12)
     return lambda p: _k().rmsnorm_linear(x, nw, w(), sh.rms_eps, out_dtype=torch.float32, argmax=True,
                                          **p.as_kwargs(), **_stat(x, nw, p))
 
 
-def _linear(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
-    x, w, r = _rnd(g, dtype, dev, t, k), _weights(g, dtype, dev, n, k), _rnd(g, dtype, dev, t, n)
+def _linear(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g, w12: bool = False) -> Run:
+    x, w, r = _rnd(g, dtype, dev, t, k), _weights(g, dtype, dev, n, k, w12), _rnd(g, dtype, dev, t, n)
     return lambda p: _k().linear(x, w(), r, **p.as_kwargs())
 
 
-def _attention(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+def _attention(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g, w12: bool = False) -> Run:
     kc, vc = (_rnd(g, dtype, dev, sh.kv_heads, ctx + t, sh.head_dim) for _ in range(2))
     q, anc = _rnd(g, dtype, dev, t, sh.heads, sh.head_dim), torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))
     return lambda p: _k().attention(q, kc, vc, ctx, anc, **p.as_kwargs())
 
 
-def _accept(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g) -> Run:
+def _accept(sh: LlamaShape, n: int, k: int, t: int, ctx: int, dtype, dev, g, w12: bool = False) -> Run:
     tgt, drf = (torch.randint(0, 4, (t,), generator=g).to(dev) for _ in range(2))
     return lambda p: _k().greedy_accept(tgt, drf, torch.arange(-1, t - 1, device=dev), **p.as_kwargs())
 

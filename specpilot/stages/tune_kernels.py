@@ -32,7 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 from specpilot.costmodel import Attribution
 from specpilot.engines.batch.runner import bucket
-from specpilot.engines.config import EngineConfig
+from specpilot.engines.config import EngineConfig, WeightFormat
 from specpilot.engines.family import shape_from_dict
 from specpilot.engines.shapes import LlamaShape, OpClass
 from specpilot.kernels import LaunchParams
@@ -258,10 +258,16 @@ def _check_device(dev: torch.device, allow_cpu: bool) -> None:
 
 def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torch.device, tokens_list: Sequence[int],
                  budget: TuneBudget = TuneBudget(), *, allow_cpu: bool = False, dtype: torch.dtype | None = None,
-                 specs: Sequence[KernelSpec] = SPECS) -> KernelTable:
+                 specs: Sequence[KernelSpec] = SPECS,
+                 weight_format: WeightFormat = WeightFormat.NATIVE) -> KernelTable:
+    """weight_format=W12: the projections are timed on W12 weights, as a W12 build runs them (their best launches
+    are not bf16's: session 29's H200 sweeps)."""
     dev = torch.device(device)
     _check_device(dev, allow_cpu)
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    w12 = weight_format is WeightFormat.W12
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" or w12 else torch.float32)
+    if w12 and dtype != torch.bfloat16:
+        raise TuneError(f"weight_format=w12 decodes to bf16: tuning needs dtype=torch.bfloat16, got {dtype}")
     timed = _timer(dev, budget.reps)
     choices = select_kernels(attribution, budget.max_kernels, specs, budget.min_gap)
     entries: list[TableEntry] = []
@@ -270,8 +276,8 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
     for choice in choices:
         spec = by_name[choice.kernel]
         n, k = spec.dims(shape)
-        runs = {t: spec.make(shape, n, k, t, budget.context, dtype, dev, torch.Generator().manual_seed(budget.seed + t))
-                for t in tokens_list}
+        runs = {t: spec.make(shape, n, k, t, budget.context, dtype, dev, torch.Generator().manual_seed(budget.seed + t),
+                             w12=w12) for t in tokens_list}
         default = spec.params()
         fields = [f.name for f in dataclasses.fields(spec.params)]
 
@@ -385,7 +391,8 @@ def run(run: "StageRun") -> dict[str, Any]:
         raise TuneError(f"tune_kernels tunes the Llama family's kernels; the target is {type(shape).__name__}")
     table = tune_kernels(Attribution.from_dict(run.read_json("attribute", "attribution.json")), shape, run.device,
                          run.param("tokens") or sorted({1, build.config.token_tile}),
-                         TuneBudget(**run.param("budget", {})), allow_cpu=bool(run.param("allow_cpu", False)))
+                         TuneBudget(**run.param("budget", {})), allow_cpu=bool(run.param("allow_cpu", False)),
+                         weight_format=build.config.weight_format)
     write_kernel_table(table, run.out_dir / "kernel_table.json")
     tuned = dataclasses.replace(build, name=f"{build.name}+kernels", config=table.apply(build.config))
     (run.out_dir / "build.json").write_text(json.dumps(tuned.to_dict(), indent=1))

@@ -45,6 +45,11 @@ class OctLayout:
     def padded_cols(self) -> int:
         return self.words.shape[1] * 4
 
+    def clone(self) -> "OctLayout":
+        """A copy in fresh memory (benchmarks cycle through copies so the weights come from HBM)."""
+        return OctLayout(self.shape, self.words.clone(), self.codes.clone(), self.base.clone(), self.fat_cells.clone(),
+                         self.fat.clone(), self.escapes)
+
     @property
     def kernel_bytes(self) -> int:
         """What one matmul over the layout reads (high nibbles only for the cells that have them)."""
