@@ -236,8 +236,8 @@ def test_a_setting_the_device_cannot_launch_is_refused_and_the_search_goes_on():
 
     real = tk.BY_NAME["o_proj"]
 
-    def make(*args):
-        run = real.make(*args)
+    def make(*args, **kw):
+        run = real.make(*args, **kw)
 
         def launch(p):
             if p.num_stages == 5:
