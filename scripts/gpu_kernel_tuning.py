@@ -6,7 +6,7 @@ are about kernels and cost, not acceptance. (--device cpu --allow-cpu under TRIT
 on a tiny deployment; its timings mean nothing.)
 
     python3 scripts/gpu_kernel_tuning.py OUT [--deployment llama8b-shape-h200] [--budget '{"max_settings": 16}']
-        [--from-defaults]
+        [--from-defaults] [--weight-format w12]
 
 Writes OUT/<stage>/<round>/... (every stage's artifacts, as the flow would) and OUT/summary.json.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specpilot.costmodel import Attribution
 from specpilot.deployments import load_deployment
+from specpilot.engines.config import WeightFormat
 from specpilot.stages import catalog
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.io import StageName, StageRequest, run_stage
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-defaults", action="store_true",
                     help="start from the default launches, not the deployment's kernel table (does the tuner find "
                          "that table by itself?)")
+    ap.add_argument("--weight-format", choices=[f.value for f in WeightFormat], default=None,
+                    help="the stock build's weight format (w12: the tuner times the projections on W12 weights)")
     ap.add_argument("--dump-stacks-after", type=float, default=0.0,
                     help="seconds after which every thread's stack goes to stderr (a hang shows where it is)")
     a = ap.parse_args(argv)
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     stock = catalog.stock_candidate(dep)
     if a.from_defaults:
         stock = dataclasses.replace(stock, config=stock.config.replace(kernel_table=()))
+    if a.weight_format:
+        stock = dataclasses.replace(stock, config=stock.config.replace(weight_format=WeightFormat(a.weight_format)))
     run_id = time.strftime("%Y%m%dT%H%M%SZ-kt", time.gmtime())
     store = (a.out / "store").resolve().as_uri()
     profile_params = json.loads(a.profile)
