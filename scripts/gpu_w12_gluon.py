@@ -15,6 +15,7 @@ python3 scripts/gpu_w12_gluon.py --compile-only   (any machine: sm_90 SASS opcod
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 
@@ -39,8 +40,20 @@ def _decode(La, Lb, Cw, H, b2):
 
 
 @gluon.jit
+def _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, k0, Kp):
+    """Block k0's oct words of the tile (lo bytes x2, codes, high nibbles where the cell has escapes), each [32,
+    BLOCK_N] in the B-operand layout of nrow / jj."""
+    La = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + jj, mask=m, other=0)
+    Lb = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + 32 + jj, mask=m, other=0)
+    Cw = gl.load(codes_ptr + nrow * (Kp // 8) + k0 // 8 + jj, mask=m, other=0)
+    f = gl.load(fcell_ptr + cells + k0 // 256, mask=n_ok, other=-1)
+    H = gl.load(fat_ptr + gl.expand_dims(f.to(gl.int64) * 32, 0) + jj, mask=m & gl.expand_dims(f >= 0, 0), other=0)
+    return La, Lb, Cw, H
+
+
+@gluon.jit
 def _w12_gemv_kernel(x_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, y_ptr, T, N, K, Kp,
-                     BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+                     BLOCK_N: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -62,25 +75,29 @@ def _w12_gemv_kernel(x_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, 
     xrow = gl.expand_dims(r.to(gl.int64) * K, 1)
     r_ok = gl.expand_dims(r < T, 1)
     acc = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
+    if PREFETCH:  # block k0 + 256's words loaded while block k0 decodes (registers, by hand: no Gluon pipeliner)
+        La, Lb, Cw, H = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, 0, Kp)
     for k0 in range(0, Kp, 256):
-        La = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + jj, mask=m, other=0)
-        Lb = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + 32 + jj, mask=m, other=0)
-        Cw = gl.load(codes_ptr + nrow * (Kp // 8) + k0 // 8 + jj, mask=m, other=0)
-        f = gl.load(fcell_ptr + cells + k0 // 256, mask=n_ok, other=-1)
-        H = gl.load(fat_ptr + gl.expand_dims(f.to(gl.int64) * 32, 0) + jj, mask=m & gl.expand_dims(f >= 0, 0),
-                    other=0)
+        if PREFETCH:
+            nLa, nLb, nCw, nH = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells,
+                                            gl.minimum(k0 + 256, Kp - 256), Kp)
+        else:
+            La, Lb, Cw, H = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, k0, Kp)
         ws = _decode(La, Lb, Cw, H, b2)
         for e in gl.static_range(8):
             kk = k0 + 32 * e + ka
             a = gl.load(x_ptr + xrow + gl.expand_dims(kk, 0), mask=r_ok & gl.expand_dims(kk < K, 0), other=0.0)
             acc = mma_v2(a, ws[e], acc)
+        if PREFETCH:
+            La, Lb, Cw, H = nLa, nLb, nCw, nH
     ro = pid_m * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
     co = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     gl.store(y_ptr + gl.expand_dims(ro.to(gl.int64) * N, 1) + gl.expand_dims(co, 0), acc,
              mask=gl.expand_dims(ro < T, 1) & gl.expand_dims(co < N, 0))
 
 
-def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: int = 4) -> torch.Tensor:
+def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: int = 4,
+             prefetch: bool = False) -> torch.Tensor:
     """y fp32 [T, N] = x [T, K] bf16 @ W^T for an OctLayout W (no checks beyond shapes: an experiment)."""
     T, K = x.shape
     N = lay.shape[0]
@@ -88,11 +105,11 @@ def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: 
     fat = lay.fat if lay.fat.numel() else lay.words
     grid = (-(-N // block_n), -(-T // TILE_M))
     _w12_gemv_kernel[grid](x, lay.words, lay.codes, lay.base, lay.fat_cells, fat, out, T, N, K, lay.padded_cols,
-                           BLOCK_N=block_n, WARPS=warps, num_warps=warps)
+                           BLOCK_N=block_n, WARPS=warps, PREFETCH=prefetch, num_warps=warps)
     return out
 
 
-def compile_only(block_n: int = 64, warps: int = 4) -> dict[str, int]:
+def compile_only(block_n: int = 64, warps: int = 4, prefetch: bool = False) -> dict[str, int]:
     """sm_90 SASS opcode counts of the kernel, cross-compiled here (Triton ships ptxas)."""
     import os
     import subprocess
@@ -105,9 +122,9 @@ def compile_only(block_n: int = 64, warps: int = 4) -> dict[str, int]:
     fn = _w12_gemv_kernel
     sig = {"x_ptr": "*bf16", "words_ptr": "*i32", "codes_ptr": "*i32", "base_ptr": "*i32", "fcell_ptr": "*i32",
            "fat_ptr": "*i32", "y_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "Kp": "i32",
-           "BLOCK_N": "constexpr", "WARPS": "constexpr"}
+           "BLOCK_N": "constexpr", "WARPS": "constexpr", "PREFETCH": "constexpr"}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
-    k = triton.compile(GluonASTSource(fn, sig, {"BLOCK_N": block_n, "WARPS": warps}, attrs),
+    k = triton.compile(GluonASTSource(fn, sig, {"BLOCK_N": block_n, "WARPS": warps, "PREFETCH": prefetch}, attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
@@ -129,11 +146,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,128256x4096")
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--block-n", default="32,64")
+    ap.add_argument("--prefetch", default="0,1", help="1: the next block's words loaded by hand a block ahead")
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args()
     if a.compile_only:
-        for bn in map(int, a.block_n.split(",")):
-            print(f"block_n {bn}:", json.dumps(compile_only(bn)))
+        for bn, pf in itertools.product(map(int, a.block_n.split(",")), map(int, a.prefetch.split(","))):
+            print(f"block_n {bn} prefetch {pf}:", json.dumps(compile_only(bn, prefetch=bool(pf))))
         return
     from specpilot.kernels import linear
     from specpilot.kernels.bench import l2_copies, time_graph
@@ -154,13 +172,14 @@ def main() -> None:
             ref = linear(x, decode_oct(Qs[0]), out_dtype=torch.float32)
             bf16_us = time_graph([lambda W=W: linear(x, W) for W in Ws], 15) * 1e3
             pkg_us = time_graph([lambda Q=Q: linear(x, Q) for Q in Qs], 15) * 1e3
-            for bn in map(int, a.block_n.split(",")):
-                same = torch.equal(w12_gemv(x, Qs[0], y, bn).view(torch.int32), ref.view(torch.int32))
-                us = time_graph([lambda Q=Q: w12_gemv(x, Q, y, bn) for Q in Qs], 15) * 1e3
-                row = {"shape": shape, "T": T, "block_n": bn, "gluon_us": us, "package_w12_us": pkg_us,
-                       "bf16_us": bf16_us, "bits_equal": same}
+            for bn, pf in itertools.product(map(int, a.block_n.split(",")), map(int, a.prefetch.split(","))):
+                run = lambda Q, bn=bn, pf=pf: w12_gemv(x, Q, y, bn, prefetch=bool(pf))  # noqa: E731
+                same = torch.equal(run(Qs[0]).view(torch.int32), ref.view(torch.int32))
+                us = time_graph([lambda Q=Q: run(Q) for Q in Qs], 15) * 1e3
+                row = {"shape": shape, "T": T, "block_n": bn, "prefetch": pf, "gluon_us": us,
+                       "package_w12_us": pkg_us, "bf16_us": bf16_us, "bits_equal": same}
                 rows.append(row)
-                print(f"{shape:>11} T={T:<3} bn={bn:<3} gluon {us:7.1f} us  package W12 {pkg_us:7.1f}  bf16 "
+                print(f"{shape:>11} T={T:<3} bn={bn:<3} pf={pf} gluon {us:7.1f} us  package W12 {pkg_us:7.1f}  bf16 "
                       f"{bf16_us:7.1f}  gluon x bf16 {bf16_us / us:.2f}  bits {'equal' if same else 'DIFFER'}",
                       flush=True)
         del Ws, Qs
