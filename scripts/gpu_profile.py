@@ -149,7 +149,7 @@ def main() -> None:
                                                           "16:wait_then_trigger_at_end (graph times only)")
     ap.add_argument("--split-k", default="", help="split-K factors of every projection to compare, e.g. 2,4")
     ap.add_argument("--kernel-tables", default="", help="kernel tables (JSON files, e.g. a tuner's summary.json) "
-                                                         "to compare, comma-separated")
+                                                         "to compare, comma-separated (each with every weight format)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "hbm_read_gbs": hbm_read_gbs(), "runs": []}
@@ -172,8 +172,8 @@ def main() -> None:
                          for m in filter(None, a.grid_dependency.split(","))]
             variants += [profile_shape(name, a.tokens, backend, kernels=False, split_k=int(sk))
                          for sk in filter(None, a.split_k.split(","))]
-            variants += [profile_shape(name, a.tokens, backend, kernels=False, table_file=f)
-                         for f in filter(None, a.kernel_tables.split(","))]
+            variants += [profile_shape(name, a.tokens, backend, kernels=False, table_file=f, weight_format=w)
+                         for f in filter(None, a.kernel_tables.split(",")) for w in a.weight_formats.split(",")]
             for v in variants:
                 v["equal_to_native"] = v["tokens"] == r["tokens"]
             for v in variants[1:len(tiles)]:
