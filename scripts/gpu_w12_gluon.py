@@ -96,9 +96,11 @@ def _w12_gemv_kernel(x_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, 
              mask=gl.expand_dims(ro < T, 1) & gl.expand_dims(co < N, 0))
 
 
-def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: int = 4,
+def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: int | None = None,
              prefetch: bool = False) -> torch.Tensor:
-    """y fp32 [T, N] = x [T, K] bf16 @ W^T for an OctLayout W (no checks beyond shapes: an experiment)."""
+    """y fp32 [T, N] = x [T, K] bf16 @ W^T for an OctLayout W (no checks beyond shapes: an experiment). One warp a
+    MMA column tile of 8 up to 4 warps (block_n 16: 2 warps; more programs where N is small, no split-K here)."""
+    warps = warps or min(4, block_n // 8)
     T, K = x.shape
     N = lay.shape[0]
     assert lay.shape[1] == K and out.shape == (T, N) and x.dtype == torch.bfloat16
@@ -109,8 +111,9 @@ def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: 
     return out
 
 
-def compile_only(block_n: int = 64, warps: int = 4, prefetch: bool = False) -> dict[str, int]:
+def compile_only(block_n: int = 64, warps: int | None = None, prefetch: bool = False) -> dict[str, int]:
     """sm_90 SASS opcode counts of the kernel, cross-compiled here (Triton ships ptxas)."""
+    warps = warps or min(4, block_n // 8)
     import os
     import subprocess
     import tempfile
@@ -145,7 +148,7 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,128256x4096")
     ap.add_argument("--tokens", default="1,16")
-    ap.add_argument("--block-n", default="32,64")
+    ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--prefetch", default="0,1", help="1: the next block's words loaded by hand a block ahead")
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args()
