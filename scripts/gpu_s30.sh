@@ -9,10 +9,10 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
 case ${1:?w12 or tune} in
   w12)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_weights_w12.py tests/test_weights_oct.py \
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_weights_w12.py tests/test_weights_oct.py \
       -k "not smollm2" > "$OUT/tests.txt" 2>&1; echo "tests rc=$?: $(tail -1 "$OUT/tests.txt")"
-    timeout 200 python3 scripts/gpu_w12_gluon.py "$OUT/gluon.json" 2>&1 | grep -v Warn | tail -48
-    timeout 240 python3 scripts/gpu_profile.py "$OUT/prof" --shapes llama8b --weight-formats native,w12 --tokens 64 \
+    timeout 180 python3 scripts/gpu_w12_gluon.py "$OUT/gluon.json" 2>&1 | grep -v Warn | tail -48
+    timeout 200 python3 scripts/gpu_profile.py "$OUT/prof" --shapes llama8b --weight-formats native,w12 --tokens 64 \
       2>&1 | grep -v Warn | tail -4 ;;
   tune)
     timeout 420 python3 scripts/gpu_kernel_tuning.py "$OUT/kt" --weight-format w12 --from-defaults \
