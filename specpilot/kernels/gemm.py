@@ -220,7 +220,7 @@ def default_num_stages(block_n: int, elem_size: int, a_tiles: int = 1, most: int
                        smem_budget: int = 200 * 1024, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                        w12: bool = False) -> int:
     """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget (W12: a stage is a
-    256-element block of x and of the W rows' oct arrays, correction words included)."""
+    256-element block of x and of the W rows' oct arrays, high nibbles included)."""
     if w12:
         per_stage = a_tiles * row_tile * OCT_BLOCK * elem_size + block_n * OCT_ROW_BLOCK_BYTES
     else:
