@@ -40,20 +40,30 @@ def _decode(La, Lb, Cw, H, b2):
 
 
 @gluon.jit
-def _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, k0, Kp):
+def _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, k0, Kp, EVEN: gl.constexpr):
     """Block k0's oct words of the tile (lo bytes x2, codes, high nibbles where the cell has escapes), each [32,
-    BLOCK_N] in the B-operand layout of nrow / jj."""
-    La = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + jj, mask=m, other=0)
-    Lb = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + 32 + jj, mask=m, other=0)
-    Cw = gl.load(codes_ptr + nrow * (Kp // 8) + k0 // 8 + jj, mask=m, other=0)
-    f = gl.load(fcell_ptr + cells + k0 // 256, mask=n_ok, other=-1)
-    H = gl.load(fat_ptr + gl.expand_dims(f.to(gl.int64) * 32, 0) + jj, mask=m & gl.expand_dims(f >= 0, 0), other=0)
+    BLOCK_N] in the B-operand layout of nrow / jj. EVEN: every column of the tile exists and K is whole blocks (no
+    column or K masks)."""
+    if EVEN:
+        La = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + jj)
+        Lb = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + 32 + jj)
+        Cw = gl.load(codes_ptr + nrow * (Kp // 8) + k0 // 8 + jj)
+        f = gl.load(fcell_ptr + cells + k0 // 256)
+        H = gl.load(fat_ptr + gl.expand_dims(f.to(gl.int64) * 32, 0) + jj, mask=gl.expand_dims(f >= 0, 0) & m,
+                    other=0)
+    else:
+        La = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + jj, mask=m, other=0)
+        Lb = gl.load(words_ptr + nrow * (Kp // 4) + k0 // 4 + 32 + jj, mask=m, other=0)
+        Cw = gl.load(codes_ptr + nrow * (Kp // 8) + k0 // 8 + jj, mask=m, other=0)
+        f = gl.load(fcell_ptr + cells + k0 // 256, mask=n_ok, other=-1)
+        H = gl.load(fat_ptr + gl.expand_dims(f.to(gl.int64) * 32, 0) + jj, mask=m & gl.expand_dims(f >= 0, 0),
+                    other=0)
     return La, Lb, Cw, H
 
 
 @gluon.jit
 def _w12_gemv_kernel(x_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, y_ptr, T, N, K, Kp,
-                     BLOCK_N: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
+                     BLOCK_N: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr, EVEN: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -76,17 +86,21 @@ def _w12_gemv_kernel(x_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, 
     r_ok = gl.expand_dims(r < T, 1)
     acc = gl.zeros([16, BLOCK_N], gl.float32, layout=mma)
     if PREFETCH:  # block k0 + 256's words loaded while block k0 decodes (registers, by hand: no Gluon pipeliner)
-        La, Lb, Cw, H = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, 0, Kp)
+        La, Lb, Cw, H = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, 0, Kp, EVEN)
     for k0 in range(0, Kp, 256):
         if PREFETCH:
             nLa, nLb, nCw, nH = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells,
-                                            gl.minimum(k0 + 256, Kp - 256), Kp)
+                                            gl.minimum(k0 + 256, Kp - 256), Kp, EVEN)
         else:
-            La, Lb, Cw, H = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, k0, Kp)
+            La, Lb, Cw, H = _load_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, nrow, jj, m, n_ok, cells, k0, Kp,
+                                        EVEN)
         ws = _decode(La, Lb, Cw, H, b2)
         for e in gl.static_range(8):
             kk = k0 + 32 * e + ka
-            a = gl.load(x_ptr + xrow + gl.expand_dims(kk, 0), mask=r_ok & gl.expand_dims(kk < K, 0), other=0.0)
+            if EVEN:
+                a = gl.load(x_ptr + xrow + gl.expand_dims(kk, 0), mask=r_ok & gl.expand_dims(ka < 32, 0), other=0.0)
+            else:
+                a = gl.load(x_ptr + xrow + gl.expand_dims(kk, 0), mask=r_ok & gl.expand_dims(kk < K, 0), other=0.0)
             acc = mma_v2(a, ws[e], acc)
         if PREFETCH:
             La, Lb, Cw, H = nLa, nLb, nCw, nH
@@ -107,7 +121,8 @@ def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: 
     fat = lay.fat if lay.fat.numel() else lay.words
     grid = (-(-N // block_n), -(-T // TILE_M))
     _w12_gemv_kernel[grid](x, lay.words, lay.codes, lay.base, lay.fat_cells, fat, out, T, N, K, lay.padded_cols,
-                           BLOCK_N=block_n, WARPS=warps, PREFETCH=prefetch, num_warps=warps)
+                           BLOCK_N=block_n, WARPS=warps, PREFETCH=prefetch, EVEN=N % block_n == 0 and K % 256 == 0,
+                           num_warps=warps)
     return out
 
 
@@ -125,9 +140,10 @@ def compile_only(block_n: int = 64, warps: int | None = None, prefetch: bool = F
     fn = _w12_gemv_kernel
     sig = {"x_ptr": "*bf16", "words_ptr": "*i32", "codes_ptr": "*i32", "base_ptr": "*i32", "fcell_ptr": "*i32",
            "fat_ptr": "*i32", "y_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "Kp": "i32",
-           "BLOCK_N": "constexpr", "WARPS": "constexpr", "PREFETCH": "constexpr"}
+           "BLOCK_N": "constexpr", "WARPS": "constexpr", "PREFETCH": "constexpr", "EVEN": "constexpr"}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
-    k = triton.compile(GluonASTSource(fn, sig, {"BLOCK_N": block_n, "WARPS": warps, "PREFETCH": prefetch}, attrs),
+    consts = {"BLOCK_N": block_n, "WARPS": warps, "PREFETCH": prefetch, "EVEN": True}
+    k = triton.compile(GluonASTSource(fn, sig, consts, attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as d:
