@@ -207,7 +207,7 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: i
     It may depend on T because block_n is T-neutral (each output element's reduction is the same whatever
     tile owns it; test_t_neutral_params_change_no_bit checks every block_n/num_warps/num_stages on the GPU),
     except with one row per program, where it shapes the reduction tree: then it depends on n alone.
-    W12 tiles stop at 64 columns: wider ones ran 1.1-1.9x slower on the H200 (fewer pipeline stages fit, session 29).
+    W12 tiles stop at 64 columns: 128 ran 1.04-1.65x slower on the H200 (fewer stages fit; session 29).
     """
     m_tiles = 1 if row_tile == 1 else triton.cdiv(tokens, BLOCK_M)
     for bn in ((64, 32) if w12 else (128, 64, 32)):
