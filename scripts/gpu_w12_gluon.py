@@ -127,35 +127,25 @@ def w12_gemv(x: torch.Tensor, lay, out: torch.Tensor, block_n: int = 64, warps: 
 
 
 def compile_only(block_n: int = 64, warps: int | None = None, prefetch: bool = False) -> dict[str, int]:
-    """sm_90 SASS opcode counts of the kernel, cross-compiled here (Triton ships ptxas)."""
-    warps = warps or min(4, block_n // 8)
-    import os
-    import subprocess
-    import tempfile
-
+    """sm_90 SASS opcode counts of the kernel, cross-compiled here (Triton ships ptxas), and its registers."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from specpilot.kernels.sass import ptxas_sass, sass_opcodes
+
+    warps = warps or min(4, block_n // 8)
     fn = _w12_gemv_kernel
     sig = {"x_ptr": "*bf16", "words_ptr": "*i32", "codes_ptr": "*i32", "base_ptr": "*i32", "fcell_ptr": "*i32",
            "fat_ptr": "*i32", "y_ptr": "*fp32", "T": "i32", "N": "i32", "K": "i32", "Kp": "i32",
            "BLOCK_N": "constexpr", "WARPS": "constexpr", "PREFETCH": "constexpr", "EVEN": "constexpr"}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     consts = {"BLOCK_N": block_n, "WARPS": warps, "PREFETCH": prefetch, "EVEN": True}
-    k = triton.compile(GluonASTSource(fn, sig, consts, attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        open(f"{d}/k.ptx", "w").write(k.asm["ptx"])
-        log = subprocess.run([f"{nv}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([f"{nv}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True,
-                              check=True).stdout
-    ops: dict[str, int] = {}
-    for mt in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass):
-        ops[mt.group(1)] = ops.get(mt.group(1), 0) + 1
+    k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    log, sass = ptxas_sass(k.asm["ptx"])
     regs = re.findall(r"Used (\d+) registers", log)
+    ops = sass_opcodes(sass)
     return {"registers": int(regs[0]) if regs else -1, **dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
 
 

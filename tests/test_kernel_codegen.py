@@ -19,7 +19,7 @@ import sys
 import pytest
 
 COMPILE = r'''
-import json, os, re, subprocess, tempfile
+import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -31,6 +31,7 @@ from specpilot.engines import device_drafters as dd
 from specpilot.engines import loop_kernels as lk
 from specpilot.engines.drafters import block_fused as bf
 from specpilot.kernels import topk
+from specpilot.kernels.sass import ptxas_sass, sass_opcodes
 
 P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
@@ -106,22 +107,7 @@ def trigger_after_mma(ptx):
 
 def assembled(fn, sig, consts, num_warps):
     """(ptxas -v log, SASS) of the kernel, assembled for sm_90a by the ptxas Triton ships."""
-    nv = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        open(f"{d}/k.ptx", "w").write(build(fn, sig, consts, num_warps).asm["ptx"])
-        log = subprocess.run([f"{nv}/ptxas", "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([f"{nv}/cuobjdump", "-sass", f"{d}/k.cubin"], capture_output=True, text=True,
-                              check=True).stdout
-    return log, sass
-
-
-def sass_ops(sass):
-    """Opcode -> how many times it appears in a SASS listing (predicates and modifiers dropped)."""
-    ops = {}
-    for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", sass):
-        ops[m.group(1)] = ops.get(m.group(1), 0) + 1
-    return ops
+    return ptxas_sass(build(fn, sig, consts, num_warps).asm["ptx"])
 
 
 def spill_bytes(fn, sig, consts, num_warps):
@@ -176,7 +162,7 @@ print(json.dumps({
     # the producer's squares stay FMULs: an FMA contracted into the segment tree would round them another way, in
     # some compiled variants only (the attention kernels' 1-ulp story, _common.NO_FP_FUSION)
     # the W12 linear assembled by ptxas (the decode's inline PTX included): its SASS opcodes, counted
-    "w12_sass_ops": sass_ops(assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
+    "w12_sass_ops": sass_opcodes(assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
                                                                      "W12": True, **TILE}, 4)[1]),
     "sumsq_ffma": [assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": swiglu, "DOT_PREC": "tf32",
                                                            "W12": False, **TILE, "BLOCK_M": bm, "BLOCK_N": bn,

@@ -95,10 +95,10 @@ class W12Weights:
         whose layout would read more bytes than bf16 (escapes in most cells, as SmolLM2-135M's embedding) stays
         bf16 (its decode: the same bits, the same kernels)."""
         def lay(name: str, w: W12Tensor) -> OctLayout | torch.Tensor:
-            o = oct_layout(w)
-            if not bitwise_equal(decode_oct(o), decode(w)):
+            o, bits = oct_layout(w), decode(w)
+            if not bitwise_equal(decode_oct(o), bits):
                 raise W12Error(f"{name}: the kernel layout does not hold the W12 tensor's bits")
-            return decode(w) if o.kernel_bytes >= 2 * w.stats.numel else o
+            return bits if o.kernel_bytes >= 2 * w.stats.numel else o
 
         layers = tuple(W12Layer(*(lay(f"layers.{i}.{f}", getattr(l, f)) for f in ("qkv", "o", "gate_up", "down")))
                        for i, l in enumerate(self.layers))
