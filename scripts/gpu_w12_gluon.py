@@ -24,19 +24,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from specpilot.kernels.w12_tile import OCT_ASM
+from specpilot.kernels.w12_tile import OCT_ASM, OCT_CONSTRAINTS
 
 TILE_M = 16  # token rows per program (the package's row tile)
 
 
 @gluon.jit
 def _decode(La, Lb, Cw, H, b2):
-    h0, h1, h2, h3, h4, h5, h6, h7 = gl.inline_asm_elementwise(
-        OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [La, Lb, Cw, H, b2], dtype=(gl.uint16,) * 8, is_pure=True,
-        pack=1)
-    return (h0.to(gl.bfloat16, bitcast=True), h1.to(gl.bfloat16, bitcast=True), h2.to(gl.bfloat16, bitcast=True),
-            h3.to(gl.bfloat16, bitcast=True), h4.to(gl.bfloat16, bitcast=True), h5.to(gl.bfloat16, bitcast=True),
-            h6.to(gl.bfloat16, bitcast=True), h7.to(gl.bfloat16, bitcast=True))
+    return gl.inline_asm_elementwise(OCT_ASM, OCT_CONSTRAINTS, [La, Lb, Cw, H, b2], dtype=(gl.bfloat16,) * 8,
+                                     is_pure=True, pack=2)
 
 
 @gluon.jit

@@ -6,8 +6,8 @@ the decode's cost is measured. Each variant's y (fp32, [T, N]) is checked bit fo
 - pkg_S:   specpilot.kernels.linear on the bf16 weights (the bf16 path)
 - quads_S: lo as int32 [N, K/4], word j of a 128-block = elements j, 32+j, 64+j, 96+j (bytes 0..3), codes int16
            likewise (nibbles 0..3); decoded with Triton integer ops into four 32-wide slices, four dots
-- octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word (nibble e:
-           element 32e+j); eight slices decoded by kernels/w12_tile.OCT_ASM (high nibbles 0), eight dots
+- octs_S:  per 256-block two lo words (elements j, 32+j, .. 96+j and 128+j, .. 224+j) and one code word a lane
+           (weights/oct.code_position); eight slices decoded by kernels/w12_tile.OCT_ASM (high nibbles 0), eight dots
 - octs_Spf: the same with the next block's bytes loaded before this block's decode
 Earlier variants (one byte per element with a table gather, paired 64-wide halves: 2-3x slower than these) are in
 notes/h200-s13-w12-variants.json and this file's history; the session-28 escape variants over the package's oct
@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels.gemm import _counters, linear, split_k_combine
-from specpilot.kernels.w12_tile import _oct_decode  # the package's decode (inline PTX)
+from specpilot.kernels.w12_tile import oct_decode  # the package's decode (inline PTX)
+from specpilot.weights.oct import pack_nibbles
 
 CHUNK = 128
 
@@ -90,7 +91,7 @@ def _oct_split_kernel(x_ptr, l_ptr, c_ptr, y_ptr, ws_ptr, cnt_ptr, T, N, K, K_SP
             La = tl.load(l_ptr + c64 * K4 + k0 // 4 + j[:, None])
             Lb = tl.load(l_ptr + c64 * K4 + k0 // 4 + 32 + j[:, None])
             Cw = tl.load(c_ptr + c64 * K8 + k0 // 8 + j[:, None])
-        ws = _oct_decode(La, Lb, Cw, tl.zeros_like(b2), b2)  # escape-free: no high nibbles
+        ws = oct_decode(La, Lb, Cw, tl.zeros_like(b2), b2)  # escape-free: no high nibbles
         for e in tl.static_range(8):
             xq = tl.load(x_ptr + rows[:, None] * K + k0 + 32 * e + j[None, :], mask=rows[:, None] < T, other=0.0)
             acc = tl.dot(xq, ws[e], acc)
@@ -126,8 +127,7 @@ def layouts(W: torch.Tensor, codes: torch.Tensor) -> dict[str, torch.Tensor]:
     ob = lo.view(N, K // 256, 2, 4, 32)
     oct_l = (ob[:, :, :, 0] | (ob[:, :, :, 1] << 8) | (ob[:, :, :, 2] << 16) | (ob[:, :, :, 3] << 24))
     oct_l = oct_l.reshape(N, K // 4)
-    oc = c.view(N, K // 256, 8, 32)
-    oct_c = sum(oc[:, :, e] << (4 * e) for e in range(8)).reshape(N, K // 8)
+    oct_c = pack_nibbles(c.view(N, K // 256, 8, 32)).reshape(N, K // 8)  # the package's code positions
     return {"oct_l": oct_l.contiguous(), "oct_c": oct_c.to(torch.int32).contiguous(), "quad_l": quad_l.contiguous(),
             "quad_c": quad_c.to(torch.int16).contiguous()}
 

@@ -119,6 +119,8 @@ def spill_bytes(fn, sig, consts, num_warps):
 NORM_EPI0 = {**FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
              "H": 9, "KVH": 3, "HALF": 32, **TILE}
 
+W12_SASS = assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": True,
+                                                   **TILE}, 4)[1]
 print(json.dumps({
     **{f"single_chain{'' if tiles == 1 else f'_tiles{tiles}'}": dots(
         sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False, "TILES": tiles})
@@ -162,8 +164,9 @@ print(json.dumps({
     # the producer's squares stay FMULs: an FMA contracted into the segment tree would round them another way, in
     # some compiled variants only (the attention kernels' 1-ulp story, _common.NO_FP_FUSION)
     # the W12 linear assembled by ptxas (the decode's inline PTX included): its SASS opcodes, counted
-    "w12_sass_ops": sass_opcodes(assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
-                                                                     "W12": True, **TILE}, 4)[1]),
+    "w12_sass_ops": sass_opcodes(W12_SASS),
+    # byte permutes that pack two 16-bit halves into one register (an operand repacked after the decode)
+    "w12_repacks": len(re.findall(r"PRMT R\d+, R\d+(?:\.reuse)?, 0x(?:5410|7632)", W12_SASS)),
     "sumsq_ffma": [assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": swiglu, "DOT_PREC": "tf32",
                                                            "W12": False, **TILE, "BLOCK_M": bm, "BLOCK_N": bn,
                                                            "ROW_SUMSQ": 1}, nw)[1].count("FFMA")
@@ -287,9 +290,12 @@ def any_k(dot: str) -> str:
 def test_w12_decode_assembles(compiled):
     """ptxas takes the decode's inline PTX (w12_tile.OCT_ASM; tests/test_oct_asm.py checks what it computes): the
     W12 linear assembles for sm_90a with its byte permutes and MMAs. (ptxas re-optimises the PTX: an 8- and a
-    7-instruction spelling of the pair decode gave the same SASS opcode counts, session 29.)"""
+    7-instruction spelling of the pair decode gave the same SASS opcode counts, session 29.) Each asm output is a
+    lane pair's bf16x2, the MMA operand register as it stands: no permute repacks halves (before session 30: 64 a
+    block, one an operand register)."""
     ops = compiled["w12_sass_ops"]
     assert ops.get("PRMT", 0) >= 2 * 16 * 4 and ops.get("HMMA", 0) > 0, ops
+    assert compiled["w12_repacks"] == 0
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):

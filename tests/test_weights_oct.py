@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.weights import bitwise_equal, concat_rows, decode, encode
-from specpilot.weights.oct import BLOCK, WINDOW, decode_oct, oct_layout
+from specpilot.weights.oct import BLOCK, WINDOW, code_position, decode_oct, oct_layout
 
 
 def bits(*values: int) -> torch.Tensor:
@@ -62,9 +62,16 @@ def test_llama_like_weights_are_exact_with_few_escapes(K):
     assert lay.kernel_bytes == 64 * Kp * 1.5 + 64 * 4 + 64 * Kp // BLOCK * 4 + F * 128
 
 
+def nibble_at(words: torch.Tensor, e: int, j: int) -> int:
+    """Element 32e + j's nibble in a block's 32 code (or high-nibble) words."""
+    w, n = code_position(e, j)
+    return (int(words[w]) >> (4 * n)) & 15
+
+
 def test_high_nibbles_of_cells_with_escapes():
-    """A cell with escapes gets the next word block in (row, block) order (others -1); word j's nibble e holds
-    element 32e + j's (exponent - base) // 16 mod 16, its code the remainder mod 16: base + code + 16 h = exponent."""
+    """A cell with escapes gets the next word block in (row, block) order (others -1); its words hold element 32e + j's
+    (exponent - base) // 16 mod 16 where the code words hold its code, the remainder mod 16: base + code + 16 h =
+    exponent."""
     t = (torch.randn(8, 600, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
     t = (t.sign() * t.abs().clamp(min=2.0 ** -12)).to(torch.bfloat16)  # every exponent within one window
     t[2, 3], t[2, 4 + 128], t[2, 255], t[5, 513] = 1e-30, -2e-30, 3e-31, 1e-25  # row 2 block 0 three, row 5 block 2
@@ -74,8 +81,8 @@ def test_high_nibbles_of_cells_with_escapes():
     want[2, 0], want[5, 2] = 0, 1
     assert torch.equal(lay.fat_cells, want) and lay.fat.shape == (2, 32)
     exp = lambda v: (int(torch.tensor(v, dtype=torch.bfloat16).view(torch.int16)) >> 7) & 0xFF  # noqa: E731
-    nib = lambda cell, e, j: (int(lay.fat[cell, j]) >> (4 * e)) & 15  # noqa: E731
-    code = lambda r, e, j, b: (int(lay.codes[r, 32 * b + j]) >> (4 * e)) & 15  # noqa: E731
+    nib = lambda cell, e, j: nibble_at(lay.fat[cell], e, j)  # noqa: E731
+    code = lambda r, e, j, b: nibble_at(lay.codes[r, 32 * b:32 * b + 32], e, j)  # noqa: E731
     for (r, b, e, j, v) in ((2, 0, 0, 3, 1e-30), (2, 0, 4, 4, -2e-30), (2, 0, 7, 31, 3e-31), (5, 2, 0, 1, 1e-25)):
         off = (exp(v) - int(lay.base[r])) % 256
         assert (nib(int(lay.fat_cells[r, b]), e, j), code(r, e, j, b)) == (off >> 4, off & 15), (r, b, e, j)
@@ -114,10 +121,12 @@ def test_several_escapes_in_one_block_and_row_groups():
 
 def test_byte_and_nibble_positions():
     """Word j < 32 of a block holds the lo bytes of elements j, 32+j, 64+j, 96+j (byte q: element 32q + j), word
-    32 + j those of 128 + j ..; nibble e of code word j is element 32e + j's code."""
-    # element i of the block: mantissa i % 128, sign i >= 128, exponent 120 + i % 8 (inside one window)
+    32 + j those of 128 + j ..; code words by lane pairs (2i, 2i + 1): word 2i nibble q = lane 2i's code in slice q,
+    nibble q + 4 = lane 2i + 1's; word 2i + 1 the same for slices 4 + q (lane j of slice e = element 32e + j)."""
+    # element 32e + j of the block: mantissa i % 128, sign i >= 128, code (e + 3j) % 16 over exponents 120..135
     i = torch.arange(BLOCK)
-    v = ((i >= 128).to(torch.int32) << 15) | ((120 + i % 8) << 7) | (i % 128)
+    e_of, j_of = i // 32, i % 32
+    v = ((i >= 128).to(torch.int32) << 15) | ((120 + (e_of + 3 * j_of) % 16) << 7) | (i % 128)
     t = torch.where(v >= 1 << 15, v - (1 << 16), v).to(torch.int16).view(torch.bfloat16).reshape(1, BLOCK)
     lay = oct_layout(encode(t))
     assert int(lay.base[0]) == 120 and lay.escapes == 0 and lay.fat.numel() == 0
@@ -126,10 +135,12 @@ def test_byte_and_nibble_positions():
     for half in (0, 1):
         for j in (0, 5, 31):
             assert words[32 * half + j].tolist() == [int(lo[128 * half + 32 * q + j]) for q in range(4)]
-    codes = lay.codes[0]
-    for j in (0, 7, 31):
-        word = int(codes[j]) & 0xFFFFFFFF
-        assert [(word >> (4 * e)) & 15 for e in range(8)] == [int((32 * e + j) % 8) for e in range(8)]
+    code = lambda e, j: (e + 3 * j) % 16  # noqa: E731
+    nibbles = lambda w: [(int(lay.codes[0, w]) & 0xFFFFFFFF) >> (4 * n) & 15 for n in range(8)]  # noqa: E731
+    for lane in (0, 6, 30):  # an even lane and the odd one after it
+        assert nibbles(lane) == [code(q, lane) for q in range(4)] + [code(q, lane + 1) for q in range(4)]
+        assert nibbles(lane + 1) == [code(4 + q, lane) for q in range(4)] + [code(4 + q, lane + 1) for q in range(4)]
+    assert code_position(5, 7) == (7, 5) and code_position(2, 6) == (6, 2) and code_position(6, 30) == (31, 2)
 
 
 def test_refuses_tensors_that_are_not_matrices():

@@ -10,11 +10,13 @@ dot does the same, kernels/_common.py); same prologue, epilogue and split-K orde
 bf16 ones on decode(W) for any T, batch invariance included. W12 changes no output token, only the bytes read
 (~1.52 a weight).
 
-The decode (measured in scripts/gpu_w12_variants.py, notes/h200.md sessions 13, 28, 29): per two weights one `prmt`
-spreads two sign+mantissa bytes over two bf16 halves, shifts + ands + add place base + code at each half's exponent,
-one `lop3` merges them, as inline PTX (Triton's own integer ops made the decode ALU-bound). Escapes (exponents
-outside the row's 16-wide window) ride on the same add: a cell (row, 256-block) that holds any has a word of high
-exponent nibbles per lane (OctLayout.fat), loaded under a mask that is false for the ~98% of cells without.
+The decode (measured in scripts/gpu_w12_variants.py, scripts/gpu_ncu_w12.py, notes/h200.md sessions 13, 28-30), as
+inline PTX (Triton's own integer ops made it ALU-bound): per two weights one `prmt` spreads two sign+mantissa bytes
+over two bf16 halves, two ands and two multiply-adds place base + code + 16 x high nibble at each half's exponent,
+one `lop3` merges them. One asm instance decodes a lane pair (pack=2: two consecutive K of a column, one MMA operand
+register), which is why the code words go by lane pairs (weights/oct.py). Escapes (exponents outside the row's
+16-wide window) ride on the same add: a cell (row, 256-block) that holds any has a word of high exponent nibbles per
+lane (OctLayout.fat), loaded under a mask that is false for the ~98% of cells without.
 """
 from __future__ import annotations
 
@@ -31,66 +33,60 @@ from ._common import check_tensor, is_interpreted
 OCT_BLOCK = tl.constexpr(BLOCK)  # K elements a block: eight 32-wide slices (constexpr globals only, in kernels)
 OCT_ROW_BLOCK_BYTES = BLOCK * 3 // 2 + 32 * 4 + 4  # one W row's block: words, codes, high nibbles, cell index
 
-# Eight bf16 from two lo words (bytes q: elements 32q + j and 128 + 32q + j), a code word and a high-nibble word
-# (nibble e: element 32e + j) and the row's base at bits 7 and 23: per pair q (elements q, q + 4) one byte permute
-# spreads [lo_q, lo_q, lo_q+4, lo_q+4] over two 16-bit halves; code and high nibble shifted to bits 7 and 11 of each
-# half, or-ed, plus the base give each half's exponent (mod 256: a carry out of a half only reaches its bit 15 or
-# the word's top, which the merge drops); one lop3 takes sign and mantissa from the bytes, the exponent from the
-# sum: eight integer instructions per two weights.
-OCT_ASM = tl.constexpr("""{
-.reg .b32 t, u, v, r, m;
-mov.b32 m, 0x807F807F;
-prmt.b32 t, $8, $9, 0x4400; shl.b32 u, $10, 7; and.b32 u, u, 0x07800780; shl.b32 v, $11, 11; and.b32 v, v, 0x78007800;
-or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$0, $4}, r;
-prmt.b32 t, $8, $9, 0x5511; shl.b32 u, $10, 3; and.b32 u, u, 0x07800780; shl.b32 v, $11, 7; and.b32 v, v, 0x78007800;
-or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$1, $5}, r;
-prmt.b32 t, $8, $9, 0x6622; shr.u32 u, $10, 1; and.b32 u, u, 0x07800780; shl.b32 v, $11, 3; and.b32 v, v, 0x78007800;
-or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$2, $6}, r;
-prmt.b32 t, $8, $9, 0x7733; shr.u32 u, $10, 5; and.b32 u, u, 0x07800780; shr.u32 v, $11, 1; and.b32 v, v, 0x78007800;
-or.b32 u, u, v; add.u32 u, u, $12; lop3.b32 r, t, m, u, 0xE2; mov.b32 {$3, $7}, r;
-}""")
+def _oct_asm() -> str:
+    """The decode of one lane pair (2i, 2i + 1) of a block's tile column, as inline PTX for pack=2.
+
+    Inputs ($8..$17, two registers an argument: lane 2i's element, then 2i + 1's): lo words La, Lb (byte q: slice q,
+    resp. 4 + q), the pair's code words (2i: slices 0-3, 2i + 1: slices 4-7; nibble q lane 2i's, q + 4 lane 2i + 1's,
+    weights/oct.py), its high-nibble words (the same positions; zero where the cell has no escapes), the row's base at
+    bits 7 and 23 (twice). Output e ($0..$7): slice e's two bf16, lane 2i low, 2i + 1 high: one MMA operand
+    register as it stands. Per output: one byte permute spreads [lo, lo, lo', lo'] over two 16-bit halves; the code
+    and high nibble are masked in place and moved to bits 7 and 11 of each half by a multiply-add onto the base
+    (shifts right are mad.hi; ptxas makes each a LEA), which gives each half's exponent (mod 256: a carry out of a
+    half only reaches its bit 15, which the merge drops); one lop3 takes sign and mantissa from the bytes, the
+    exponent from the sum: six instructions per two weights (eight, and a repacking permute, before session 30)."""
+    lines = [".reg .b32 t, c, h, u, m;", "mov.b32 m, 0x807F807F;"]
+
+    def shift(reg: str, by: int, add: str) -> str:  # reg << by (>> -by) + add
+        return (f"mad.lo.u32 u, {reg}, {1 << by:#x}, {add};" if by >= 0 else
+                f"mad.hi.u32 u, {reg}, {1 << (32 + by):#x}, {add};")
+
+    for e in range(8):
+        q = e % 4
+        lo0, lo1, code, high = ("$8", "$9", "$12", "$14") if e < 4 else ("$10", "$11", "$13", "$15")
+        mask = 0x000F000F << (4 * q)
+        sel = 0x4400 + 0x1111 * q  # bytes q, q of lane 2i's word, then of lane 2i + 1's
+        lines.append(f"and.b32 c, {code}, {mask:#010x}; and.b32 h, {high}, {mask:#010x}; {shift('c', 7 - 4 * q, '$16')} "
+                     f"{shift('h', 11 - 4 * q, 'u')} prmt.b32 t, {lo0}, {lo1}, {sel:#06x}; lop3.b32 ${e}, t, m, u, 0xE2;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+OCT_ASM = tl.constexpr(_oct_asm())
+OCT_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 10))
 
 
 @triton.jit
-def _oct_pair(La, Lb, Cw, H, b2, q: tl.constexpr):
-    """The interpreter's decode of pair q (elements q and q + 4): the asm's bits from plain integer ops."""
-    if q == 0:
-        u = ((Cw << 7) & 0x07800780) | ((H << 11) & 0x78007800)
-    elif q == 1:
-        u = ((Cw << 3) & 0x07800780) | ((H << 7) & 0x78007800)
-    elif q == 2:
-        u = ((Cw >> 1) & 0x07800780) | ((H << 3) & 0x78007800)
-    else:
-        u = ((Cw >> 5) & 0x07800780) | ((H >> 1) & 0x78007800)
-    u = u + b2
-    la = (La >> (8 * q)) & 0xFF
-    lb = (Lb >> (8 * q)) & 0xFF
-    lo = ((la & 0x80) << 8) | (la & 0x7F) | (u & 0x7F80)
-    hi = ((lb & 0x80) << 8) | (lb & 0x7F) | ((u >> 16) & 0x7F80)
-    return lo.to(tl.uint16).to(tl.bfloat16, bitcast=True), hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+def _oct_lane(L, C, H, b2, q: tl.constexpr, odd):
+    """The interpreter's decode of each lane's element of slice q (or 4 + q): byte q of its lo word L, code and high
+    nibble at nibble q (even lane) or q + 4 (odd lane) of its pair's words C, H. The asm's bits from plain integer
+    ops."""
+    s = 4 * q + 16 * odd
+    ex = ((b2 >> 7) & 0xFF) + ((C >> s) & 15) + 16 * ((H >> s) & 15)
+    byte = (L >> (8 * q)) & 0xFF
+    return (((byte & 0x80) << 8) | ((ex & 0xFF) << 7) | (byte & 0x7F)).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 W12Weight = Union[OctLayout, W12Tensor]  # what the projection kernels take for W besides a dense tensor
 
-_COMPILED = tl.constexpr(not is_interpreted(_oct_pair))  # the interpreter runs no PTX
+_COMPILED = tl.constexpr(not is_interpreted(_oct_lane))  # the interpreter runs no PTX
 
 
 @triton.jit
-def _oct_decode(La, Lb, Cw, H, b2):
-    if _COMPILED:
-        h0, h1, h2, h3, h4, h5, h6, h7 = tl.inline_asm_elementwise(
-            OCT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [La, Lb, Cw, H, b2], dtype=(tl.uint16,) * 8,
-            is_pure=True, pack=1)
-        return (h0.to(tl.bfloat16, bitcast=True), h1.to(tl.bfloat16, bitcast=True),
-                h2.to(tl.bfloat16, bitcast=True), h3.to(tl.bfloat16, bitcast=True),
-                h4.to(tl.bfloat16, bitcast=True), h5.to(tl.bfloat16, bitcast=True),
-                h6.to(tl.bfloat16, bitcast=True), h7.to(tl.bfloat16, bitcast=True))
-    else:
-        w0, w4 = _oct_pair(La, Lb, Cw, H, b2, 0)
-        w1, w5 = _oct_pair(La, Lb, Cw, H, b2, 1)
-        w2, w6 = _oct_pair(La, Lb, Cw, H, b2, 2)
-        w3, w7 = _oct_pair(La, Lb, Cw, H, b2, 3)
-        return w0, w1, w2, w3, w4, w5, w6, w7
+def oct_decode(La, Lb, Cw, H, b2):
+    """Eight bf16 [32, BLOCK_N] slices from a block's words, compiled kernels only (OCT_ASM): one asm instance a lane
+    pair (pack=2), so the pair's two code and high-nibble words arrive together."""
+    return tl.inline_asm_elementwise(OCT_ASM, OCT_CONSTRAINTS, [La, Lb, Cw, H, b2], dtype=(tl.bfloat16,) * 8,
+                                     is_pure=True, pack=2)
 
 
 @triton.jit
@@ -112,10 +108,24 @@ def oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_o
     m = col_ok[None, :]
     La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)
     Lb = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + 32 + j[:, None], mask=m, other=0)
-    Cw = tl.load(codes_ptr + w_rows * (Kp // 8) + k0 // 8 + j[:, None], mask=m, other=0)
+    codes = codes_ptr + w_rows * (Kp // 8) + k0 // 8
     f = tl.load(fcell_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=-1)
-    H = tl.load(fat_ptr + (f.to(tl.int64) * 32)[None, :] + j[:, None], mask=m & (f >= 0)[None, :], other=0)
-    return _oct_decode(La, Lb, Cw, H, b2)
+    fat = fat_ptr + (f.to(tl.int64) * 32)[None, :]
+    fm = m & (f >= 0)[None, :]
+    if _COMPILED:
+        return oct_decode(La, Lb, tl.load(codes + j[:, None], mask=m, other=0),
+                          tl.load(fat + j[:, None], mask=fm, other=0), b2)
+    else:  # each lane reads its pair's words: 2i (slices 0-3) and 2i + 1 (slices 4-7)
+        even = (j - (j & 1))[:, None]
+        odd = (j & 1)[:, None]
+        C0 = tl.load(codes + even, mask=m, other=0)
+        C1 = tl.load(codes + even + 1, mask=m, other=0)
+        H0 = tl.load(fat + even, mask=fm, other=0)
+        H1 = tl.load(fat + even + 1, mask=fm, other=0)
+        return (_oct_lane(La, C0, H0, b2, 0, odd), _oct_lane(La, C0, H0, b2, 1, odd),
+                _oct_lane(La, C0, H0, b2, 2, odd), _oct_lane(La, C0, H0, b2, 3, odd),
+                _oct_lane(Lb, C1, H1, b2, 0, odd), _oct_lane(Lb, C1, H1, b2, 1, odd),
+                _oct_lane(Lb, C1, H1, b2, 2, odd), _oct_lane(Lb, C1, H1, b2, 3, odd))
 
 
 def as_oct(W: OctLayout | W12Tensor) -> OctLayout:

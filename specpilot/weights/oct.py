@@ -4,13 +4,16 @@ Derived from a W12Tensor (the file format stays as it is); for K padded to Kp = 
 - `words`  int32 [N, Kp/4]: per 256-element block of a row, 64 words; word j < 32 holds the sign+mantissa bytes of
   elements j, 32+j, 64+j, 96+j (byte q = element 32q + j), word 32 + j those of 128+j .. 224+j. A tile then decodes
   into eight 32-wide K slices with no interleave. Pad elements: byte 0, code 0.
-- `codes`  int32 [N, Kp/8]: per block 32 words; nibble e of word j is the code of element 32e + j.
+- `codes`  int32 [N, Kp/8]: per block 32 words in lane pairs (2i, 2i + 1): word 2i holds slices 0-3, word 2i + 1
+  slices 4-7, nibble q the code of lane 2i's element of slice q (or 4 + q), nibble q + 4 lane 2i + 1's (element
+  32e + j is lane j of slice e; `code_position`). A kernel's decode gets both lanes' words at once (they are one MMA
+  operand register: two consecutive K), so each of its eight outputs is one packed bf16 pair, no repacking.
 - `base`   int32 [N]: per row, the start of the 16-exponent window [base, base + 15] holding most of its elements.
   An element's exponent is base + code + 16 * h (mod 256), h = 0 inside the window (no table gather: the decode adds).
 - `fat_cells` int32 [N, Kp/256]: per (row, block) cell, the index of its high-nibble word block in `fat`, or -1 when
   the cell holds no escape (no element outside the window; random weights: 98% of cells, SmolLM2-135M's
   projections: 98%).
-- `fat`    int32 [F, 32]: per cell with escapes, word j's nibble e = h of element 32e + j (as `codes`). A kernel loads
+- `fat`    int32 [F, 32]: per cell with escapes, the high nibbles h in the positions of `codes`. A kernel loads
   it under a mask that is false for cells without escapes (they read nothing more) and adds it to the exponent bits
   next to the code: one load per lane and three integer instructions per two weights, no search and no
   data-dependent loop (the loop stays one Triton can pipeline). 128 more bytes per cell with escapes: ~1.52 bytes a
@@ -29,6 +32,23 @@ from specpilot.weights.format import W12Tensor, _row_chunks, decode
 
 BLOCK = 256  # elements of a row per block: eight 32-wide K slices
 WINDOW = 16  # exponents the 4-bit codes span: base + 0 .. base + 15
+
+
+def code_position(e: torch.Tensor | int, j: torch.Tensor | int):
+    """(word, nibble) of a block's code (and high-nibble) words holding element 32e + j (slice e, lane j)."""
+    return (j & ~1) + (e >= 4), e % 4 + 4 * (j & 1)
+
+
+_E, _J = torch.meshgrid(torch.arange(8), torch.arange(32), indexing="ij")  # [8 slices, 32 lanes]
+_WORD, _NIBBLE = code_position(_E, _J)
+
+
+def pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
+    """[..., 8 e, 32 j] values 0..15 -> int32 [..., 32] words, each at its code_position."""
+    shifted = (nib.to(torch.int64) << (4 * _NIBBLE.to(nib.device))).flatten(-2)
+    idx = _WORD.to(nib.device).flatten().expand_as(shifted)
+    words = torch.zeros(*nib.shape[:-2], 32, dtype=torch.int64, device=nib.device).scatter_add_(-1, idx, shifted)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,10 +114,7 @@ def oct_layout(w: W12Tensor) -> OctLayout:
         lo = torch.nn.functional.pad(lo, (0, Kp - K))
         # words: [R, nb, 2 halves, 4 bytes q, 32 j] -> [R, nb, 2, 32, 4]: little-endian byte q of word (half, j)
         words[r0:r1] = lo.view(R, nb, 2, 4, 32).transpose(3, 4).contiguous().view(torch.int32).reshape(R, -1)
-        # codes: nibble e of word j; byte k of word j holds elements 32(2k) + j (low) and 32(2k+1) + j (high)
-        c = code.view(R, nb, 4, 2, 32)
-        packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(2, 3).contiguous()  # [R, nb, 32 j, 4 k]
-        codes[r0:r1] = packed.view(torch.int32).reshape(R, -1)
+        codes[r0:r1] = pack_nibbles(code.view(R, nb, 8, 32)).reshape(R, -1)
         h = (off >> 4).view(R, nb, 8, 32)  # [row, block, e, j]: element 32e + j
         has = (h != 0).flatten(2).any(2)  # [R, nb]
         escapes += int((h != 0).sum())
@@ -105,8 +122,7 @@ def oct_layout(w: W12Tensor) -> OctLayout:
             rows, blocks = has.nonzero(as_tuple=True)  # row-major: cells in ascending (row, block) order
             first = sum(f.shape[0] for f in fats)
             fat_cells[rows + r0, blocks] = torch.arange(first, first + rows.numel(), dtype=torch.int32, device=dev)
-            nib = sum(h[rows, blocks, e] << (4 * e) for e in range(8))  # [cells, 32 j]
-            fats.append(torch.where(nib >= 1 << 31, nib - (1 << 32), nib).to(torch.int32))
+            fats.append(pack_nibbles(h[rows, blocks]))  # [cells, 32]
     fat = torch.cat(fats) if fats else torch.zeros(0, 32, dtype=torch.int32, device=dev)
     return OctLayout((N, K), words, codes, base, fat_cells, fat.contiguous(), escapes)
 
@@ -140,7 +156,8 @@ def decode_oct(layout: OctLayout) -> torch.Tensor:
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """[N, nb, 32 j] words (nibble e = element 32e + j) -> int64 [N, nb * 256], element order."""
+    """[N, nb, 32] code or high-nibble words -> int64 [N, nb * 256], element order (32e + j)."""
     w = words.to(torch.int64) & 0xFFFFFFFF
     N, nb = w.shape[:2]
-    return torch.stack([(w >> (4 * e)) & 15 for e in range(8)], dim=2).reshape(N, nb * BLOCK)
+    vals = w[:, :, _WORD.to(w.device)] >> (4 * _NIBBLE.to(w.device))  # [N, nb, 8 e, 32 j]
+    return (vals & 15).reshape(N, nb * BLOCK)
