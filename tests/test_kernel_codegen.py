@@ -43,7 +43,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
          "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
 
 
-def build(fn, sig, consts, num_warps=4, pdl=False):
+def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
@@ -62,7 +62,7 @@ def build(fn, sig, consts, num_warps=4, pdl=False):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
-                                   "launch_pdl": pdl})
+                                   "launch_pdl": pdl, **({} if maxnreg is None else {"maxnreg": maxnreg})})
 
 
 def dots(fn, sig, consts, num_warps=4, pdl=False):
@@ -165,6 +165,10 @@ print(json.dumps({
     # some compiled variants only (the attention kernels' 1-ulp story, _common.NO_FP_FUSION)
     # the W12 linear assembled by ptxas (the decode's inline PTX included): its SASS opcodes, counted
     "w12_sass_ops": sass_opcodes(W12_SASS),
+    # a max_registers launch (ptxas maxnreg) of the W12 linear: the registers ptxas then gives a thread
+    "w12_registers": {str(cap): int(re.search(r"Used (\d+) registers", ptxas_sass(build(
+        gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": True, **TILE}, 4,
+        maxnreg=cap).asm["ptx"])[0]).group(1)) for cap in (None, 168, 128)},
     # byte permutes that pack two 16-bit halves into one register (an operand repacked after the decode)
     "w12_repacks": len(re.findall(r"PRMT R\d+, R\d+(?:\.reuse)?, 0x(?:5410|7632)", W12_SASS)),
     "sumsq_ffma": [assembled(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": swiglu, "DOT_PREC": "tf32",
@@ -296,6 +300,13 @@ def test_w12_decode_assembles(compiled):
     ops = compiled["w12_sass_ops"]
     assert ops.get("PRMT", 0) >= 2 * 16 * 4 and ops.get("HMMA", 0) > 0, ops
     assert compiled["w12_repacks"] == 0
+
+
+def test_max_registers_caps_what_ptxas_allocates(compiled):
+    """LinearParams/RMSNormLinearParams.max_registers reaches ptxas as maxnreg (the launches pass it: test_kernels.py):
+    each cap holds, and uncapped the W12 linear takes more than the tighter one."""
+    regs = compiled["w12_registers"]
+    assert regs["168"] <= 168 and regs["128"] <= 128 and regs["None"] > 128, regs
 
 
 def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):

@@ -532,6 +532,9 @@ def test_t_neutral_params_change_no_bit(dtype):
         except OutOfResources:  # a launch that does not fit (fp32 tiles with deep pipelines): not numerics
             continue
     assert checked >= len(combos) * 2 // 3
+    for regs in K.MAX_REGISTERS if CUDA else ():  # ptxas register caps: allocation only (the interpreter has none)
+        assert torch.equal(K.linear(x, W, res, max_registers=regs), base_lin), regs
+        assert torch.equal(K.rmsnorm_linear(x, nw, W, 1e-5, max_registers=regs), base_norm), regs
     # the statistic's chunks loaded 1..8 at a time (K=256: two 64-chunks and masked ones past K), residual too
     x2, r2 = rnd(g, 5, 256, dtype=dtype), rnd(g, 5, 256, dtype=dtype)
     base_res = K.rmsnorm_linear(x2, nw, W, 1e-5, r2, block_k=64)

@@ -188,3 +188,40 @@ def test_split_k_launches_chunk_long_token_counts_without_changing_a_bit(monkeyp
         assert torch.equal(l1[0], logits[r]) and int(b1[0]) == int(best[r])
         assert torch.equal(K.linear(x[r:r + 1], W, res[r:r + 1, :W.shape[0]].contiguous(), **sk)[0], o[r])
     assert torch.equal(best, logits.argmax(-1))
+
+
+def test_max_registers_reaches_every_projection_launch(monkeypatch):
+    """max_registers (LinearParams / RMSNormLinearParams) goes to each projection launch as ptxas's maxnreg, and only
+    when set; a cap moves registers, not arithmetic: the same bits (on a GPU a real cap, under the interpreter the
+    launch option alone). tests/test_kernel_codegen.py checks that ptxas honours it."""
+    from specpilot.kernels import gemm, norm_gemm
+    seen = []
+    for kern in (gemm._linear_kernel, norm_gemm._rmsnorm_linear_kernel):
+        def spy(*args, _run=type(kern).run, _k=kern, **kw):
+            seen.append(kw.get("maxnreg"))
+            return _run(_k, *args, **kw)
+        monkeypatch.setattr(kern, "run", spy, raising=False)
+    g = torch.Generator().manual_seed(3)
+    T, heads, kv_heads, D, K_in = 2, 2, 1, 16, 64
+    x, nw, gu = rnd(g, T, K_in), rnd(g, K_in), rnd(g, T, 2 * K_in)
+    W, Wqkv, Wgu = rnd(g, 32, K_in, scale=0.1), rnd(g, (heads + 2 * kv_heads) * D, K_in, scale=0.1), rnd(g, 64, K_in)
+    cos, sin = (t.to(DEV) for t in K.rope_tables(16, D, 10000.0))
+    pos, slots = torch.tensor([1, 3], device=DEV), torch.tensor([0, 2], device=DEV)
+    caches = lambda: [torch.zeros(kv_heads, 4, D, dtype=BF, device=DEV) for _ in "kv"]  # noqa: E731
+    calls = {"linear": lambda **p: K.linear(x, W, **p), "swiglu_linear": lambda **p: K.swiglu_linear(gu, W, **p),
+             "rmsnorm_linear": lambda **p: K.rmsnorm_linear(x, nw, W, 1e-5, **p),
+             "rmsnorm_glu": lambda **p: E.rmsnorm_glu(x, nw, Wgu, 1e-5, **p),
+             "rmsnorm_qkv_rope": lambda **p: E.rmsnorm_qkv_rope(x, nw, Wqkv, 1e-5, pos, slots, cos, sin, *caches(),
+                                                                heads, kv_heads, **p)}
+    for name, call in calls.items():
+        seen.clear()
+        base = call()
+        assert seen == [None], (name, seen)
+        seen.clear()
+        assert torch.equal(call(max_registers=128), base), name
+        assert seen == [128], (name, seen)
+    with pytest.raises(ValueError, match="max_registers"):
+        K.linear(x, W, max_registers=16)
+    with pytest.raises(ValueError, match="max_registers"):
+        K.rmsnorm_linear(x, nw, W, 1e-5, max_registers=True)
+    assert "max_registers" in K.LinearParams.T_NEUTRAL and "max_registers" in K.RMSNormLinearParams.SEARCH_SPACE

@@ -56,6 +56,16 @@ def capture_graph(body, warmups: int = 2, pool=None):
 NO_FP_FUSION = {"enable_fp_fusion": False}
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)
+# Register caps a thread (ptxas maxnreg) the projections may launch with; None: ptxas's own count. A cap only moves
+# registers (spilling a few bytes at most), never an instruction's arithmetic: T-neutral. At 4 warps, 168 registers
+# fit 3 programs an SM and 128 fit 4 where the W12 decode otherwise takes 180-184 (2): session 30 measured the 8B
+# QKV norm launch 34.0 -> 25.6 us with 168 on an H200.
+MAX_REGISTERS = (None, 168, 128)
+
+
+def register_cap(max_registers: int | None) -> dict[str, int]:
+    """The launch option of a max_registers setting ({} for None)."""
+    return {} if max_registers is None else {"maxnreg": max_registers}
 # K per rounding step of the interpreter's float tl.dot (fix 3 of _fix_interpreter): an MMA's K (m16n8k16).
 DOT_K_STEP = 16
 
@@ -89,6 +99,9 @@ class LaunchParams:
                 raise ValueError(f"num_warps={v} must be one of {_POW2_WARPS}")
             if f.name == "num_stages" and v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"num_stages={v} must be a positive int (or None: a default)")
+            if f.name == "max_registers" and v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                                                or not 32 <= v <= 255):
+                raise ValueError(f"max_registers={v!r} must be None or an int in 32..255")
             if f.name == "row_tile" and v not in ROW_TILES:
                 raise ValueError(f"row_tile={v!r} must be one of {ROW_TILES}")
             if f.name.startswith("block_") and v is not None and (not isinstance(v, int) or v < 16 or v & (v - 1)):

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
-                      dot_precision)
+from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParams, check_launchable, check_out,
+                      check_tensor, dot_precision, register_cap)
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq
@@ -60,12 +60,14 @@ class LinearParams(LaunchParams):
     # only (T-neutral), and not searched: a kernel timed against itself says nothing of how it overlaps its
     # predecessor in a step; judge it with the captured step (scripts/gpu_step_ab.py).
     grid_dependency: int | None = None
+    max_registers: int | None = None  # ptxas maxnreg (_common.MAX_REGISTERS): occupancy only, T-neutral
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual", "w_preload",
-                                            "grid_dependency")
+                                            "grid_dependency", "max_registers")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
-                                                "early_residual": (False, True), "w_preload": (False, True)}
+                                                "early_residual": (False, True), "w_preload": (False, True),
+                                                "max_registers": MAX_REGISTERS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -370,9 +372,11 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
             block_n, num_warps: int, num_stages, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
             split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
             grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None,
-            scale_w: torch.Tensor | None = None, scaled_out: torch.Tensor | None = None) -> torch.Tensor:
+            scale_w: torch.Tensor | None = None, scaled_out: torch.Tensor | None = None,
+            max_registers: int | None = None) -> torch.Tensor:
     LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
-                 split_k=split_k, early_residual=early_residual, w_preload=w_preload, grid_dependency=grid_dependency)
+                 split_k=split_k, early_residual=early_residual, w_preload=w_preload, grid_dependency=grid_dependency,
+                 max_registers=max_registers)
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -418,7 +422,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
                              EARLY_RES=int(early_residual), W_PRELOAD=preload,
                              K_LOOP=int(preload < triton.cdiv(K, block_k)),
                              ROW_SUMSQ=int(row_sumsq_out is not None), SCALED=int(scale_w is not None),
-                             num_warps=num_warps, num_stages=stages, **pdl)
+                             num_warps=num_warps, num_stages=stages, **pdl, **register_cap(max_registers))
     return out
 
 
@@ -428,7 +432,7 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor 
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
            early_residual: bool = True, w_preload: bool = False, grid_dependency: int | None = None,
            row_sumsq_out: torch.Tensor | None = None, scale_w: torch.Tensor | None = None,
-           scaled_out: torch.Tensor | None = None) -> torch.Tensor:
+           scaled_out: torch.Tensor | None = None, max_registers: int | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12 weight (an OctLayout, or a W12Tensor converted on each call; bf16 x), read ~1.52 bytes a weight and decoded in
     the kernel: the bits of linear(x, decode(W)).
@@ -439,7 +443,8 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor 
     stored there too (rmsnorm.scaled_rows_ref), for a norm launch with post_scale=True and that norm weight.
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
-                   split_k, early_residual, w_preload, grid_dependency, row_sumsq_out, scale_w, scaled_out)
+                   split_k, early_residual, w_preload, grid_dependency, row_sumsq_out, scale_w, scaled_out,
+                   max_registers)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor | None = None, *,
@@ -447,7 +452,8 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: 
                   out: torch.Tensor | None = None, block_n: int | None = None, num_warps: int = 4,
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                   split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
-                  grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
+                  grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None,
+                  max_registers: int | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -455,4 +461,5 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: 
     at T=1 against 1.3 + 37.6 us for swiglu + linear. Prefer the two launches unless N / block_n is small.
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
-                   row_tile, split_k, early_residual, w_preload, grid_dependency, row_sumsq_out)
+                   row_tile, split_k, early_residual, w_preload, grid_dependency, row_sumsq_out,
+                   max_registers=max_registers)

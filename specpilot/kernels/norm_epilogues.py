@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .w12_tile import W12Weight
-from ._common import check_int, check_out, check_tensor, dot_precision
+from ._common import check_int, check_out, check_tensor, dot_precision, register_cap
 from .act import swiglu_ref
 from .gemm import BLOCK_K
 from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand, norm_pdl,
@@ -44,7 +44,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2,
                      prenorm: bool = False, grid_dependency: int | None = None, producer_stat: bool = False,
                      row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
-                     scaled_x: torch.Tensor | None = None) -> torch.Tensor:
+                     scaled_x: torch.Tensor | None = None, max_registers: int | None = None) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -55,7 +55,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
                                                 act_prefetch=act_prefetch, prenorm=prenorm,
                                                 grid_dependency=grid_dependency, producer_stat=producer_stat,
-                                                row_sumsq=row_sumsq, post_scale=post_scale, scaled_x=scaled_x)
+                                                row_sumsq=row_sumsq, post_scale=post_scale, scaled_x=scaled_x,
+                                                max_registers=max_registers)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
@@ -88,7 +89,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
                                      NORM=op.norm, STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
-                                     **norm_pdl(x, N, K, grid_dependency))
+                                     **norm_pdl(x, N, K, grid_dependency), **register_cap(max_registers))
     return out
 
 
@@ -98,7 +99,8 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
                 num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
                 stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False,
                 grid_dependency: int | None = None, producer_stat: bool = False,
-                row_sumsq: torch.Tensor | None = None, post_scale: bool = False, scaled_x: torch.Tensor | None = None):
+                row_sumsq: torch.Tensor | None = None, post_scale: bool = False, scaled_x: torch.Tensor | None = None,
+                max_registers: int | None = None):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
@@ -107,7 +109,8 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
                                                            stat_unroll=stat_unroll, act_prefetch=act_prefetch,
                                                            prenorm=prenorm, grid_dependency=grid_dependency,
                                                            producer_stat=producer_stat, row_sumsq=row_sumsq,
-                                                           post_scale=post_scale, scaled_x=scaled_x)
+                                                           post_scale=post_scale, scaled_x=scaled_x,
+                                                           max_registers=max_registers)
     num_warps = norm_warps(K, num_warps, w12_pair=w12)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
@@ -125,5 +128,5 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                                      STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, NORM=op.norm,
                                      STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
-                                     **norm_pdl(x, 2 * N, K, grid_dependency))
+                                     **norm_pdl(x, 2 * N, K, grid_dependency), **register_cap(max_registers))
     return out if residual is None else (out, residual_out)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, ROW_TILES, LaunchParams, check_launchable, check_out, check_tensor,
-                      dot_precision)
+from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParams, check_launchable, check_out,
+                      check_tensor, dot_precision, register_cap)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, split_size, tile_mac)
@@ -82,13 +82,14 @@ class RMSNormLinearParams(LaunchParams):
     # registers cost ~5 us of an 8B QKV launch), and rstd scales each row's accumulator after it. Other roundings
     # than LlamaRMSNorm's (one bf16 rounding of h * w, rstd after the dot): a numerics field, judged on the step.
     post_scale: bool = False
+    max_registers: int | None = None  # ptxas maxnreg (_common.MAX_REGISTERS): occupancy only, T-neutral
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
-                                            "prenorm", "grid_dependency")
+                                            "prenorm", "grid_dependency", "max_registers")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
                                                 "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES,
-                                                "prenorm": (False, True)}
+                                                "prenorm": (False, True), "max_registers": MAX_REGISTERS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -364,13 +365,14 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
                       w_rows_per_out: int = 1, row_tile: int = BLOCK_M, split_k: int = 1, stat_unroll: int = 8,
                       act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
                       producer_stat: bool = False, row_sumsq: torch.Tensor | None = None,
-                      post_scale: bool = False, scaled_x: torch.Tensor | None = None) -> tuple:
+                      post_scale: bool = False, scaled_x: torch.Tensor | None = None,
+                      max_registers: int | None = None) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
     W12 flag): see w12_tile.weight_operand."""
     RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
                         row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
                         prenorm=prenorm, grid_dependency=grid_dependency, producer_stat=producer_stat,
-                        post_scale=post_scale)
+                        post_scale=post_scale, max_registers=max_registers)
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -449,7 +451,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
                    act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
                    producer_stat: bool = False, row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
-                   scaled_x: torch.Tensor | None = None):
+                   scaled_x: torch.Tensor | None = None, max_registers: int | None = None):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12 weight [N, K] (OctLayout, or W12Tensor converted on each call) with bf16 x (decoded in the kernel: the bits of
     W = decode(W)).
@@ -467,7 +469,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
                                                            act_prefetch=act_prefetch, prenorm=prenorm,
                                                            grid_dependency=grid_dependency,
                                                            producer_stat=producer_stat, row_sumsq=row_sumsq,
-                                                           post_scale=post_scale, scaled_x=scaled_x)
+                                                           post_scale=post_scale, scaled_x=scaled_x,
+                                                           max_registers=max_registers)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -498,7 +501,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
                                  ACT_PREFETCH=act_prefetch, NORM=op.norm, STAT_SEGS=op.stat_segs,
-                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K, grid_dependency))
+                                 num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K, grid_dependency),
+                                 **register_cap(max_registers))
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,
