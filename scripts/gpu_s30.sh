@@ -14,7 +14,9 @@ case ${1:?w12 or tune} in
     timeout 180 python3 scripts/gpu_w12_gluon.py "$OUT/gluon.json" 2>&1 | grep -v Warn | tail -48
     timeout 200 python3 scripts/gpu_profile.py "$OUT/prof" --shapes llama8b --weight-formats native,w12 --tokens 64 \
       2>&1 | grep -v Warn | tail -4 ;;
-  tune)
+  tune)  # needs duckdb and the prompts (carry .whl/duck .tb/benchmarks): the tuner's stages read both
+    [ -d /tmp/site/duckdb ] || pip install -q --no-index --no-deps --target /tmp/site .whl/duck/*.whl
+    export PYTHONPATH="$PWD:/tmp/site" SPECPILOT_BENCHMARKS="$PWD/.tb/benchmarks"
     timeout 420 python3 scripts/gpu_kernel_tuning.py "$OUT/kt" --weight-format w12 --from-defaults \
       --budget '{"max_kernels": 5, "max_settings": 8}' 2>&1 | grep -v Warn | tail -30
     timeout 150 python3 scripts/gpu_profile.py "$OUT/prof-tuned" --shapes llama8b --weight-formats w12 --tokens 64 \
