@@ -1,4 +1,5 @@
-"""Why the W12 GEMV trails bf16: Nsight Compute's counters for the package's `linear` on both weight formats.
+"""Why the W12 GEMV trails bf16: Nsight Compute's counters for the package's `linear` (or the norm launches: --op
+norm is rmsnorm_linear, the QKV / LM head launch; --op glu rmsnorm_glu, gate_up's) on both weight formats.
 
 Each (shape, T, format) runs once untimed (compiles), then once between cudaProfilerStart/Stop, so
 `ncu --profile-from-start off` reads exactly one launch per configuration. The H200's Firecracker runtime reads
@@ -6,7 +7,8 @@ hardware counters (the device library's KINDS.md); `--clock-control none` leaves
 
 OUT=... ; ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
   --section WarpStateStats --section SchedulerStats --section LaunchStats --section InstructionStats \
-  --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' python3 scripts/gpu_ncu_w12.py > $OUT/ncu.txt      (then: python3 scripts/gpu_ncu_w12.py --summary $OUT/ncu.txt)
+  --metrics "regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio$" \
+  python3 scripts/gpu_ncu_w12.py [--op norm] > $OUT/ncu.txt; python3 scripts/gpu_ncu_w12.py --summary $OUT/ncu.txt
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ _METRICS = ("Duration", "Memory Throughput", "DRAM Throughput", "Compute (SM) Th
 _STALL = "smsp__average_warps_issue_stalled_"  # --metrics regex:^smsp__average_warps_issue_stalled_.*_per_issue_active
 
 
-def run(shapes: list[tuple[int, int]], tokens: list[int]) -> None:
-    from specpilot.kernels import linear
+def run(shapes: list[tuple[int, int]], tokens: list[int], op: str = "linear") -> None:
+    from specpilot.kernels import linear, rmsnorm_linear
+    from specpilot.kernels.norm_epilogues import rmsnorm_glu
     from specpilot.weights.format import encode
     from specpilot.weights.oct import oct_layout
 
@@ -37,12 +40,15 @@ def run(shapes: list[tuple[int, int]], tokens: list[int]) -> None:
         Q = oct_layout(encode(W))
         for T in tokens:
             x = torch.randn(T, K, generator=g, device=dev).to(torch.bfloat16)
+            nw = (1 + 0.1 * torch.randn(K, generator=g, device=dev)).to(torch.bfloat16)
+            call = {"linear": lambda w: linear(x, w), "norm": lambda w: rmsnorm_linear(x, nw, w, 1e-5),
+                    "glu": lambda w: rmsnorm_glu(x, nw, w, 1e-5)}[op]
             for name, w in (("bf16", W), ("w12", Q)):
-                linear(x, w)  # compile and warm up outside the profiled range
+                call(w)  # compile and warm up outside the profiled range
                 torch.cuda.synchronize()
-                print(f"## config {N}x{K} T={T} {name}", flush=True)
+                print(f"## config {op} {N}x{K} T={T} {name}", flush=True)
                 torch.cuda.profiler.start()
-                linear(x, w)
+                call(w)
                 torch.cuda.synchronize()
                 torch.cuda.profiler.stop()
         del W, Q
@@ -76,12 +82,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="128256x4096,14336x4096,4096x4096")
     ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--op", choices=("linear", "norm", "glu"), default="linear")
     ap.add_argument("--summary", help="an ncu text report of this script's run: print its table")
     a = ap.parse_args()
     if a.summary:
         summary(a.summary)
         return
-    run([tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")], [int(t) for t in a.tokens.split(",")])
+    run([tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")], [int(t) for t in a.tokens.split(",")],
+        a.op)
 
 
 if __name__ == "__main__":
