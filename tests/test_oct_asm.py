@@ -53,6 +53,10 @@ def run_asm(asm: str, inputs: list[np.ndarray], n_out: int) -> list[np.ndarray]:
             v = _prmt(val(args[0]), val(args[1]), int(args[2], 0))
         elif op == "and.b32":
             v = val(args[0]) & val(args[1])
+        elif op == "shl.b32":
+            v = (val(args[0]) << np.uint64(int(args[1]))) & M32
+        elif op == "shr.u32":
+            v = val(args[0]) >> np.uint64(int(args[1]))
         elif op == "mad.lo.u32":
             v = (val(args[0]) * val(args[1]) + val(args[2])) & M32
         elif op == "mad.hi.u32":  # the high word of the 64-bit product (exact in uint64 for a power-of-2 factor)

@@ -33,6 +33,7 @@ from ._common import check_tensor, is_interpreted
 OCT_BLOCK = tl.constexpr(BLOCK)  # K elements a block: eight 32-wide slices (constexpr globals only, in kernels)
 OCT_ROW_BLOCK_BYTES = BLOCK * 3 // 2 + 32 * 4 + 4  # one W row's block: words, codes, high nibbles, cell index
 
+
 def _oct_asm() -> str:
     """The decode of one lane pair (2i, 2i + 1) of a block's tile column, as inline PTX for pack=2.
 
@@ -40,24 +41,24 @@ def _oct_asm() -> str:
     resp. 4 + q), the pair's code words (2i: slices 0-3, 2i + 1: slices 4-7; nibble q lane 2i's, q + 4 lane 2i + 1's,
     weights/oct.py), its high-nibble words (the same positions; zero where the cell has no escapes), the row's base at
     bits 7 and 23 (twice). Output e ($0..$7): slice e's two bf16, lane 2i low, 2i + 1 high: one MMA operand
-    register as it stands. Per output: one byte permute spreads [lo, lo, lo', lo'] over two 16-bit halves; the code
-    and high nibble are masked in place and moved to bits 7 and 11 of each half by a multiply-add onto the base
-    (shifts right are mad.hi; ptxas makes each a LEA), which gives each half's exponent (mod 256: a carry out of a
-    half only reaches its bit 15, which the merge drops); one lop3 takes sign and mantissa from the bytes, the
-    exponent from the sum: six instructions per two weights (eight, and a repacking permute, before session 30)."""
-    lines = [".reg .b32 t, c, h, u, m;", "mov.b32 m, 0x807F807F;"]
-
-    def shift(reg: str, by: int, add: str) -> str:  # reg << by (>> -by) + add
-        return (f"mad.lo.u32 u, {reg}, {1 << by:#x}, {add};" if by >= 0 else
-                f"mad.hi.u32 u, {reg}, {1 << (32 + by):#x}, {add};")
-
-    for e in range(8):
-        q = e % 4
-        lo0, lo1, code, high = ("$8", "$9", "$12", "$14") if e < 4 else ("$10", "$11", "$13", "$15")
-        mask = 0x000F000F << (4 * q)
-        sel = 0x4400 + 0x1111 * q  # bytes q, q of lane 2i's word, then of lane 2i + 1's
-        lines.append(f"and.b32 c, {code}, {mask:#010x}; and.b32 h, {high}, {mask:#010x}; {shift('c', 7 - 4 * q, '$16')} "
-                     f"{shift('h', 11 - 4 * q, 'u')} prmt.b32 t, {lo0}, {lo1}, {sel:#06x}; lop3.b32 ${e}, t, m, u, 0xE2;")
+    register as it stands.
+    Per code word and its high-nibble word, two merges interleave their nibbles into bytes (code | high << 4: the
+    exponent's offset from the base): `xe` holds slices q = 0, 2 (bytes: q = 0 lane 2i, q = 2 lane 2i, q = 0 lane
+    2i + 1, q = 2 lane 2i + 1), `xo` slices 1, 3. Per output: an and keeps its two bytes, a multiply-add moves them
+    to bits 7 and 23 onto the base (right shifts are mad.hi; ptxas makes each a LEA), which gives each half's
+    exponent (mod 256: a carry out of a half only reaches its bit 15 or the word's top, which the merge drops); one
+    byte permute spreads [lo, lo, lo', lo'] over the two halves, one lop3 takes sign and mantissa from it, the
+    exponent from the sum. Five instructions per two weights (session 30: eight and a repacking permute, then six)."""
+    lines = [".reg .b32 t, x, y, u, m, n, xe, xo;", "mov.b32 m, 0x807F807F;", "mov.b32 n, 0x0F0F0F0F;"]
+    for half, (lo0, lo1, code, high) in enumerate((("$8", "$9", "$12", "$14"), ("$10", "$11", "$13", "$15"))):
+        lines.append(f"shl.b32 x, {high}, 4; lop3.b32 xe, {code}, n, x, 0xE2; "  # (code & n) | (high << 4 & ~n)
+                     f"shr.u32 y, {code}, 4; lop3.b32 xo, y, n, {high}, 0xE2;")  # (code >> 4 & n) | (high & ~n)
+        for q in range(4):
+            x, bytes_, move = ("xe" if q % 2 == 0 else "xo"), (0x00FF00FF if q < 2 else 0xFF00FF00), (
+                "mad.lo.u32 u, u, 0x80, $16;" if q < 2 else "mad.hi.u32 u, u, 0x80000000, $16;")  # << 7 / >> 1
+            sel = 0x4400 + 0x1111 * q  # bytes q, q of lane 2i's lo word, then of lane 2i + 1's
+            lines.append(f"and.b32 u, {x}, {bytes_:#010x}; {move} prmt.b32 t, {lo0}, {lo1}, {sel:#06x}; "
+                         f"lop3.b32 ${4 * half + q}, t, m, u, 0xE2;")
     return "{\n" + "\n".join(lines) + "\n}"
 
 
