@@ -43,7 +43,7 @@ PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "
          "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
 
 
-def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None):
+def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None, num_stages=2):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
@@ -61,7 +61,7 @@ def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None):
     assert not missing, (fn.__name__, missing)
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 2, "enable_fp_fusion": False,
+                          options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": False,
                                    "launch_pdl": pdl, **({} if maxnreg is None else {"maxnreg": maxnreg})})
 
 
@@ -165,6 +165,11 @@ print(json.dumps({
     # some compiled variants only (the attention kernels' 1-ulp story, _common.NO_FP_FUSION)
     # the W12 linear assembled by ptxas (the decode's inline PTX included): its SASS opcodes, counted
     "w12_sass_ops": sass_opcodes(W12_SASS),
+    # shared memory of the W12 linear and GLU at 2 and 4 stages: the pipeliner's buffers for the blocks in flight
+    "w12_smem": {name: [build(fn, sig, {**consts, "W12": True}, nw, num_stages=ns).metadata.shared for ns in (2, 4)]
+                 for name, fn, sig, consts, nw in (
+                     ("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", **TILE}, 4),
+                     ("glu", norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "HAS_RES": False, "EPI": 1}, 4))},
     # a max_registers launch (ptxas maxnreg) of the W12 linear: the registers ptxas then gives a thread
     "w12_registers": {str(cap): int(re.search(r"Used (\d+) registers", ptxas_sass(build(
         gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": True, **TILE}, 4,
@@ -300,6 +305,14 @@ def test_w12_decode_assembles(compiled):
     ops = compiled["w12_sass_ops"]
     assert ops.get("PRMT", 0) >= 2 * 16 * 4 and ops.get("HMMA", 0) > 0, ops
     assert compiled["w12_repacks"] == 0
+
+
+def test_w12_loops_pipeline_as_deep_as_their_stages(compiled):
+    """num_stages - 1 blocks of the W12 arrays in flight: the shared memory grows with the stages. (Until session 30
+    the high nibbles' address came from a load in the same iteration and Triton's pipeliner halved the distance:
+    one block ahead, ~41 KiB, at 2, 3 or 4 stages alike; w12_tile.oct_cell carries it from the iteration before.)"""
+    for name, (two, four) in compiled["w12_smem"].items():
+        assert four >= 2.5 * two, (name, two, four)
 
 
 def test_max_registers_caps_what_ptxas_allocates(compiled):

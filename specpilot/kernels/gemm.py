@@ -32,7 +32,7 @@ from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParam
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq
-from .w12_tile import OCT_BLOCK, OCT_ROW_BLOCK_BYTES, W12Weight, check_w12_launch, oct_block, oct_cols, weight_operand
+from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cell, oct_cols, weight_operand
 
 BLOCK_K = 128  # reduction chunk: part of the numerics, never tuned
 SPLIT_KS = (1, 2, 4, 8)  # split-K factors a launch may use (split_k_combine unrolls the sum)
@@ -218,15 +218,22 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: i
     return 16
 
 
+# The W12 launches' default pipeline: the next 256-K block's arrays (~41 KiB at 64 columns) in flight while one
+# decodes. Until session 30 every W12 default (3-4 stages) got exactly that: the high nibbles' address came from a
+# load in the same iteration, and Triton's pipeliner divides the distance by the indirection levels plus one
+# ((stages - 1) // 2). Now that the cell index is carried from the previous iteration (w12_tile.oct_cell) stages set
+# the distance; 2 keeps what the H200 measurements chose, deeper pipelines (82-164 KiB, fewer programs an SM) are
+# the kernel tuner's to try.
+W12_STAGES = 2
+
+
 def default_num_stages(block_n: int, elem_size: int, a_tiles: int = 1, most: int = 5,
                        smem_budget: int = 200 * 1024, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                        w12: bool = False) -> int:
-    """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget (W12: a stage is a
-    256-element block of x and of the W rows' oct arrays, high nibbles included)."""
+    """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget; W12: W12_STAGES."""
     if w12:
-        per_stage = a_tiles * row_tile * OCT_BLOCK * elem_size + block_n * OCT_ROW_BLOCK_BYTES
-    else:
-        per_stage = (a_tiles * row_tile + block_n) * block_k * elem_size
+        return W12_STAGES
+    per_stage = (a_tiles * row_tile + block_n) * block_k * elem_size
     return max(1, min(most, smem_budget // per_stage))
 
 
@@ -262,13 +269,13 @@ def _x_chunk(x_rows, kk, row_ok, K, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, row_ok, k0, K,
-                   Kp, SWIGLU: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
+def _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, row_ok, k0, K, Kp,
+                   SWIGLU: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
     """acc + x[:, k0:k0 + 256] @ W12 block k0 of the tile's rows: eight 32-wide dots in ascending K. TAIL: K ends
     inside this block, and its padding slices are skipped (a branch only there keeps the whole-block loop free of
     them: with per-slice branches Triton did not pipeline it, 1.1-1.4x slower on the H200, session 28)."""
     js = tl.arange(0, 32)
-    ws = oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp)
+    ws = oct_block(words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, k0, Kp)
     for e in tl.static_range(8):
         if not TAIL or k0 + 32 * e < K:
             acc = tile_mac(_x_chunk(x_rows, k0 + 32 * e + js, row_ok, K, SWIGLU), ws[e], acc, DOT_PREC, BLOCK_M)
@@ -320,12 +327,15 @@ def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_
         w_rows, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
         k_end = tl.minimum(K, k_lo + K_SPLIT)
         k_full = k_lo + (k_end - k_lo) // OCT_BLOCK * OCT_BLOCK
+        f = oct_cell(fcell_ptr, cells, col_ok, k_lo)  # each block's cells loaded one iteration ahead (oct_cell)
         for k0 in range(k_lo, k_full, OCT_BLOCK):  # whole blocks: a body without branches, which Triton pipelines
-            acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok,
-                                 row_ok, k0, K, Kp, SWIGLU, DOT_PREC, BLOCK_M, False)
+            f_next = oct_cell(fcell_ptr, cells, col_ok, tl.minimum(k0 + OCT_BLOCK, Kp - OCT_BLOCK))
+            acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, row_ok, k0, K,
+                                 Kp, SWIGLU, DOT_PREC, BLOCK_M, False)
+            f = f_next
         if k_full < k_end:  # K's tail block, its padding slices skipped
-            acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok,
-                                 row_ok, k_full, K, Kp, SWIGLU, DOT_PREC, BLOCK_M, True)
+            acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, row_ok, k_full,
+                                 K, Kp, SWIGLU, DOT_PREC, BLOCK_M, True)
     elif K_LOOP:  # 0: the whole tile was preloaded
         for k0 in range(k_lo, tl.minimum(K, k_lo + K_SPLIT), BLOCK_K):
             kk = k0 + ks

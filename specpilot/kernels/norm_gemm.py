@@ -31,7 +31,7 @@ from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor
 from .rmsnorm import (check_row_sumsq, check_scaled_x, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd,
                       rstd_from_sumsq, stat_segments)
 from .rope_kv import rotate
-from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cols, weight_operand
+from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cell, oct_cols, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
 # Loads a norm launch issues ahead of their use: 0 none; 1 the next K chunk's x (and norm weight) one iteration ahead;
@@ -106,16 +106,16 @@ class RMSNormLinearParams(LaunchParams):
 
 
 @triton.jit
-def _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr, codes_ptr, fcell_ptr,
-                        fat_ptr, w_rows, b2, cells, col_ok, w_rows2, b22, cells2, col_ok2, k0, K, Kp,
+def _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr, codes_ptr, fat_ptr,
+                        w_rows, b2, f, col_ok, w_rows2, b22, f2, col_ok2, k0, K, Kp,
                         HAS_RES: tl.constexpr, DOT_PREC: tl.constexpr, PAIR: tl.constexpr, NORM: tl.constexpr,
                         BLOCK_M: tl.constexpr, TAIL: tl.constexpr):
     """_two_pass's pass 2 over W12 block k0: x (normalised when NORM) per 32-wide slice, one dot per slice and row
     set, K ascending; TAIL skips the padding slices of the block K ends in (gemm._w12_block_mac)."""
     js = tl.arange(0, 32)
-    ws = oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp)
+    ws = oct_block(words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, k0, Kp)
     if PAIR:
-        ws2 = oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows2, b22, cells2, col_ok2, k0, Kp)
+        ws2 = oct_block(words_ptr, codes_ptr, fat_ptr, w_rows2, b22, f2, col_ok2, k0, Kp)
     for e in tl.static_range(8):
         if not TAIL or k0 + 32 * e < K:
             kk = k0 + 32 * e + js
@@ -160,15 +160,19 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
         w_rows, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
         w_rows2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)  # unused (and dropped) without PAIR
         k_full = k_lo + (k_hi - k_lo) // OCT_BLOCK * OCT_BLOCK
+        # each block's cells loaded one iteration ahead (w12_tile.oct_cell: no indirect load for the pipeliner)
+        f, f2 = oct_cell(fcell_ptr, cells, col_ok, k_lo), oct_cell(fcell_ptr, cells2, col_ok2, k_lo)
         for k0 in range(k_lo, k_full, OCT_BLOCK):  # whole blocks: a body without branches (gemm._w12_block_mac)
+            k_next = tl.minimum(k0 + OCT_BLOCK, Kp - OCT_BLOCK)
+            f_next, f2_next = oct_cell(fcell_ptr, cells, col_ok, k_next), oct_cell(fcell_ptr, cells2, col_ok2, k_next)
             acc, acc2 = _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr,
-                                            codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, w_rows2, b22,
-                                            cells2, col_ok2, k0, K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M, False)
+                                            codes_ptr, fat_ptr, w_rows, b2, f, col_ok, w_rows2, b22, f2, col_ok2, k0,
+                                            K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M, False)
+            f, f2 = f_next, f2_next
         if k_full < k_hi:  # K's tail block, its padding slices skipped
             acc, acc2 = _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr,
-                                            codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, w_rows2, b22,
-                                            cells2, col_ok2, k_full, K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M,
-                                            True)
+                                            codes_ptr, fat_ptr, w_rows, b2, f, col_ok, w_rows2, b22, f2, col_ok2,
+                                            k_full, K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M, True)
     else:
         # ACT_PREFETCH >= 1: the next chunk's x (and norm weight) is loaded one iteration ahead. Its L2 latency
         # otherwise sits on every iteration's critical path (x feeds arithmetic before the dot, so Triton does not

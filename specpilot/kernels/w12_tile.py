@@ -100,17 +100,25 @@ def oct_cols(base_ptr, cols, col_ok, Kp):
 
 
 @triton.jit
-def oct_block(words_ptr, codes_ptr, fcell_ptr, fat_ptr, w_rows, b2, cells, col_ok, k0, Kp):
+def oct_cell(fcell_ptr, cells, col_ok, k0):
+    """The tile's rows' cell indices (OctLayout.fat_cells) of the block at k0. A K loop loads the next block's one
+    iteration ahead and carries it: the high nibbles' address then comes from no load of the same iteration, so
+    Triton's pipeliner sees no indirect load and prefetches every operand num_stages - 1 blocks ahead (an indirect
+    load halves that distance: (num_stages - 1) // 2, one block at 2-4 stages; session 30)."""
+    return tl.load(fcell_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=-1)
+
+
+@triton.jit
+def oct_block(words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, k0, Kp):
     """W^T over K [k0, k0 + 256) of the tile's rows as eight bf16 [32, BLOCK_N] slices, K ascending (exact): the
-    block's words, and for a cell with escapes its high nibbles (a masked load: cells without escapes read nothing
-    more). No data-dependent control flow, so Triton can pipeline the caller's loop. (Loading the next block's
-    words here by hand made the H200 GEMVs 1.4-2x slower: session 28.)"""
+    block's words, and for a cell with escapes (f, oct_cell's, >= 0) its high nibbles (a masked load: cells without
+    escapes read nothing more). No data-dependent control flow, so Triton can pipeline the caller's loop. (Loading
+    the next block's words here by hand made the H200 GEMVs 1.4-2x slower: session 28.)"""
     j = tl.arange(0, 32)
     m = col_ok[None, :]
     La = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + j[:, None], mask=m, other=0)
     Lb = tl.load(words_ptr + w_rows * (Kp // 4) + k0 // 4 + 32 + j[:, None], mask=m, other=0)
     codes = codes_ptr + w_rows * (Kp // 8) + k0 // 8
-    f = tl.load(fcell_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=-1)
     fat = fat_ptr + (f.to(tl.int64) * 32)[None, :]
     fm = m & (f >= 0)[None, :]
     if _COMPILED:
