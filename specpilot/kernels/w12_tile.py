@@ -12,8 +12,9 @@ bf16 ones on decode(W) for any T, batch invariance included. W12 changes no outp
 
 The decode (measured in scripts/gpu_w12_variants.py, scripts/gpu_ncu_w12.py, notes/h200.md sessions 13, 28-30), as
 inline PTX (Triton's own integer ops made it ALU-bound): per two weights one `prmt` spreads two sign+mantissa bytes
-over two bf16 halves, two ands and two multiply-adds place base + code + 16 x high nibble at each half's exponent,
-one `lop3` merges them. One asm instance decodes a lane pair (pack=2: two consecutive K of a column, one MMA operand
+over two bf16 halves, an and and a multiply-add place base + code + 16 x high nibble at each half's exponent (codes
+and high nibbles interleaved into bytes by two merges a word, shared by four outputs), one `lop3` merges them: five
+instructions (_oct_asm). One asm instance decodes a lane pair (pack=2: two consecutive K of a column, one MMA operand
 register), which is why the code words go by lane pairs (weights/oct.py). Escapes (exponents outside the row's
 16-wide window) ride on the same add: a cell (row, 256-block) that holds any has a word of high exponent nibbles per
 lane (OctLayout.fat), loaded under a mask that is false for the ~98% of cells without.
