@@ -8,34 +8,17 @@ python3 scripts/gpu_w12_params.py OUT.json [--shapes 4096x4096,14336x4096] [--op
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import itertools
 import json
 import time
 
 import torch
 
-from specpilot.kernels import gemm, linear, norm_gemm, rmsnorm_linear
+from specpilot.kernels import linear, rmsnorm_linear
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.bench import l2_copies, time_graph
 from specpilot.weights.format import encode
 from specpilot.weights.oct import oct_layout
-
-
-@contextlib.contextmanager
-def register_cap(maxnreg: int):
-    """Every projection kernel launched (and compiled) with ptxas's maxnreg in the block (0: no cap). An experiment's
-    patch of the two JIT functions' run, not a package knob."""
-    kernels = (gemm._linear_kernel, norm_gemm._rmsnorm_linear_kernel)
-    if maxnreg:
-        for k in kernels:
-            k.run = functools.partial(type(k).run, k, maxnreg=maxnreg)
-    try:
-        yield
-    finally:
-        for k in kernels:
-            k.__dict__.pop("run", None)
 
 
 def main() -> None:
@@ -48,8 +31,8 @@ def main() -> None:
     ap.add_argument("--stages", default="1,2,3,4")
     ap.add_argument("--splits", default="1,2,4,8")
     ap.add_argument("--warps", default="4", help="num_warps values (8: half the registers a thread, session 30)")
-    ap.add_argument("--maxnreg", default="0", help="register caps a thread (ptxas maxnreg; 0: none), e.g. 0,168,128:"
-                                                  " more programs an SM (W12 at 180 registers fits 2, session 30)")
+    ap.add_argument("--maxnreg", default="0", help="the launches' max_registers (ptxas maxnreg; 0: none), e.g. "
+                                                  "0,168,128 (W12 at 180 registers: 2 programs an SM, session 30)")
     ap.add_argument("--budget-s", type=float, default=200)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -73,14 +56,13 @@ def main() -> None:
             for bn, stages, split, warps, regs, (fmt, ws) in itertools.product(*grid, (("bf16", Ws), ("w12", Qs))):
                 if time.time() - t0 > a.budget_s:
                     break
-                p = dict(block_n=bn, num_stages=stages, split_k=split, num_warps=warps)
+                p = dict(block_n=bn, num_stages=stages, split_k=split, num_warps=warps, max_registers=regs or None)
                 try:
-                    with register_cap(regs):
-                        us = time_graph([lambda w=w: op(w, **p) for w in ws], 15) * 1e3
+                    us = time_graph([lambda w=w: op(w, **p) for w in ws], 15) * 1e3
                 except Exception as e:  # noqa: BLE001 - a sweep: record and go on
                     rows.append({"shape": shape, "T": T, "format": fmt, **p, "error": str(e)[:200]})
                     continue
-                row = {"op": a.op, "shape": shape, "T": T, "format": fmt, **p, "maxnreg": regs, "us": us,
+                row = {"op": a.op, "shape": shape, "T": T, "format": fmt, **p, "us": us,
                        "bf16_default_us": ref,
                        "w12_default_us": ref12}
                 rows.append(row)
@@ -88,11 +70,11 @@ def main() -> None:
                     best[fmt] = row
             if len(best) == 2:
                 b, w = best["bf16"], best["w12"]
+                cfg = lambda r: (f"bn={r['block_n']} stages={r['num_stages']} split={r['split_k']} "  # noqa: E731
+                                 f"warps={r['num_warps']} regs={r['max_registers']}")
                 print(f"{a.op:>6} {shape:>11} T={T:<3} default bf16 {ref:7.1f} W12 {ref12:7.1f} | bf16 best "
-                      f"{b['us']:7.1f} us (bn={b['block_n']} stages={b['num_stages']} split={b['split_k']} warps="
-                      f"{b['num_warps']} regs={b['maxnreg']})  W12 best {w['us']:7.1f} us (bn={w['block_n']} stages="
-                      f"{w['num_stages']} split={w['split_k']} warps={w['num_warps']} regs={w['maxnreg']})  W12 x bf16 best {b['us'] / w['us']:.2f}",
-                      flush=True)
+                      f"{b['us']:7.1f} us ({cfg(b)})  W12 best {w['us']:7.1f} us ({cfg(w)})  W12 x bf16 best "
+                      f"{b['us'] / w['us']:.2f}", flush=True)
         del Ws, Qs
         torch.cuda.empty_cache()
     with open(a.out, "w") as f:
