@@ -327,9 +327,9 @@ def _linear_kernel(x_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_
         w_rows, b2, cells = oct_cols(base_ptr, cols, col_ok, Kp)
         k_end = tl.minimum(K, k_lo + K_SPLIT)
         k_full = k_lo + (k_end - k_lo) // OCT_BLOCK * OCT_BLOCK
-        f = oct_cell(fcell_ptr, cells, col_ok, k_lo)  # each block's cells loaded one iteration ahead (oct_cell)
+        f = oct_cell(fcell_ptr, cells, col_ok, k_lo, Kp)  # each block's cells loaded one iteration ahead (oct_cell)
         for k0 in range(k_lo, k_full, OCT_BLOCK):  # whole blocks: a body without branches, which Triton pipelines
-            f_next = oct_cell(fcell_ptr, cells, col_ok, tl.minimum(k0 + OCT_BLOCK, Kp - OCT_BLOCK))
+            f_next = oct_cell(fcell_ptr, cells, col_ok, k0 + OCT_BLOCK, Kp)
             acc = _w12_block_mac(acc, x_rows, words_ptr, codes_ptr, fat_ptr, w_rows, b2, f, col_ok, row_ok, k0, K,
                                  Kp, SWIGLU, DOT_PREC, BLOCK_M, False)
             f = f_next

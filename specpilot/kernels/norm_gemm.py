@@ -161,10 +161,11 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
         w_rows2, b22, cells2 = oct_cols(base_ptr, cols2, col_ok2, Kp)  # unused (and dropped) without PAIR
         k_full = k_lo + (k_hi - k_lo) // OCT_BLOCK * OCT_BLOCK
         # each block's cells loaded one iteration ahead (w12_tile.oct_cell: no indirect load for the pipeliner)
-        f, f2 = oct_cell(fcell_ptr, cells, col_ok, k_lo), oct_cell(fcell_ptr, cells2, col_ok2, k_lo)
+        f, f2 = oct_cell(fcell_ptr, cells, col_ok, k_lo, Kp), oct_cell(fcell_ptr, cells2, col_ok2, k_lo, Kp)
         for k0 in range(k_lo, k_full, OCT_BLOCK):  # whole blocks: a body without branches (gemm._w12_block_mac)
-            k_next = tl.minimum(k0 + OCT_BLOCK, Kp - OCT_BLOCK)
-            f_next, f2_next = oct_cell(fcell_ptr, cells, col_ok, k_next), oct_cell(fcell_ptr, cells2, col_ok2, k_next)
+            k_next = k0 + OCT_BLOCK
+            f_next, f2_next = (oct_cell(fcell_ptr, cells, col_ok, k_next, Kp),
+                               oct_cell(fcell_ptr, cells2, col_ok2, k_next, Kp))
             acc, acc2 = _w12_norm_block_mac(acc, acc2, x_ptr, r_ptr, nw_ptr, rstd, row_offs, row_ok, words_ptr,
                                             codes_ptr, fat_ptr, w_rows, b2, f, col_ok, w_rows2, b22, f2, col_ok2, k0,
                                             K, Kp, HAS_RES, DOT_PREC, PAIR, NORM, BLOCK_M, False)

@@ -101,12 +101,13 @@ def oct_cols(base_ptr, cols, col_ok, Kp):
 
 
 @triton.jit
-def oct_cell(fcell_ptr, cells, col_ok, k0):
-    """The tile's rows' cell indices (OctLayout.fat_cells) of the block at k0. A K loop loads the next block's one
+def oct_cell(fcell_ptr, cells, col_ok, k0, Kp):
+    """The tile's rows' cell indices (OctLayout.fat_cells) of the block at k0 (the last block's past Kp, so a loop may
+    ask for the block after its last). A K loop loads the next block's one
     iteration ahead and carries it: the high nibbles' address then comes from no load of the same iteration, so
     Triton's pipeliner sees no indirect load and prefetches every operand num_stages - 1 blocks ahead (an indirect
     load halves that distance: (num_stages - 1) // 2, one block at 2-4 stages; session 30)."""
-    return tl.load(fcell_ptr + cells + k0 // OCT_BLOCK, mask=col_ok, other=-1)
+    return tl.load(fcell_ptr + cells + tl.minimum(k0, Kp - OCT_BLOCK) // OCT_BLOCK, mask=col_ok, other=-1)
 
 
 @triton.jit
