@@ -404,15 +404,17 @@ def test_bench_w12_refuses_cpu():
 
 
 def test_w12_default_launches_fit_shared_memory_and_pipeline():
-    """W12 default tiles stop at 64 columns and pipeline one block ahead (W12_STAGES: the distance the H200
-    measurements chose; deeper is the tuner's), a GLU's two row sets inside the shared-memory budget."""
-    from specpilot.kernels.gemm import W12_STAGES, default_block_n, default_num_stages
+    """W12 default tiles stop at 64 columns and pipeline two blocks ahead up to 64 columns, one beyond (what the
+    H200 measurements chose; deeper is the tuner's), a GLU's two row sets inside the shared-memory budget."""
+    from specpilot.kernels.gemm import W12_STAGES, W12_WIDE_STAGES, default_block_n, default_num_stages
     from specpilot.kernels.norm_gemm import norm_launch_shape
     from specpilot.kernels.w12_tile import OCT_ROW_BLOCK_BYTES
 
     assert default_block_n(128256, 1, w12=True) == 64 and default_block_n(128256, 1) == 128
     assert default_block_n(4096, 1, w12=True) == 32  # still one wave of programs
-    assert default_num_stages(64, 2, w12=True) == W12_STAGES == 2
+    assert default_num_stages(64, 2, w12=True) == default_num_stages(32, 2, w12=True) == W12_STAGES == 3
+    assert default_num_stages(128, 2, w12=True) == W12_WIDE_STAGES == 2
+    assert default_num_stages(64, 2, most=2, w12=True) == 2  # a caller's ceiling holds
     x = torch.zeros(1, 4096, dtype=torch.bfloat16)
     bn, stages, _ = norm_launch_shape(x, 14336, None, None, 128, pair=True, w12=True)
     assert bn == 64 and stages == 2 and stages * 2 * bn * OCT_ROW_BLOCK_BYTES <= 200 * 1024

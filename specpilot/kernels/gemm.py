@@ -218,21 +218,23 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: i
     return 16
 
 
-# The W12 launches' default pipeline: the next 256-K block's arrays (~41 KiB at 64 columns) in flight while one
-# decodes. Until session 30 every W12 default (3-4 stages) got exactly that: the high nibbles' address came from a
-# load in the same iteration, and Triton's pipeliner divides the distance by the indirection levels plus one
-# ((stages - 1) // 2). Now that the cell index is carried from the previous iteration (w12_tile.oct_cell) stages set
-# the distance; 2 keeps what the H200 measurements chose, deeper pipelines (82-164 KiB, fewer programs an SM) are
-# the kernel tuner's to try.
-W12_STAGES = 2
+# The W12 launches' default pipeline. Since the cell index is carried from the previous iteration
+# (w12_tile.oct_cell), stages set how many 256-K blocks are in flight (~41 KiB each at 64 columns). Session 31 on
+# the H200 (notes/h200.md): tiles up to 64 columns run best at 3 stages (4096x14336 split 1: 83 -> 67 us at 64
+# columns, 68 -> 43 at 32; the LM head even), the GLU's 128-column pair at 2 (83 vs 100 us); 4 lost everywhere
+# (fewer programs an SM).
+W12_STAGES = 3
+W12_WIDE_STAGES = 2  # tiles wider than W12_NARROW columns (the GLU's gate|up pair of 64)
+W12_NARROW = 64
 
 
 def default_num_stages(block_n: int, elem_size: int, a_tiles: int = 1, most: int = 5,
                        smem_budget: int = 200 * 1024, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                        w12: bool = False) -> int:
-    """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget; W12: W12_STAGES."""
+    """Deepest pipeline (up to `most`) whose x and W tiles fit the shared-memory budget; W12 (block_n: the whole
+    tile's columns): W12_STAGES up to W12_NARROW columns, W12_WIDE_STAGES beyond."""
     if w12:
-        return W12_STAGES
+        return min(most, W12_STAGES if block_n <= W12_NARROW else W12_WIDE_STAGES)
     per_stage = (a_tiles * row_tile + block_n) * block_k * elem_size
     return max(1, min(most, smem_budget // per_stage))
 
