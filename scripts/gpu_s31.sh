@@ -6,7 +6,10 @@
 #          with the W12 launch defaults                                                                      (~8 min)
 #   tune   the 8B step native vs W12 at this session's W12 defaults, the kernel tuner on a W12 8B build from them,
 #          then the step with its table                                                                       (~9 min)
-#   OUT=... bash scripts/gpu_s31.sh bits|fused|tune   (from the repo root; PYTHONPATH=$PWD)
+#   masks  with notes/h200-s31-w12-unmasked-blocks.diff.gz applied (`git apply`; measured, not shipped: whole blocks
+#          load without the K predicate, cells without escapes read a shared zero block): bits, the four linears,
+#          QKV, gate_up, the 8B step                                                                          (~4 min)
+#   OUT=... bash scripts/gpu_s31.sh bits|fused|tune|masks   (from the repo root; PYTHONPATH=$PWD)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT}"
@@ -34,5 +37,16 @@ case ${1:?bits, fused or tune} in
       --budget '{"max_kernels": 5, "max_settings": 8}' 2>&1 | grep -v Warn | tail -30
     timeout 120 python3 scripts/gpu_profile.py "$OUT/prof-tuned" --shapes llama8b --weight-formats w12 --tokens 64 \
       --kernel-tables "$OUT/kt/summary.json" 2>&1 | grep -v Warn | tail -4 ;;
+  masks)  # the unmasked-blocks diff applied (see above): bits, kernels, the 8B step
+    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_weights_w12.py tests/test_weights_oct.py \
+      tests/test_oct_asm.py -k "not smollm2" > "$OUT/tests.txt" 2>&1; echo "tests rc=$?: $(tail -1 "$OUT/tests.txt")"
+    timeout 150 python3 scripts/gpu_w12_params.py "$OUT/linear.json" --budget-s 140 --block-n 32,64 --stages 3 \
+      --splits 1,4 --shapes 128256x4096,4096x4096,14336x4096,4096x14336 2>&1 | grep -v Warn | tail -8
+    timeout 60 python3 scripts/gpu_w12_params.py "$OUT/norm.json" --op norm --shapes 6144x4096 --budget-s 50 \
+      --block-n 64 --stages 2,3 --splits 1,4 --maxnreg 0,168 2>&1 | grep -v Warn | tail -2
+    timeout 60 python3 scripts/gpu_w12_params.py "$OUT/glu.json" --op glu --shapes 28672x4096 --budget-s 50 \
+      --block-n 64 --stages 2 --splits 1 2>&1 | grep -v Warn | tail -2
+    timeout 100 python3 scripts/gpu_profile.py "$OUT/prof" --shapes llama8b --weight-formats native,w12 --tokens 64 \
+      2>&1 | grep -v Warn | tail -3 ;;
   *) echo "unknown mode $1" >&2; exit 2 ;;
 esac
