@@ -5,6 +5,7 @@ in?
     python3 scripts/gpu_step_ab.py OUT.json --shape smollm2-135m --table kt/summary.json --contexts 128,2048
     python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --grid-dependency wait_then_trigger::wait_then_trigger_at_end
     python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --base-table shipped.json --grid-dependency ...
+    python3 scripts/gpu_step_ab.py OUT.json --shape llama3-8b --weight-format w12 --table kt/summary.json
 
 --grid-dependency MODE[:PREFETCH_MIB[:LARGE_MODE]] (kernels.pdl.parse_grid_dependency): the "table" side is captured
 in that mode for matrices within the prefetch budget (and LARGE_MODE for larger ones; default off), the default side
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.engines.config import WeightFormat
 from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
 from specpilot.kernels.table import read_pairs
 from specpilot.stages.step_gate import step_timer
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--device", default="cuda", help="cpu (TRITON_INTERPRET=1) checks the script, not speed")
+    ap.add_argument("--weight-format", default="native", choices=[w.value for w in WeightFormat],
+                    help="the weights both sides read (w12: bf16 only)")
     a = ap.parse_args(argv)
     if not a.table and not a.grid_dependency:
         ap.error("give --table, --grid-dependency or both")
@@ -52,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--grid-dependency: {e}")
         side = (pairs, lambda: grid_dependency(**kw))
     shape, dev = ShapeName(a.shape).shape, torch.device(a.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    wf = WeightFormat(a.weight_format)
+    dtype = torch.bfloat16 if dev.type == "cuda" or wf is WeightFormat.W12 else torch.float32
     rows = []
     for ctx in (int(c) for c in a.contexts.split(",")):
-        measure = step_timer(shape, dev, dtype, ctx, a.reps, rounds=a.rounds)
+        measure = step_timer(shape, dev, dtype, ctx, a.reps, rounds=a.rounds, weight_format=wf)
         for t in (int(x) for x in a.tokens.split(",")):
             for order in ("default first", "table first"):
                 b = (side[0], t, *side[1:])
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 ms = measure(configs)
                 d, tb = (ms[0], ms[1]) if order == "default first" else (ms[1], ms[0])
                 rows.append({"context": ctx, "tokens": t, "order": order, "default_ms": d, "table_ms": tb})
-    a.out.write_text(json.dumps({"base_table": base, "table": pairs, "grid_dependency": a.grid_dependency, "rows": rows}, indent=1))
+    a.out.write_text(json.dumps({"base_table": base, "table": pairs, "grid_dependency": a.grid_dependency,
+                                 "weight_format": wf.value, "rows": rows}, indent=1))
     print("| context | T | order | default ms | table ms | default/table |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['context']} | {r['tokens']} | {r['order']} | {r['default_ms']:.4f} | {r['table_ms']:.4f} | "

@@ -328,6 +328,31 @@ def test_tuning_runs_the_step_gate_on_a_real_engine():
     tk.check_invariance(table.config_pairs())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the interpreter path")
+def test_the_step_gate_of_a_w12_build_times_w12_engines(monkeypatch):
+    """A W12 build's table is judged on the W12 step: every engine the gate builds reads W12 weights, one set of
+    kernel layouts shared by all of them (until session 31 the gate timed bf16 weights whatever the build)."""
+    from specpilot.stages import step_gate
+
+    built = []
+
+    class Recorded(step_gate.ModelRunner):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(step_gate, "ModelRunner", Recorded)
+    budget = dataclasses.replace(TINY, max_kernels=1, step_gate=True, step_options=False, min_step_gain=0.0)
+    table = tk.tune_kernels(hand_attribution({OpClass.O_PROJ: 4.0}), SHAPE, DEVICE, [1], budget, allow_cpu=True,
+                            weight_format=tk.WeightFormat.W12)
+    assert table.step["tokens"] == [1] and built
+    assert {r.cfg.weight_format for r in built} == {tk.WeightFormat.W12}
+    assert len({id(r.fused.w12) for r in built}) == 1 and built[0].fused.w12 is not None
+    built.clear()
+    step_gate.step_timer(SHAPE, torch.device(DEVICE), torch.bfloat16, 32, 1, rounds=1)([((), 1)])
+    assert [r.cfg.weight_format for r in built] == [tk.WeightFormat.NATIVE] and built[0].fused.w12 is None
+
+
 def test_token_counts_follow_the_regime_the_build_serves():
     from specpilot.deployments import load_deployment
     from specpilot.stages.catalog import stock_candidate

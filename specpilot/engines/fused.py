@@ -34,12 +34,17 @@ class FusedTables:
 
 def rope_tables_for(model: LlamaModel, max_positions: int, device,
                     weight_format: WeightFormat = WeightFormat.NATIVE, w12: W12Weights | None = None,
-                    kernel_table: tuple[tuple[str, str], ...] = ()) -> FusedTables:
-    """Rotary tables, the launch table, and for W12 the packed projections: `w12` (e.g. from a pack) or encoded
-    from the model."""
+                    kernel_table: tuple[tuple[str, str], ...] = (), layouts: OctWeights | None = None) -> FusedTables:
+    """Rotary tables, the launch table, and for W12 the packed projections: `layouts` (kernel layouts already made
+    from this model, e.g. shared by the step gate's engines), else `w12` (e.g. from a pack), else encoded from the
+    model."""
     from specpilot.kernels import rope_tables
     sh = model.shape
     cos, sin = rope_tables(max_positions, sh.head_dim, sh.rope_theta, device)
+    if layouts is not None:
+        if weight_format is not WeightFormat.W12 or w12 is not None:
+            raise ValueError("kernel layouts are for weight_format=w12, without w12 weights beside them")
+        return FusedTables(cos.contiguous(), sin.contiguous(), layouts, LaunchTable(tuple(kernel_table)))
     packed = None
     if weight_format is WeightFormat.W12:
         check_fusable(model, weight_format)

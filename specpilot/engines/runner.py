@@ -17,6 +17,7 @@ from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_fo
 from specpilot.engines.graphs import StepGraph, capture_decode, capture_step
 from specpilot.engines.layout import bucket as _bucket, verify_layout
 from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, visibility_mask
+from specpilot.weights.model import OctWeights
 
 
 @dataclass
@@ -39,7 +40,7 @@ def chain_anc(n: int) -> np.ndarray:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig, device: torch.device | str, block_width: int = 64,
-                 topk: int = 0, capture: tuple[int, ...] = ()):
+                 topk: int = 0, capture: tuple[int, ...] = (), w12_layouts: OctWeights | None = None):
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
@@ -50,7 +51,7 @@ class ModelRunner:
         if cfg.kernel_backend is KernelBackend.TRITON:
             check_fusable(model)
             self.fused = rope_tables_for(model, cfg.max_seq_len + block_width + 64, self.device, cfg.weight_format,
-                                         kernel_table=cfg.kernel_table)
+                                         kernel_table=cfg.kernel_table, layouts=w12_layouts)
         # Stock kernels are batch-invariant only at one fixed shape; the fused kernels are at any width.
         self.tile = cfg.token_tile if cfg.batch_invariant and self.fused is None else 0
         # Blocks pad to the fixed tile, or else to a power of two (a graph per bucket): the widest bucket must fit.

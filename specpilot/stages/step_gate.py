@@ -20,10 +20,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend
+from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend, WeightFormat
 from specpilot.engines.loader import random_model
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.shapes import LlamaShape
+from specpilot.weights.model import W12Weights
 
 # (kernel table pairs, tokens[, a context manager factory the step is captured in, e.g. kernels.pdl's
 # grid_dependency]) per configuration -> ms per step of each, measured together (interleaved)
@@ -32,19 +33,22 @@ Pairs = tuple[tuple[str, str], ...]  # a kernel table (EngineConfig.kernel_table
 
 
 def step_timer(shape: LlamaShape, device: torch.device, dtype: torch.dtype, context: int, reps: int,
-               rounds: int = 5) -> StepTimer:
+               rounds: int = 5, weight_format: WeightFormat = WeightFormat.NATIVE) -> StepTimer:
     """Times `tokens`-token verify steps at `context` cached tokens through the Triton kernels, one engine per
     (table, tokens) configuration: each configuration's captured step graph (CUDA; the eager step on CPU) is built
     first, then the configurations are replayed in turn for `rounds` rounds of `reps` replays, and each gets the
     median of its rounds. Interleaved because two captures of one configuration timed apart differed by ~2% on an
-    H200 (Llama-3-8B shapes, 5.24 vs 5.33 ms), more than the gains judged."""
+    H200 (Llama-3-8B shapes, 5.24 vs 5.33 ms), more than the gains judged. The engines read the build's weight
+    format: a W12 table is judged on the W12 step (until session 31 every gate timed bf16 weights, so a W12 tuning
+    run kept or dropped entries by what they did to the native step), its kernel layouts encoded once and shared."""
     model = random_model(shape, dtype, device, seed=0)
+    layouts = W12Weights.from_model(model).kernel_layouts() if weight_format is WeightFormat.W12 else None
 
     def prepare(pairs: tuple[tuple[str, str], ...], tokens: int,
                 capture: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], None]:
         cfg = EngineConfig(drafter=DrafterKind.NONE, kernel_backend=KernelBackend.TRITON, dtype=DType(str(dtype).removeprefix("torch.")),
-                           kernel_table=pairs, max_seq_len=context + 64, cuda_graphs=True)
-        runner = ModelRunner(model, cfg, device, block_width=max(16, tokens))
+                           kernel_table=pairs, max_seq_len=context + 64, cuda_graphs=True, weight_format=weight_format)
+        runner = ModelRunner(model, cfg, device, block_width=max(16, tokens), w12_layouts=layouts)
         ids, anc = list(range(3, 3 + tokens)), np.tril(np.ones((tokens, tokens), dtype=bool))
 
         def step() -> None:

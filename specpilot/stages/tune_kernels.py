@@ -261,7 +261,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
                  specs: Sequence[KernelSpec] = SPECS,
                  weight_format: WeightFormat = WeightFormat.NATIVE) -> KernelTable:
     """weight_format=W12: the projections are timed on W12 weights, as a W12 build runs them (their best launches
-    are not bf16's: session 29's H200 sweeps)."""
+    are not bf16's: session 29's H200 sweeps), and the step gate times W12 engines."""
     dev = torch.device(device)
     _check_device(dev, allow_cpu)
     w12 = weight_format is WeightFormat.W12
@@ -329,7 +329,7 @@ def tune_kernels(attribution: Attribution, shape: LlamaShape, device: str | torc
     step: dict[str, Any] = {}
     if budget.step_gate:
         from specpilot.stages.step_gate import gate, step_timer, try_options
-        timer = step_timer(shape, dev, dtype, budget.context, budget.reps)
+        timer = step_timer(shape, dev, dtype, budget.context, budget.reps, weight_format=weight_format)
         if entries:
             groups: dict[str, list[TableEntry]] = {}
             for e in entries:
