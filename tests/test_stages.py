@@ -90,6 +90,29 @@ def test_profile_traces_kernels_cost_curve_and_ceilings(pipeline):
     assert ceilings["peak_flops"] > 1e8 and ceilings["peak_bandwidth"] > 1e8 and 0 < ceilings["launch_latency_s"] < 1e-3
     summary = pipeline["profile"].meta
     assert summary["all_match_ar"] and summary["speedup_vs_ar"] > 0 and summary["tokens_per_step"] > 1.5
+    assert summary["weight_bytes"] == summary["element_bytes"] in (2, 4)  # a native build reads its dtype
+
+
+def test_the_cost_model_counts_the_bytes_a_weight_format_reads(pipeline):
+    """The ideal times use the bytes the build's kernels read a weight (a W12 build's profile writes ~1.5, its
+    layouts' bytes, not the dtype's 2: its gaps against its own floor); a profile written before the
+    element_bytes field (weight_bytes = the dtype's bytes) still reads."""
+    from specpilot.stages.attribute import ProfileTraces, attribute_profile
+    out = Path(pipeline["profile"].out_dir)
+    shape, ceilings, curve = (json.loads((out / f"{name}.json").read_text()) for name in ("shape", "ceilings",
+                                                                                          "cost_curve"))
+    ceilings = {**ceilings, "peak_flops": 1e18}  # every op bound by its bytes (a slow CPU matmul made some compute-bound)
+    arts = [pq.read_table(out / "steps.parquet"), pq.read_table(out / "kernels.parquet"), shape, ceilings, curve]
+    summary = json.loads((out / "summary.json").read_text())
+    elem = summary["element_bytes"]
+    old = {k: v for k, v in summary.items() if k != "element_bytes"}
+    w12 = {**summary, "weight_bytes": 0.76 * elem}
+    native, legacy, packed = (ProfileTraces.from_artifacts(*arts, s) for s in (summary, old, w12))
+    assert (legacy.element_bytes, legacy.weight_bytes) == (native.element_bytes, native.weight_bytes) == (elem, elem)
+    assert (packed.element_bytes, packed.weight_bytes) == (elem, 0.76 * elem)
+    a, b = attribute_profile(native), attribute_profile(packed)
+    assert b.kernel.ideal_s < a.kernel.ideal_s and b.kernel.factor > a.kernel.factor
+    assert b.kernel.measured_s == a.kernel.measured_s
 
 
 def test_attribution_has_three_factors_report_and_plot(pipeline):

@@ -21,6 +21,7 @@ from specpilot.engines.loader import save_model  # noqa: E402
 from specpilot.weights import (ESCAPE, W12Error, W12Tensor, W12Weights, bitwise_equal,  # noqa: E402
                                concat_rows, decode, encode, load_w12, pack_model, verify)
 from specpilot.weights.cli import main as cli_main  # noqa: E402
+from specpilot.weights.model import W12Layer  # noqa: E402
 
 from _tiny import tiny_model  # noqa: E402
 
@@ -195,6 +196,11 @@ def test_kernel_layouts_keep_bf16_where_the_layout_reads_more():
     assert isinstance(lay.head, OctLayout) and lay.head.kernel_bytes < 2 * plain.numel()
     lay = W12Weights((), encode(wild)).kernel_layouts()
     assert isinstance(lay.head, torch.Tensor) and same_bits(lay.head, wild)
+    assert lay.bytes_per_weight() == 2.0  # what the cost model counts for the build: the bf16 the kernels read
+    mixed = W12Weights((W12Layer(*(encode(plain) for _ in range(4))),), encode(wild)).kernel_layouts()
+    oct_bytes = 4 * mixed.layers[0].qkv.kernel_bytes
+    assert mixed.bytes_per_weight() == pytest.approx((oct_bytes + 2 * wild.numel()) / (5 * plain.numel()))
+    assert 1.5 < oct_bytes / (4 * plain.numel()) < 1.6
 
 
 def test_corruption_is_caught_on_load_and_by_verify(model_dir, tmp_path):

@@ -31,7 +31,8 @@ class ProfileTraces:
     shape: TargetShape  # either family: the cost model reads only its op_costs
     ceilings: MachineCeilings
     cost_curve: CostCurve
-    element_bytes: int  # bytes per weight and activation element in the deployment's dtype
+    element_bytes: int  # bytes per activation element in the deployment's dtype
+    weight_bytes: float  # bytes the build's kernels read a projection weight (W12: its layouts' ~1.5)
 
     @classmethod
     def from_artifacts(cls, steps: pa.Table, kernels: pa.Table, shape: dict[str, Any], ceilings: dict[str, Any],
@@ -39,12 +40,14 @@ class ProfileTraces:
         points = {int(k): float(v) for k, v in cost_curve["points"].items()}
         return cls(summary["build"], tuple(StepTrace(**row) for row in steps.to_pylist()),
                    tuple(KernelTrace(**row) for row in kernels.to_pylist()), shape_from_dict(shape),
-                   MachineCeilings(**ceilings), CostCurve.from_measured(points), int(summary["weight_bytes"]))
+                   MachineCeilings(**ceilings), CostCurve.from_measured(points),
+                   # profiles before session 31 wrote the dtype's bytes alone, as weight_bytes
+                   int(summary.get("element_bytes", summary["weight_bytes"])), float(summary["weight_bytes"]))
 
 
 def attribute_profile(traces: ProfileTraces) -> Attribution:
     return attribute(traces.steps, traces.kernels, traces.shape, traces.ceilings.ceilings(), traces.cost_curve,
-                     weight_bytes=float(traces.element_bytes), act_bytes=traces.element_bytes,
+                     weight_bytes=traces.weight_bytes, act_bytes=traces.element_bytes,
                      launch_latency_s=traces.ceilings.launch_latency_s)
 
 

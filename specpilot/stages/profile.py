@@ -182,6 +182,7 @@ class ProfileResult:
     kernels: tuple[KernelTrace, ...]
     prompts: int
     max_new_tokens: int
+    weight_bytes: float  # bytes the build's kernels read a projection weight (a W12 build: ~1.5, not its dtype's 2)
 
 
 def profile(session: DeploymentSession, build: Candidate, prompts: list[TokenizedPrompt], params: ProfileParams,
@@ -201,8 +202,10 @@ def profile(session: DeploymentSession, build: Candidate, prompts: list[Tokenize
     del runner
     ceilings = measure_ceilings(session.device, dep.engine.dtype.torch)
     tps = [r.tokens_per_step for r in report.requests if r.variant == BUILD_LABEL]
+    w12 = getattr(getattr(engine.target, "fused", None), "w12", None)  # a W12 build's kernel layouts
+    weight_bytes = w12.bytes_per_weight() if w12 is not None else float(element_bytes(ceilings))
     result = ProfileResult(build, report.geomean(BUILD_LABEL), sum(tps) / len(tps), report.all_match(BUILD_LABEL),
-                           ceilings, curve, width, tuple(kernels), len(prompts), max_new)
+                           ceilings, curve, width, tuple(kernels), len(prompts), max_new, weight_bytes)
     (out_dir / "outputs.json").write_text(json.dumps(report.outputs))
     (out_dir / "bench.json").write_text(json.dumps(report.to_dict(), indent=1))
     pq.write_table(to_table(build_steps, STEP_SCHEMA), out_dir / "steps.parquet")
@@ -222,7 +225,12 @@ def summary(result: ProfileResult) -> dict[str, Any]:
             "all_match_ar": result.all_match_ar, "prompts": result.prompts, "max_new_tokens": result.max_new_tokens,
             "kernel_width": result.kernel_width, "kernel_s_per_step": sum(k.device_s for k in result.kernels) / max(
                 1, result.kernels[0].steps), "ceilings": asdict(result.ceilings),
-            "weight_bytes": torch.finfo(getattr(torch, result.ceilings.dtype)).bits // 8}
+            "weight_bytes": result.weight_bytes, "element_bytes": element_bytes(result.ceilings)}
+
+
+def element_bytes(ceilings: MachineCeilings) -> int:
+    """Bytes of an activation element in the dtype the ceilings were measured in."""
+    return torch.finfo(getattr(torch, ceilings.dtype)).bits // 8
 
 
 def run(run: StageRun) -> dict[str, Any]:

@@ -112,6 +112,13 @@ class OctWeights:
     layers: tuple[W12Layer, ...]
     head: OctLayout | torch.Tensor
 
+    def bytes_per_weight(self) -> float:
+        """Bytes the kernels read a projection weight, over every layer's projections and the head (an OctLayout's
+        kernel_bytes, a tensor kept in bf16 its own): the cost model's weight_bytes for a W12 build."""
+        parts = [getattr(l, f) for l in self.layers for f in ("qkv", "o", "gate_up", "down")] + [self.head]
+        nbytes = sum(p.kernel_bytes if isinstance(p, OctLayout) else p.numel() * p.element_size() for p in parts)
+        return nbytes / sum(p.shape[0] * p.shape[1] for p in parts)
+
 
 def _head(model: torch.nn.Module) -> torch.Tensor:
     return model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
