@@ -230,6 +230,27 @@ def test_search_space_by_device_direction_and_widening():
     assert {"cuda_graphs", "torch_compile", "token_tile", "ngram_draft_length"} <= gpu_names
 
 
+def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
+    """The loop can choose the 12-bit weights where they pay (issue #6): a KERNELS mechanism of a CUDA build that
+    runs the Triton kernels in bf16 (W12 decodes inside them, to bf16), offered by the search, turned by its delta."""
+    from specpilot.deployments import DeviceKind
+    from specpilot.engines.config import WeightFormat
+
+    gpu = load_deployment("smollm2-135m-h200")
+    stock = catalog.stock_candidate(gpu)
+    w12 = catalog.BY_NAME["w12_weights"]
+    triton = Candidate("t", stock.config.replace(kernel_backend="triton"), mechanisms=("triton_kernels",),
+                       drafter_label=stock.drafter_label)
+    assert w12.applies(triton.config, DeviceKind.CUDA) and not w12.applies(triton.config, DeviceKind.CPU)
+    assert not w12.applies(stock.config.replace(kernel_backend="torch"), DeviceKind.CUDA)
+    assert not w12.applies(triton.config.replace(dtype="float16"), DeviceKind.CUDA)
+    space = catalog.search_space(gpu, triton, DirectionName.KERNELS, min_settings=2)
+    assert "w12_weights" in {m.name for m in space.mechanisms[triton.drafter_label]}
+    config, label = catalog.apply_delta(gpu, triton, {"weight_format": "w12"}, None)
+    assert config.weight_format is WeightFormat.W12 and label == triton.drafter_label
+    assert catalog.mechanisms_in(triton, config, label) == ("w12_weights",)
+
+
 def test_trial_parameters_reproduce_configs_and_deltas_merge():
     dep = load_deployment("smollm2-135m-cpu")
     stock = catalog.stock_candidate(dep)

@@ -19,7 +19,7 @@ from specpilot.costmodel import DirectionName
 from specpilot.deployments import Deployment, DeviceKind, RegimeKind
 from specpilot.engines.batch.config import MECHANISMS as BATCH_MECHANISMS
 from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
-from specpilot.engines.config import DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode, WeightFormat
 from specpilot.engines.family import TargetFamily
 from specpilot.memory import MechanismCategory
 from specpilot.stages.batch_catalog import BATCH_DELTA, batch_delta, stock_batch
@@ -102,6 +102,8 @@ class CatalogMechanism:
             # hybrid runner's, only the stock kernels' on Llama targets (the fused kernels are invariant at any width)
             stock = build.kernel_backend is KernelBackend.TORCH
             return build.batch_invariant and (family is TargetFamily.HYBRID or stock)
+        if any(k.field == "weight_format" for k in self.knobs):  # W12 decodes inside the Triton matmuls, to bf16
+            return build.kernel_backend is KernelBackend.TRITON and build.dtype is DType.BF16
         return True
 
 
@@ -182,6 +184,14 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      (Knob("compile", _CHOICE, choices=(False, True)),),
                      frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), devices=_CUDA,
                      families=_LLAMA),  # the hybrid runner does not compile its step
+    # Issue #6: the lossless 12-bit weights read ~1.52 bytes a weight instead of 2, decoded inside the projections'
+    # K loops (bit-identical outputs); whether that pays is the hardware's call (H200, Llama-3-8B shapes, session
+    # 31: each W12 launch 0.76-1.05x of bf16's, the tuned step 0.97x), so the loop measures it like any knob.
+    CatalogMechanism("w12_weights", MechanismCategory.KERNEL,
+                     "lossless 12-bit weights (sign+mantissa byte, 4-bit exponent code) decoded inside the Triton "
+                     "matmuls: fewer weight bytes a step, the same bits",
+                     (Knob("weight_format", _CHOICE, choices=tuple(w.value for w in WeightFormat)),),
+                     frozenset({DirectionName.KERNELS}), devices=_CUDA, families=_LLAMA),
     CatalogMechanism("triton_kernels", MechanismCategory.KERNEL,
                      "SpecPilot's batch-invariant Triton kernels (fused Llama layers; the Gated DeltaNet tree scan)",
                      (Knob("kernel_backend", _CHOICE, choices=tuple(b.value for b in KernelBackend)),),
