@@ -249,6 +249,14 @@ def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
     config, label = catalog.apply_delta(gpu, triton, {"weight_format": "w12"}, None)
     assert config.weight_format is WeightFormat.W12 and label == triton.drafter_label
     assert catalog.mechanisms_in(triton, config, label) == ("w12_weights",)
+    # a table tuned on bf16 weights: the W12 trial keeps its numerics (the bits), not its projections' launch shapes
+    table = (("attention@576x192@T1", '{"tile_rows": 16}'),
+             ("qkv@960x576@T1", '{"block_k": 256, "block_n": 64, "num_warps": 8, "producer_stat": true}'))
+    tuned = dataclasses.replace(triton, config=triton.config.replace(kernel_table=table))
+    config, _ = catalog.apply_delta(gpu, tuned, {"weight_format": "w12"}, None)
+    assert dict(config.kernel_table) == {"attention@576x192@T1": '{"tile_rows": 16}',
+                                         "qkv@960x576@T1": '{"block_k": 256, "producer_stat": true}'}
+    assert catalog.apply_delta(gpu, tuned, {"draft_len": 7}, None)[0].kernel_table == table  # same weights: as is
 
 
 def test_trial_parameters_reproduce_configs_and_deltas_merge():

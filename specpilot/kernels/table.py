@@ -28,6 +28,8 @@ PARAMS: dict[str, type] = {
     "o_proj": LinearParams, "down": LinearParams, "attention": AttentionParams, "greedy_accept": AcceptParams,
 }
 
+PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # the launches whose weights a weight format stores
+
 
 class KernelTableError(ValueError):
     """A malformed key, an unknown kernel, or invalid params."""
@@ -54,6 +56,16 @@ def order_fields(kernel: str, params: dict[str, Any]) -> dict[str, Any]:
     """The fields of `params` that set the reduction order (not T-neutral)."""
     neutral = PARAMS[kernel](**params).t_neutral()  # a setting may make more fields numerics (row_tile=1)
     return {k: v for k, v in params.items() if k not in neutral}
+
+
+def numerics_only(pairs: Sequence[tuple[str, str]], kernels: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """`pairs` with the entries of `kernels` cut to the fields that set their numerics (order_fields): their
+    T-neutral launch shape (tile width, warps, stages, register cap) was chosen for other inputs, e.g. the weights of
+    another weight format, and falls back to the defaults; the bits stay the table's."""
+    def cut(key: str, text: str) -> str:
+        kernel = parse_key(key)[0]
+        return json.dumps(order_fields(kernel, json.loads(text)), sort_keys=True) if kernel in kernels else text
+    return tuple((key, cut(key, text)) for key, text in pairs)
 
 
 def read_pairs(path: str | Path) -> tuple[tuple[str, str], ...]:

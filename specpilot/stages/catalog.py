@@ -21,6 +21,7 @@ from specpilot.engines.batch.config import MECHANISMS as BATCH_MECHANISMS
 from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
 from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode, WeightFormat
 from specpilot.engines.family import TargetFamily
+from specpilot.kernels.table import PROJECTIONS, numerics_only
 from specpilot.memory import MechanismCategory
 from specpilot.stages.batch_catalog import BATCH_DELTA, batch_delta, stock_batch
 from specpilot.stages.candidate import Candidate, CandidateSource
@@ -339,7 +340,11 @@ def apply_delta(dep: Deployment, base: Candidate, delta: dict[str, Any],
             raise ValueError(f"deployment {dep.name} has no {delta['drafter']} drafter")
     start = base.config if label == base.drafter_label else drafter_config(dep, label).replace(
         **{k: getattr(base.config, k) for k in _SHARED_FIELDS})
-    return start.replace(**{k: v for k, v in delta.items() if k != "kernel_table"}), label
+    config = start.replace(**{k: v for k, v in delta.items() if k != "kernel_table"})
+    if config.weight_format is not start.weight_format:  # the projections' launch shapes were tuned on the other
+        # weights (W12's best tiles are not bf16's); their numerics stay, so the bits match the build's
+        config = config.replace(kernel_table=numerics_only(config.kernel_table, PROJECTIONS))
+    return config, label
 
 
 def merge_deltas(deltas: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int]]:
