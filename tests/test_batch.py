@@ -120,6 +120,22 @@ def scenario(shape: str, seed: int):
     return specs, refs, eos, want
 
 
+def test_w12_weights_give_the_batched_engine_the_native_bits():
+    """weight_format=w12 in the batch regime: the batched forward is the fused one, reading the projections in W12
+    (exact), so batched AR and speculative outputs are the native bf16 engine's, token for token."""
+    import copy
+    model = copy.deepcopy(micro("g2", 0)).to(torch.bfloat16)
+    specs, _, eos, _ = scenario("g2", 0)
+    batch = BatchConfig(max_batch=2, prefill_chunk=16)
+    bf16 = {"dtype": "bfloat16"}
+    want = {r.id: r.tokens for r in build_batch_engine(model, ecfg(**bf16), batch, eos, "cpu").run(specs).requests}
+    assert len({t for ts in want.values() for t in ts}) > 4, "degenerate model: its output must vary"
+    for cfg in (ecfg(**bf16, weight_format="w12"), ecfg(**bf16, weight_format="w12", drafter="ngram", draft_len=4)):
+        engine = build_batch_engine(model, cfg, batch, eos, "cpu")
+        assert engine.runner.tables.w12 is not None
+        assert {r.id: r.tokens for r in engine.run(specs).requests} == want, cfg.drafter
+
+
 def oracle_factory(specs, refs, vocab):
     by_id = {s.id: (r, len(s.prompt), i) for i, (s, r) in enumerate(zip(specs, refs))}
     return lambda req: Oracle(by_id[req.id][0], by_id[req.id][1], vocab, 7 + by_id[req.id][2])

@@ -233,7 +233,7 @@ def test_search_space_by_device_direction_and_widening():
 def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
     """The loop can choose the 12-bit weights where they pay (issue #6): a KERNELS mechanism of a CUDA build that
     runs the Triton kernels in bf16 (W12 decodes inside them, to bf16), offered by the search, turned by its delta."""
-    from specpilot.deployments import DeviceKind
+    from specpilot.deployments import DeviceKind, RegimeKind
     from specpilot.engines.config import WeightFormat
 
     gpu = load_deployment("smollm2-135m-h200")
@@ -257,6 +257,7 @@ def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
     assert dict(config.kernel_table) == {"attention@576x192@T1": '{"tile_rows": 16}',
                                          "qkv@960x576@T1": '{"block_k": 256, "producer_stat": true}'}
     assert catalog.apply_delta(gpu, tuned, {"draft_len": 7}, None)[0].kernel_table == table  # same weights: as is
+    assert w12.applies(triton.config, DeviceKind.CUDA, regime=RegimeKind.BATCH)  # the batched engine reads it too
 
 
 def test_trial_parameters_reproduce_configs_and_deltas_merge():

@@ -187,12 +187,13 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      families=_LLAMA),  # the hybrid runner does not compile its step
     # Issue #6: the lossless 12-bit weights read ~1.52 bytes a weight instead of 2, decoded inside the projections'
     # K loops (bit-identical outputs); whether that pays is the hardware's call (H200, Llama-3-8B shapes, session
-    # 31: each W12 launch 0.76-1.05x of bf16's, the tuned step 0.97x), so the loop measures it like any knob.
+    # 31: each W12 launch 0.76-1.05x of bf16's, the tuned step 0.97x), so the loop measures it like any knob. The
+    # batched forward is the same fused one (tests/test_batch.py: W12 batched outputs = native's).
     CatalogMechanism("w12_weights", MechanismCategory.KERNEL,
                      "lossless 12-bit weights (sign+mantissa byte, 4-bit exponent code) decoded inside the Triton "
                      "matmuls: fewer weight bytes a step, the same bits",
                      (Knob("weight_format", _CHOICE, choices=tuple(w.value for w in WeightFormat)),),
-                     frozenset({DirectionName.KERNELS}), devices=_CUDA, families=_LLAMA),
+                     frozenset({DirectionName.KERNELS}), devices=_CUDA, families=_LLAMA, regimes=_BOTH_REGIMES),
     CatalogMechanism("triton_kernels", MechanismCategory.KERNEL,
                      "SpecPilot's batch-invariant Triton kernels (fused Llama layers; the Gated DeltaNet tree scan)",
                      (Knob("kernel_backend", _CHOICE, choices=tuple(b.value for b in KernelBackend)),),
