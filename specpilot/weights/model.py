@@ -7,7 +7,7 @@ Either way it is checked bit for bit against the model the engine runs before it
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator, Mapping
 
 import torch
@@ -23,6 +23,9 @@ class W12Layer:  # W12Tensors in W12Weights, their OctLayouts (or bf16 tensors) 
     o: W12Tensor | OctLayout | torch.Tensor
     gate_up: W12Tensor | OctLayout | torch.Tensor
     down: W12Tensor | OctLayout | torch.Tensor
+
+
+LAYER_FIELDS = tuple(f.name for f in fields(W12Layer))  # a layer's projections, in W12Layer's order
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class W12Weights:
                 raise W12Error(f"{name}: the kernel layout does not hold the W12 tensor's bits")
             return bits if o.kernel_bytes >= 2 * w.stats.numel else o
 
-        layers = tuple(W12Layer(*(lay(f"layers.{i}.{f}", getattr(l, f)) for f in ("qkv", "o", "gate_up", "down")))
+        layers = tuple(W12Layer(*(lay(f"layers.{i}.{f}", getattr(l, f)) for f in LAYER_FIELDS))
                        for i, l in enumerate(self.layers))
         return OctWeights(layers, lay("lm_head", self.head))
 
@@ -115,7 +118,7 @@ class OctWeights:
     def bytes_per_weight(self) -> float:
         """Bytes the kernels read a projection weight, over every layer's projections and the head (an OctLayout's
         kernel_bytes, a tensor kept in bf16 its own): the cost model's weight_bytes for a W12 build."""
-        parts = [getattr(l, f) for l in self.layers for f in ("qkv", "o", "gate_up", "down")] + [self.head]
+        parts = [getattr(l, f) for l in self.layers for f in LAYER_FIELDS] + [self.head]
         nbytes = sum(p.kernel_bytes if isinstance(p, OctLayout) else p.numel() * p.element_size() for p in parts)
         return nbytes / sum(p.shape[0] * p.shape[1] for p in parts)
 
