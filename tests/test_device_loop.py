@@ -10,7 +10,8 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
-from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup
+from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup, ngram_lookup_ref
+from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.policy import EnginePolicy
@@ -190,6 +191,29 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
         assert torch.equal(kernel_tokens, tokens[:, 0]) and int(kernel_proposed) == int(proposed)
         seen += len(want) > 0
     assert seen > 20
+
+
+def test_a_gated_device_lookup_proposes_only_where_the_block_does_not_contradict_it():
+    """LeadGate on the device (kernel, interpreted, and torch reference) against the host rule, over hand-built
+    depth-1 candidates: the match's first token among the first agree_topk of them, or the block's top-1 in doubt."""
+    gate = LeadGate(2, 0.5)
+    seq = [5, 6, 7, 1, 5, 6]  # the suffix [5, 6] matched at 0: the proposal is [7, 1, 5, 6]
+    dev = NgramDeviceDrafter(NgramDrafter(4, 2, 1), 32, torch.device("cpu"))
+    dev.begin(seq, len(seq) - 1)
+    state = torch.tensor([seq[-1], len(seq) - 1])
+    cases = [([7, 9, 3], [0.9, 0.05, 0.01], True),  # agrees at rank 1
+             ([9, 7, 3], [0.9, 0.05, 0.01], True),  # rank 2
+             ([9, 3, 7], [0.9, 0.05, 0.01], False),  # rank 3: past agree_topk, and the block is sure
+             ([9, 3, 7], [0.4999, 0.3, 0.1], True),  # the block is in doubt
+             ([9, 3, 7], [0.5, 0.3, 0.1], False)]  # exactly at doubt_prob: not in doubt
+    for tokens, probs, leads in cases:
+        assert gate.leads(7, tokens, probs) == leads
+        cand, cand_p = torch.tensor(tokens), torch.tensor(probs)
+        for lookup in (ngram_lookup_ref, ngram_lookup):
+            draft, proposed = lookup(dev.sequence, state, 1, 2, 4, gate, cand, cand_p)
+            assert draft.tolist() == [7, 1, 5, 6] and int(proposed) == (4 if leads else 0), (lookup, tokens, probs)
+    with pytest.raises(ValueError, match="gate comes with"):
+        ngram_lookup_ref(dev.sequence, state, 1, 2, 4, gate)
 
 
 def test_device_ngram_steps_equal_host_steps_and_ar():

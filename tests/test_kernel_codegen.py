@@ -222,8 +222,9 @@ print(json.dumps({
     # refuses, e.g. a constexpr reassigned in a static_range body)
     "sm90": {name: "ld.global" in build(fn, sig, consts, nw).asm["ptx"] for name, fn, sig, consts, nw in (
         ("ngram_lookup", dd._ngram_kernel, {"tok_ptr": "*i64", "state_ptr": "*i64", "draft_ptr": "*i64",
-                                            "proposed_ptr": "*i64"},
-         {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024}, 4),
+                                            "proposed_ptr": "*i64", "gate_tok_ptr": "*i64", "gate_prob_ptr": "*fp32",
+                                            "doubt": "fp32"},
+         {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024, "GATE_K": 2, "GKP": 2}, 4),
         ("batch_ngram_lookup", bn._batch_ngram_kernel, {"tok_ptr": "*i64", "row_stride": "i32", "pos_ptr": "*i64",
                                                         "draft_ptr": "*i64", "proposed_ptr": "*i64", "first_ptr": "*i64"},
          {"NMAX": 4, "NMIN": 1, "K": 32, "KP": 32, "BLOCK": 1024}, 4),

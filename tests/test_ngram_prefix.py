@@ -13,14 +13,19 @@ from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.engines.device_drafters import NgramPrefixDeviceDrafter
 from specpilot.engines.loop_kernels import lead_rows
-from specpilot.engines.drafters.ngram_prefix import lead_with
+from specpilot.engines.drafters.ngram_prefix import LeadGate, lead_with
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("kw,match", [({"drafter": "ngram"}, "drafter=block"),
                                       ({"drafter": "block", "verify": "two_level"}, "verify=chain or tree"),
-                                      ({"drafter": "block", "ngram_prefix": 1}, "must be a bool")])
+                                      ({"drafter": "block", "ngram_prefix": 1}, "must be a bool"),
+                                      ({"drafter": "block", "ngram_prefix": False, "lookup_agree_topk": 2},
+                                       "needs ngram_prefix=true"),
+                                      ({"drafter": "block", "lookup_agree_topk": -1}, "lookup_agree_topk"),
+                                      ({"drafter": "block", "lookup_agree_topk": True}, "lookup_agree_topk"),
+                                      ({"drafter": "block", "lookup_doubt_prob": 1.5}, "lookup_doubt_prob")])
 def test_config_refuses_ngram_prefix_where_it_cannot_apply(kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**{"ngram_prefix": True, **kw})
@@ -45,22 +50,37 @@ def test_the_device_rows_lead_as_the_host_does():
     assert got_t[:4].tolist() == [[5, 7, 9], [5, 7, 8], [5, 7, 9], [5, 7, 9]]
 
 
+GATES = [{}, {"lookup_agree_topk": 2, "lookup_doubt_prob": 0.14}]  # the quick drafter: p(top-1) 0.07-0.18
+
+
+def test_the_gate_reads_its_config():
+    assert LeadGate.from_config(0, 0.5) is None
+    gate = LeadGate.from_config(2, 0.1)
+    assert gate.agree_topk == 2 and gate.doubt_prob == torch.tensor(0.1, dtype=torch.float32).item() != 0.1
+    with pytest.raises(ValueError, match="agree_topk"):
+        LeadGate(0, 0.5)
+
+
+@pytest.mark.parametrize("gated", GATES, ids=["always", "gated"])
 @pytest.mark.parametrize("shape", [{}, TREE], ids=["chain", "tree"])
-def test_candidates_are_the_lookup_then_the_block_on_host_and_device(shape):
+def test_candidates_are_the_lookup_then_the_block_on_host_and_device(shape, gated):
     model = damped("gqa", 2)
     drafter = quick_drafter(model, 2, 40, block_size=8)
-    eng = build_engine(cfg(block_size=8, ngram_prefix=True, device_steps=4, **shape), model, NO_EOS, "cpu",
+    eng = build_engine(cfg(block_size=8, ngram_prefix=True, device_steps=4, **shape, **gated), model, NO_EOS, "cpu",
                        block_drafter=drafter)
     host, device = eng.drafter, eng.device_loop.drafter
-    assert isinstance(device, NgramPrefixDeviceDrafter)
+    assert isinstance(device, NgramPrefixDeviceDrafter) and (host.gate is None) == (not gated)
     g = torch.Generator().manual_seed(0)
-    looked_up = 0
+    looked_up = refused = 0
     for trial in range(24):
         context = torch.randint(3, 9 if trial % 2 else model.shape.vocab, (20 + trial,), generator=g).tolist()
         eng.generate(context[:-1], 1)  # prefill: the block drafter has observed the context
         want = host.propose(context, 7)
         lookup = host.ngram.propose(context, 7).tokens
         block = host.block.propose(context, 7)
+        if lookup and host.gate is not None and not host.gate.leads(lookup[0], block.topk_tokens[0],
+                                                                     block.topk_probs[0]):
+            lookup, refused = [], refused + 1
         rows = [lead_with(t, block.topk_tokens[d], block.topk_probs[d]) for d, t in enumerate(lookup)]
         assert want.topk_tokens == [r[0] for r in rows] + block.topk_tokens[len(lookup):]
         assert want.topk_probs == [r[1] for r in rows] + block.topk_probs[len(lookup):]
@@ -80,6 +100,7 @@ def test_candidates_are_the_lookup_then_the_block_on_host_and_device(shape):
         assert probs[:7].tolist() == want.topk_probs
         looked_up += len(lookup) > 0
     assert 5 <= looked_up < 24  # contexts with and without a match
+    assert (refused > 0) == bool(gated)  # and matches the gate refused
 
 
 @pytest.mark.parametrize("steps", [1, 4])
@@ -89,10 +110,13 @@ def test_engines_with_ngram_prefix_equal_ar_and_commit_more_on_repeats(shape, st
     drafter = quick_drafter(model, 2, 40, block_size=8)
     p = prompt(model.shape.vocab, 12, 2) * 3  # repeats: lookup matches where the drafter alone guesses
     want = ar(model, p, 60)
-    runs = {on: build_engine(cfg(block_size=8, ngram_prefix=on, device_steps=steps, **shape), model, NO_EOS, "cpu",
-                             block_drafter=drafter).generate(p, 60) for on in (False, True)}
-    assert runs[True].tokens == runs[False].tokens == want
-    assert runs[True].accepted_per_step > runs[False].accepted_per_step
+    variants = {"off": {"ngram_prefix": False}, "always": {"ngram_prefix": True},
+                "gated": {"ngram_prefix": True, **GATES[1]}}
+    runs = {name: build_engine(cfg(block_size=8, device_steps=steps, **shape, **kw), model, NO_EOS, "cpu",
+                               block_drafter=drafter).generate(p, 60) for name, kw in variants.items()}
+    assert all(r.tokens == want for r in runs.values())
+    assert runs["always"].accepted_per_step > runs["off"].accepted_per_step
+    assert runs["gated"].accepted_per_step > runs["off"].accepted_per_step
 
 
 def test_a_lookup_led_static_tree_keeps_the_full_depth_main_path():

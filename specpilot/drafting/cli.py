@@ -88,6 +88,64 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0 if all(r.equal_to_ar for r in rows) else 1
 
 
+def _gates(text: str) -> list[tuple[int, float]]:
+    """'2:0.5,4:0.5' -> [(2, 0.5), (4, 0.5)]: lookup_agree_topk:lookup_doubt_prob pairs."""
+    try:
+        return [(int(k), float(p)) for k, p in (g.split(":") for g in text.split(",") if g)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want AGREE_TOPK:DOUBT_PROB[,...], e.g. 2:0.5,4:0.5") from None
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    from specpilot.bench.session import DeploymentSession
+    from specpilot.deployments import load_deployment
+    from specpilot.drafting.replay import LookupPolicy, anchor_candidates, record_references, replay_all
+    from specpilot.engines.drafters.ngram_prefix import LeadGate
+    from specpilot.workload import WorkloadSpec
+
+    dep = load_deployment(args.deployment)
+    overrides = {k: v for k, v in (("prompts_per_benchmark", args.prompts_per_benchmark),
+                                   ("max_new_tokens", args.max_new_tokens)) if v}
+    wl = WorkloadSpec(**{**dep.workload.__dict__, **overrides})
+    session = DeploymentSession(dep, device=args.device)
+    drafter = session.block_drafter(args.drafter_label)
+    if drafter is None:
+        raise ValueError(f"deployment {dep.name} has no block drafter to replay")
+    split = wl.select(args.benchmarks_dir)
+    prompts = session.tokenize(list(split.validate if args.split == "validate" else split.tune))
+    ar_cfg = dep.ar_config()
+    longest = max(len(p.ids) for p in prompts) + wl.max_new_tokens + 16
+    ar_cfg = ar_cfg.replace(max_seq_len=max(ar_cfg.max_seq_len, longest))
+    engine = session.engine(ar_cfg)
+    refs = record_references(lambda ids: engine.generate(ids, wl.max_new_tokens).tokens,
+                             [(p.key, p.prompt.benchmark.value, p.ids) for p in prompts],
+                             args.out / "references.jsonl", progress=not args.no_progress)
+    session.release(ar_cfg)
+    from tqdm import tqdm
+    cands = [anchor_candidates(drafter, session.target, r, topk=max(4, args.tree_width))
+             for r in tqdm(refs, desc="drafter candidates", unit="req", disable=args.no_progress)]
+    policies = []
+    for budget in args.tree_budgets:
+        kw = {"tree_budget": budget, "tree_width": args.tree_width}
+        policies.append(LookupPolicy(lookup=False, **kw))
+        for n in args.ngram_mins:
+            policies.append(LookupPolicy(ngram_min=n, **kw))
+            policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, **kw) for k, p in args.gates]
+    results = replay_all(refs, cands, policies)
+    rows = [{"policy": r.policy.label, "tokens_per_step": r.overall(), "by_benchmark": r.by_benchmark(refs),
+             "per_request": r.tokens_per_step} for r in results]
+    (args.out / "replay.json").write_text(json.dumps({"deployment": dep.name, "split": args.split,
+                                                      "requests": len(refs), "max_new_tokens": wl.max_new_tokens,
+                                                      "policies": rows}, indent=1))
+    benches = sorted({r.benchmark for r in refs})
+    print(f"{'policy':34s} {'tok/step':>8s}  " + "  ".join(f"{b[:9]:>9s}" for b in benches))
+    for row in rows:
+        print(f"{row['policy']:34s} {row['tokens_per_step']:8.3f}  "
+              + "  ".join(f"{row['by_benchmark'].get(b, float('nan')):9.3f}" for b in benches))
+    print(f"geometric means over {len(refs)} requests ({args.split} split); wrote {args.out / 'replay.json'}")
+    return 0
+
+
 _guarded = guarded("drafter", "drafter_command", (ValueError, OSError), exit_code=True)
 
 
@@ -118,4 +176,23 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     p.set_defaults(func=_guarded(run_eval))
+
+    p = sub.add_parser("replay", help="tokens per step of lookup/gate/tree policies, replayed on recorded AR outputs")
+    p.add_argument("--deployment", required=True, help="a deployment with a block drafter (YAML path or name)")
+    p.add_argument("--drafter-label", default=None, help="which block drafter (default: the first)")
+    p.add_argument("--out", required=True, type=Path, help="directory: references.jsonl (resumed) and replay.json")
+    p.add_argument("--device", default=None, help="default: the deployment's")
+    p.add_argument("--split", choices=["tune", "validate"], default="validate")
+    p.add_argument("--prompts-per-benchmark", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--benchmarks-dir", default=None)
+    p.add_argument("--gates", type=_gates, default=_gates("1:0.5,2:0.5,4:0.5,2:0.3,2:0.7"),
+                   help="AGREE_TOPK:DOUBT_PROB pairs to replay (default %(default)s)")
+    p.add_argument("--tree-budgets", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                   help="0 = chain; e.g. 0,31")
+    p.add_argument("--tree-width", type=int, default=4)
+    p.add_argument("--ngram-mins", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="the lookup's shortest suffix (ngram_min) values to replay, e.g. 1,2")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_guarded(run_replay))
     return parser

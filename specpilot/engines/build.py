@@ -10,7 +10,7 @@ from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
-from specpilot.engines.drafters.ngram_prefix import NgramPrefixDrafter
+from specpilot.engines.drafters.ngram_prefix import LeadGate, NgramPrefixDrafter
 from specpilot.engines.engine import SpecEngine
 from specpilot.engines.hybrid.build import build_hybrid_engine
 from specpilot.engines.hybrid.config import HybridConfig
@@ -66,7 +66,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.ngram_prefix:
-            drafter = NgramPrefixDrafter(drafter, NgramDrafter(drafter.shape.depth, cfg.ngram_max, cfg.ngram_min))
+            drafter = NgramPrefixDrafter(drafter, NgramDrafter(drafter.shape.depth, cfg.ngram_max, cfg.ngram_min),
+                                         LeadGate.from_config(cfg.lookup_agree_topk, cfg.lookup_doubt_prob))
     else:
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
@@ -84,7 +85,7 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
         half, tree = BlockDeviceDrafter(drafter), drafter.shape if drafter.shape.tree else None
     elif isinstance(drafter, NgramPrefixDrafter):
         half = NgramPrefixDeviceDrafter(BlockDeviceDrafter(drafter.block), NgramDeviceDrafter(
-            drafter.ngram, cfg.max_seq_len, runner.device))
+            drafter.ngram, cfg.max_seq_len, runner.device, drafter.gate))
         tree = drafter.block.shape if drafter.block.shape.tree else None
     elif isinstance(drafter, NgramDrafter) and cfg.verify is VerifyMode.CHAIN:
         half, tree = NgramDeviceDrafter(drafter, cfg.max_seq_len, runner.device), None

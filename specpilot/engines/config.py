@@ -134,6 +134,12 @@ class EngineConfig(ConfigOps):
     # Block drafter, chain or tree: where the context has a prompt-lookup match (ngram_max/ngram_min), its tokens
     # lead the block's candidates: the chain's first tokens, the tree's main path (engines.drafters.ngram_prefix).
     ngram_prefix: bool = False
+    # ngram_prefix's gate: a step's lookup match leads only where the block drafter does not contradict it: the match's
+    # first token is among the block's top `lookup_agree_topk` candidates at depth 1, or the block's top-1 there has
+    # probability below `lookup_doubt_prob` (0: the match leads wherever there is one). A 1-gram match often
+    # overrides a confident, right drafter (replayed on SmolLM2: drafting.replay).
+    lookup_agree_topk: int = 0
+    lookup_doubt_prob: float = 0.5
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
     kernel_backend: KernelBackend = KernelBackend.TORCH
@@ -163,6 +169,12 @@ class EngineConfig(ConfigOps):
         _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
         _check(1 <= self.ngram_min <= self.ngram_max <= 16,
                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")
+        _check(not isinstance(self.lookup_agree_topk, bool) and isinstance(self.lookup_agree_topk, int)
+               and 0 <= self.lookup_agree_topk <= 16,
+               f"lookup_agree_topk={self.lookup_agree_topk!r}: must be an int in 0..16")
+        _check(isinstance(self.lookup_doubt_prob, (int, float)) and not isinstance(self.lookup_doubt_prob, bool)
+               and 0.0 <= self.lookup_doubt_prob <= 1.0,
+               f"lookup_doubt_prob={self.lookup_doubt_prob!r}: must be in 0..1")
         _check(1 <= self.tree_budget <= 256, f"tree_budget={self.tree_budget}: must be in 1..256")
         _check(1 <= self.tree_width <= 16, f"tree_width={self.tree_width}: must be in 1..16")
         _check(1 <= self.level_one_keep <= self.tree_budget,
@@ -188,6 +200,9 @@ class EngineConfig(ConfigOps):
                                   or self.verify not in (VerifyMode.CHAIN, VerifyMode.TREE)):
             raise ConfigError("ngram_prefix puts prompt lookup in front of a block drafter's chain or tree: it needs "
                               "drafter=block and verify=chain or tree")
+        if self.lookup_agree_topk and not self.ngram_prefix:
+            raise ConfigError(f"lookup_agree_topk={self.lookup_agree_topk} gates ngram_prefix's lookup: it needs "
+                              "ngram_prefix=true")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
@@ -199,7 +214,8 @@ class EngineConfig(ConfigOps):
     # Fields that only shape what is drafted and verified, never how a row is computed.
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
-        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "ngram_prefix")
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "ngram_prefix",
+        "lookup_agree_topk", "lookup_doubt_prob")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

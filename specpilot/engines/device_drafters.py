@@ -17,6 +17,7 @@ import triton.language as tl
 
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.kernels._common import check_launchable, check_tensor
 
 
@@ -92,7 +93,8 @@ class BlockDeviceDrafter:
 
 
 class NgramPrefixDeviceDrafter:
-    """NgramPrefixDrafter's device half: the lookup's token leads the block's candidates at the depths it covers."""
+    """NgramPrefixDrafter's device half: the lookup's token leads the block's candidates at the depths it covers (the
+    lookup's gate, if any, reads the block's draft)."""
     needs_features = True
 
     def __init__(self, block: BlockDeviceDrafter, lookup: "NgramDeviceDrafter"):
@@ -108,7 +110,8 @@ class NgramPrefixDeviceDrafter:
         self.lookup.begin(seq, base)
 
     def draft(self, state) -> DeviceDraft:
-        block, lookup = self.block.draft(state), self.lookup.draft(state)
+        block = self.block.draft(state)
+        lookup = self.lookup.draft(state, block)
         return DeviceDraft(block.tokens, block.probs, block.proposed, lookup.tokens[:, 0], lookup.proposed)
 
     def commit(self, features, positions) -> None:
@@ -129,8 +132,9 @@ class NgramDeviceDrafter:
     topk = 1
     use_graph = True
 
-    def __init__(self, drafter: NgramDrafter, capacity: int, device: torch.device):
+    def __init__(self, drafter: NgramDrafter, capacity: int, device: torch.device, gate: LeadGate | None = None):
         self.depth, self.ngram_max, self.ngram_min = drafter.draft_len, drafter.ngram_max, drafter.ngram_min
+        self.gate = gate  # NgramPrefixDrafter's: its draft then needs the block's
         self.capacity = capacity
         # The sequence (prompt + output) by position; the loop writes depth + 1 tokens past the pending one a step.
         self.sequence = torch.zeros(capacity + self.depth + 2, dtype=torch.long, device=device)
@@ -145,10 +149,12 @@ class NgramDeviceDrafter:
             self.sequence[self.synced:base + 1].copy_(torch.tensor(seq[self.synced:base + 1]))
         self.synced = base + 1
 
-    def draft(self, state) -> DeviceDraft:
+    def draft(self, state, block: DeviceDraft | None = None) -> DeviceDraft:
         # CPU: the torch reference (the interpreted kernel takes ~10 ms a lookup; tests run it directly)
         lookup = ngram_lookup if self.sequence.is_cuda else ngram_lookup_ref
-        draft, proposed = lookup(self.sequence, state, self.ngram_min, self.ngram_max, self.depth)
+        gated = {} if self.gate is None else {"gate": self.gate, "candidates": block.tokens[0],
+                                              "candidate_probs": block.probs[0]}
+        draft, proposed = lookup(self.sequence, state, self.ngram_min, self.ngram_max, self.depth, **gated)
         return DeviceDraft(draft[:, None], self.ones, proposed[0])
 
     def commit(self, features, positions) -> None:
@@ -177,11 +183,11 @@ def _latest_match(tok_ptr, length, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BLOCK: tl.constexpr, first_ptr, STORE_FIRST: tl.constexpr):
+def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr,
+                KP: tl.constexpr, BLOCK: tl.constexpr):
     """NgramDrafter's proposal for the context tok_ptr[0..length-1] (the pending token last): K tokens from where
-    the match continues into draft_ptr, how many of them are the proposal into proposed_ptr (STORE_FIRST: where
-    the continuation starts into first_ptr, `length` without a match)."""
+    the match continues into draft_ptr -> (where the continuation starts: `length` without a match, how many of the
+    K tokens are the proposal)."""
     best = length * 0 - 1
     best_n = length * 0
     for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
@@ -190,45 +196,63 @@ def lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NM
         best = tl.where(take, latest, best)
         best_n = tl.where(take, NMAX - i, best_n)
     first = tl.where(best >= 0, best + best_n, length)
-    if STORE_FIRST:
-        tl.store(first_ptr, first.to(tl.int64))
-    tl.store(proposed_ptr, tl.where(best >= 0, tl.minimum(length - first, K), 0).to(tl.int64))
     k = tl.arange(0, KP)
     tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
+    return first, tl.where(best >= 0, tl.minimum(length - first, K), 0)
 
 
 @triton.jit
-def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr,
-                  K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gate_prob_ptr, doubt,
+                  NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                  GATE_K: tl.constexpr, GKP: tl.constexpr):
     length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
-    lookup_into(tok_ptr, length, draft_ptr, proposed_ptr, NMAX, NMIN, K, KP, BLOCK, proposed_ptr, False)
+    first, proposed = lookup_into(tok_ptr, length, draft_ptr, NMAX, NMIN, K, KP, BLOCK)
+    if GATE_K > 0:  # LeadGate: no proposal where the block's depth-1 candidates contradict the match's first token
+        lead = tl.load(tok_ptr + first)  # without a match: filler, and proposed is 0 anyway
+        j = tl.arange(0, GKP)
+        agree = tl.max((tl.load(gate_tok_ptr + j, mask=j < GATE_K, other=-1) == lead).to(tl.int32), 0) > 0
+        proposed = tl.where(agree | (tl.load(gate_prob_ptr) < doubt), proposed, 0)
+    tl.store(proposed_ptr, proposed.to(tl.int64))
 
 
-def _check_lookup(tokens, state, ngram_min, ngram_max, k):
+def _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs):
     check_tensor("tokens", tokens, (None,), torch.int64)
     check_tensor("state", state, (2,), torch.int64, tokens.device)
     if not 1 <= ngram_min <= ngram_max or k < 1:
         raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
+    if (gate is None) != (candidates is None) or (candidates is None) != (candidate_probs is None):
+        raise ValueError("a gate comes with the block's depth-1 candidates and their probabilities, and only with one")
+    if gate is not None:
+        check_tensor("candidates", candidates, (None,), torch.int64, tokens.device)
+        check_tensor("candidate_probs", candidate_probs, candidates.shape, torch.float32, tokens.device)
 
 
-def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngram_max: int, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngram_max: int, k: int,
+                 gate: LeadGate | None = None, candidates: torch.Tensor | None = None,
+                 candidate_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NgramDrafter's proposal for the context tokens[0..state[1]] (state = (pending token, its slot)), read on the
     device -> (k tokens from where the match continues, [1] how many of them are its proposal). tokens must hold
-    state[1] + k + 1 entries (the filler past the context is read, not proposed)."""
-    _check_lookup(tokens, state, ngram_min, ngram_max, k)
+    state[1] + k + 1 entries (the filler past the context is read, not proposed). With a gate: nothing is proposed
+    where it refuses the match, given the block's candidates at depth 1 (best first) and their probabilities."""
+    _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs)
     check_launchable(_ngram_kernel, tokens.device)
     draft = torch.empty(k, dtype=torch.long, device=tokens.device)
     proposed = torch.empty(1, dtype=torch.long, device=tokens.device)
-    _ngram_kernel[(1,)](tokens, state, draft, proposed, NMAX=ngram_max, NMIN=ngram_min, K=k,
-                        KP=triton.next_power_of_2(k), BLOCK=1024, num_warps=4)
+    gate_k = 0 if gate is None else min(gate.agree_topk, candidates.shape[0])
+    _ngram_kernel[(1,)](tokens, state, draft, proposed, tokens if gate is None else candidates,
+                        draft if gate is None else candidate_probs, 0.0 if gate is None else gate.doubt_prob,
+                        NMAX=ngram_max, NMIN=ngram_min, K=k, KP=triton.next_power_of_2(k), BLOCK=1024,
+                        GATE_K=gate_k, GKP=triton.next_power_of_2(max(gate_k, 1)), num_warps=4)
     return draft, proposed
 
 
-def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k):
+def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k, gate=None, candidates=None, candidate_probs=None):
     """Plain torch (fixed-shape ops over the whole buffer, no host sync): ngram_lookup's results."""
-    _check_lookup(tokens, state, ngram_min, ngram_max, k)
+    _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs)
     draft, proposed, _ = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k)
+    if gate is not None:
+        leads = (candidates[:gate.agree_topk] == draft[0, 0]).any() | (candidate_probs[0] < gate.doubt_prob)
+        proposed = torch.where(leads, proposed, 0)
     return draft[0], proposed
 
 

@@ -166,8 +166,11 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
                      "block drafter led by prompt lookup: where the context repeats, the lookup's match is the chain's "
-                     "first tokens or the tree's main path, the block's candidates after and beside it",
-                     (Knob("ngram_prefix", _CHOICE, choices=(False, True)), Knob("ngram_min", _INT, 1, 4)),
+                     "first tokens or the tree's main path, the block's candidates after and beside it; the gate lets "
+                     "a match lead only where the block does not contradict it",
+                     (Knob("ngram_prefix", _CHOICE, choices=(False, True)), Knob("ngram_min", _INT, 1, 4),
+                      Knob("lookup_agree_topk", _INT, 0, 4),
+                      Knob("lookup_doubt_prob", _CHOICE, choices=(0.3, 0.5, 0.7))),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,

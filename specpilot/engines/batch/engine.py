@@ -96,6 +96,9 @@ class BatchEngine:
                  block_drafter: BatchBlockDrafter | None = None):
         if cfg.verify is not VerifyMode.CHAIN:
             raise ConfigError("the batched engine verifies chains (verify=chain)")
+        if cfg.lookup_agree_topk:
+            raise ConfigError("lookup_agree_topk gates the lookup on the block's depth-1 probabilities; the batched "
+                              "block drafter computes top-1 tokens only (a fused argmax head): single regime only")
         if drafter_factory is None and cfg.drafter not in (DrafterKind.NONE, DrafterKind.NGRAM, DrafterKind.BLOCK):
             raise ConfigError(f"drafter={cfg.drafter.value} is not batched yet (block, ngram, none, or a "
                               "drafter_factory)")

@@ -95,8 +95,10 @@ def _batch_ngram_kernel(tok_ptr, row_stride, pos_ptr, draft_ptr, proposed_ptr, f
                         NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     length = tl.load(pos_ptr + row) + 1  # tokens 0..pos: the context, the pending token last
-    lookup_into(tok_ptr + row.to(tl.int64) * row_stride, length, draft_ptr + row * K, proposed_ptr + row, NMAX, NMIN,
-                K, KP, BLOCK, first_ptr + row, True)
+    first, proposed = lookup_into(tok_ptr + row.to(tl.int64) * row_stride, length, draft_ptr + row * K, NMAX, NMIN,
+                                  K, KP, BLOCK)
+    tl.store(proposed_ptr + row, proposed.to(tl.int64))
+    tl.store(first_ptr + row, first.to(tl.int64))
 
 
 def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int,

@@ -6,8 +6,16 @@ context alone (not conditioned on the tokens drafted before them), so at each de
 leads the block's candidates (probability 1, the block's own after it, a duplicate of it dropped): a chain takes the
 lookup's match then the block's top-1 tokens, a best-first tree grows the match as its main path and spends the
 rest of its budget on the block's alternatives. Nothing the block drafts is lost where lookup has no match.
+
+A LeadGate (EngineConfig.lookup_agree_topk) lets the match lead only where the block does not contradict it: most
+matches are 1-grams, and one of those overriding a confident block's right token ends the step's accepted path
+where the block alone would have gone on.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
@@ -21,9 +29,30 @@ def lead_with(lead: int, tokens: list[int], probs: list[float]) -> tuple[list[in
     return [lead] + [t for t, _ in rest], [1.0] + [p for _, p in rest]
 
 
+@dataclass(frozen=True)
+class LeadGate:
+    """The match leads iff its first token is among the block's first `agree_topk` candidates at depth 1 or the
+    block's top-1 probability there is below `doubt_prob` (compared in float32, as the device loop does)."""
+    agree_topk: int
+    doubt_prob: float
+
+    def __post_init__(self) -> None:
+        if self.agree_topk < 1 or not 0.0 <= self.doubt_prob <= 1.0:
+            raise ValueError(f"agree_topk={self.agree_topk} must be >= 1, doubt_prob={self.doubt_prob} in 0..1")
+        object.__setattr__(self, "doubt_prob", torch.tensor(self.doubt_prob, dtype=torch.float32).item())
+
+    @classmethod
+    def from_config(cls, agree_topk: int, doubt_prob: float) -> "LeadGate | None":
+        return cls(agree_topk, doubt_prob) if agree_topk else None
+
+    def leads(self, first: int, tokens: list[int], probs: list[float]) -> bool:
+        """tokens / probs: the block's candidates at depth 1, best first."""
+        return first in tokens[:self.agree_topk] or probs[0] < self.doubt_prob
+
+
 class NgramPrefixDrafter:
-    def __init__(self, block: BlockTreeDrafter, ngram: NgramDrafter):
-        self.block, self.ngram = block, ngram
+    def __init__(self, block: BlockTreeDrafter, ngram: NgramDrafter, gate: LeadGate | None = None):
+        self.block, self.ngram, self.gate = block, ngram, gate
         self.observe, self.capture_all = block.observe, block.capture_all  # the engine feeds and captures the block
 
     def reset(self) -> None:
@@ -34,6 +63,9 @@ class NgramPrefixDrafter:
         tokens, probs = self.block.candidates(context, max_depth)
         if not tokens:
             return DraftTree()
-        for d, t in enumerate(self.ngram.propose(context, len(tokens)).tokens):
+        lead = self.ngram.propose(context, len(tokens)).tokens
+        if lead and self.gate is not None and not self.gate.leads(lead[0], tokens[0], probs[0]):
+            lead = []
+        for d, t in enumerate(lead):
             tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
         return self.block.tree_of(tokens, probs)

@@ -1,0 +1,189 @@
+"""Replay of a block drafter's lookup-led drafts against recorded greedy outputs, without running verification.
+
+The target's greedy output fixes what every verify step accepts: a draft's accepted length is its longest prefix (a
+tree: root path) equal to the output after the pending token. So with the drafter's candidates at every position of
+a reference output (one teacher-forced target forward for the features, the drafter's block at each anchor) any
+lookup/gate/tree policy can be replayed step by step in Python: tokens per step for many policies from one pass,
+where the engine would decode every request again per policy. The replay follows the engine's rules:
+NgramDrafter's match (longest suffix, most recent), ngram_prefix.lead_with, LeadGate, best_first_tree; a test
+checks its steps against the engine's on a tiny model. A tree replays the host loop's per-step best-first tree, not
+the device loop's static tree shape.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specpilot.costmodel.acceptance import best_first_tree, replay_accepted
+from specpilot.drafting.data import recompute
+from specpilot.drafting.objective import Batch, block_logits
+from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.drafters.ngram_prefix import LeadGate, lead_with
+from specpilot.engines.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A request's prompt and its greedy output (the AR engine's), the first output token from the prefill."""
+    key: str
+    benchmark: str
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.prompt or not self.output:
+            raise ValueError(f"{self.key}: a reference needs a prompt and an output")
+
+
+@dataclass(frozen=True)
+class AnchorCandidates:
+    """The drafter's top-k candidates and probabilities [anchors, depth, k] with the pending token at positions
+    len(prompt) .. len(prompt) + len(output) - 2 (one row per position)."""
+    tokens: torch.Tensor
+    probs: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LookupPolicy:
+    """What leads a step's draft: nothing (the block alone), the lookup wherever it matches (gate None), or the
+    lookup under a gate; the draft is a chain (tree_budget 0) or a best-first tree of tree_budget nodes."""
+    lookup: bool = True
+    gate: LeadGate | None = None
+    tree_budget: int = 0
+    tree_width: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.gate is not None and not self.lookup:
+            raise ValueError("a gate gates the lookup: lookup=False has none")
+        if self.tree_budget < 0 or self.tree_width < 1:
+            raise ValueError(f"tree_budget={self.tree_budget} must be >= 0, tree_width={self.tree_width} >= 1")
+
+    @property
+    def label(self) -> str:
+        lead = "block" if not self.lookup else "lookup" if self.gate is None else (
+            f"lookup gated top{self.gate.agree_topk}|p<{self.gate.doubt_prob:.2g}")
+        nmin = f" n>={self.ngram_min}" if self.lookup and self.ngram_min != 1 else ""
+        return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}"
+
+
+@torch.no_grad()
+def anchor_candidates(drafter: BlockDrafterModel, target: LlamaModel, ref: Reference, topk: int = 4,
+                      chunk: int = 32) -> AnchorCandidates:
+    """The drafter's depth-1.. candidates at every anchor of ref, from the target's teacher-forced features."""
+    seq = list(ref.prompt) + list(ref.output)
+    data = recompute(target, [seq], [len(ref.prompt)], drafter.config.target_layers, batch=1)
+    embed, head = target.embed_tokens.weight, lm_head_weight(target)
+    anchors = torch.arange(len(ref.prompt), len(seq) - 1, device=data.tokens.device)
+    tokens, probs = [], []
+    for s in range(0, len(anchors), chunk):
+        batch = Batch(data.tokens, data.features, anchors[s:s + chunk][None], None, None)
+        p = block_logits(drafter, embed, head, batch)[0].float().softmax(-1)  # [anchors, B - 1, vocab]
+        top_p, top_t = p.topk(topk, -1)
+        tokens.append(top_t.cpu())
+        probs.append(top_p.cpu())
+    return AnchorCandidates(torch.cat(tokens), torch.cat(probs))
+
+
+def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth: int | None = None) -> list[int]:
+    """Tokens committed by each verify step (accepted + the bonus token) when `policy` drafts ref's output."""
+    seq = list(ref.prompt) + list(ref.output)
+    start, end = len(ref.prompt), len(seq) - 1  # the prefill commits seq[start]; steps run while a token is due
+    depth = depth or cands.tokens.shape[1]
+    all_tokens, all_probs = cands.tokens[:, :depth].tolist(), cands.probs[:, :depth].tolist()
+    lookup = NgramDrafter(depth, policy.ngram_max, policy.ngram_min) if policy.lookup else None
+    a, steps = start, []
+    while a < end:
+        tokens, probs = all_tokens[a - start], all_probs[a - start]
+        lead = lookup.propose(seq[:a + 1], depth).tokens if lookup is not None else []
+        if lead and policy.gate is not None and not policy.gate.leads(lead[0], tokens[0], probs[0]):
+            lead = []
+        for d, t in enumerate(lead):
+            tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
+        truth = seq[a + 1:a + 1 + depth]
+        if policy.tree_budget:
+            w = policy.tree_width
+            accepted = replay_accepted(best_first_tree([t[:w] for t in tokens], [p[:w] for p in probs],
+                                                       policy.tree_budget), truth)
+        else:
+            accepted = next((d for d, (t, want) in enumerate(zip(tokens, truth)) if t[0] != want), len(truth))
+        step = min(accepted + 1, end - a)
+        steps.append(step)
+        a += step
+    return steps
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    policy: LookupPolicy
+    tokens_per_step: dict[str, float]  # by request key
+
+    def overall(self) -> float:
+        """Geometric mean over requests (the bench's aggregate for speedups; per request, steps cost alike)."""
+        return geomean(list(self.tokens_per_step.values()))
+
+    def by_benchmark(self, refs: list[Reference]) -> dict[str, float]:
+        groups: dict[str, list[float]] = {}
+        for r in refs:
+            if r.key in self.tokens_per_step:
+                groups.setdefault(r.benchmark, []).append(self.tokens_per_step[r.key])
+        return {b: geomean(v) for b, v in sorted(groups.items())}
+
+
+def replay_all(refs: list[Reference], cands: list[AnchorCandidates], policies: list[LookupPolicy]
+               ) -> list[PolicyResult]:
+    """Every policy over every reference that has a verify step (an output of one token has none)."""
+    out = []
+    for policy in policies:
+        per = {}
+        for ref, c in zip(refs, cands):
+            steps = replay(ref, c, policy)
+            if steps:
+                per[ref.key] = sum(steps) / len(steps)
+        out.append(PolicyResult(policy, per))
+    return out
+
+
+def load_references(path: Path) -> list[Reference]:
+    if not path.is_file():
+        return []
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            d = json.loads(line)
+            out.append(Reference(d["key"], d["benchmark"], tuple(d["prompt"]), tuple(d["output"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a reference record ({e})") from None
+    return out
+
+
+def record_references(generate: Callable[[list[int]], list[int]], prompts: list[tuple[str, str, tuple[int, ...]]],
+                      path: Path, progress: bool = True) -> list[Reference]:
+    """The greedy outputs of (key, benchmark, prompt ids) by `generate`, appended to path as JSON lines one request
+    at a time (a stopped run resumes where it was; records of other prompts or other prompt ids are refused)."""
+    have = {r.key: r for r in load_references(path)}
+    for key, _, ids in prompts:
+        if key in have and have[key].prompt != tuple(ids):
+            raise ValueError(f"{path}: {key} was recorded for other prompt ids (another tokenizer or template?)")
+    todo = [p for p in prompts if p[0] not in have]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for key, bench, ids in tqdm(todo, desc="AR references", unit="req", disable=not progress or not todo):
+            out = generate(list(ids))
+            rec = {"key": key, "benchmark": bench, "prompt": list(ids), "output": out}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            have[key] = Reference(key, bench, tuple(ids), tuple(out))
+    return [have[key] for key, _, _ in prompts]

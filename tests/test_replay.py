@@ -1,0 +1,100 @@
+"""drafting.replay: replaying lookup-led block drafts against a recorded greedy output gives the engine's own steps
+(chain: host and device loop; the host loop's best-first tree), with and without the gate, on a tiny model."""
+from __future__ import annotations
+
+import pytest
+from _tiny import prompt
+from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
+from test_device_loop import TREE
+
+from specpilot.drafting.replay import LookupPolicy, Reference, anchor_candidates, replay, replay_all
+from specpilot.engines.build import build_engine
+from specpilot.engines.drafters.ngram_prefix import LeadGate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GATE = {"lookup_agree_topk": 2, "lookup_doubt_prob": 0.14}  # the quick drafter's top-1: p 0.07-0.18
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = damped("gqa", 2)
+    drafter = quick_drafter(model, 2, 40, block_size=8)
+    refs = []
+    for seed in range(3):
+        p = prompt(model.shape.vocab, 12, seed) * 2  # repeats: the lookup finds matches
+        refs.append(Reference(f"r{seed}", "tiny", tuple(p), tuple(ar(model, p, 60))))
+    return model, drafter, refs, [anchor_candidates(drafter, model, r, topk=4) for r in refs]
+
+
+# the device loop verifies one static tree shape (calibrated on host steps): a tree replays the host loop's
+@pytest.mark.parametrize("shape,steps", [({}, 1), ({}, 4), (TREE, 1)], ids=["chain-host", "chain-device", "tree-host"])
+@pytest.mark.parametrize("engine_kw", [{"ngram_prefix": False}, {"ngram_prefix": True},
+                                       {"ngram_prefix": True, **GATE}], ids=["block", "lookup", "gated"])
+def test_replay_takes_the_engines_steps(setup, engine_kw, shape, steps):
+    model, drafter, refs, cands = setup
+    c = cfg(block_size=8, device_steps=steps, **shape, **engine_kw)
+    eng = build_engine(c, model, NO_EOS, "cpu", block_drafter=drafter)
+    gate = LeadGate.from_config(c.lookup_agree_topk, c.lookup_doubt_prob)
+    policy = LookupPolicy(lookup=c.ngram_prefix, gate=gate, tree_budget=c.tree_budget if shape else 0,
+                          tree_width=c.tree_width)
+    for ref, cand in zip(refs, cands):
+        got = eng.generate(list(ref.prompt), len(ref.output))
+        assert got.tokens == list(ref.output)
+        assert [s.committed for s in got.steps] == replay(ref, cand, policy), (ref.key, policy.label)
+
+
+def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
+    _, _, refs, cands = setup
+    results = replay_all(refs, cands, [LookupPolicy(lookup=False), LookupPolicy()])
+    block, lookup = (r.overall() for r in results)
+    assert 1.0 < block < lookup  # the repeats pay the lookup
+    assert set(results[1].by_benchmark(refs)) == {"tiny"}
+    assert results[1].policy.label == "chain lookup" and results[0].policy.label == "chain block"
+    with pytest.raises(ValueError, match="gate gates the lookup"):
+        LookupPolicy(lookup=False, gate=LeadGate(1, 0.5))
+    with pytest.raises(ValueError, match="needs a prompt and an output"):
+        Reference("x", "tiny", (1, 2), ())
+    one = Reference("one", "tiny", (1, 2), (3,))  # the prefill's token alone: no verify step to replay
+    assert replay(one, cands[0], LookupPolicy()) == []
+    assert "one" not in replay_all([one], cands[:1], [LookupPolicy()])[0].tokens_per_step
+
+
+def test_drafter_replay_command_records_references_once_and_writes_its_table(tmp_path, capsys):
+    import json
+
+    import torch
+    from specpilot.cli import main as cli_main
+    from specpilot.drafting.checkpoint import save_drafter
+    from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+    from specpilot.engines.loader import load_model
+    from specpilot.testbed import fetch_smollm2, make_random_model
+    target_dir = make_random_model("tiny", tmp_path / "target", seed=3, dtype="float32", tokenizer_dir=fetch_smollm2())
+    target = load_model(target_dir, torch.float32, "cpu")
+    save_drafter(BlockDrafterModel(BlockDrafterConfig.for_target(target.shape, layers=1, block_size=4)).init_weights(0),
+                 tmp_path / "drafter", target)
+    yaml = tmp_path / "block.yaml"
+    yaml.write_text(f"""
+name: tiny-block
+target: {{path: {target_dir}}}
+drafters: [{{kind: block, model: {{path: {tmp_path / 'drafter'}}}, engine: {{block_size: 4}}}}]
+device: {{kind: cpu}}
+workload: {{benchmarks: [gsm8k, mbpp], prompts_per_benchmark: 1, max_new_tokens: 12, seed: 0}}
+engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
+""")
+    argv = ["drafter", "replay", "--deployment", str(yaml), "--out", str(tmp_path / "r"), "--gates", "2:0.5",
+            "--tree-budgets", "0,6", "--no-progress"]
+    assert cli_main(argv) == 0
+    table = capsys.readouterr().out
+    refs = (tmp_path / "r" / "references.jsonl").read_text().splitlines()
+    assert len(refs) == 2 and all(len(json.loads(r)["output"]) == 12 for r in refs)
+    got = json.loads((tmp_path / "r" / "replay.json").read_text())
+    assert [p["policy"] for p in got["policies"]] == [
+        "chain block", "chain lookup", "chain lookup gated top2|p<0.5", "tree6 block", "tree6 lookup",
+        "tree6 lookup gated top2|p<0.5"]
+    assert all(1.0 <= p["tokens_per_step"] <= 4.0 for p in got["policies"]) and "chain lookup gated" in table
+    before = (tmp_path / "r" / "references.jsonl").stat().st_mtime_ns
+    assert cli_main(argv) == 0  # resumes: nothing left to record
+    assert (tmp_path / "r" / "references.jsonl").stat().st_mtime_ns == before
+    (tmp_path / "r" / "references.jsonl").write_text("{not json\n")
+    assert cli_main(argv) != 0
+    assert "references.jsonl:1: not a reference record" in capsys.readouterr().err
