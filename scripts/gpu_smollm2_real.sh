@@ -18,7 +18,8 @@
 #                                                             /root/tb/drafter after a c on this host)
 #   d: carry .gpu (+ b's on a fresh host: it converts)      -> block drafter bench on the device loop: chain, and
 #                                                             trees of each budget in BUDGETS (default "15 31"),
-#                                                             each alone and led by prompt lookup (ngram_prefix);
+#                                                             each alone and led by prompt lookup (ngram_prefix),
+#                                                             the chain also with the lookup gate (GATE_K, GATE_P);
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
 #                                                             chain and the last tree, TWO_LEVEL=1 two-level,
 #                                                             EXTRA more drafter lines (@D@: the drafter's path);
@@ -71,7 +72,9 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   [ -f "$d/config.json" ] || d=$ROOT/specpilot/drafting/shipped/smollm2-135m
   echo "drafter: $d"
   local drafters="  - {kind: block, model: {path: $d}, engine: {verify: chain}}
-  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true}}" b tree
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true}}
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
+                                              lookup_doubt_prob: ${GATE_P:-0.7}}}" b tree
   for b in ${BUDGETS:-15 31}; do
     tree="verify: tree, tree_budget: $b, position_ordered_attention: true"
     drafters="$drafters
