@@ -102,6 +102,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from specpilot.drafting.replay import LookupPolicy, anchor_candidates, record_references, replay_all
     from specpilot.engines.drafters.ngram_prefix import LeadGate
     from specpilot.workload import WorkloadSpec
+    from tqdm import tqdm
 
     dep = load_deployment(args.deployment)
     overrides = {k: v for k, v in (("prompts_per_benchmark", args.prompts_per_benchmark),
@@ -121,7 +122,6 @@ def run_replay(args: argparse.Namespace) -> int:
                              [(p.key, p.prompt.benchmark.value, p.ids) for p in prompts],
                              args.out / "references.jsonl", progress=not args.no_progress)
     session.release(ar_cfg)
-    from tqdm import tqdm
     cands = [anchor_candidates(drafter, session.target, r, topk=max(4, args.tree_width))
              for r in tqdm(refs, desc="drafter candidates", unit="req", disable=args.no_progress)]
     policies = []
