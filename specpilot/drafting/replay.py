@@ -5,7 +5,7 @@ tree: root path) equal to the output after the pending token. So with the drafte
 a reference output (one teacher-forced target forward for the features, the drafter's block at each anchor) any
 lookup/gate/tree policy can be replayed step by step in Python: tokens per step for many policies from one pass,
 where the engine would decode every request again per policy. The replay follows the engine's rules:
-NgramDrafter's match (longest suffix, most recent), ngram_prefix.lead_with, LeadGate, best_first_tree; a test
+NgramDrafter's match (longest suffix, most recent), ngram_prefix.led_by_lookup (the gate), best_first_tree; a test
 checks its steps against the engine's on a tiny model. A tree replays the host loop's per-step best-first tree, not
 the device loop's static tree shape.
 """
@@ -25,7 +25,7 @@ from specpilot.drafting.data import recompute
 from specpilot.drafting.objective import Batch, block_logits
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.drafters.ngram import NgramDrafter
-from specpilot.engines.drafters.ngram_prefix import LeadGate, lead_with
+from specpilot.engines.drafters.ngram_prefix import LeadGate, led_by_lookup
 from specpilot.engines.llama import LlamaModel
 
 
@@ -102,12 +102,8 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     lookup = NgramDrafter(depth, policy.ngram_max, policy.ngram_min) if policy.lookup else None
     a, steps = start, []
     while a < end:
-        tokens, probs = all_tokens[a - start], all_probs[a - start]
         lead = lookup.propose(seq[:a + 1], depth).tokens if lookup is not None else []
-        if lead and policy.gate is not None and not policy.gate.leads(lead[0], tokens[0], probs[0]):
-            lead = []
-        for d, t in enumerate(lead):
-            tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
+        tokens, probs = led_by_lookup(lead, all_tokens[a - start], all_probs[a - start], policy.gate)
         truth = seq[a + 1:a + 1 + depth]
         if policy.tree_budget:
             w = policy.tree_width

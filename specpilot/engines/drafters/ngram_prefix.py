@@ -50,6 +50,18 @@ class LeadGate:
         return first in tokens[:self.agree_topk] or probs[0] < self.doubt_prob
 
 
+def led_by_lookup(lookup: list[int], tokens: list[list[int]], probs: list[list[float]], gate: LeadGate | None
+                  ) -> tuple[list[list[int]], list[list[float]]]:
+    """Per-depth candidates (best first) with the lookup's match leading at the depths it covers, unless the gate
+    refuses the match (the engine's host rule; drafting.replay replays it)."""
+    if lookup and gate is not None and not gate.leads(lookup[0], tokens[0], probs[0]):
+        lookup = []
+    tokens, probs = list(tokens), list(probs)
+    for d, t in enumerate(lookup):
+        tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
+    return tokens, probs
+
+
 class NgramPrefixDrafter:
     def __init__(self, block: BlockTreeDrafter, ngram: NgramDrafter, gate: LeadGate | None = None):
         self.block, self.ngram, self.gate = block, ngram, gate
@@ -63,9 +75,5 @@ class NgramPrefixDrafter:
         tokens, probs = self.block.candidates(context, max_depth)
         if not tokens:
             return DraftTree()
-        lead = self.ngram.propose(context, len(tokens)).tokens
-        if lead and self.gate is not None and not self.gate.leads(lead[0], tokens[0], probs[0]):
-            lead = []
-        for d, t in enumerate(lead):
-            tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
-        return self.block.tree_of(tokens, probs)
+        lookup = self.ngram.propose(context, len(tokens)).tokens
+        return self.block.tree_of(*led_by_lookup(lookup, tokens, probs, self.gate))
