@@ -4,9 +4,9 @@ python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [-
 For each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's Triton
 kernels): (a) the draft graph, one replay + sync (BlockTreeDrafter.distributions); (b) the observe graph of n
 accepted tokens (n = 1, 4, 16); (c) the kernels (a) and (b) launch, from torch.profiler, with their time. Then
-(d) SpecEngine.generate with chain verification and the fused step, host loop (device_steps=1) and device loop
+(d) SpecEngine.generate with chain (and tree 31) verification and the fused step, host loop (device_steps=1) and device loop
 (device_steps=4), beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the
-cost of a speculative step against AR's ms/token); (e) the kernels per step of a chain + ngram_prefix generate on
+cost of a speculative step against AR's ms/token); (e) the kernels per step of a chain (and a tree 31) + ngram_prefix generate on
 the device loop (the glue around the target's forward: acceptance, lead_rows, the lookup). On CPU (no graphs) it
 times eager calls and counts no kernels: a smoke test of the script.
 """
@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specpilot.engines.build import build_engine
-from specpilot.engines.config import DrafterKind, EngineConfig
+from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
@@ -120,13 +120,29 @@ def loop_kernels(c: EngineConfig, tokens: int = 128) -> dict:
             "by_kernel": {k: [round(seen[k] / steps, 2), round(us[k] / steps, 2)] for k, _ in us.most_common()}}
 
 
+# The bench's tree: 31 nodes (32 rows), position-ordered attention, led by lookup; its first steps calibrate the
+# static shape on the host loop, the rest run on the device loop.
+tree31 = cfg.replace(verify=VerifyMode.TREE, tree_budget=31, position_ordered_attention=True, device_steps=4)
+
+
+def guarded(fn, *a, **kw) -> dict:
+    """A section that fails records its error instead of losing the sections measured before it."""
+    try:
+        return fn(*a, **kw)
+    except Exception as e:  # noqa: BLE001 - a measurement script: report and go on
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
        "steps": {name: step_costs(name == "fused") for name in ("reference", "fused")},
        "engine": {"ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
                   "chain host loop": engine_costs(cfg.replace(device_steps=1)),
-                  "chain device loop x4": engine_costs(cfg.replace(device_steps=4))},
+                  "chain device loop x4": engine_costs(cfg.replace(device_steps=4)),
+                  "tree 31 device loop x4": guarded(engine_costs, tree31)},
        "loop_kernels": {"chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4,
-                                                                                         ngram_prefix=True))}}
+                                                                                         ngram_prefix=True)),
+                        "tree 31 + ngram_prefix, device loop x4": guarded(loop_kernels,
+                                                                          tree31.replace(ngram_prefix=True), 256)}}
 json.dump(res, open(os.path.join(args.out, "block_drafter_step.json"), "w"), indent=1)
 for name, s in res["steps"].items():
     print(name, s["step"], "draft ms", round(s["draft_ms"], 4), "observe ms",
@@ -134,9 +150,14 @@ for name, s in res["steps"].items():
           "draft kernels", s["draft_kernels"].get("count"), s["draft_kernels"].get("device_us"))
 print("| engine | ms/token | ms/step | tokens/step |\n|---|---|---|---|")
 for name, e in res["engine"].items():
+    if "error" in e:
+        print(f"| {name} | {e['error']} |")
+        continue
     print(f"| {name} | {e['ms_per_token']:.4f} | {e['ms_per_step']:.4f} | {e['tokens_per_step']:.3f} |")
 for name, k in res["loop_kernels"].items():
-    if k:
+    if "error" in k:
+        print(name, k["error"])
+    elif k:
         print(f"{name}: {k['kernels_per_step']} kernels, {k['device_us_per_step']} us of kernels per step; top:")
         for kern, (n, t) in list(k["by_kernel"].items())[:25]:
             print(f"   {t:8.2f} us  {n:6.2f}x  {kern}")
