@@ -22,6 +22,8 @@
 #                                                             the chain also with the lookup gate (GATE_K, GATE_P);
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
 #                                                             chain and the last tree, TWO_LEVEL=1 two-level,
+#                                                             OVERLAP="1 4" the gated chain with device_overlap at
+#                                                             those device_steps,
 #                                                             EXTRA more drafter lines (@D@: the drafter's path);
 #                                                             with DRAFTER, else c's
 #                                                             (/root/tb/drafter), else the shipped one
@@ -86,6 +88,11 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   - {kind: block, model: {path: $d}, engine: {$tree, device_steps: 1}}"
   [ -n "${EXTRA:-}" ] && drafters="$drafters
 ${EXTRA//@D@/$d}"
+  for k in ${OVERLAP:-}; do  # the gated chain with device_overlap at device_steps k
+    drafters="$drafters
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
+                                              lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k}}"
+  done
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
   python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \

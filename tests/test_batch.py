@@ -563,6 +563,9 @@ def test_block_drafter_batching_rejects_what_it_cannot_serve():
     with pytest.raises(ConfigError, match="single regime only"):
         build_batch_engine(model, ecfg(drafter="block", block_size=5, ngram_prefix=True, lookup_agree_topk=2),
                            BatchConfig(max_batch=2), NO_EOS, "cpu", block_drafter=drafter)
+    with pytest.raises(ConfigError, match="device_overlap .* single regime only"):
+        build_batch_engine(model, ecfg(drafter="block", block_size=5, device_overlap=True), BatchConfig(max_batch=2),
+                           NO_EOS, "cpu", block_drafter=drafter)
     with pytest.raises(ConfigError, match="not built with this block drafter"):
         runner = BatchRunner(model, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), "cpu", max_block=5)
         BatchEngine(runner, ecfg(drafter="block", block_size=5), BatchConfig(max_batch=2), NO_EOS,

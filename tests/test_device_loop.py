@@ -234,6 +234,71 @@ def test_device_ngram_steps_equal_host_steps_and_ar():
     assert [s.accepted for s in r.steps[:n]] == [s.accepted for s in host.steps[:n]]
 
 
+OVERLAP_KINDS = {"block chain": {}, "block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5},
+                 "prefix chain": {"ngram_prefix": True}}
+
+
+@pytest.mark.parametrize("kind", list(OVERLAP_KINDS))
+def test_overlapped_chunks_equal_ar_stop_where_it_stops_and_cost_one_queued_chunk(kind, monkeypatch):
+    """device_overlap queues each next chunk (from the device's state) before the current one is read: the tokens
+    stay AR's at every chunk size, at the token limit and at an EOS inside a chunk; a stop leaves exactly one
+    chunk queued behind it (launched, never read), and the next request starts clean."""
+    import specpilot.engines.device_loop as device_loop
+
+    if kind.startswith("block"):  # a seed whose drafter gets whole chains accepted
+        model = damped("mha_tied", 2)
+        p = prompt(model.shape.vocab, 10, 2)
+    else:  # its text repeats: lookups match
+        model = damped("gqa", 2)
+        p = prompt(model.shape.vocab, 12, 2) * 3
+    want = ar(model, p, 45)
+    drafter = None if kind == "ngram" else quick_drafter(model, 2, 40)
+    launched, collected = [], []
+    launch, collect = device_loop.DeviceLoop._launch, device_loop.DeviceLoop._collect
+    monkeypatch.setattr(device_loop.DeviceLoop, "_launch", lambda self, seq, k, origin=0: launched.append(
+        origin) or launch(self, seq, k, origin))
+    monkeypatch.setattr(device_loop.DeviceLoop, "_collect", lambda self, chunk, base, t0: collected.append(
+        chunk.steps) or collect(self, chunk, base, t0))
+    for k in (1, 2, 4):
+        for eos in (NO_EOS, frozenset({want[30]})):
+            eng = build_engine(cfg(device_steps=k, device_overlap=True, **OVERLAP_KINDS[kind]), model, eos, "cpu",
+                               block_drafter=drafter)
+            eng.warm_up(p)  # a tree's static shape is calibrated here
+            assert eng.device_loop.overlap and eng.device_loop.ready
+            cut = want if not eos else want[:want.index(want[30]) + 1]
+            for _ in range(2):  # the second request after a stop's queued chunk: the same tokens
+                launched.clear(), collected.clear()
+                r = eng.generate(p, 45)
+                assert (r.tokens, r.stop_reason) == (cut, "eos" if eos else "max_tokens"), (kind, k, eos)
+                assert sum(s.committed for s in r.steps) == len(r.tokens) - 1
+                assert launched.count(0) < len(launched)  # chunks continued from the device's state
+                if eos:  # the stop's chunk was read; the one queued behind it only ran
+                    assert len(launched) == len(collected) + 1, (kind, k)
+                else:  # the steps really accept drafts
+                    device = [s for s in r.steps if s.draft_s == 0]
+                    assert len(device) > len(r.steps) // 2 and sum(s.accepted for s in device) >= 5, kind
+
+
+def test_overlap_hands_over_to_the_host_loop_where_queued_chunks_would_not_fit():
+    model = damped("mha_tied", 2)
+    drafter = quick_drafter(model, 2, 40)
+    p = prompt(model.shape.vocab, 10, 2)
+    eng = build_engine(cfg(device_steps=2, device_overlap=True, max_seq_len=64), model, NO_EOS, "cpu",
+                       block_drafter=drafter)
+    r = eng.generate(p, 52)
+    want = build_engine(cfg(drafter="none", max_seq_len=64), model, NO_EOS, "cpu").generate(p, 52).tokens
+    assert r.tokens == want
+    host_full_depth = [s.draft_s > 0 and s.drafted == 3 for s in r.steps]
+    assert not host_full_depth[0] and any(host_full_depth[-5:])
+
+
+@pytest.mark.parametrize("over", [{"drafter": "none"}, {"verify": "two_level"}, {"drafter": "draft_model"},
+                                  {"drafter": "ngram", "verify": "tree"}])
+def test_device_overlap_needs_a_drafter_with_a_device_half(over):
+    with pytest.raises(ConfigError, match="device_overlap"):
+        cfg(device_overlap=True, **over)
+
+
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0])
 def test_device_steps_is_validated(bad):
     with pytest.raises(ConfigError, match="device_steps"):
@@ -258,24 +323,34 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
-@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree"])
+@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
+                                  "prefix tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
-    """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed."""
+    """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed; with
+    overlap, the continuing graphs too, and an EOS mid-stream stops where AR stops."""
     model = damped("gqa", 2).to(device="cuda", dtype=torch.bfloat16)
     p = prompt(model.shape.vocab, 12, 2) * 3
     over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5},
-            "prefix tree": {**TREE, "ngram_prefix": True}}.get(kind, {})
-    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, **over)
-    ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False)
+            "prefix tree": {**TREE, "ngram_prefix": True}, "prefix chain overlap": {"ngram_prefix": True},
+            "prefix tree overlap": {**TREE, "ngram_prefix": True}}.get(kind, {})
+    overlap = kind.endswith("overlap")
+    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, device_overlap=overlap, **over)
+    ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
     eng.warm_up(p, 2)
     graphs = set(eng.device_loop._graphs)
-    assert graphs == {1, 2, 4}
-    r = eng.generate(p, 60)
-    assert r.tokens == want and set(eng.device_loop._graphs) == graphs
-    assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
+    assert graphs == {(k, o) for k in (1, 2, 4) for o in ((0, 1, 2) if overlap else (0,))}
+    for _ in range(2):
+        r = eng.generate(p, 60)
+        assert r.tokens == want and set(eng.device_loop._graphs) == graphs
+        assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
+    if overlap:
+        eos = frozenset({want[40]})
+        stopped = build_engine(c, model, eos, "cuda", block_drafter=drafter)
+        stopped.warm_up(p, 2)
+        assert stopped.generate(p, 60).tokens == want[:want.index(want[40]) + 1]
 
 
 SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique_consecutive",

@@ -77,9 +77,9 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
 
 def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop | None:
     """The device loop of drafters that have a device half (block, alone or led by lookup: chain or tree; n-gram:
-    chain), or None: the host loop runs every step (device_steps=1, two-level, draft models, blocks wider than one
-    forward at the tile)."""
-    if cfg.device_steps <= 1:
+    chain), or None: the host loop runs every step (device_steps=1 without device_overlap, two-level, draft models,
+    blocks wider than one forward at the tile)."""
+    if cfg.device_steps <= 1 and not cfg.device_overlap:
         return None
     if isinstance(drafter, BlockTreeDrafter):
         half, tree = BlockDeviceDrafter(drafter), drafter.shape if drafter.shape.tree else None
@@ -92,6 +92,7 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
     else:
         return None
     try:
-        return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter))
+        return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter),
+                          overlap=cfg.device_overlap)
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

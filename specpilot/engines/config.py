@@ -131,6 +131,10 @@ class EngineConfig(ConfigOps):
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
     device_steps: int = 4
+    # The device loop queues each next chunk of device_steps steps before reading the current one's tokens: the
+    # host's work between chunks overlaps the device's, and a stop costs the chunk queued behind it (with
+    # device_steps 1, one step). Needs the device loop: a drafter with a device half.
+    device_overlap: bool = False
     # Block drafter, chain or tree: where the context has a prompt-lookup match (ngram_max/ngram_min), its tokens
     # lead the block's candidates: the chain's first tokens, the tree's main path (engines.drafters.ngram_prefix).
     ngram_prefix: bool = False
@@ -190,7 +194,7 @@ class EngineConfig(ConfigOps):
                and 1 <= self.state_checkpoint_spacing <= MAX_CHECKPOINT_SPACING,
                f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in "
                f"1..{MAX_CHECKPOINT_SPACING}")
-        for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant", "ngram_prefix"):
+        for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant", "ngram_prefix", "device_overlap"):
             _check(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r}: must be a bool")
         if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON
                                                         or self.dtype is not DType.BF16):
@@ -203,6 +207,10 @@ class EngineConfig(ConfigOps):
         if self.lookup_agree_topk and not self.ngram_prefix:
             raise ConfigError(f"lookup_agree_topk={self.lookup_agree_topk} gates ngram_prefix's lookup: it needs "
                               "ngram_prefix=true")
+        if self.device_overlap and not (self.drafter is DrafterKind.BLOCK and self.verify is not VerifyMode.TWO_LEVEL
+                                        or self.drafter is DrafterKind.NGRAM and self.verify is VerifyMode.CHAIN):
+            raise ConfigError("device_overlap queues the device loop's chunks: it needs a drafter with a device half "
+                              "(block with chain or tree verification, or ngram with a chain)")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
@@ -214,8 +222,8 @@ class EngineConfig(ConfigOps):
     # Fields that only shape what is drafted and verified, never how a row is computed.
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
-        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "ngram_prefix",
-        "lookup_agree_topk", "lookup_doubt_prob")
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "device_overlap",
+        "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

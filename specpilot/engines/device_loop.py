@@ -15,6 +15,11 @@ Chains have that shape by construction. A tree's shape is the best-first tree of
 probabilities per depth and rank (`StaticTree.calibrated`), measured over the engine's first host-loop tree steps:
 the per-step dynamic tree tracks each step's probabilities, the static one costs no host work.
 
+With `overlap`, the next chunk is queued before the current one's tokens are read (DeviceLoop.stream): it starts
+from the device's state, so the host's work between chunks (reading, committing, traces: ~0.15 ms a 4-step chunk
+on the H200 host, session 33) runs while the device works, and a stop costs the chunk queued behind it. Queued
+chunks alternate between two graph sets, so a replay never overwrites pinned outputs the host has yet to read.
+
 Exactness is the host loop's: every verify is the runner's step function on the same layouts. What differs is
 drafter state only (rows past the accepted path are projected too, at positions no draft reads before they are
 rewritten), so proposals may differ in low bits; verification decides either way.
@@ -22,6 +27,7 @@ rewritten), so proposals may differ in low bits; verification decides either way
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,29 +82,42 @@ class LoopSteps:
     seconds: float  # wall time of the k steps, host round trip included
 
 
+# A chunk's origin: FROM_HOST copies (pending token, slot) in from the host; the two CONTINUING sets start from the
+# state the chunk before them left on the device, alternating (overlap).
+FROM_HOST, CONTINUING = 0, (1, 2)
+
+
 @dataclass
 class LoopGraph:
     graph: "torch.cuda.CUDAGraph"
-    host_state: torch.Tensor  # pinned (pending token, its slot): copied in by the graph
+    host_state: torch.Tensor | None  # pinned (pending token, its slot), copied in by the graph; None: continuing
     host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, proposed, top-k tokens, top-k probs
     done: "torch.cuda.Event"
+
+
+@dataclass
+class Chunk:
+    """A launched chunk of steps: its graph (None: ran eagerly, `eager` holds its device outputs)."""
+    steps: int
+    graph: LoopGraph | None = None
+    eager: tuple[torch.Tensor, ...] = ()
 
 
 class DeviceLoop:
     """tree: the TreeShape (budget, width) of a static tree to calibrate; None: a chain of the drafter's depth.
     spine: the calibrated tree starts with the full-depth rank-0 path (as far as the budget goes), for drafters
     whose rank 0 is prompt lookup's match where it has one: a match runs long or not at all, which its mean
-    probability per depth understates."""
+    probability per depth understates. overlap: stream() queues each next chunk before reading the current one."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
-                 spine: bool = False):
+                 spine: bool = False, overlap: bool = False):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
-        self.spine = spine
+        self.spine, self.overlap = spine, overlap
         self.state = torch.zeros(2, dtype=torch.long, device=runner.device)  # (pending token, its slot == position)
         self.use_graphs = runner.use_graphs and drafter.use_graph
-        self._graphs: dict[int, LoopGraph] = {}
+        self._graphs: dict[tuple[int, int], LoopGraph] = {}  # (steps, origin)
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
         if tree is not None:
@@ -133,44 +152,105 @@ class DeviceLoop:
         last = base + (steps - 1) * self.depth_rows
         return last + self.runner.block_width <= self.runner.view_slots and last + self.width <= self.drafter.capacity
 
+    def chunk_steps(self, remaining: int) -> int:
+        """Steps of a chunk with at most `remaining` tokens left: each step commits >= 1 token, so k <= remaining
+        never runs a step whose tokens all fall past the limit. A power of two: few graphs."""
+        return 1 << (min(self.max_steps, remaining).bit_length() - 1)
+
     @torch.no_grad()
     def run(self, seq: list[int], steps: int) -> LoopSteps:
         """`steps` speculative steps from seq's last token (pending, at slot len(seq) - 1); a block drafter must have
         observed every position before it, and has observed every committed one of these steps afterwards."""
-        base, pending = len(seq) - 1, seq[-1]
+        base, t0 = len(seq) - 1, time.perf_counter()
+        self._check_fits(base, steps)
+        return self._collect(self._launch(seq, steps), base, t0)
+
+    @torch.no_grad()
+    def stream(self, seq: list[int], remaining: int) -> Iterator[LoopSteps]:
+        """Chunks of steps from seq's last token while at most `remaining` tokens are left, as run() gives them.
+        The caller commits each chunk's tokens to seq before taking the next and closes the stream at a stop
+        (contextlib.closing). Without overlap: one chunk. With it, each next chunk is queued before the current one
+        is read, from an upper bound of where the current one ends; a closed stream waits for the chunk queued
+        behind (its steps are dropped: the stop's cost)."""
+        base = len(seq) - 1
+        steps = self.chunk_steps(remaining)
+        self._check_fits(base, steps)
+        if self.overlap:
+            self.capture_all()  # between chunks the device is busy: no capture may run there
+        t0 = time.perf_counter()
+        pending, queued_steps, upper, parity, queued = self._launch(seq, steps), steps, base, 0, None
+        try:
+            while True:
+                upper += pending.steps * self.depth_rows  # where `pending` ends at the most
+                left = remaining - queued_steps  # each queued step commits >= 1 token
+                queued = None
+                if self.overlap and left > 1 and self.fits(upper, self.chunk_steps(left)):
+                    queued = self._launch(None, self.chunk_steps(left), CONTINUING[parity])
+                    queued_steps, parity = queued_steps + queued.steps, 1 - parity
+                res = self._collect(pending, base, t0)
+                t0 = time.perf_counter()
+                base += int(res.accepted.sum()) + pending.steps
+                yield res
+                if queued is None:
+                    return
+                pending, queued = queued, None
+        finally:
+            if queued is not None:  # closed at a stop: the chunk behind it still runs; its results are dropped
+                self._wait(queued)
+
+    @torch.no_grad()
+    def capture_all(self) -> int:
+        """Captures the graph of every power-of-two step count up to max_steps (between requests), in each origin
+        the loop launches."""
+        if not self.use_graphs or not self.ready:
+            return 0
+        origins = (FROM_HOST, *CONTINUING) if self.overlap else (FROM_HOST,)
+        todo = [(k, o) for k in (1 << i for i in range(self.max_steps.bit_length())) if k <= self.max_steps
+                for o in origins if (k, o) not in self._graphs]
+        for k, o in todo:
+            self._capture(k, o)
+        return len(todo)
+
+    # ---- internals ------------------------------------------------------------------------------------
+    def _check_fits(self, base: int, steps: int) -> None:
         if not self.ready or not 1 <= steps <= self.max_steps or not self.fits(base, steps):
             raise ValueError(f"device loop: {steps} steps from slot {base} do not fit (ready {self.ready}, max "
                              f"{self.max_steps} steps, view {self.runner.view_slots}, drafter cache "
                              f"{self.drafter.capacity})")
-        self.drafter.begin(seq, base)
-        t0 = time.perf_counter()
-        if self.use_graphs:
-            g = self._graphs.get(steps) or self._capture(steps)
+
+    def _launch(self, seq: list[int] | None, steps: int, origin: int = FROM_HOST) -> Chunk:
+        """Queues `steps` steps: FROM_HOST from seq's last token (the drafter catches up on seq first), a
+        CONTINUING origin from the device's state (seq None)."""
+        if origin == FROM_HOST:
+            base, pending = len(seq) - 1, seq[-1]
+            self.drafter.begin(seq, base)
+        if not self.use_graphs:
+            if origin == FROM_HOST:
+                self.state.copy_(torch.tensor([pending, base]))
+            return Chunk(steps, eager=self._steps(steps))
+        g = self._graphs.get((steps, origin)) or self._capture(steps, origin)
+        if origin == FROM_HOST:
             g.done.synchronize()  # the previous replay has read host_state
             g.host_state.numpy()[:] = pending, base
-            g.graph.replay()
-            g.done.record()
-            g.done.synchronize()  # the chunk's one host sync
-            out = [t.numpy().copy() for t in g.host_out]
+        g.graph.replay()
+        g.done.record()
+        return Chunk(steps, graph=g)
+
+    def _wait(self, chunk: Chunk) -> None:
+        if chunk.graph is not None:
+            chunk.graph.done.synchronize()
+
+    def _collect(self, chunk: Chunk, base: int, t0: float) -> LoopSteps:
+        """The chunk's results (its one host sync); the drafter's pending token now sits past its commits."""
+        if chunk.graph is not None:
+            chunk.graph.done.synchronize()
+            out = [t.numpy().copy() for t in chunk.graph.host_out]
         else:
-            self.state.copy_(torch.tensor([pending, base]))
-            out = [t.cpu().numpy() for t in self._steps(steps)]
+            out = [t.cpu().numpy() for t in chunk.eager]
         res = LoopSteps(*out, seconds=time.perf_counter() - t0)
-        self.drafter.end(base + int(res.accepted.sum()) + steps)
+        self.drafter.end(base + int(res.accepted.sum()) + chunk.steps)
         return res
 
-    @torch.no_grad()
-    def capture_all(self) -> int:
-        """Captures the graph of every power-of-two step count up to max_steps (between requests)."""
-        if not self.use_graphs or not self.ready:
-            return 0
-        todo = [k for k in (1 << i for i in range(self.max_steps.bit_length())) if k <= self.max_steps
-                and k not in self._graphs]
-        for k in todo:
-            self._capture(k)
-        return len(todo)
-
-    # ---- internals ------------------------------------------------------------------------------------
     def _check(self, rows: int):
         r = self.runner
         lay = verify_layout(rows, np.tril(np.ones((rows, rows), dtype=bool)), range(rows), r.tile, r.block_width)
@@ -235,11 +315,11 @@ class DeviceLoop:
             outs.append((path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs))
         return tuple(torch.stack(col) for col in zip(*outs))
 
-    def _capture(self, steps: int) -> LoopGraph:
+    def _capture(self, steps: int, origin: int = FROM_HOST) -> LoopGraph:
         """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots
-        (graphs.capture_restoring) and the drafter's state are restored afterwards (a capture mid-request must not
-        clobber its context)."""
-        buffers = self.drafter.buffers()
+        (graphs.capture_restoring), the drafter's state and the loop's are restored afterwards (a capture
+        mid-request must not clobber its context)."""
+        buffers = self.drafter.buffers() + [self.state]
         saved = [b.clone() for b in buffers]
         host_state = torch.zeros(2, dtype=torch.long).pin_memory()  # token 0 at slot 0 while capturing
         k, depth, topk = steps, self.drafter.depth, self.drafter.topk
@@ -249,12 +329,16 @@ class DeviceLoop:
                     torch.zeros(k, depth, topk, dtype=torch.float32).pin_memory())
 
         def body():
-            self.state.copy_(host_state, non_blocking=True)
+            if origin == FROM_HOST:
+                self.state.copy_(host_state, non_blocking=True)
+            elif not torch.cuda.is_current_stream_capturing():  # each warm-up from slot 0 (scratch), not the graph
+                self.state.zero_()
             for host, dev in zip(host_out, self._steps(steps)):
                 host.copy_(dev, non_blocking=True)
         graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width)
         for b, copy in zip(buffers, saved):
             b.copy_(copy)
-        g = self._graphs[steps] = LoopGraph(graph, host_state, host_out, torch.cuda.Event())
+        g = self._graphs[steps, origin] = LoopGraph(graph, host_state if origin == FROM_HOST else None, host_out,
+                                                    torch.cuda.Event())
         g.done.record()
         return g

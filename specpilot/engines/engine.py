@@ -1,6 +1,7 @@
 """The engine loop: draft -> verify -> commit, single request, greedy."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -140,14 +141,14 @@ class SpecEngine:
                 out.extend(new)
                 continue
             loop = self.device_loop
-            if loop is not None and loop.ready and remaining > 1:
-                # Each step commits >= 1 token: k <= remaining steps never runs one whose tokens all fall past the
-                # limit. A power of two: few graphs.
-                k = 1 << (min(loop.max_steps, remaining).bit_length() - 1)
-                if loop.fits(base, k):
-                    stop = self._commit_loop_steps(loop.run(seq, k), base, seq, out, steps, max_new_tokens,
-                                                   request_id)
-                    continue
+            if loop is not None and loop.ready and remaining > 1 and loop.fits(base, loop.chunk_steps(remaining)):
+                with contextlib.closing(loop.stream(seq, remaining)) as chunks:  # closing: a queued chunk ends
+                    for res in chunks:
+                        stop = self._commit_loop_steps(res, len(seq) - 1, seq, out, steps, max_new_tokens,
+                                                       request_id)
+                        if stop:
+                            break
+                continue
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
             tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()

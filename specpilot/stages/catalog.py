@@ -175,7 +175,9 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,
                      "speculative steps per host round trip: draft, verify, accept and commit on the device, several "
-                     "steps one CUDA graph", (Knob("device_steps", _CHOICE, choices=(1, 2, 4, 8)),),
+                     "steps one CUDA graph; overlap queues each next chunk before the host reads the current one",
+                     (Knob("device_steps", _CHOICE, choices=(1, 2, 4, 8)),
+                      Knob("device_overlap", _CHOICE, choices=(False, True))),
                      frozenset({DirectionName.OVERHEAD}), frozenset({DrafterKind.NGRAM, DrafterKind.BLOCK}), _CUDA,
                      _LLAMA),
     CatalogMechanism("token_tile", MechanismCategory.KERNEL, "batch-invariant forward width (every step runs at it)",

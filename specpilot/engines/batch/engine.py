@@ -99,6 +99,9 @@ class BatchEngine:
         if cfg.lookup_agree_topk:
             raise ConfigError("lookup_agree_topk gates the lookup on the block's depth-1 probabilities; the batched "
                               "block drafter computes top-1 tokens only (a fused argmax head): single regime only")
+        if cfg.device_overlap:
+            raise ConfigError("device_overlap queues the single-request device loop's chunks; the batched engine "
+                              "runs its own step loop: single regime only")
         if drafter_factory is None and cfg.drafter not in (DrafterKind.NONE, DrafterKind.NGRAM, DrafterKind.BLOCK):
             raise ConfigError(f"drafter={cfg.drafter.value} is not batched yet (block, ngram, none, or a "
                               "drafter_factory)")
