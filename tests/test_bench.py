@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -234,3 +235,12 @@ def test_the_table_and_the_picture_show_the_interval(tmp_path):
     for s in saved["summary"].values():
         del s["geomean_interval"], s["interval_level"]
     assert plot_speedups(saved, tmp_path / "before.png").stat().st_size > 0
+
+
+def test_the_one_geometric_mean_every_summary_uses():
+    from specpilot.stats import geomean, geomean_of_runs
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0) and geomean([3.0]) == pytest.approx(3.0)
+    assert geomean([]) == 0.0 and math.isnan(geomean((), empty=float("nan")))
+    with pytest.raises(ValueError):  # a zero speedup is a run that did not happen, not a value to average
+        geomean([2.0, 0.0])
+    assert geomean_of_runs([0.0, 2.0, 8.0]) == pytest.approx(4.0) and geomean_of_runs([0.0]) == 0.0

@@ -9,7 +9,6 @@ sees speedups and match flags, never the reference tokens.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -20,6 +19,7 @@ from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.quickbench import Measurement, QuickBench, TrialStatus
 from specpilot.stages.validate import EngineFactory
+from specpilot.stats import geomean
 
 FLOOR_S = 1e-6
 # A guard or a limit ended the run: the code did something it may not (or too much of it), not merely a bug.
@@ -62,8 +62,6 @@ class CandidateTrial(Protocol):
     def __call__(self, candidate: Candidate) -> TrialOutcome: ...
 
 
-def _geomean(xs: Sequence[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
 class QuickBenchTrial:
@@ -101,7 +99,7 @@ class EngineTrial:
             match &= a.tokens == c.tokens
             speedups.append(max(a.decode_s, FLOOR_S) / max(c.decode_s, FLOOR_S))
             per_step.append(c.accepted_per_step)
-        return TrialOutcome(candidate.name, _geomean(speedups) if match else 0.0, match, sum(per_step) / len(per_step),
+        return TrialOutcome(candidate.name, geomean(speedups) if match else 0.0, match, sum(per_step) / len(per_step),
                             "" if match else "output differs from AR on the trial prompts")
 
 
@@ -129,7 +127,7 @@ class SandboxTrial:
         match = all(list(runs[k].tokens) == refs[k].tokens for k in refs)
         speedups = [max(refs[k].decode_s, FLOOR_S) / max(runs[k].decode_s, FLOOR_S) for k in refs]
         per_step = sum(r.tokens_per_step for r in runs.values()) / len(runs)
-        return TrialOutcome(candidate.name, _geomean(speedups) if match else 0.0, match, per_step,
+        return TrialOutcome(candidate.name, geomean(speedups) if match else 0.0, match, per_step,
                             "" if match else "output differs from AR on the trial prompts", outcome)
 
 

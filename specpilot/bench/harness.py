@@ -21,6 +21,7 @@ from specpilot.engines.config import EngineConfig
 from specpilot.engines.engine import GenerationResult
 from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.traces import RequestTrace, StepTrace
+from specpilot.stats import geomean
 
 AR_LABEL = "ar"  # the exact AR reference (batch-invariant shapes): every variant's tokens must equal it
 AR_FAST_LABEL = "ar_fast"  # the engine's fastest AR mode (per-step shapes); speedups are measured against
@@ -87,7 +88,7 @@ class BenchReport:
     def geomean(self, variant: str, benchmark: str | None = None) -> float | None:
         xs = [r.speedup for r in self.requests if r.variant == variant and r.speedup
               and (benchmark is None or r.benchmark == benchmark)]
-        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+        return geomean(xs) if xs else None
 
     def geomean_interval(self, variant: str, level: float = CI_LEVEL, resamples: int = CI_RESAMPLES,
                          seed: int = 0) -> tuple[float, float] | None:

@@ -12,7 +12,6 @@ the device loop's static tree shape.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate, led_by_lookup
 from specpilot.engines.llama import LlamaModel
+from specpilot.stats import geomean
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,6 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     return steps
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
 @dataclass(frozen=True)
@@ -128,14 +126,14 @@ class PolicyResult:
 
     def overall(self) -> float:
         """Geometric mean over requests (the bench's aggregate for speedups; per request, steps cost alike)."""
-        return geomean(list(self.tokens_per_step.values()))
+        return geomean(self.tokens_per_step.values(), empty=float("nan"))
 
     def by_benchmark(self, refs: list[Reference]) -> dict[str, float]:
         groups: dict[str, list[float]] = {}
         for r in refs:
             if r.key in self.tokens_per_step:
                 groups.setdefault(r.benchmark, []).append(self.tokens_per_step[r.key])
-        return {b: geomean(v) for b, v in sorted(groups.items())}
+        return {b: geomean(v, empty=float("nan")) for b, v in sorted(groups.items())}
 
 
 def replay_all(refs: list[Reference], cands: list[AnchorCandidates], policies: list[LookupPolicy]

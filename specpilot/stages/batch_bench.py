@@ -11,7 +11,6 @@ tokens with is measured once, on the first runner that needs it, and reused.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -80,9 +79,6 @@ class Throughputs:
         return label in self.levels and all(run.matches_ar for run in self.levels[label].values())
 
 
-def geomean(values: Sequence[float]) -> float:
-    positive = [v for v in values if v > 0]
-    return math.exp(sum(math.log(v) for v in positive) / len(positive)) if positive else 0.0
 
 
 class BatchBench:

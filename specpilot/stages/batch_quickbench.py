@@ -14,10 +14,11 @@ from typing import Any
 
 from specpilot.bench.batched import AR_LABEL, STOCK_LABEL
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
-from specpilot.stages.batch_bench import BatchBench, LevelRun, Throughputs, geomean
+from specpilot.stages.batch_bench import BatchBench, LevelRun, Throughputs
 from specpilot.stages.candidate import Candidate
 from specpilot.stages.catalog import stock_candidate
 from specpilot.stages.quickbench import Measurement, QuickBench, TrialStatus
+from specpilot.stats import geomean_of_runs
 
 
 def fastest(runs: list[Throughputs]) -> Throughputs:
@@ -62,7 +63,7 @@ class BatchQuickBench(QuickBench):
                 return Measurement(c, 0.0, base, 0.0, False, index, result.errors[label], TrialStatus.NOT_RUN)
             ok = result.matches(label)
             levels = result.levels[label].values()
-            return Measurement(c, geomean(list(result.speedup(label).values())) if ok else 0.0, base,
+            return Measurement(c, geomean_of_runs(result.speedup(label).values()) if ok else 0.0, base,
                                sum(r.tokens_per_step for r in levels) / len(levels), ok, index,
                                "" if ok else "output differs from batched AR on the tune prompts",
                                TrialStatus.OK if ok else TrialStatus.LOSSY)

@@ -34,7 +34,8 @@ from specpilot.stages.devices import exclusive
 from specpilot.stages.io import SplitName, StageRun, memory_scope
 from specpilot.stages.proposers import (ExploreContext, MemoryHit, MemoryProposer, Proposer, SearchProposer,
                                         recall_memory)
-from specpilot.stages.quickbench import Measurement, QuickBench, TrialStatus, geomean
+from specpilot.stages.quickbench import Measurement, QuickBench, TrialStatus
+from specpilot.stats import geomean_of_runs
 
 if TYPE_CHECKING:
     import anthropic
@@ -115,7 +116,7 @@ def explore(session: DeploymentSession, base: Candidate, direction: Direction, p
     bench.flush()
     if not bench.baselines:  # nothing to try at all: still measure the build
         bench([])
-    baseline = dataclasses.replace(bench.baselines[0], objective=geomean([b.objective for b in bench.baselines]))
+    baseline = dataclasses.replace(bench.baselines[0], objective=geomean_of_runs(b.objective for b in bench.baselines))
     return ExploreResult(direction.name, baseline, tuple(bench.log), select(bench.log, owed, params.keep),
                          tuple(c.name for c in first), tuple(sorted(owed)), space, tuple(bench.rows))
 

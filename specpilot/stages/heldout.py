@@ -18,8 +18,9 @@ from typing import Any
 
 from specpilot.bench.harness import AR_LABEL, CI_LEVEL, Variant, bootstrap_interval, run_bench
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
-from specpilot.stages.batch_bench import BatchBench, geomean
+from specpilot.stages.batch_bench import BatchBench
 from specpilot.stages.candidate import Candidate
+from specpilot.stats import geomean, geomean_of_runs
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def heldout_single(session: DeploymentSession, builds: dict[str, Candidate], pro
 
     def vs_stock(label: str) -> float:
         ratios = [decode[("stock", p, b)] / max(decode[(label, p, b)], 1e-9) for (v, p, b) in decode if v == "stock"]
-        return math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        return geomean(ratios)
 
     return Heldout({label: report.geomean(label) or 0.0 for label in builds},
                    {label: {b: report.geomean(label, b) for b in report.benchmarks()} for label in builds},
@@ -89,10 +90,10 @@ def heldout_batched(session: DeploymentSession, builds: dict[str, Candidate], pr
               "errors": result.errors, "levels": {label: {str(c): {k: v for k, v in vars(run).items() if k != "outputs"}
                                                           for c, run in levels.items()}
                                                   for label, levels in result.levels.items()}}
-    return Heldout({label: geomean(list(speedups[label].values())) if label in ran else 0.0 for label in builds},
+    return Heldout({label: geomean_of_runs(speedups[label].values()) if label in ran else 0.0 for label in builds},
                    {label: {f"c{c}-{arrival}": s for c, s in speedups.get(label, {}).items()} for label in builds},
                    {label: result.matches(label) for label in builds},
-                   {label: geomean(list(result.speedup(label, "stock").values())) if label in ran else 0.0
+                   {label: geomean_of_runs(result.speedup(label, "stock").values()) if label in ran else 0.0
                     for label in builds} if "stock" in builds else {}, len(prompts), max_new_tokens, report,
                    {label: {("levels", f"c{c}"): x for c, x in speedups[label].items()} for label in ran})
 

@@ -19,7 +19,6 @@ its batch_config.json next to its engine_config.json (stages/io.py).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from specpilot.stages.devices import exclusive
 from specpilot.stages.io import SplitName, StageRun, write_build
 from specpilot.stages.remember import Explored, record_memory
 from specpilot.stages.validate import VerdictKind, validate, write_verdict
+from specpilot.stats import geomean
 
 # Logit margins below about one rounding step of the dtype at typical logit sizes (|logit| 8..16) are ties.
 TIE_EPSILON = {DType.BF16: 2.0 ** -4, DType.FP16: 2.0 ** -7, DType.FP32: 1e-5}
@@ -52,11 +52,9 @@ def _per_benchmark(pairs: list[tuple[str, float]]) -> dict[str, float]:
     groups: dict[str, list[float]] = {}
     for key, value in pairs:
         groups.setdefault(key.split("/", 1)[0], []).append(value)
-    return {b: _geomean(v) for b, v in groups.items()}
+    return {b: geomean(v) for b, v in groups.items()}
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ the build's latest baseline, so selection, validation and integration treat it l
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -17,6 +16,7 @@ from specpilot.bench.harness import AR_LABEL, BenchReport, RequestResult, Varian
 from specpilot.bench.session import DeploymentSession, TokenizedPrompt
 from specpilot.engines.config import ConfigError
 from specpilot.stages.candidate import Candidate
+from specpilot.stats import geomean_of_runs
 
 
 class TrialStatus(str, Enum):
@@ -64,9 +64,6 @@ class Measurement:
         return cls(**{**d, "candidate": Candidate.from_dict(d["candidate"])})
 
 
-def geomean(values: list[float]) -> float:
-    positive = [v for v in values if v > 0]
-    return math.exp(sum(math.log(v) for v in positive) / len(positive)) if positive else 0.0
 
 
 def _fastest(reports: list[BenchReport]) -> dict[tuple[str, str], RequestResult]:
@@ -142,7 +139,7 @@ class QuickBench:
             speedups = [fastest[(AR_LABEL, key)].decode_s / max(req.decode_s, 1e-9)
                         for (variant, key), req in fastest.items() if variant == label]
             steps = [req.tokens_per_step for (variant, _), req in fastest.items() if variant == label]
-            return Measurement(c, geomean(speedups) if ok else 0.0, base, sum(steps) / len(steps), ok, batch,
+            return Measurement(c, geomean_of_runs(speedups) if ok else 0.0, base, sum(steps) / len(steps), ok, batch,
                                "" if ok else "output differs from AR on the tune prompts",
                                TrialStatus.OK if ok else TrialStatus.LOSSY)
 

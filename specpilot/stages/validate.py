@@ -10,7 +10,6 @@ numerical TIE, never a silent PASS. Suspiciously large speedups are measured a s
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
@@ -25,6 +24,7 @@ from specpilot.engines.policy import STOCK, EnginePolicy
 from specpilot.engines.runner import chain_anc
 from specpilot.engines.target_runner import TargetRunner, fresh_runner
 from specpilot.stages.candidate import Candidate
+from specpilot.stats import geomean
 
 DECODE_FLOOR_S = 1e-6  # a response served without decoding (0 s) still gets a finite, huge speedup
 
@@ -99,11 +99,11 @@ class SpeedupCheck:
 
     @property
     def geomean(self) -> float:
-        return _geomean(self.first)
+        return geomean(self.first)
 
     @property
     def remeasured_geomean(self) -> float | None:
-        return None if self.remeasured is None else _geomean(self.remeasured)
+        return None if self.remeasured is None else geomean(self.remeasured)
 
 
 @dataclass(frozen=True)
@@ -270,8 +270,6 @@ def _speedup(stock: GenerationResult, cand: GenerationResult) -> float:
     return max(stock.decode_s, DECODE_FLOOR_S) / max(cand.decode_s, DECODE_FLOOR_S)
 
 
-def _geomean(values: Sequence[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _first_mismatch(kind: DivergenceKind, prompt: str, stock: list[int], cand: list[int],
