@@ -7,7 +7,8 @@
 #      + .whl/gguf-0.19.0-py3-none-any.whl                    n-gram bench (device loop and host loop), 5
 #      (not all of .whl: 64 MiB a call)                       benchmarks x 2048 tokens (DEP_TABLE=DEPLOYMENT: the
 #                                                             bench's engine and an extra AR mode run that
-#                                                             deployment's kernel table)
+#                                                             deployment's kernel table; b's bench and d:
+#                                                             KT_JSON=FILE a table of [key, params] pairs instead)
 #  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
@@ -45,8 +46,9 @@ table_json() {  # DEP_TABLE=DEPLOYMENT (e.g. smollm2-shape-h200): that deploymen
   python3 -c "import json, yaml
 print(json.dumps(yaml.safe_load(open('specpilot/deployments/$DEP_TABLE.yaml'))['engine']['kernel_table']))"
 }
-dep_table() {  # the engine line's kernel table under DEP_TABLE
-  [ -n "${DEP_TABLE:-}" ] && echo ", kernel_table: $(table_json)"
+dep_table() {  # the engine line's kernel table: KT_JSON=FILE (a JSON list of [key, params] pairs), else DEP_TABLE's
+  if [ -n "${KT_JSON:-}" ]; then echo ", kernel_table: $(python3 -c "import json; print(json.dumps(json.load(open('$KT_JSON'))))")"
+  elif [ -n "${DEP_TABLE:-}" ]; then echo ", kernel_table: $(table_json)"; fi
 }
 dep() {  # dep NAME DRAFTERS_YAML -> a deployment YAML of the converted model
   cat > "$TB/$1.yaml" <<YAML
