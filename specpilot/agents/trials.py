@@ -62,8 +62,6 @@ class CandidateTrial(Protocol):
     def __call__(self, candidate: Candidate) -> TrialOutcome: ...
 
 
-
-
 class QuickBenchTrial:
     """Config-only candidates through explore's QuickBench: its AR reference, its log."""
 

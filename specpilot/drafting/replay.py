@@ -117,8 +117,6 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     return steps
 
 
-
-
 @dataclass(frozen=True)
 class PolicyResult:
     policy: LookupPolicy

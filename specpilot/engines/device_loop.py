@@ -242,8 +242,8 @@ class DeviceLoop:
 
     def _collect(self, chunk: Chunk, base: int, t0: float) -> LoopSteps:
         """The chunk's results (its one host sync); the drafter's pending token now sits past its commits."""
+        self._wait(chunk)
         if chunk.graph is not None:
-            chunk.graph.done.synchronize()
             out = [t.numpy().copy() for t in chunk.graph.host_out]
         else:
             out = [t.cpu().numpy() for t in chunk.eager]

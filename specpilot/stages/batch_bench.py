@@ -79,8 +79,6 @@ class Throughputs:
         return label in self.levels and all(run.matches_ar for run in self.levels[label].values())
 
 
-
-
 class BatchBench:
     def __init__(self, session: DeploymentSession):
         dep = session.deployment

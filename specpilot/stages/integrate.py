@@ -55,8 +55,6 @@ def _per_benchmark(pairs: list[tuple[str, float]]) -> dict[str, float]:
     return {b: geomean(v) for b, v in groups.items()}
 
 
-
-
 @dataclass(frozen=True)
 class ValidateParams:
     prompts: int = 0  # held-out prompts (0: all of the validate split)

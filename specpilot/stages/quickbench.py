@@ -64,8 +64,6 @@ class Measurement:
         return cls(**{**d, "candidate": Candidate.from_dict(d["candidate"])})
 
 
-
-
 def _fastest(reports: list[BenchReport]) -> dict[tuple[str, str], RequestResult]:
     """(variant, prompt) -> the request's fastest decode over repeated bench runs."""
     best: dict[tuple[str, str], RequestResult] = {}

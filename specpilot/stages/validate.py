@@ -270,8 +270,6 @@ def _speedup(stock: GenerationResult, cand: GenerationResult) -> float:
     return max(stock.decode_s, DECODE_FLOOR_S) / max(cand.decode_s, DECODE_FLOOR_S)
 
 
-
-
 def _first_mismatch(kind: DivergenceKind, prompt: str, stock: list[int], cand: list[int],
                     tie_at: set[int]) -> Divergence | None:
     i = next((j for j, (a, b) in enumerate(zip(stock, cand)) if a != b), min(len(stock), len(cand)))
