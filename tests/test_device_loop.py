@@ -53,16 +53,33 @@ def test_device_steps_equal_host_steps_and_ar(shape):
     assert max(accepted) == 3 and sum(a > 0 for a in accepted) > 20  # steps really accept drafts
 
 
-def test_device_steps_stop_at_eos_inside_a_chunk():
+def test_device_steps_stop_at_eos_inside_a_chunk(monkeypatch):
+    """The device tracks the host's stop rule: a chunk's results end at the step that stopped (the steps after it,
+    which a captured graph skips, are dropped), and a device rule that disagrees with the host's is an error."""
+    import specpilot.engines.device_loop as device_loop
+
     model = damped("gqa", 1)
     drafter = quick_drafter(model, 1, 40)
     p = prompt(model.shape.vocab, 10, 1)
     want = ar(model, p, 40)
     eos = frozenset({want[17]})
     cut = want[:want.index(want[17]) + 1]
+    results, collect = [], device_loop.DeviceLoop._collect
+    monkeypatch.setattr(device_loop.DeviceLoop, "_collect", lambda self, *a: results.append(
+        collect(self, *a)) or results[-1])
     for k in (1, 4, 8):
-        r = engine(model, drafter, eos, device_steps=k).generate(p, 40)
+        results.clear()
+        eng = engine(model, drafter, eos, device_steps=k)
+        r = eng.generate(p, 40)
         assert (r.tokens, r.stop_reason) == (cut, "eos"), k
+        if k > 1:
+            assert eng.device_loop.stop is not None and results[-1].stopped
+            assert not any(res.stopped for res in results[:-1])
+            assert int(results[-1].accepted[-1]) == r.steps[-1].accepted  # the stop is the chunk's last step
+    eng = engine(model, drafter, eos, device_steps=8)
+    eng.device_loop.stop_on(frozenset({next(t for t in cut[1:-1] if t not in eos)}))  # not the host's rule
+    with pytest.raises(RuntimeError, match="where the host did not"):
+        eng.generate(p, 40)
 
 
 def test_the_host_loop_takes_over_where_device_steps_would_not_fit():
@@ -85,6 +102,21 @@ def test_run_refuses_a_drafter_that_has_not_seen_the_context():
     eng = engine(model, quick_drafter(model, 0), device_steps=4)
     with pytest.raises(RuntimeError, match="features for 0 positions"):
         eng.device_loop.run([7] * 6, 2)
+
+
+def test_a_policy_with_its_own_stop_rule_keeps_steps_past_the_device_stop():
+    class NoStop(EnginePolicy):  # commits everything: the engine's EOS never stops it
+        def commit(self, new, eos, remaining):
+            return new[:remaining], False
+
+    model = damped("gqa", 1)
+    drafter = quick_drafter(model, 1, 40)
+    p = prompt(model.shape.vocab, 10, 1)
+    want = ar(model, p, 40)
+    eng = build_engine(cfg(device_steps=4), model, frozenset({want[3]}), "cpu", block_drafter=drafter,
+                       policy=NoStop())
+    assert eng.device_loop is not None and eng.device_loop.stop is None
+    assert eng.generate(p, 40).tokens == want
 
 
 def test_a_policy_that_picks_depths_keeps_the_host_loop():
@@ -255,10 +287,10 @@ def test_overlapped_chunks_equal_ar_stop_where_it_stops_and_cost_one_queued_chun
     drafter = None if kind == "ngram" else quick_drafter(model, 2, 40)
     launched, collected = [], []
     launch, collect = device_loop.DeviceLoop._launch, device_loop.DeviceLoop._collect
-    monkeypatch.setattr(device_loop.DeviceLoop, "_launch", lambda self, seq, k, origin=0: launched.append(
-        origin) or launch(self, seq, k, origin))
-    monkeypatch.setattr(device_loop.DeviceLoop, "_collect", lambda self, chunk, base, t0: collected.append(
-        chunk.steps) or collect(self, chunk, base, t0))
+    monkeypatch.setattr(device_loop.DeviceLoop, "_launch", lambda self, seq, k, origin=0, **kw: launched.append(
+        origin) or launch(self, seq, k, origin, **kw))
+    monkeypatch.setattr(device_loop.DeviceLoop, "_collect", lambda self, chunk, *a: collected.append(
+        chunk.steps) or collect(self, chunk, *a))
     for k in (1, 2, 4):
         for eos in (NO_EOS, frozenset({want[30]})):
             eng = build_engine(cfg(device_steps=k, device_overlap=True, **OVERLAP_KINDS[kind]), model, eos, "cpu",
@@ -326,8 +358,9 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
                                   "prefix tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
-    """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed; with
-    overlap, the continuing graphs too, and an EOS mid-stream stops where AR stops."""
+    """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
+    overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
+    skip the steps past it."""
     model = damped("gqa", 2).to(device="cuda", dtype=torch.bfloat16)
     p = prompt(model.shape.vocab, 12, 2) * 3
     over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5},
@@ -346,11 +379,15 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         r = eng.generate(p, 60)
         assert r.tokens == want and set(eng.device_loop._graphs) == graphs
         assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
-    if overlap:
-        eos = frozenset({want[40]})
-        stopped = build_engine(c, model, eos, "cuda", block_drafter=drafter)
-        stopped.warm_up(p, 2)
-        assert stopped.generate(p, 60).tokens == want[:want.index(want[40]) + 1]
+    eos = frozenset({want[40]})
+    stopped = build_engine(c, model, eos, "cuda", block_drafter=drafter)
+    stopped.warm_up(p, 2)
+    r = stopped.generate(p, 60)
+    assert r.tokens == want[:want.index(want[40]) + 1]
+    # Every step past the stop (in its chunk, and with overlap the chunk queued behind) was skipped: the device
+    # state is the stop step's (its pending token's slot: the step's base + accepted + 1).
+    loop = stopped.device_loop
+    assert loop.ctl[2].item() == 0 and loop.state[1].item() == r.steps[-1].position + r.steps[-1].accepted
 
 
 SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique_consecutive",

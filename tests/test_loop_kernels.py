@@ -7,8 +7,8 @@ import torch
 
 from specpilot.engines.layout import draft_layout
 from specpilot.engines.llama import ancestor_slots
-from specpilot.engines.loop_kernels import (assemble, assemble_ref, chain_commit, chain_commit_ref, tree_commit,
-                                            tree_commit_ref)
+from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
+                                            tree_commit, tree_commit_ref)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels run interpreted (tests/conftest.py)
 
@@ -108,6 +108,50 @@ def test_chain_commit_equals_its_reference_on_random_chains():
         _equal(got, want)
 
 
+@pytest.mark.parametrize("eos, left, live, want", [
+    # argmax [5, 6, 7, 8], drafts [5, 6, 9]: accepted 2, committed tokens 5, 6, 7 (ctl: left, ran, live)
+    ([], 10, 1, [7, 1, 1]),  # no EOS, 7 tokens still to go
+    ([7], 10, 1, [7, 1, 0]),  # the bonus token is an EOS: stop
+    ([5, 99], 10, 1, [7, 1, 0]),  # the first committed token is one of the EOS set
+    ([8], 10, 1, [7, 1, 1]),  # EOS past the accepted path: not committed, no stop
+    ([], 3, 1, [0, 1, 0]),  # exactly at the token limit
+    ([], 2, 1, [-1, 1, 0]),  # past it (the host cuts the tokens; the request stops either way)
+    ([7], 10, 0, [10, 0, 0]),  # a step run after the stop (no conditional node): counts nothing, changes nothing
+])
+def test_commits_track_the_stop_rule(eos, left, live, want):
+    for fn in (chain_commit, chain_commit_ref):
+        state, ctl = on_dev(torch.tensor([1, 10]), torch.tensor([left, 0, live]))
+        ids = on_dev(torch.tensor(eos or [-1]))[0]
+        fn(*on_dev(torch.tensor([5, 6, 7, 8]), torch.tensor([1, 5, 6, 9]), torch.tensor(3)), state, None,
+           LoopStop(ids, ctl))
+        assert ctl.tolist() == want, fn.__name__
+    parents, anc, depths, depth_rows = _tree([-1, 0, 0, 1, 2, 2, 5])
+    argmax = torch.tensor([10, 11, 20, 12, 21, 22, 23])
+    for fn in (tree_commit, tree_commit_ref):  # accepted path 0 -> 2 -> 5 -> 6: tokens 20, 22, 23 and bonus 0's 10
+        for eos, stops in (([22], True), ([21], False), ([10], True), ([12], False)):
+            state, ctl = on_dev(torch.tensor([10, 30]), torch.tensor([50, 4, 1]))
+            fn(*on_dev(argmax, torch.tensor([0, 9, 10, 0, 0, 20, 22]), parents, anc, depths), state, depth_rows,
+               None, LoopStop(*on_dev(torch.tensor(eos)), ctl))
+            assert ctl.tolist() == [46, 5, int(not stops)], (fn.__name__, eos)
+
+
+def test_commits_track_the_stop_rule_like_their_references_on_random_chains():
+    g = torch.Generator().manual_seed(4)
+    for trial in range(30):
+        rows = int(torch.randint(1, 17, (1,), generator=g))
+        argmax = torch.randint(0, 4, (rows,), generator=g)
+        ids = torch.cat([torch.tensor([9]), torch.randint(0, 4, (rows + 2,), generator=g)])
+        proposed = torch.randint(0, rows, (1,), generator=g)
+        eos = torch.randint(0, 6, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)
+        ctl0 = torch.tensor([int(torch.randint(1, 12, (1,), generator=g)), trial, int(trial % 5 > 0)])
+        got = []
+        for fn in (chain_commit, chain_commit_ref):
+            state, ctl = on_dev(torch.tensor([9, 3]), ctl0.clone())
+            fn(*on_dev(argmax, ids, proposed), state, None, LoopStop(*on_dev(eos), ctl))
+            got.append(ctl.tolist())
+        assert got[0] == got[1], trial
+
+
 def test_bad_inputs_are_refused():
     t, p, state, src, rel = on_dev(torch.zeros(2, 2, dtype=torch.long), torch.zeros(2, 2),
                                    torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.arange(4))
@@ -121,6 +165,12 @@ def test_bad_inputs_are_refused():
         chain_commit(*on_dev(torch.zeros(3, dtype=torch.int32), rel, torch.tensor(1)), state)
     with pytest.raises(ValueError, match="proposed must hold one"):
         chain_commit(*on_dev(torch.zeros(3, dtype=torch.long), rel, torch.tensor([1, 2])), state)
+    with pytest.raises(ValueError, match="stop ctl must have shape"):
+        chain_commit(*on_dev(torch.zeros(3, dtype=torch.long), rel, torch.tensor(1)), state, None,
+                     LoopStop(*on_dev(torch.tensor([2]), torch.zeros(2, dtype=torch.long))))
+    with pytest.raises(ValueError, match="at least one"):
+        chain_commit(*on_dev(torch.zeros(3, dtype=torch.long), rel, torch.tensor(1)), state, None,
+                     LoopStop(*on_dev(torch.zeros(0, dtype=torch.long), torch.zeros(3, dtype=torch.long))))
 
 
 def _tree(parents):

@@ -20,12 +20,19 @@ from the device's state, so the host's work between chunks (reading, committing,
 on the H200 host, session 33) runs while the device works, and a stop costs the chunk queued behind it. Queued
 chunks alternate between two graph sets, so a replay never overwrites pinned outputs the host has yet to read.
 
+Steps past a stop: with the engine's stop rule (stop_on: EOS tokens, the token limit) each commit also tracks on
+the device whether the request is still live, and inside a graph every step sits in a CUDA graph conditional node
+on it. A chunk's steps past the stop, and a whole chunk queued behind a stop, then cost a few microseconds instead
+of a step each (session 34: the stop's queued step was 2% of the overlapped chain's time, the short requests
+weighing most). The host reads how many steps ran and takes those only.
+
 Exactness is the host loop's: every verify is the runner's step function on the same layouts. What differs is
 drafter state only (rows past the accepted path are projected too, at positions no draft reads before they are
 rewritten), so proposals may differ in low bits; verification decides either way.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,12 +46,14 @@ from specpilot.engines.drafters.block_tree import TreeShape
 from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.llama import ancestor_slots
-from specpilot.engines.loop_kernels import (assemble, assemble_ref, chain_commit, chain_commit_ref, tree_commit,
-                                            tree_commit_ref)
+from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
+                                            tree_commit, tree_commit_ref)
 from specpilot.engines.runner import ModelRunner
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
 CALIBRATION_STEPS = 16
+# The token limit of a run() without one.
+NO_LIMIT = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class LoopSteps:
     topk_tokens: np.ndarray  # [k, depth, K] the drafter's candidates per depth (traces: exact replay)
     topk_probs: np.ndarray
     seconds: float  # wall time of the k steps, host round trip included
+    stopped: bool = False  # the device saw the request stop in these steps (with stop_on): steps past it are cut
 
 
 # A chunk's origin: FROM_HOST copies (pending token, slot) in from the host; the two CONTINUING sets start from the
@@ -91,7 +101,7 @@ FROM_HOST, CONTINUING = 0, (1, 2)
 class LoopGraph:
     graph: "torch.cuda.CUDAGraph"
     host_state: torch.Tensor | None  # pinned (pending token, its slot), copied in by the graph; None: continuing
-    host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, proposed, top-k tokens, top-k probs
+    host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, proposed, top-k tokens, top-k probs, ctl
     done: "torch.cuda.Event"
 
 
@@ -115,7 +125,13 @@ class DeviceLoop:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
         self.spine, self.overlap = spine, overlap
-        self.state = torch.zeros(2, dtype=torch.long, device=runner.device)  # (pending token, its slot == position)
+        # (pending token, its slot == position), then the stop rule's ctl (tokens left, steps run, live): one copy
+        # from the host starts a chunk.
+        self.loop_state = torch.zeros(5, dtype=torch.long, device=runner.device)
+        self.state, self.ctl = self.loop_state[:2], self.loop_state[2:]
+        # live as the bool a conditional node reads: the low byte of ctl[2] (0 or 1; little-endian, host and GPU)
+        self.live = self.ctl[2:].view(torch.bool)[0]
+        self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
         self._graphs: dict[tuple[int, int], LoopGraph] = {}  # (steps, origin)
         self.tree: StaticTree | None = None
@@ -124,6 +140,13 @@ class DeviceLoop:
             self._check(tree.budget + 1)
         else:
             self._set_tree(StaticTree.chain(drafter.depth))
+
+    def stop_on(self, eos: frozenset[int]) -> None:
+        """Track the engine's stop rule (EnginePolicy.commit's: an EOS token, the token limit) on the device, so that
+        graphs skip the steps past a stop. Only for that rule: a step the device skipped must be one the host drops."""
+        ids = sorted(eos) or [-1]  # -1 matches no token
+        self.stop = LoopStop(torch.tensor(ids, dtype=torch.long, device=self.runner.device), self.ctl)
+        self._graphs.clear()
 
     @property
     def ready(self) -> bool:
@@ -158,12 +181,13 @@ class DeviceLoop:
         return 1 << (min(self.max_steps, remaining).bit_length() - 1)
 
     @torch.no_grad()
-    def run(self, seq: list[int], steps: int) -> LoopSteps:
-        """`steps` speculative steps from seq's last token (pending, at slot len(seq) - 1); a block drafter must have
-        observed every position before it, and has observed every committed one of these steps afterwards."""
+    def run(self, seq: list[int], steps: int, remaining: int | None = None) -> LoopSteps:
+        """`steps` speculative steps from seq's last token (pending, at slot len(seq) - 1), with at most `remaining`
+        tokens left (None: no limit); a block drafter must have observed every position before it, and has observed
+        every committed one of these steps afterwards."""
         base, t0 = len(seq) - 1, time.perf_counter()
         self._check_fits(base, steps)
-        return self._collect(self._launch(seq, steps), base, t0)
+        return self._collect(self._launch(seq, steps, remaining=remaining), base, t0)
 
     @torch.no_grad()
     def stream(self, seq: list[int], remaining: int) -> Iterator[LoopSteps]:
@@ -178,7 +202,8 @@ class DeviceLoop:
         if self.overlap:
             self.capture_all()  # between chunks the device is busy: no capture may run there
         t0 = time.perf_counter()
-        pending, queued_steps, upper, parity, queued = self._launch(seq, steps), steps, base, 0, None
+        pending, queued_steps, upper, parity, queued = self._launch(seq, steps, remaining=remaining), steps, base, 0, None
+        ran = 0  # steps run since the chunk from the host (the device's count is cumulative)
         try:
             while True:
                 upper += pending.steps * self.depth_rows  # where `pending` ends at the most
@@ -187,9 +212,10 @@ class DeviceLoop:
                 if self.overlap and left > 1 and self.fits(upper, self.chunk_steps(left)):
                     queued = self._launch(None, self.chunk_steps(left), CONTINUING[parity])
                     queued_steps, parity = queued_steps + queued.steps, 1 - parity
-                res = self._collect(pending, base, t0)
+                res = self._collect(pending, base, t0, ran)
                 t0 = time.perf_counter()
-                base += int(res.accepted.sum()) + pending.steps
+                ran += len(res.accepted)
+                base += int(res.accepted.sum()) + len(res.accepted)
                 yield res
                 if queued is None:
                     return
@@ -218,20 +244,23 @@ class DeviceLoop:
                              f"{self.max_steps} steps, view {self.runner.view_slots}, drafter cache "
                              f"{self.drafter.capacity})")
 
-    def _launch(self, seq: list[int] | None, steps: int, origin: int = FROM_HOST) -> Chunk:
-        """Queues `steps` steps: FROM_HOST from seq's last token (the drafter catches up on seq first), a
-        CONTINUING origin from the device's state (seq None)."""
+    def _launch(self, seq: list[int] | None, steps: int, origin: int = FROM_HOST,
+                remaining: int | None = None) -> Chunk:
+        """Queues `steps` steps: FROM_HOST from seq's last token with at most `remaining` tokens left (None: no
+        limit; the drafter catches up on seq first), a CONTINUING origin from the device's state (seq None)."""
         if origin == FROM_HOST:
             base, pending = len(seq) - 1, seq[-1]
+            start = [pending, base, NO_LIMIT if remaining is None else remaining, 0, 1]  # loop_state, live
             self.drafter.begin(seq, base)
         if not self.use_graphs:
             if origin == FROM_HOST:
-                self.state.copy_(torch.tensor([pending, base]))
-            return Chunk(steps, eager=self._steps(steps))
+                self.loop_state.copy_(torch.tensor(start))
+            *out, ctl = self._steps(steps)
+            return Chunk(steps, eager=(*out, ctl.clone()))  # ctl as it stood after these steps
         g = self._graphs.get((steps, origin)) or self._capture(steps, origin)
         if origin == FROM_HOST:
             g.done.synchronize()  # the previous replay has read host_state
-            g.host_state.numpy()[:] = pending, base
+            g.host_state.numpy()[:] = start
         g.graph.replay()
         g.done.record()
         return Chunk(steps, graph=g)
@@ -240,15 +269,20 @@ class DeviceLoop:
         if chunk.graph is not None:
             chunk.graph.done.synchronize()
 
-    def _collect(self, chunk: Chunk, base: int, t0: float) -> LoopSteps:
-        """The chunk's results (its one host sync); the drafter's pending token now sits past its commits."""
+    def _collect(self, chunk: Chunk, base: int, t0: float, ran_before: int = 0) -> LoopSteps:
+        """The chunk's results (its one host sync), cut after the stop the device saw (with stop_on; ran_before:
+        steps run since the last chunk from the host); the drafter's pending token now sits past its commits."""
         self._wait(chunk)
         if chunk.graph is not None:
             out = [t.numpy().copy() for t in chunk.graph.host_out]
         else:
-            out = [t.cpu().numpy() for t in chunk.eager]
-        res = LoopSteps(*out, seconds=time.perf_counter() - t0)
-        self.drafter.end(base + int(res.accepted.sum()) + chunk.steps)
+            out = [t.cpu().numpy().copy() for t in chunk.eager]
+        ctl, stopped = out.pop(), False
+        if self.stop is not None:
+            ran = int(ctl[1]) - ran_before
+            out, stopped = [a[:ran] for a in out], not ctl[2]
+        res = LoopSteps(*out, seconds=time.perf_counter() - t0, stopped=stopped)
+        self.drafter.end(base + int(res.accepted.sum()) + len(res.accepted))
         return res
 
     def _check(self, rows: int):
@@ -285,8 +319,26 @@ class DeviceLoop:
             raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
         self._graphs.clear()
 
+    @contextlib.contextmanager
+    def _while_live(self):
+        """Inside a graph capture with a stop rule, what runs here becomes the body of a conditional node on
+        `live`: a replay skips it once the request has stopped. Elsewhere it always runs (the host drops the steps
+        past the stop)."""
+        capturing = self.stop is not None and self.runner.device.type == "cuda" and \
+            torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            yield
+            return
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node(self.live)
+        try:
+            yield
+        finally:
+            graph.end_capture_to_conditional_node()
+
     def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs."""
+        """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs
+        (a skipped step's rows hold stale values), and ctl."""
         drafter, rows = self.drafter, len(self.row_depths)
         if self.runner.device.type == "cuda":
             assemble_block, commit_chain, commit_tree = assemble, chain_commit, tree_commit
@@ -294,45 +346,53 @@ class DeviceLoop:
             assemble_block, commit_chain, commit_tree = assemble_ref, chain_commit_ref, tree_commit_ref
         outs = []
         for _ in range(steps):
-            base = self.state[1]  # a view: read it before the state moves on
-            d = drafter.draft(self.state)
-            top_tokens, top_probs, ids, positions, slots, block_slots = assemble_block(
-                d.tokens, d.probs, d.lead, d.lead_depths, self.state, self.node_src, self.positions, self.slots,
-                self.rel_block_slots)
-            target = self.runner._step_fn(ids, positions, slots, base, self.anc, block_slots)
-            argmax, features = target[0][:rows], target[4]
-            if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
-                path_tokens, accepted = commit_chain(argmax, ids, d.proposed, self.state, drafter.sequence)
-                drafter.commit(None if features is None else features[:rows], positions[:rows])
-            else:
-                path, path_tokens, accepted, next_state = commit_tree(
-                    argmax, ids, self.parents, self.tree_anc, self.row_depths, self.state, self.depth_rows,
-                    drafter.sequence)
-                kv = self.runner.kv  # the path's keys/values to slots base.. (entries past `accepted`: the root's)
-                kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
-                drafter.commit(None if features is None else features[path], base + self.depth_offsets)
-                self.state.copy_(next_state)
-            outs.append((path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs))
-        return tuple(torch.stack(col) for col in zip(*outs))
+            with self._while_live():
+                outs.append(self._step(drafter, rows, assemble_block, commit_chain, commit_tree))
+        return (*(torch.stack(col) for col in zip(*outs)), self.ctl)
+
+    def _step(self, drafter: DeviceDrafter, rows: int, assemble_block, commit_chain, commit_tree):
+        """One step from self.state -> its outputs (see _steps)."""
+        base = self.state[1]  # a view: read it before the state moves on
+        d = drafter.draft(self.state)
+        top_tokens, top_probs, ids, positions, slots, block_slots = assemble_block(
+            d.tokens, d.probs, d.lead, d.lead_depths, self.state, self.node_src, self.positions, self.slots,
+            self.rel_block_slots)
+        target = self.runner._step_fn(ids, positions, slots, base, self.anc, block_slots)
+        argmax, features = target[0][:rows], target[4]
+        if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
+            path_tokens, accepted = commit_chain(argmax, ids, d.proposed, self.state, drafter.sequence,
+                                                 self.stop)
+            drafter.commit(None if features is None else features[:rows], positions[:rows])
+        else:
+            path, path_tokens, accepted, next_state = commit_tree(
+                argmax, ids, self.parents, self.tree_anc, self.row_depths, self.state, self.depth_rows,
+                drafter.sequence, self.stop)
+            kv = self.runner.kv  # the path's keys/values to slots base.. (entries past `accepted`: the root's)
+            kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
+            drafter.commit(None if features is None else features[path], base + self.depth_offsets)
+            self.state.copy_(next_state)
+        return path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs
 
     def _capture(self, steps: int, origin: int = FROM_HOST) -> LoopGraph:
         """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots
         (graphs.capture_restoring), the drafter's state and the loop's are restored afterwards (a capture
         mid-request must not clobber its context)."""
-        buffers = self.drafter.buffers() + [self.state]
+        buffers = self.drafter.buffers() + [self.loop_state]
         saved = [b.clone() for b in buffers]
-        host_state = torch.zeros(2, dtype=torch.long).pin_memory()  # token 0 at slot 0 while capturing
+        # token 0 at slot 0 while capturing, live, no limit (continuing graphs: where their warm-ups start)
+        host_state = torch.tensor([0, 0, NO_LIMIT, 0, 1]).pin_memory()
         k, depth, topk = steps, self.drafter.depth, self.drafter.topk
         host_out = (torch.zeros(k, self.depth_rows, dtype=torch.long).pin_memory(),
                     torch.zeros(k, dtype=torch.long).pin_memory(), torch.zeros(k, dtype=torch.long).pin_memory(),
                     torch.zeros(k, depth, topk, dtype=torch.long).pin_memory(),
-                    torch.zeros(k, depth, topk, dtype=torch.float32).pin_memory())
+                    torch.zeros(k, depth, topk, dtype=torch.float32).pin_memory(),
+                    torch.zeros(3, dtype=torch.long).pin_memory())
 
         def body():
             if origin == FROM_HOST:
-                self.state.copy_(host_state, non_blocking=True)
+                self.loop_state.copy_(host_state, non_blocking=True)
             elif not torch.cuda.is_current_stream_capturing():  # each warm-up from slot 0 (scratch), not the graph
-                self.state.zero_()
+                self.loop_state.copy_(host_state)
             for host, dev in zip(host_out, self._steps(steps)):
                 host.copy_(dev, non_blocking=True)
         graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width)

@@ -79,6 +79,8 @@ class SpecEngine:
         stock = all(getattr(type(policy), hook) is getattr(EnginePolicy, hook)
                     for hook in ("draft_depth", "shape_tree", "accept"))
         self.device_loop = device_loop if stock else None
+        if self.device_loop is not None and type(policy).commit is EnginePolicy.commit:
+            self.device_loop.stop_on(self.eos)  # the device skips steps past this rule's stops
 
     def warm_up(self, prompt: list[int], max_new_tokens: int = 8) -> None:
         """A short generation, then every graph this engine's target can replay: one-time costs (allocation,
@@ -200,4 +202,6 @@ class SpecEngine:
                 return "eos"
             if len(out) >= max_new_tokens:
                 return "max_tokens"
+        if res.stopped:  # the device skipped steps the host would commit: its stop rule is not the host's
+            raise RuntimeError("device loop: the device stopped the request where the host did not")
         return ""

@@ -10,6 +10,8 @@ references exactly; the device loop runs the references on CPU.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -138,6 +140,51 @@ def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, r
     return out_tok, out_prob, ids, pos, slots, block_slots
 
 
+class LoopStop(NamedTuple):
+    """The host's stop rule, tracked on the device so that a graph's steps past a stop can be skipped (a CUDA graph
+    conditional node reads `live`): ids [E] int64, the EOS tokens (-1 pads: no token matches); ctl [3] int64
+    (tokens the request may still commit, steps run while live, live 0/1), written by each commit. A step commits
+    its path's first accepted + 1 tokens; the request stops after a step that commits an EOS or reaches the token
+    limit, as EnginePolicy.commit stops it."""
+    ids: torch.Tensor
+    ctl: torch.Tensor
+
+
+def _check_stop(stop: LoopStop | None, dev) -> None:
+    if stop is not None:
+        check_tensor("stop ids", stop.ids, (None,), torch.int64, dev)
+        check_tensor("stop ctl", stop.ctl, (3,), torch.int64, dev)
+        if stop.ids.shape[0] < 1:
+            raise ValueError("stop ids: at least one entry (pad with -1)")
+
+
+def stop_update_ref(tokens: torch.Tensor, accepted: torch.Tensor, stop: LoopStop) -> None:
+    """The step's committed tokens (tokens[:accepted + 1]) against the stop rule; ctl updated in place."""
+    ids, ctl = stop
+    committed = torch.arange(tokens.shape[0], device=tokens.device) <= accepted
+    hit = (torch.isin(tokens, ids) & committed).any()
+    was = ctl[2] != 0
+    left = torch.where(was, ctl[0] - accepted - 1, ctl[0])
+    ctl.copy_(torch.stack([left, ctl[1] + was.long(), (was & ~hit & (left > 0)).long()]))
+
+
+@triton.jit
+def _stop_update(tokens, idx, accepted, ok, ids_ptr, ctl_ptr, E: tl.constexpr, EP: tl.constexpr):
+    """stop_update_ref inside a commit kernel: tokens/idx/ok [N] (path tokens, their depth, valid)."""
+    e = tl.arange(0, EP)
+    stop_ids = tl.load(ids_ptr + e, mask=e < E, other=-1)
+    committed = ok & (idx <= accepted)
+    hit = tl.max(tl.where(committed[:, None] & (tokens[:, None] == stop_ids[None, :]), 1, 0))
+    left = tl.load(ctl_ptr)
+    ran = tl.load(ctl_ptr + 1)
+    was = tl.load(ctl_ptr + 2) != 0
+    new_left = tl.where(was, left - accepted - 1, left)
+    tl.debug_barrier()  # every thread has read ctl before any writes it
+    tl.store(ctl_ptr, new_left)
+    tl.store(ctl_ptr + 1, ran + was.to(tl.int64))
+    tl.store(ctl_ptr + 2, (was & (hit == 0) & (new_left > 0)).to(tl.int64))
+
+
 def _check_count(name, t, dev):
     """A one-element int64 count on the device (a 0-d or [1] tensor)."""
     check_tensor(name, t, None, torch.int64, dev)
@@ -158,18 +205,19 @@ def _check_outcome(argmax, ids, state, sequence) -> tuple[torch.device, int]:
     return dev, rows
 
 
-def _check_commit(argmax, ids, proposed, state, sequence):
+def _check_commit(argmax, ids, proposed, state, sequence, stop):
     dev, _ = _check_outcome(argmax, ids, state, sequence)
     _check_count("proposed", proposed, dev)
+    _check_stop(stop, dev)
 
 
-def chain_commit_ref(argmax, ids, proposed, state, sequence=None):
+def chain_commit_ref(argmax, ids, proposed, state, sequence=None, stop=None):
     """A chain step's outcome: argmax [R] of the block ids[:R] (root, then R - 1 draft tokens). Accepted = the
     leading drafts equal to the argmax at their parent, at most `proposed`; path tokens = argmax [R] (commit the
     first accepted + 1: the drafts, then the bonus). state = (pending, base) becomes (bonus, base + accepted + 1);
-    sequence (a lookup's copy of the sequence by position), when given, gets the path tokens at base + 1...
-    Returns (path tokens [R], accepted 0-d)."""
-    _check_commit(argmax, ids, proposed, state, sequence)
+    sequence (a lookup's copy of the sequence by position), when given, gets the path tokens at base + 1...; stop
+    (LoopStop), when given, is updated. Returns (path tokens [R], accepted 0-d)."""
+    _check_commit(argmax, ids, proposed, state, sequence, stop)
     rows = argmax.shape[0]
     matched = ids[1:rows] == argmax[:rows - 1]
     accepted = torch.minimum(matched.long().cumprod(0).sum(), proposed.reshape(()))
@@ -178,12 +226,15 @@ def chain_commit_ref(argmax, ids, proposed, state, sequence=None):
     if sequence is not None:
         sequence.index_copy_(0, base + 1 + torch.arange(rows, device=argmax.device), path)
     state.copy_(torch.cat([torch.index_select(path, 0, accepted.view(1)), (base + accepted + 1).view(1)]))
+    if stop is not None:
+        stop_update_ref(path, accepted, stop)
     return path, accepted
 
 
 @triton.jit
-def _chain_commit_kernel(argmax_ptr, ids_ptr, proposed_ptr, state_ptr, seq_ptr, path_ptr, acc_ptr,
-                         R: tl.constexpr, RP: tl.constexpr, HAS_SEQ: tl.constexpr):
+def _chain_commit_kernel(argmax_ptr, ids_ptr, proposed_ptr, state_ptr, seq_ptr, path_ptr, acc_ptr, stop_ptr, ctl_ptr,
+                         R: tl.constexpr, RP: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_STOP: tl.constexpr,
+                         E: tl.constexpr, EP: tl.constexpr):
     i = tl.arange(0, RP)
     ok = i < R
     am = tl.load(argmax_ptr + i, mask=ok, other=0)
@@ -201,23 +252,34 @@ def _chain_commit_kernel(argmax_ptr, ids_ptr, proposed_ptr, state_ptr, seq_ptr, 
     tl.debug_barrier()  # every thread has read the old state before any writes the new one
     tl.store(state_ptr, bonus)
     tl.store(state_ptr + 1, base + accepted + 1)
+    if HAS_STOP:
+        _stop_update(am, i, accepted, ok, stop_ptr, ctl_ptr, E, EP)
 
 
-def chain_commit(argmax, ids, proposed, state, sequence=None):
+def _stop_args(stop, fallback) -> dict:
+    """A commit kernel's stop arguments (pointers and constexprs; `fallback` stands in for absent pointers)."""
+    if stop is None:
+        return {"stop_ptr": fallback, "ctl_ptr": fallback, "HAS_STOP": False, "E": 1, "EP": 1}
+    n = stop.ids.shape[0]
+    return {"stop_ptr": stop.ids, "ctl_ptr": stop.ctl, "HAS_STOP": True, "E": n, "EP": triton.next_power_of_2(n)}
+
+
+def chain_commit(argmax, ids, proposed, state, sequence=None, stop=None):
     """chain_commit_ref's results and writes in one launch."""
-    _check_commit(argmax, ids, proposed, state, sequence)
+    _check_commit(argmax, ids, proposed, state, sequence, stop)
     rows = argmax.shape[0]
     check_launchable(_chain_commit_kernel, argmax.device)
     path = torch.empty_like(argmax)
     accepted = torch.empty((), dtype=torch.int64, device=argmax.device)
     _chain_commit_kernel[(1,)](argmax, ids, proposed, state, state if sequence is None else sequence, path,
                                accepted, R=rows, RP=triton.next_power_of_2(rows), HAS_SEQ=sequence is not None,
-                               num_warps=1)
+                               num_warps=1, **_stop_args(stop, state))
     return path, accepted
 
 
-def _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows):
+def _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows, stop):
     dev, rows = _check_outcome(argmax, ids, state, sequence)
+    _check_stop(stop, dev)
     check_tensor("parents", parents, (rows,), torch.int64, dev)
     check_tensor("anc", anc, (rows, rows), torch.uint8, dev)
     check_tensor("depths", depths, (rows,), torch.int64, dev)
@@ -225,15 +287,15 @@ def _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows):
         raise ValueError(f"depth_rows={depth_rows} must be in 1..{rows}")
 
 
-def tree_commit_ref(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None):
+def tree_commit_ref(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None, stop=None):
     """A static tree step's outcome: argmax [R] of the block ids[:R] (root, then draft node i at row i with parent
     parents[i] (-1: the root's), ancestors-or-self anc [R, R] (uint8), depth depths[i]). A node is accepted when
     every node on its path equals the argmax at its parent; the deepest wins (siblings differ; ties: the lowest
     row). Returns (path rows [depth_rows]: the row of its ancestor at each depth, 0 past it; path tokens
     [depth_rows] = argmax at those rows (commit the first accepted + 1); accepted 0-d; the next state (bonus,
     base + accepted + 1)). state itself is left alone (the caller moves the path's keys/values from base first);
-    sequence, when given, gets the path tokens at base + 1..."""
-    _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows)
+    sequence, when given, gets the path tokens at base + 1..; stop (LoopStop), when given, is updated."""
+    _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows, stop)
     rows = argmax.shape[0]
     matched = torch.cat([torch.ones(1, dtype=torch.bool, device=argmax.device),
                          ids[1:rows] == argmax[parents[1:].clamp(min=0)]])
@@ -248,13 +310,16 @@ def tree_commit_ref(argmax, ids, parents, anc, depths, state, depth_rows, sequen
     if sequence is not None:
         sequence.index_copy_(0, state[1] + 1 + d, tokens)
     next_state = torch.cat([torch.index_select(tokens, 0, accepted.view(1)), (state[1] + accepted + 1).view(1)])
+    if stop is not None:
+        stop_update_ref(tokens, accepted, stop)
     return path, tokens, accepted, next_state
 
 
 @triton.jit
 def _tree_commit_kernel(argmax_ptr, ids_ptr, par_ptr, anc_ptr, depth_ptr, state_ptr, seq_ptr, path_ptr, tok_ptr,
-                        acc_ptr, next_ptr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr,
-                        HAS_SEQ: tl.constexpr):
+                        acc_ptr, next_ptr, stop_ptr, ctl_ptr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
+                        DRP: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_STOP: tl.constexpr, E: tl.constexpr,
+                        EP: tl.constexpr):
     i = tl.arange(0, RP)
     row_ok = i < R
     draft = row_ok & (i >= 1)
@@ -285,11 +350,13 @@ def _tree_commit_kernel(argmax_ptr, ids_ptr, par_ptr, anc_ptr, depth_ptr, state_
     tl.store(next_ptr + 1, base + accepted + 1)
     if HAS_SEQ:
         tl.store(seq_ptr + base + 1 + d, tokens, mask=d_ok)
+    if HAS_STOP:
+        _stop_update(tokens, d, accepted.to(tl.int64), d_ok, stop_ptr, ctl_ptr, E, EP)
 
 
-def tree_commit(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None):
+def tree_commit(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None, stop=None):
     """tree_commit_ref's results and writes in one launch."""
-    _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows)
+    _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows, stop)
     rows, dev = argmax.shape[0], argmax.device
     check_launchable(_tree_commit_kernel, dev)
     path, tokens = (torch.empty(depth_rows, dtype=torch.int64, device=dev) for _ in range(2))
@@ -298,5 +365,6 @@ def tree_commit(argmax, ids, parents, anc, depths, state, depth_rows, sequence=N
     p2 = triton.next_power_of_2
     _tree_commit_kernel[(1,)](argmax, ids, parents, anc, depths, state, state if sequence is None else sequence,
                               path, tokens, accepted, next_state, R=rows, RP=p2(rows), DR=depth_rows,
-                              DRP=p2(depth_rows), HAS_SEQ=sequence is not None, num_warps=1)
+                              DRP=p2(depth_rows), HAS_SEQ=sequence is not None, num_warps=1,
+                              **_stop_args(stop, state))
     return path, tokens, accepted, next_state
