@@ -14,6 +14,7 @@ from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup, 
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
 from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.graph_if import GuardedGraph, unsupported_reason
 from specpilot.engines.policy import EnginePolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -380,14 +381,46 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         assert r.tokens == want and set(eng.device_loop._graphs) == graphs
         assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
     eos = frozenset({want[40]})
-    stopped = build_engine(c, model, eos, "cuda", block_drafter=drafter)
+    # With overlap in 1-step chunks, only the chunk queued behind the stop would run past it: it is skipped
+    # (engines.graph_if), so the device state is the stop step's (its pending token's slot: base + accepted + 1).
+    stopped = build_engine(c.replace(device_steps=1) if overlap else c, model, eos, "cuda", block_drafter=drafter)
     stopped.warm_up(p, 2)
     r = stopped.generate(p, 60)
     assert r.tokens == want[:want.index(want[40]) + 1]
-    # Every step past the stop (in its chunk, and with overlap the chunk queued behind) was skipped: the device
-    # state is the stop step's (its pending token's slot: the step's base + accepted + 1).
     loop = stopped.device_loop
-    assert loop.ctl[2].item() == 0 and loop.state[1].item() == r.steps[-1].position + r.steps[-1].accepted
+    assert loop.ctl[2].item() == 0
+    if overlap:
+        assert isinstance(loop._graphs[1, 1].graph, GuardedGraph) and r.steps[-1].draft_s == 0
+        assert loop.state[1].item() == r.steps[-1].position + r.steps[-1].accepted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
+def test_a_guarded_graph_runs_only_while_its_flag_is_set():
+    """A captured graph (torch and Triton kernels, PDL launches, a copy to pinned memory) inside a conditional node:
+    each replay runs it only where the flag is nonzero at that point of the stream."""
+    from specpilot.kernels._common import capture_graph
+    from specpilot.kernels.attn import attention
+
+    assert unsupported_reason() is None
+    q, kv = torch.ones(2, 4, 64, device="cuda", dtype=torch.bfloat16), torch.ones(2, 32, 64, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    anc = torch.ones(2, 2, dtype=torch.bool, device="cuda")
+    count, flag = torch.zeros(1, device="cuda"), torch.ones(1, dtype=torch.long, device="cuda")
+    host = torch.zeros(1).pin_memory()
+
+    def body():
+        count.add_(attention(q, kv, kv, 8, anc).float().mean())  # values of ones: + 1 a run
+        host.copy_(count, non_blocking=True)
+    graph, _ = capture_graph(body, warmups=1, keep_graph=True)
+    guarded = GuardedGraph(graph, flag)
+    count.zero_()
+    for f in (1, 0, 0, 1, 1, 0):
+        flag.fill_(f)  # queued on the stream before the replay, as the loop's commits set it
+        guarded.replay()
+    torch.cuda.synchronize()
+    assert count.item() == 3 and host.item() == 3
+    with pytest.raises(ValueError, match="one int64"):
+        GuardedGraph(graph, flag.int())
 
 
 SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose", "unique_consecutive",

@@ -21,10 +21,10 @@ on the H200 host, session 33) runs while the device works, and a stop costs the 
 chunks alternate between two graph sets, so a replay never overwrites pinned outputs the host has yet to read.
 
 Steps past a stop: with the engine's stop rule (stop_on: EOS tokens, the token limit) each commit also tracks on
-the device whether the request is still live, and inside a graph every step sits in a CUDA graph conditional node
-on it. A chunk's steps past the stop, and a whole chunk queued behind a stop, then cost a few microseconds instead
-of a step each (session 34: the stop's queued step was 2% of the overlapped chain's time, the short requests
-weighing most). The host reads how many steps ran and takes those only.
+the device whether the request is still live (steps after the stop then count nothing; the host takes the steps
+that ran), and a queued chunk's graph sits in a CUDA graph conditional node on it (engines.graph_if), so the chunk
+queued behind a stop costs a few microseconds instead of its steps (session 34: with 1-step chunks that step was
+2% of the overlapped chain's decode time, the short requests weighing most).
 
 Exactness is the host loop's: every verify is the runner's step function on the same layouts. What differs is
 drafter state only (rows past the accepted path are projected too, at positions no draft reads before they are
@@ -32,7 +32,6 @@ rewritten), so proposals may differ in low bits; verification decides either way
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import torch
 from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.device_drafters import DeviceDrafter
 from specpilot.engines.drafters.block_tree import TreeShape
+from specpilot.engines import graph_if
 from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.llama import ancestor_slots
@@ -99,7 +99,7 @@ FROM_HOST, CONTINUING = 0, (1, 2)
 
 @dataclass
 class LoopGraph:
-    graph: "torch.cuda.CUDAGraph"
+    graph: "torch.cuda.CUDAGraph | graph_if.GuardedGraph"
     host_state: torch.Tensor | None  # pinned (pending token, its slot), copied in by the graph; None: continuing
     host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, proposed, top-k tokens, top-k probs, ctl
     done: "torch.cuda.Event"
@@ -129,8 +129,6 @@ class DeviceLoop:
         # from the host starts a chunk.
         self.loop_state = torch.zeros(5, dtype=torch.long, device=runner.device)
         self.state, self.ctl = self.loop_state[:2], self.loop_state[2:]
-        # live as the bool a conditional node reads: the low byte of ctl[2] (0 or 1; little-endian, host and GPU)
-        self.live = self.ctl[2:].view(torch.bool)[0]
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
         self._graphs: dict[tuple[int, int], LoopGraph] = {}  # (steps, origin)
@@ -143,7 +141,7 @@ class DeviceLoop:
 
     def stop_on(self, eos: frozenset[int]) -> None:
         """Track the engine's stop rule (EnginePolicy.commit's: an EOS token, the token limit) on the device, so that
-        graphs skip the steps past a stop. Only for that rule: a step the device skipped must be one the host drops."""
+        a chunk queued behind a stop is skipped. Only for that rule: what the device skips, the host must drop."""
         ids = sorted(eos) or [-1]  # -1 matches no token
         self.stop = LoopStop(torch.tensor(ids, dtype=torch.long, device=self.runner.device), self.ctl)
         self._graphs.clear()
@@ -319,35 +317,15 @@ class DeviceLoop:
             raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
         self._graphs.clear()
 
-    @contextlib.contextmanager
-    def _while_live(self):
-        """Inside a graph capture with a stop rule, what runs here becomes the body of a conditional node on
-        `live`: a replay skips it once the request has stopped. Elsewhere it always runs (the host drops the steps
-        past the stop)."""
-        capturing = self.stop is not None and self.runner.device.type == "cuda" and \
-            torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            yield
-            return
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-        graph.begin_capture_to_if_node(self.live)
-        try:
-            yield
-        finally:
-            graph.end_capture_to_conditional_node()
-
     def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs
-        (a skipped step's rows hold stale values), and ctl."""
+        """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs,
+        and ctl."""
         drafter, rows = self.drafter, len(self.row_depths)
         if self.runner.device.type == "cuda":
             assemble_block, commit_chain, commit_tree = assemble, chain_commit, tree_commit
         else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
             assemble_block, commit_chain, commit_tree = assemble_ref, chain_commit_ref, tree_commit_ref
-        outs = []
-        for _ in range(steps):
-            with self._while_live():
-                outs.append(self._step(drafter, rows, assemble_block, commit_chain, commit_tree))
+        outs = [self._step(drafter, rows, assemble_block, commit_chain, commit_tree) for _ in range(steps)]
         return (*(torch.stack(col) for col in zip(*outs)), self.ctl)
 
     def _step(self, drafter: DeviceDrafter, rows: int, assemble_block, commit_chain, commit_tree):
@@ -395,7 +373,12 @@ class DeviceLoop:
                 self.loop_state.copy_(host_state)
             for host, dev in zip(host_out, self._steps(steps)):
                 host.copy_(dev, non_blocking=True)
-        graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width)
+        # A continuing chunk may be queued behind a stop: with the stop rule, it runs only while the request is live.
+        guard = origin != FROM_HOST and self.stop is not None and graph_if.unsupported_reason() is None
+        graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width,
+                                     keep_graph=guard)
+        if guard:
+            graph = graph_if.GuardedGraph(graph, self.ctl[2:])
         for b, copy in zip(buffers, saved):
             b.copy_(copy)
         g = self._graphs[steps, origin] = LoopGraph(graph, host_state if origin == FROM_HOST else None, host_out,

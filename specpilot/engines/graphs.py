@@ -78,11 +78,12 @@ def capture_decode(runner: "ModelRunner", steps: int) -> StepGraph:
     return g
 
 
-def capture_restoring(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3):
-    """(graph, body's outputs): warm-up on a side stream (compilation, cuBLAS handles), then capture. Both write
-    only KV slots < scratch_slots, which are restored afterwards (a request's context may live there)."""
+def capture_restoring(runner: "ModelRunner", body, scratch_slots: int, warmups: int = 3, keep_graph: bool = False):
+    """(graph, body's outputs): warm-up on a side stream (compilation, cuBLAS handles), then capture (keep_graph:
+    see capture_graph). Both write only KV slots < scratch_slots, which are restored afterwards (a request's
+    context may live there)."""
     saved = runner.kv[:, :, :, :scratch_slots].clone()
-    graph, out = capture_graph(body, warmups)
+    graph, out = capture_graph(body, warmups, keep_graph=keep_graph)
     torch.cuda.synchronize()
     runner.kv[:, :, :, :scratch_slots] = saved
     return graph, out

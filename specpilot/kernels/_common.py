@@ -28,9 +28,10 @@ ROW_TILES = (BLOCK_M, 1)
 CAPTURE_ERROR_MODE = "thread_local"
 
 
-def capture_graph(body, warmups: int = 2, pool=None):
+def capture_graph(body, warmups: int = 2, pool=None, keep_graph: bool = False):
     """(graph, body's outputs): `body` run `warmups` times on a side stream (Triton compiles, cuBLAS picks its
-    kernels, the allocator warms: capture forbids all three), then captured on that same stream. Always an
+    kernels, the allocator warms: capture forbids all three), then captured on that same stream (keep_graph: not
+    instantiated, its cudaGraph_t handed out by raw_cuda_graph(), for engines.graph_if). Always an
     explicit capture stream: torch.cuda.graph's default one is shared by the class and lives on whichever GPU
     captured first, so a second GPU's worker thread would capture (and launch Triton) on the first GPU."""
     stream = torch.cuda.Stream()
@@ -39,7 +40,7 @@ def capture_graph(body, warmups: int = 2, pool=None):
         for _ in range(warmups):
             body()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
     # No automatic garbage collection while capturing: a collection that frees an unreachable CUDA graph (say a
     # dropped runner's, kept in a reference cycle) destroys it mid-capture, which the driver refuses and which
     # invalidates this capture ("operation not permitted when stream is capturing (function reset)", seen on an
