@@ -101,16 +101,16 @@ FROM_HOST, CONTINUING = 0, (1, 2)
 class LoopGraph:
     graph: "torch.cuda.CUDAGraph | graph_if.GuardedGraph"
     host_state: torch.Tensor | None  # pinned (pending token, its slot), copied in by the graph; None: continuing
-    host_out: tuple[torch.Tensor, ...]  # pinned path tokens, accepted, proposed, top-k tokens, top-k probs, ctl
+    host_out: torch.Tensor  # pinned: the steps' outputs packed (DeviceLoop._steps)
     done: "torch.cuda.Event"
 
 
 @dataclass
 class Chunk:
-    """A launched chunk of steps: its graph (None: ran eagerly, `eager` holds its device outputs)."""
+    """A launched chunk of steps: its graph (None: ran eagerly, `eager` holds its packed outputs)."""
     steps: int
     graph: LoopGraph | None = None
-    eager: tuple[torch.Tensor, ...] = ()
+    eager: torch.Tensor | None = None
 
 
 class DeviceLoop:
@@ -253,8 +253,7 @@ class DeviceLoop:
         if not self.use_graphs:
             if origin == FROM_HOST:
                 self.loop_state.copy_(torch.tensor(start))
-            *out, ctl = self._steps(steps)
-            return Chunk(steps, eager=(*out, ctl.clone()))  # ctl as it stood after these steps
+            return Chunk(steps, eager=self._steps(steps))
         g = self._graphs.get((steps, origin)) or self._capture(steps, origin)
         if origin == FROM_HOST:
             g.done.synchronize()  # the previous replay has read host_state
@@ -272,10 +271,11 @@ class DeviceLoop:
         steps run since the last chunk from the host); the drafter's pending token now sits past its commits."""
         self._wait(chunk)
         if chunk.graph is not None:
-            out = [t.numpy().copy() for t in chunk.graph.host_out]
+            packed = chunk.graph.host_out.numpy().copy()
         else:
-            out = [t.cpu().numpy().copy() for t in chunk.eager]
-        ctl, stopped = out.pop(), False
+            packed = chunk.eager.cpu().numpy().copy()
+        out, ctl = self._unpack(packed, chunk.steps)
+        stopped = False
         if self.stop is not None:
             ran = int(ctl[1]) - ran_before
             out, stopped = [a[:ran] for a in out], not ctl[2]
@@ -317,16 +317,38 @@ class DeviceLoop:
             raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
         self._graphs.clear()
 
-    def _steps(self, steps: int) -> tuple[torch.Tensor, ...]:
-        """`steps` steps from self.state, all on the device -> path tokens, accepted, proposed, top-k tokens/probs,
-        and ctl."""
+    def _steps(self, steps: int) -> torch.Tensor:
+        """`steps` steps from self.state, all on the device -> their outputs and ctl packed as int32 words in one
+        tensor (one copy to the host a chunk: on the H200 each copy or stack costs ~1.5 us of a ~0.87 ms step,
+        and a chunk had eleven); _unpack reads them."""
         drafter, rows = self.drafter, len(self.row_depths)
         if self.runner.device.type == "cuda":
             assemble_block, commit_chain, commit_tree = assemble, chain_commit, tree_commit
         else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
             assemble_block, commit_chain, commit_tree = assemble_ref, chain_commit_ref, tree_commit_ref
         outs = [self._step(drafter, rows, assemble_block, commit_chain, commit_tree) for _ in range(steps)]
-        return (*(torch.stack(col) for col in zip(*outs)), self.ctl)
+        path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
+        words = [t.to(torch.int64).reshape(-1).view(torch.int32)  # no-ops: they are int64 already
+                 for t in (*path_tokens, *accepted, *proposed, *top_tokens, self.ctl)]
+        return torch.cat(words + [t.to(torch.float32).reshape(-1).view(torch.int32) for t in top_probs])
+
+    def _packing(self, steps: int) -> list[tuple[tuple[int, ...], type, int]]:
+        """(shape, dtype, int32 words) of each packed column, in _steps' order."""
+        depth, topk = self.drafter.depth, self.drafter.topk
+        cols = [((steps, self.depth_rows), np.int64), ((steps,), np.int64), ((steps,), np.int64),
+                ((steps, depth, topk), np.int64), ((3,), np.int64), ((steps, depth, topk), np.float32)]
+        return [(shape, dt, int(np.prod(shape)) * np.dtype(dt).itemsize // 4) for shape, dt in cols]
+
+    def _unpack(self, packed: np.ndarray, steps: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """_steps' int32 words -> (path tokens, accepted, proposed, top-k tokens, top-k probs), ctl."""
+        cols, at = [], 0
+        for shape, dtype, words in self._packing(steps):
+            cols.append(packed[at:at + words].view(dtype).reshape(shape))
+            at += words
+        if at != packed.shape[0]:
+            raise RuntimeError(f"device loop: {packed.shape[0]} packed words, the layout reads {at}")
+        *ints, ctl, probs = cols
+        return [*ints, probs], ctl
 
     def _step(self, drafter: DeviceDrafter, rows: int, assemble_block, commit_chain, commit_tree):
         """One step from self.state -> its outputs (see _steps)."""
@@ -359,20 +381,14 @@ class DeviceLoop:
         saved = [b.clone() for b in buffers]
         # token 0 at slot 0 while capturing, live, no limit (continuing graphs: where their warm-ups start)
         host_state = torch.tensor([0, 0, NO_LIMIT, 0, 1]).pin_memory()
-        k, depth, topk = steps, self.drafter.depth, self.drafter.topk
-        host_out = (torch.zeros(k, self.depth_rows, dtype=torch.long).pin_memory(),
-                    torch.zeros(k, dtype=torch.long).pin_memory(), torch.zeros(k, dtype=torch.long).pin_memory(),
-                    torch.zeros(k, depth, topk, dtype=torch.long).pin_memory(),
-                    torch.zeros(k, depth, topk, dtype=torch.float32).pin_memory(),
-                    torch.zeros(3, dtype=torch.long).pin_memory())
+        host_out = torch.zeros(sum(words for *_, words in self._packing(steps)), dtype=torch.int32).pin_memory()
 
         def body():
             if origin == FROM_HOST:
                 self.loop_state.copy_(host_state, non_blocking=True)
             elif not torch.cuda.is_current_stream_capturing():  # each warm-up from slot 0 (scratch), not the graph
                 self.loop_state.copy_(host_state)
-            for host, dev in zip(host_out, self._steps(steps)):
-                host.copy_(dev, non_blocking=True)
+            host_out.copy_(self._steps(steps), non_blocking=True)
         # A continuing chunk may be queued behind a stop: with the stop rule, it runs only while the request is live.
         guard = origin != FROM_HOST and self.stop is not None and graph_if.unsupported_reason() is None
         graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width,
