@@ -394,6 +394,13 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         assert loop.state[1].item() == r.steps[-1].position + r.steps[-1].accepted
 
 
+def test_guarded_graphs_say_why_they_cannot_run_and_refuse_a_bad_flag():
+    if not torch.cuda.is_available():
+        assert unsupported_reason() == "no CUDA device"
+    with pytest.raises(ValueError, match="one int64 on a CUDA device"):
+        GuardedGraph(None, torch.ones(1, dtype=torch.long))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
 def test_a_guarded_graph_runs_only_while_its_flag_is_set():
     """A captured graph (torch and Triton kernels, PDL launches, a copy to pinned memory) inside a conditional node:

@@ -32,6 +32,7 @@ rewritten), so proposals may differ in low bits; verification decides either way
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from specpilot.engines.runner import ModelRunner
 CALIBRATION_STEPS = 16
 # The token limit of a run() without one.
 NO_LIMIT = 1 << 62
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -390,7 +392,11 @@ class DeviceLoop:
                 self.loop_state.copy_(host_state)
             host_out.copy_(self._steps(steps), non_blocking=True)
         # A continuing chunk may be queued behind a stop: with the stop rule, it runs only while the request is live.
-        guard = origin != FROM_HOST and self.stop is not None and graph_if.unsupported_reason() is None
+        guard = origin != FROM_HOST and self.stop is not None
+        if guard and graph_if.unsupported_reason() is not None:
+            log.warning("device loop: a chunk queued behind a stop runs in full here (%s)",
+                        graph_if.unsupported_reason())
+            guard = False
         graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width,
                                      keep_graph=guard)
         if guard:
