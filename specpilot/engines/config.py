@@ -132,8 +132,9 @@ class EngineConfig(ConfigOps):
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
     device_steps: int = 4
     # The device loop queues each next chunk of device_steps steps before reading the current one's tokens: the
-    # host's work between chunks overlaps the device's, and a stop costs the chunk queued behind it (with
-    # device_steps 1, one step). Needs the device loop: a drafter with a device half.
+    # host's work between chunks overlaps the device's. The chunk queued behind a stop is skipped on the device
+    # (engines.graph_if; where that is unsupported it runs, its steps dropped). Needs the device loop: a drafter
+    # with a device half. On the H200 (session 34) device_steps 1 with overlap ran the lookup-led chain fastest.
     device_overlap: bool = False
     # Block drafter, chain or tree: where the context has a prompt-lookup match (ngram_max/ngram_min), its tokens
     # lead the block's candidates: the chain's first tokens, the tree's main path (engines.drafters.ngram_prefix).

@@ -175,7 +175,8 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,
                      "speculative steps per host round trip: draft, verify, accept and commit on the device, several "
-                     "steps one CUDA graph; overlap queues each next chunk before the host reads the current one",
+                     "steps one CUDA graph; overlap queues each next chunk before the host reads the current one (a chunk "
+                     "queued behind a stop is skipped on the device)",
                      (Knob("device_steps", _CHOICE, choices=(1, 2, 4, 8)),
                       Knob("device_overlap", _CHOICE, choices=(False, True))),
                      frozenset({DirectionName.OVERHEAD}), frozenset({DrafterKind.NGRAM, DrafterKind.BLOCK}), _CUDA,
