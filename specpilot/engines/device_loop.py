@@ -202,7 +202,8 @@ class DeviceLoop:
         if self.overlap:
             self.capture_all()  # between chunks the device is busy: no capture may run there
         t0 = time.perf_counter()
-        pending, queued_steps, upper, parity, queued = self._launch(seq, steps, remaining=remaining), steps, base, 0, None
+        pending = self._launch(seq, steps, remaining=remaining)
+        queued_steps, upper, parity, queued = steps, base, 0, None
         ran = 0  # steps run since the chunk from the host (the device's count is cumulative)
         try:
             while True:
