@@ -394,9 +394,9 @@ class DeviceLoop:
             host_out.copy_(self._steps(steps), non_blocking=True)
         # A continuing chunk may be queued behind a stop: with the stop rule, it runs only while the request is live.
         guard = origin != FROM_HOST and self.stop is not None
-        if guard and graph_if.unsupported_reason() is not None:
-            log.warning("device loop: a chunk queued behind a stop runs in full here (%s)",
-                        graph_if.unsupported_reason())
+        why_not = graph_if.unsupported_reason() if guard else None
+        if why_not is not None:
+            log.warning("device loop: a chunk queued behind a stop runs in full here (%s)", why_not)
             guard = False
         graph, _ = capture_restoring(self.runner, body, steps * self.depth_rows + self.runner.block_width,
                                      keep_graph=guard)
