@@ -394,6 +394,20 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         assert loop.state[1].item() == r.steps[-1].position + r.steps[-1].accepted
 
 
+def test_guarded_graph_structs_match_the_cuda_headers():
+    """The driver API structs graph_if builds by hand (cuda.h, CUDA 12.4+): CUgraphNodeParams is 256 bytes with its
+    union at byte 16; CUDA_CONDITIONAL_NODE_PARAMS and CUDA_KERNEL_NODE_PARAMS_v2 field offsets."""
+    import ctypes
+
+    from specpilot.engines.graph_if import _ConditionalParams, _KernelParams, _NodeParams
+
+    assert ctypes.sizeof(_NodeParams) == 256 and _NodeParams.conditional.offset == 16
+    assert [getattr(_ConditionalParams, f).offset for f in ("handle", "type", "size", "graphs_out", "ctx")] == \
+        [0, 8, 12, 16, 24]
+    assert [getattr(_KernelParams, f).offset for f in ("func", "grid", "block", "shared_mem", "params", "extra",
+                                                       "kern", "ctx")] == [0, 8, 20, 32, 40, 48, 56, 64]
+
+
 def test_guarded_graphs_say_why_they_cannot_run_and_refuse_a_bad_flag():
     if not torch.cuda.is_available():
         assert unsupported_reason() == "no CUDA device"
