@@ -249,12 +249,13 @@ print(json.dumps({
           "NP": 32, "WP": 32, "AP": 32}, 1),
         ("chain_commit", lk._chain_commit_kernel, {n: "*i64" for n in ("argmax_ptr", "ids_ptr", "proposed_ptr",
                                                                       "state_ptr", "seq_ptr", "path_ptr",
-                                                                      "acc_ptr")},
-         {"R": 16, "RP": 16, "HAS_SEQ": True}, 1),
+                                                                      "acc_ptr", "stop_ptr", "ctl_ptr")},
+         {"R": 16, "RP": 16, "HAS_SEQ": True, "HAS_STOP": True, "E": 2, "EP": 2}, 1),
         ("tree_commit", lk._tree_commit_kernel, {n: "*i64" for n in ("argmax_ptr", "ids_ptr", "par_ptr", "depth_ptr",
                                                                     "state_ptr", "seq_ptr", "path_ptr", "tok_ptr",
-                                                                    "acc_ptr", "next_ptr")} | {"anc_ptr": "*u8"},
-         {"R": 32, "RP": 32, "DR": 9, "DRP": 16, "HAS_SEQ": True}, 1))},
+                                                                    "acc_ptr", "next_ptr", "stop_ptr",
+                                                                    "ctl_ptr")} | {"anc_ptr": "*u8"},
+         {"R": 32, "RP": 32, "DR": 9, "DRP": 16, "HAS_SEQ": True, "HAS_STOP": True, "E": 2, "EP": 2}, 1))},
 }))
 
 '''
