@@ -61,7 +61,11 @@ class _Driver:
     def setter(self) -> ctypes.c_void_p:
         """The flag -> handle kernel, PTX from NVRTC for this device, loaded into the current context."""
         nv, prog = self.nvrtc, ctypes.c_void_p()
-        nv.nvrtcCreateProgram(ctypes.byref(prog), _SETTER_SRC, b"graph_if.cu", 0, None, None)
+
+        def nv_check(res: int, what: str) -> None:
+            if res != 0:
+                raise RuntimeError(f"NVRTC {what}: error {res}")
+        nv_check(nv.nvrtcCreateProgram(ctypes.byref(prog), _SETTER_SRC, b"graph_if.cu", 0, None, None), "create")
         major, minor = torch.cuda.get_device_capability()
         opts = (ctypes.c_char_p * 1)(f"--gpu-architecture=compute_{major}{minor}".encode())
         res = nv.nvrtcCompileProgram(prog, 1, opts)
@@ -72,9 +76,9 @@ class _Driver:
             nv.nvrtcGetProgramLog(prog, log)
             raise RuntimeError(f"NVRTC could not compile the conditional setter: {log.value.decode()}")
         size = ctypes.c_size_t()
-        nv.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        nv_check(nv.nvrtcGetPTXSize(prog, ctypes.byref(size)), "PTX size")
         ptx = ctypes.create_string_buffer(size.value)
-        nv.nvrtcGetPTX(prog, ptx)
+        nv_check(nv.nvrtcGetPTX(prog, ptx), "PTX")
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
         module, func = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.cu.cuModuleLoadData(ctypes.byref(module), ptx), "cuModuleLoadData")
