@@ -141,11 +141,11 @@ def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, r
 
 
 class LoopStop(NamedTuple):
-    """The host's stop rule, tracked on the device so that a graph's steps past a stop can be skipped (a CUDA graph
-    conditional node reads `live`): ids [E] int64, the EOS tokens (-1 pads: no token matches); ctl [3] int64
-    (tokens the request may still commit, steps run while live, live 0/1), written by each commit. A step commits
-    its path's first accepted + 1 tokens; the request stops after a step that commits an EOS or reaches the token
-    limit, as EnginePolicy.commit stops it."""
+    """The host's stop rule, tracked on the device so that a chunk queued behind a stop can be skipped (the
+    conditional node of engines.graph_if reads ctl's live): ids [E] int64, the EOS tokens (-1 pads: no token
+    matches); ctl [3] int64 (tokens the request may still commit, steps run while live, live 0/1), written by each
+    commit. A step commits its path's first accepted + 1 tokens; the request stops after a step that commits an EOS
+    or reaches the token limit, as EnginePolicy.commit stops it."""
     ids: torch.Tensor
     ctl: torch.Tensor
 
@@ -192,8 +192,9 @@ def _check_count(name, t, dev):
         raise ValueError(f"{name} must hold one count, got shape {list(t.shape)}")
 
 
-def _check_outcome(argmax, ids, state, sequence) -> tuple[torch.device, int]:
-    """What both commits read: argmax [R] of a block whose ids hold at least R rows, the state, the sequence copy."""
+def _check_outcome(argmax, ids, state, sequence, stop) -> tuple[torch.device, int]:
+    """What both commits read: argmax [R] of a block whose ids hold at least R rows, the state, the sequence copy,
+    the stop rule."""
     check_tensor("argmax", argmax, (None,), torch.int64)
     dev, rows = argmax.device, argmax.shape[0]
     check_tensor("ids", ids, (None,), torch.int64, dev)
@@ -202,13 +203,13 @@ def _check_outcome(argmax, ids, state, sequence) -> tuple[torch.device, int]:
     check_tensor("state", state, (2,), torch.int64, dev)
     if sequence is not None:
         check_tensor("sequence", sequence, (None,), torch.int64, dev)
+    _check_stop(stop, dev)
     return dev, rows
 
 
 def _check_commit(argmax, ids, proposed, state, sequence, stop):
-    dev, _ = _check_outcome(argmax, ids, state, sequence)
+    dev, _ = _check_outcome(argmax, ids, state, sequence, stop)
     _check_count("proposed", proposed, dev)
-    _check_stop(stop, dev)
 
 
 def chain_commit_ref(argmax, ids, proposed, state, sequence=None, stop=None):
@@ -278,8 +279,7 @@ def chain_commit(argmax, ids, proposed, state, sequence=None, stop=None):
 
 
 def _check_tree(argmax, ids, parents, anc, depths, state, sequence, depth_rows, stop):
-    dev, rows = _check_outcome(argmax, ids, state, sequence)
-    _check_stop(stop, dev)
+    dev, rows = _check_outcome(argmax, ids, state, sequence, stop)
     check_tensor("parents", parents, (rows,), torch.int64, dev)
     check_tensor("anc", anc, (rows, rows), torch.uint8, dev)
     check_tensor("depths", depths, (rows,), torch.int64, dev)
