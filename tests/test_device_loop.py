@@ -177,6 +177,54 @@ def test_tree_device_steps_calibrate_a_static_tree_and_equal_ar(shape):
     assert deep >= 3  # static trees accept whole paths
 
 
+PER_STEP = dict(TREE, device_tree="per_step")
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mha_tied"])
+def test_per_step_trees_are_the_host_loops_trees_and_equal_ar(shape):
+    """device_tree=per_step: the device grows each step's best-first tree from that step's candidates, so its steps
+    accept what the host loop's steps accept (the host loop's tree is the same best-first tree), from the first step
+    (nothing to calibrate), and the tokens are AR's."""
+    deep = 0
+    for seed in range(3):
+        model = damped(shape, seed)
+        drafter = quick_drafter(model, seed, 40)
+        p = prompt(model.shape.vocab, 10, seed)
+        want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
+            p, 90).tokens
+        host = engine(model, drafter, device_steps=1, **PER_STEP).generate(p, 90)
+        eng = engine(model, drafter, device_steps=4, **PER_STEP)
+        assert eng.device_loop.ready and eng.device_loop.tree is None
+        r = eng.generate(p, 90)
+        assert r.tokens == host.tokens == want, (shape, seed)
+        device = [s for s in r.steps if s.draft_s == 0]
+        assert len(device) >= len(r.steps) - 1 and all(s.drafted == 7 and s.verify_tokens == 8 for s in device)
+        # The host loop drafts shallower trees in the last steps (no deeper than the tokens left): compared before.
+        full = len(p) + 90 - 4
+        assert [(s.position, s.accepted) for s in r.steps if s.position <= full] == \
+            [(s.position, s.accepted) for s in host.steps if s.position <= full]
+        deep += sum(s.accepted >= 2 for s in device)
+    assert deep >= 5
+
+
+def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):
+    """The grow, assemble and tree commit kernels (interpreted), lookup-led, where the CPU loop runs their torch
+    references."""
+    import specpilot.engines.device_loop as device_loop
+
+    monkeypatch.setattr(device_loop, "grow_tree_ref", device_loop.grow_tree)
+    monkeypatch.setattr(device_loop, "assemble_ref", device_loop.assemble)
+    monkeypatch.setattr(device_loop, "tree_commit_ref", device_loop.tree_commit)
+    model = damped("gqa", 1)
+    p = prompt(model.shape.vocab, 10, 1) * 2
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
+        p, 40).tokens
+    eng = engine(model, quick_drafter(model, 1, 40), device_steps=4, ngram_prefix=True, **PER_STEP)
+    r = eng.generate(p, 40)
+    device = [s for s in r.steps if s.draft_s == 0]
+    assert r.tokens == want and device and any(s.accepted >= 2 for s in device)
+
+
 def test_tree_device_steps_with_the_glue_kernels_equal_ar(monkeypatch):
     """The loop's assemble and tree commit kernels (interpreted) where the CPU loop runs their torch references."""
     import specpilot.engines.device_loop as device_loop
@@ -357,7 +405,7 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
-                                  "prefix tree overlap"])
+                                  "prefix tree overlap", "grown tree", "prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -366,10 +414,12 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     p = prompt(model.shape.vocab, 12, 2) * 3
     over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5},
             "prefix tree": {**TREE, "ngram_prefix": True}, "prefix chain overlap": {"ngram_prefix": True},
-            "prefix tree overlap": {**TREE, "ngram_prefix": True}}.get(kind, {})
+            "prefix tree overlap": {**TREE, "ngram_prefix": True}, "grown tree": PER_STEP,
+            "prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True}}.get(kind, {})
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, device_overlap=overlap, **over)
-    ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False)
+    ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
+                       device_tree="calibrated")
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
@@ -449,7 +499,7 @@ SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", 
                "lift_fresh"}  # a tensor from Python data: on CUDA a pageable copy, which graph capture refuses
 
 
-@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree"])
+@pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix grown tree"])
 def test_device_steps_read_nothing_back_to_the_host(kind):
     """What a CUDA graph of k steps captures must not sync: no aten op that reads a value to the host (.item(), a
     tensor's truth value), sizes an output from data (nonzero, masked_select) or makes a tensor from Python data.
@@ -469,14 +519,17 @@ def test_device_steps_read_nothing_back_to_the_host(kind):
     if kind == "ngram":
         eng = build_engine(cfg(drafter="ngram", draft_len=5), model, NO_EOS, "cpu")
     else:
-        over = {"block tree": TREE, "prefix tree": {**TREE, "ngram_prefix": True}}.get(kind, {})
+        over = {"block tree": TREE, "prefix tree": {**TREE, "ngram_prefix": True},
+                "prefix grown tree": {**PER_STEP, "ngram_prefix": True}}.get(kind, {})
         eng = engine(model, quick_drafter(model, 2, 40), device_steps=4, **over)
     eng.warm_up(p)
     loop = eng.device_loop
     assert loop.ready
     seq = p + eng.generate(p, 20).tokens  # leaves a request's state to step from
-    if kind in ("ngram", "prefix tree"):  # the lookup's device copy of the sequence
-        (loop.drafter.lookup if kind == "prefix tree" else loop.drafter).begin(seq, len(seq) - 1)
+    if kind != "ngram" and kind.startswith("prefix"):  # the lookup's device copy of the sequence
+        loop.drafter.lookup.begin(seq, len(seq) - 1)
+    elif kind == "ngram":
+        loop.drafter.begin(seq, len(seq) - 1)
     loop.state.copy_(torch.tensor([seq[-1], len(seq) - 1]))
     with Syncs() as mode:
         loop._steps(4)

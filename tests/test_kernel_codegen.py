@@ -29,6 +29,7 @@ from specpilot.engines.batch import ngram_drafting as bn
 from specpilot.kernels import gemm, norm_gemm
 from specpilot.engines import device_drafters as dd
 from specpilot.engines import loop_kernels as lk
+from specpilot.engines import tree_grow as tg
 from specpilot.engines.drafters import block_fused as bf
 from specpilot.kernels import topk
 from specpilot.kernels.sass import ptxas_sass, sass_opcodes
@@ -255,7 +256,12 @@ print(json.dumps({
                                                                     "state_ptr", "seq_ptr", "path_ptr", "tok_ptr",
                                                                     "acc_ptr", "next_ptr", "stop_ptr",
                                                                     "ctl_ptr")} | {"anc_ptr": "*u8"},
-         {"R": 32, "RP": 32, "DR": 9, "DRP": 16, "HAS_SEQ": True, "HAS_STOP": True, "E": 2, "EP": 2}, 1))},
+         {"R": 32, "RP": 32, "DR": 9, "DRP": 16, "HAS_SEQ": True, "HAS_STOP": True, "E": 2, "EP": 2}, 1),
+        ("grow_tree", tg._grow_tree_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "src_ptr",
+                                                               "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
+         | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
+         {"D": 15, "K": 8, "WIDTH": 4, "BITS": 2, "R": 64, "W": 64, "HAS_LEAD": True, "HAS_BS": True, "DP": 16,
+          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": 58}, 1))},
 }))
 
 '''
@@ -398,4 +404,4 @@ def test_post_scale_compiles_the_projection_dots(compiled):
 def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
                                 "topk_chunk": True, "topk_merge": True, "assemble": True, "chain_commit": True,
-                                "tree_commit": True}
+                                "tree_commit": True, "grow_tree": True}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.engines.config import ConfigError, DrafterKind, EngineConfig, KernelBackend, VerifyMode
+from specpilot.engines.config import ConfigError, DeviceTree, DrafterKind, EngineConfig, KernelBackend, VerifyMode
 from specpilot.engines.device_drafters import BlockDeviceDrafter, NgramDeviceDrafter, NgramPrefixDeviceDrafter
 from specpilot.engines.device_loop import DeviceLoop
 from specpilot.engines.drafters.block import BlockDrafterModel
@@ -93,6 +93,6 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
         return None
     try:
         return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter),
-                          overlap=cfg.device_overlap)
+                          overlap=cfg.device_overlap, per_step=cfg.device_tree is DeviceTree.PER_STEP)
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

@@ -35,6 +35,12 @@ class LevelOneRule(str, Enum):
     SHALLOW = "shallow"  # the target's first layers vote on one path; costs a fraction of a target forward
 
 
+class DeviceTree(str, Enum):
+    """How the device loop shapes a block drafter's tree (engines.device_loop)."""
+    CALIBRATED = "calibrated"  # one static shape from the mean probabilities of the first host-loop steps
+    PER_STEP = "per_step"  # the best-first tree of each step's candidates, grown on the device (one launch a step)
+
+
 class WeightFormat(str, Enum):
     NATIVE = "native"  # the model's compute dtype (bf16 on GPU)
     W12 = "w12"  # lossless 12-bit: 8 bits sign+mantissa, 4-bit exponent code
@@ -136,6 +142,9 @@ class EngineConfig(ConfigOps):
     # (engines.graph_if; where that is unsupported it runs, its steps dropped). Needs the device loop: a drafter
     # with a device half. On the H200 (session 34) device_steps 1 with overlap ran the lookup-led chain fastest.
     device_overlap: bool = False
+    # Tree verification in the device loop: a calibrated static shape, or the best-first tree of each step's own
+    # candidates (the host loop's tree, at most 63 nodes), grown on the device inside the step.
+    device_tree: DeviceTree = DeviceTree.CALIBRATED
     # Block drafter, chain or tree: where the context has a prompt-lookup match (ngram_max/ngram_min), its tokens
     # lead the block's candidates: the chain's first tokens, the tree's main path (engines.drafters.ngram_prefix).
     ngram_prefix: bool = False
@@ -170,7 +179,7 @@ class EngineConfig(ConfigOps):
     def __post_init__(self) -> None:
         self._coerce_enums((("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
                             ("level_one_rule", LevelOneRule), ("weight_format", WeightFormat),
-                            ("kernel_backend", KernelBackend)))
+                            ("kernel_backend", KernelBackend), ("device_tree", DeviceTree)))
         _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
         _check(1 <= self.ngram_min <= self.ngram_max <= 16,
                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")
@@ -182,6 +191,8 @@ class EngineConfig(ConfigOps):
                f"lookup_doubt_prob={self.lookup_doubt_prob!r}: must be in 0..1")
         _check(1 <= self.tree_budget <= 256, f"tree_budget={self.tree_budget}: must be in 1..256")
         _check(1 <= self.tree_width <= 16, f"tree_width={self.tree_width}: must be in 1..16")
+        _check(self.device_tree is DeviceTree.CALIBRATED or self.tree_budget <= 63,
+               f"tree_budget={self.tree_budget}: device_tree=per_step grows at most 63 nodes")
         _check(1 <= self.level_one_keep <= self.tree_budget,
                f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
@@ -224,7 +235,7 @@ class EngineConfig(ConfigOps):
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "device_overlap",
-        "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob")
+        "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

@@ -1,4 +1,4 @@
-"""Speculative steps with no host round trip between them: k steps per sync, chain or static tree, with a drafter
+"""Speculative steps with no host round trip between them: k steps per sync, chain or tree, with a drafter
 that has a device half (engines.device_drafters: the block drafter, n-gram lookup).
 
 The host loop (SpecEngine.generate) syncs twice a step, to read the draft and the verify's argmax, and the GPU
@@ -11,9 +11,10 @@ tokens are the argmax at the path's nodes in depth order, the path's keys/values
 base.., the bonus token becomes the next pending token. k steps run as one CUDA graph replay; the host reads their
 tokens once, cuts them at EOS / the token limit and drops the rest (steps past a stop only cost time).
 
-Chains have that shape by construction. A tree's shape is the best-first tree of the drafter's *mean* top-k
-probabilities per depth and rank (`StaticTree.calibrated`), measured over the engine's first host-loop tree steps:
-the per-step dynamic tree tracks each step's probabilities, the static one costs no host work.
+Chains have that shape by construction. A tree's shape is either calibrated (EngineConfig.device_tree): the
+best-first tree of the drafter's *mean* top-k probabilities per depth and rank (`StaticTree.calibrated`), measured
+over the engine's first host-loop tree steps, fixed afterwards (no work a step); or per_step: the host loop's
+best-first tree of each step's own candidates, grown on the device inside the step (engines.tree_grow: one launch).
 
 With `overlap`, the next chunk is queued before the current one's tokens are read (DeviceLoop.stream): it starts
 from the device's state, so the host's work between chunks (reading, committing, traces: ~0.15 ms a 4-step chunk
@@ -34,8 +35,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,10 +48,10 @@ from specpilot.engines.drafters.block_tree import TreeShape
 from specpilot.engines import graph_if
 from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
-from specpilot.engines.llama import ancestor_slots
 from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
                                             tree_commit, tree_commit_ref)
 from specpilot.engines.runner import ModelRunner
+from specpilot.engines.tree_grow import MAX_GROWN_ROWS, TreeBlock, grow_tree, grow_tree_ref
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
 CALIBRATION_STEPS = 16
@@ -94,6 +96,14 @@ class LoopSteps:
     stopped: bool = False  # the device saw the request stop in these steps (with stop_on): steps past it are cut
 
 
+class Glue(NamedTuple):
+    """The step's own kernels around the drafter's and the target's: Triton on CUDA, torch references on CPU."""
+    grow: Callable
+    assemble: Callable
+    chain_commit: Callable
+    tree_commit: Callable
+
+
 # A chunk's origin: FROM_HOST copies (pending token, slot) in from the host; the two CONTINUING sets start from the
 # state the chunk before them left on the device, alternating (overlap).
 FROM_HOST, CONTINUING = 0, (1, 2)
@@ -116,17 +126,19 @@ class Chunk:
 
 
 class DeviceLoop:
-    """tree: the TreeShape (budget, width) of a static tree to calibrate; None: a chain of the drafter's depth.
-    spine: the calibrated tree starts with the full-depth rank-0 path (as far as the budget goes), for drafters
-    whose rank 0 is prompt lookup's match where it has one: a match runs long or not at all, which its mean
-    probability per depth understates. overlap: stream() queues each next chunk before reading the current one."""
+    """tree: the TreeShape (budget, width) of a static tree to calibrate, or with per_step of the tree grown every
+    step from that step's candidates; None: a chain of the drafter's depth. spine: the calibrated tree starts with
+    the full-depth rank-0 path (as far as the budget goes), for drafters whose rank 0 is prompt lookup's match where
+    it has one: a match runs long or not at all, which its mean probability per depth understates (a grown tree
+    needs no such help: the match's probability is 1 at every depth it covers). overlap: stream() queues each next
+    chunk before reading the current one."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
-                 spine: bool = False, overlap: bool = False):
+                 spine: bool = False, overlap: bool = False, per_step: bool = False):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
-        self.spine, self.overlap = spine, overlap
+        self.spine, self.overlap, self.per_step = spine, overlap, per_step and tree is not None
         # (pending token, its slot == position), then the stop rule's ctl (tokens left, steps run, live): one copy
         # from the host starts a chunk.
         self.loop_state = torch.zeros(5, dtype=torch.long, device=runner.device)
@@ -136,7 +148,9 @@ class DeviceLoop:
         self._graphs: dict[tuple[int, int], LoopGraph] = {}  # (steps, origin)
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
-        if tree is not None:
+        if self.per_step:
+            self._grow_per_step(tree)
+        elif tree is not None:
             self._check(tree.budget + 1)
         else:
             self._set_tree(StaticTree.chain(drafter.depth))
@@ -151,7 +165,7 @@ class DeviceLoop:
     @property
     def ready(self) -> bool:
         """False while a tree drafter's static shape is still being calibrated (the host loop runs meanwhile)."""
-        return self.tree is not None
+        return self.tree is not None or self.per_step
 
     def calibrate(self, topk_probs: list[list[float]]) -> None:
         """One host-loop tree step's per-depth candidate probabilities; the CALIBRATION_STEPS-th fixes the shape.
@@ -294,42 +308,53 @@ class DeviceLoop:
                              f"({lay.width}): the device loop needs one")
 
     def _set_tree(self, tree: StaticTree) -> None:
-        lay, d, r = tree.layout, self.runner.device, self.runner
+        lay, r = tree.layout, self.runner
         rows = len(lay.parents)
         self._check(rows)
         v = verify_layout(rows, lay.anc, lay.depths, r.tile, r.block_width)
-        self.tree, self.chain, self.width = tree, lay.chain, v.width
-        self.max_depth = lay.max_depth
-        self.depth_rows = self.max_depth + 1  # root + the deepest path: a step's most committed tokens
-        as_long = lambda a: torch.tensor(np.asarray(a), dtype=torch.long, device=d)  # noqa: E731
-        depths = np.asarray(lay.depths)
-        self.node_src = as_long((depths[1:] - 1) * self.drafter.topk + np.asarray(tree.ranks))  # flat top-k index
-        self.parents = as_long(lay.parents)
-        self.positions, self.slots = as_long(v.positions), as_long(v.slots)
-        anc = torch.from_numpy(np.array(v.anc[:, :v.width]))  # the runner's step reads [width, width]: no copy
-        self.anc = anc.to(d)
-        # Position-ordered attention's block slots are base + a static offset per (row, depth): the assemble launch
-        # adds base, instead of the runner deriving them from anc every step.
-        self.rel_block_slots = None
-        if r.fused is not None and r.cfg.position_ordered_attention:
-            self.rel_block_slots = ancestor_slots(torch.tensor(0), anc).to(d)
-        self.tree_anc = torch.from_numpy(np.array(lay.anc, dtype=np.uint8)).to(d)  # ancestors-or-self [rows, rows]
-        self.row_depths = as_long(depths)
-        self.depth_offsets = torch.arange(self.depth_rows, device=d)
         if lay.chain and list(v.positions[:rows]) != list(range(rows)):
             raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
+        node_src = (np.asarray(lay.depths[1:]) - 1) * self.drafter.topk + np.asarray(tree.ranks)  # flat top-k index
+        self._use(TreeBlock.build(node_src, lay.parents, lay.depths, lay.anc, v.width, self._block_slots, r.device),
+                  lay.chain, lay.max_depth)
+        self.tree = tree
+
+    def _grow_per_step(self, shape: TreeShape) -> None:
+        """Trees grown every step from the step's own candidates (tree_grow): the deepest a path can reach is the
+        drafter's depth or the budget."""
+        if shape.width > self.drafter.topk or shape.budget + 1 > MAX_GROWN_ROWS:
+            raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
+                             f"{MAX_GROWN_ROWS - 1} nodes, got width {shape.width}, budget {shape.budget}")
+        self._check(shape.budget + 1)
+        width = verify_layout(shape.budget + 1, np.eye(shape.budget + 1, dtype=bool), [0] * (shape.budget + 1),
+                              self.runner.tile, self.runner.block_width).width
+        self._use(TreeBlock.dead(shape.budget, width, self._block_slots, self.runner.device), False,
+                  min(self.drafter.depth, shape.budget))
+
+    @property
+    def _block_slots(self) -> bool:
+        """Position-ordered attention reads its block slots as base + a per-(row, depth) offset that the assemble
+        launch adds, instead of the runner deriving them from the mask every step."""
+        return self.runner.fused is not None and self.runner.cfg.position_ordered_attention
+
+    def _use(self, block: TreeBlock, chain: bool, max_depth: int) -> None:
+        d = self.runner.device
+        self.block, self.chain, self.width = block, chain, block.positions.shape[0]
+        self.max_depth = max_depth
+        self.depth_rows = max_depth + 1  # root + the deepest path: a step's most committed tokens
+        self.slots = torch.arange(self.width, device=d)
+        self.depth_offsets = torch.arange(self.depth_rows, device=d)
         self._graphs.clear()
 
     def _steps(self, steps: int) -> torch.Tensor:
         """`steps` steps from self.state, all on the device -> their outputs and ctl packed as int32 words in one
         tensor (one copy to the host a chunk: on the H200 each copy or stack costs ~1.5 us of a ~0.87 ms step,
         and a chunk had eleven); _unpack reads them."""
-        drafter, rows = self.drafter, len(self.row_depths)
         if self.runner.device.type == "cuda":
-            assemble_block, commit_chain, commit_tree = assemble, chain_commit, tree_commit
+            glue = Glue(grow_tree, assemble, chain_commit, tree_commit)
         else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
-            assemble_block, commit_chain, commit_tree = assemble_ref, chain_commit_ref, tree_commit_ref
-        outs = [self._step(drafter, rows, assemble_block, commit_chain, commit_tree) for _ in range(steps)]
+            glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref)
+        outs = [self._step(glue) for _ in range(steps)]
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
         words = [t.to(torch.int64).reshape(-1).view(torch.int32)  # no-ops: they are int64 already
                  for t in (*path_tokens, *accepted, *proposed, *top_tokens, self.ctl)]
@@ -353,22 +378,24 @@ class DeviceLoop:
         *ints, ctl, probs = cols
         return [*ints, probs], ctl
 
-    def _step(self, drafter: DeviceDrafter, rows: int, assemble_block, commit_chain, commit_tree):
+    def _step(self, glue: Glue):
         """One step from self.state -> its outputs (see _steps)."""
         base = self.state[1]  # a view: read it before the state moves on
+        drafter, b = self.drafter, self.block
         d = drafter.draft(self.state)
-        top_tokens, top_probs, ids, positions, slots, block_slots = assemble_block(
-            d.tokens, d.probs, d.lead, d.lead_depths, self.state, self.node_src, self.positions, self.slots,
-            self.rel_block_slots)
-        target = self.runner._step_fn(ids, positions, slots, base, self.anc, block_slots)
-        argmax, features = target[0][:rows], target[4]
+        if self.per_step:
+            glue.grow(d.tokens, d.probs, d.lead, d.lead_depths, self.tree_shape.width, b)
+        top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(
+            d.tokens, d.probs, d.lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
+        target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots)
+        argmax, features = target[0][:b.rows], target[4]
         if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
-            path_tokens, accepted = commit_chain(argmax, ids, d.proposed, self.state, drafter.sequence,
+            path_tokens, accepted = glue.chain_commit(argmax, ids, d.proposed, self.state, drafter.sequence,
                                                  self.stop)
-            drafter.commit(None if features is None else features[:rows], positions[:rows])
+            drafter.commit(None if features is None else features[:b.rows], positions[:b.rows])
         else:
-            path, path_tokens, accepted, next_state = commit_tree(
-                argmax, ids, self.parents, self.tree_anc, self.row_depths, self.state, self.depth_rows,
+            path, path_tokens, accepted, next_state = glue.tree_commit(
+                argmax, ids, b.parents, b.tree_anc, b.depths, self.state, self.depth_rows,
                 drafter.sequence, self.stop)
             kv = self.runner.kv  # the path's keys/values to slots base.. (entries past `accepted`: the root's)
             kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]

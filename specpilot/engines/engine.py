@@ -185,7 +185,7 @@ class SpecEngine:
         """Commits a device loop's steps in order up to a stop; their wall time is shared equally (in verify_s:
         draft and verify are not timed apart on the device). Returns the stop reason ("" to go on)."""
         loop = self.device_loop
-        per_step, nodes = res.seconds / len(res.accepted), len(loop.tree.parents)
+        per_step, nodes = res.seconds / len(res.accepted), loop.block.rows - 1
         for i, acc in enumerate(res.accepted.tolist()):
             new, stopped = self.policy.commit(res.path_tokens[i, :acc + 1].tolist(), self.eos,
                                               max_new_tokens - len(out))

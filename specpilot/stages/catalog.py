@@ -19,7 +19,8 @@ from specpilot.costmodel import DirectionName
 from specpilot.deployments import Deployment, DeviceKind, RegimeKind
 from specpilot.engines.batch.config import MECHANISMS as BATCH_MECHANISMS
 from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
-from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode, WeightFormat
+from specpilot.engines.config import (DeviceTree, DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode,
+                                      WeightFormat)
 from specpilot.engines.family import TargetFamily
 from specpilot.kernels.table import PROJECTIONS, numerics_only
 from specpilot.memory import MechanismCategory
@@ -178,7 +179,8 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      "steps one CUDA graph; overlap queues each next chunk before the host reads the current one (a chunk "
                      "queued behind a stop is skipped on the device)",
                      (Knob("device_steps", _CHOICE, choices=(1, 2, 4, 8)),
-                      Knob("device_overlap", _CHOICE, choices=(False, True))),
+                      Knob("device_overlap", _CHOICE, choices=(False, True)),
+                      Knob("device_tree", _CHOICE, choices=tuple(t.value for t in DeviceTree))),
                      frozenset({DirectionName.OVERHEAD}), frozenset({DrafterKind.NGRAM, DrafterKind.BLOCK}), _CUDA,
                      _LLAMA),
     CatalogMechanism("token_tile", MechanismCategory.KERNEL, "batch-invariant forward width (every step runs at it)",

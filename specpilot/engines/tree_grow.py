@@ -1,0 +1,272 @@
+"""The device loop's tree block, and the per-step best-first tree grown on the device (EngineConfig.device_tree).
+
+A device loop step reads its tree from device tensors (TreeBlock): which candidate each draft node is, parents,
+ancestors, depths, the verify's positions and mask. A calibrated tree fills them once (a static shape); with
+`per_step`, grow_tree rewrites them every step from the step's own candidates, inside the step's CUDA graph: the
+host loop's best-first tree (costmodel.acceptance.best_first_tree over the first `width` ranks a depth, zero
+probabilities ruled out), without a host round trip. On the H200's SmolLM2 outputs the per-step tree accepted 6%
+more tokens a step than the static one (session 33, drafting.replay).
+
+The kernel runs best_first_tree's heap as a frontier of at most budget + 1 entries in one program: each of the
+budget pops takes the frontier's best key (score, then depth, then the ranks in lexicographic order, packed as one
+integer: the heap's own order), puts its next sibling in its place and its first child in a new entry. Scores are
+float64 products in the host's order, so the tree is the host's exactly, ties included. Where fewer nodes exist
+than the budget (few nonzero candidates), the rows left are dead: depth 0, their own only ancestor, never deeper
+than the root, so never accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.engines.llama import ancestor_slots
+from specpilot.engines.loop_kernels import _led_source, lead_rows
+from specpilot.kernels._common import check_launchable, check_tensor
+
+# Rows a grown tree may have: ancestor sets are one int64 bit mask a row in the kernel.
+MAX_GROWN_ROWS = 64
+# The kernel's frontier keys: depth << DEPTH_SHIFT | the ranks' digits (so depth x bits a rank <= DEPTH_SHIFT).
+DEPTH_SHIFT = 58
+
+
+@dataclass(frozen=True)
+class TreeBlock:
+    """A verify block's tree as the device loop's step reads it. rows = draft nodes + 1 (the root at row 0),
+    width = the verify block's rows (pad rows past `rows` see themselves at their own position)."""
+    node_src: torch.Tensor  # [nodes] int64: node i's candidate as a flat index depth * K + rank (row i + 1)
+    parents: torch.Tensor  # [rows] int64: each row's parent row, -1 for the root (and dead rows)
+    tree_anc: torch.Tensor  # [rows, rows] uint8: ancestors-or-self
+    depths: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [width] int64: position - base (a row's depth; pad rows their row)
+    anc: torch.Tensor  # [width, width] bool: the verify's mask (ancestors-or-self; pad rows themselves)
+    block_slots: torch.Tensor | None  # [width, width] int64: row's ancestor at depth e (its row), -1 past its depth
+
+    @property
+    def rows(self) -> int:
+        return self.parents.shape[0]
+
+    @classmethod
+    def build(cls, node_src, parents, depths, anc, width: int, block_slots: bool, device) -> "TreeBlock":
+        """From host arrays: node_src [nodes], parents / depths [rows], anc [rows, rows] ancestors-or-self."""
+        rows = len(parents)
+        as_long = lambda a: torch.as_tensor(a, dtype=torch.long).to(device)  # noqa: E731
+        tree_anc = torch.from_numpy(np.array(anc, dtype=bool))  # a copy: layouts' arrays are read-only
+        mask = torch.eye(width, dtype=torch.bool)
+        mask[:rows, :rows] = tree_anc
+        positions = torch.arange(width)
+        positions[:rows] = torch.as_tensor(depths)
+        slots = ancestor_slots(torch.tensor(0), mask).to(device) if block_slots else None
+        return cls(as_long(node_src), as_long(parents), tree_anc.to(torch.uint8).to(device), as_long(depths),
+                   positions.to(device), mask.to(device), slots)
+
+    @classmethod
+    def dead(cls, nodes: int, width: int, block_slots: bool, device) -> "TreeBlock":
+        """Every draft row dead (grow_tree's starting point)."""
+        rows = nodes + 1
+        return cls.build([0] * nodes, [-1] * rows, [0] * rows, np.eye(rows, dtype=bool), width, block_slots,
+                         device)
+
+
+def _check_grow(tokens, probs, lead, lead_depths, width, block):
+    check_tensor("tokens", tokens, (None, None), torch.int64)
+    dev, (depth, k) = tokens.device, tokens.shape
+    check_tensor("probs", probs, (depth, k), torch.float32, dev)
+    if (lead is None) != (lead_depths is None):
+        raise ValueError("lead and lead_depths come together (a lookup's tokens and how many depths they cover)")
+    if lead is not None:
+        check_tensor("lead", lead, (depth,), torch.int64, dev)
+        check_tensor("lead_depths", lead_depths, None, torch.int64, dev)
+    rows, w = block.rows, block.positions.shape[0]
+    if not 2 <= rows <= min(w, MAX_GROWN_ROWS):
+        raise ValueError(f"a grown tree has 1..{MAX_GROWN_ROWS - 1} nodes in a block of >= rows, got {rows - 1} "
+                         f"nodes, {w} block rows")
+    for name, t, shape, dt in (("node_src", block.node_src, (rows - 1,), torch.int64),
+                               ("parents", block.parents, (rows,), torch.int64),
+                               ("tree_anc", block.tree_anc, (rows, rows), torch.uint8),
+                               ("depths", block.depths, (rows,), torch.int64),
+                               ("anc", block.anc, (w, w), torch.bool)):
+        check_tensor(name, t, shape, dt, dev)
+    if block.block_slots is not None:
+        check_tensor("block_slots", block.block_slots, (w, w), torch.int64, dev)
+    if not 1 <= width <= k or depth * _code_bits(width) > DEPTH_SHIFT:
+        raise ValueError(f"width={width}: must be in 1..{k} (the candidates a depth), with depth x bits a rank <= "
+                         f"{DEPTH_SHIFT}")
+
+
+def _code_bits(width: int) -> int:
+    return max(1, (width - 1).bit_length())
+
+
+def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock) -> None:
+    """Rewrites `block` with the best-first tree of block.rows - 1 nodes over the step's candidates tokens / probs
+    [depth, K] (best first; led by `lead` at depths below lead_depths when given, as assemble leads them), at most
+    `width` ranks a depth. The kernel's frontier in torch ops (no host sync)."""
+    _check_grow(tokens, probs, lead, lead_depths, width, block)
+    dev, (depth, k), rows = tokens.device, tokens.shape, block.rows
+    if lead is not None:
+        _, probs = lead_rows(tokens, probs, lead, torch.arange(depth, device=dev) < lead_depths.reshape(()))
+    ranks = torch.arange(k + 1, device=dev)
+    padded = torch.full((depth + 1, k + 1), -1.0, dtype=torch.float64, device=dev)  # -1: no candidate
+    padded[:depth, :k] = torch.where((ranks[None, :k] < width) & (probs > 0), probs.double(), -1.0)
+    size, bits = rows, _code_bits(width)
+    f = torch.arange(size, device=dev)
+    zero = torch.zeros(size, dtype=torch.long, device=dev)
+    score = torch.where(f == 0, padded[0, 0], -1.0)  # < 0: no entry
+    pscore = torch.where(f == 0, 1.0, 0.0).double()
+    fdepth, code, rank, parent = zero + (f == 0).long(), zero.clone(), zero.clone(), zero.clone()
+    used = torch.ones((), dtype=torch.long, device=dev)
+    node_src, row_par, row_depth = block.node_src.new_zeros(rows - 1), zero - 1, zero.clone()
+    anc = torch.eye(rows, dtype=torch.bool, device=dev)
+    for i in range(rows - 1):
+        best = score.max()
+        live = best >= 0
+        sel = (score == best) & live
+        dmin = torch.where(sel, fdepth, 1 << 30).min()
+        sel &= fdepth == dmin
+        cmin = torch.where(sel, code, 1 << 62).min()
+        sel &= code == cmin
+        r, par, ps, slot = ((torch.where(sel, t, 0)).sum() for t in (rank, parent, pscore, f))
+        row = i + 1
+        node_src[i] = torch.where(live, (dmin - 1) * k + r, 0)
+        row_par[row] = torch.where(live, par, -1)
+        row_depth[row] = torch.where(live, dmin, 0)
+        anc[row] |= anc.index_select(0, par.view(1))[0] & live
+        level = dmin.clamp(max=depth)  # the padded row past the last depth, where the frontier is empty
+        sib = _at(padded, (level - 1).clamp(min=0) * (k + 1) + r + 1)
+        at = f == slot
+        score = torch.where(at, torch.where(live & (sib >= 0), ps * sib, -1.0), score)
+        rank, code = torch.where(at, r + 1, rank), torch.where(at, cmin + 1, code)
+        child = _at(padded, level * (k + 1))
+        new = (f == used) & live & (child >= 0)
+        score, pscore = torch.where(new, best * child, score), torch.where(new, best, pscore)
+        fdepth, rank = torch.where(new, dmin + 1, fdepth), torch.where(new, 0, rank)
+        code, parent = torch.where(new, cmin << bits, code), torch.where(new, row, parent)
+        used = used + new.any().long()
+    block.node_src.copy_(node_src)
+    block.parents.copy_(row_par)
+    block.depths.copy_(row_depth)
+    block.tree_anc.copy_(anc.to(torch.uint8))
+    block.positions[:rows] = row_depth
+    block.anc[:rows, :rows] = anc
+    if block.block_slots is not None:
+        block.block_slots.copy_(ancestor_slots(torch.zeros((), dtype=torch.long, device=dev), block.anc))
+
+
+def _at(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """t's element at a flat index given as a 0-d tensor (index_select: no host read of the index)."""
+    return t.reshape(-1).index_select(0, flat.reshape(1))[0]
+
+
+@triton.jit
+def _prob_at(prob, d2, j2, d, r):
+    """prob [DP, KP] at (d, r); -1 (no candidate) outside."""
+    return tl.max(tl.max(tl.where((d2 == d) & (j2 == r), prob, -1.0), axis=1), axis=0)
+
+
+@triton.jit
+def _flag(cond):
+    """A scalar condition usable with vectors (the interpreter trips on `vector & scalar compare`)."""
+    return tl.where(cond, 1, 0) != 0
+
+
+@triton.jit
+def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr, tanc_ptr, depth_ptr, pos_ptr,
+                      anc_ptr, bs_ptr, D: tl.constexpr, K: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr,
+                      R: tl.constexpr, W: tl.constexpr, HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr,
+                      DP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, WP: tl.constexpr,
+                      CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr):
+    NO_KEY: tl.constexpr = (1 << 63) - 1
+    d2 = tl.arange(0, DP)[:, None]
+    j2 = tl.arange(0, KP)[None, :]
+    ok = (d2 < D) & (j2 < K)
+    if HAS_LEAD:
+        _, flat = _led_source(tok_ptr, lead_ptr, tl.load(lead_n_ptr), d2, j2, d2 < D, K, KP)
+        prob = tl.where(flat < 0, 1.0, tl.load(prob_ptr + tl.maximum(flat, 0), mask=ok, other=0.0))
+    else:
+        prob = tl.load(prob_ptr + d2 * K + j2, mask=ok, other=0.0)
+    prob = tl.where(ok & (j2 < WIDTH) & (prob > 0), prob.to(tl.float64), -1.0)
+    # The frontier: R entries (each pop adds one at most). An entry's key is its score, then depth << DEPTH_SHIFT |
+    # its ranks as base-2^BITS digits (one integer: the heap's tie order); it keeps its parent's score and ancestor
+    # bits (bit j: row j), so that a pop reads four reductions. Rows' ancestor bits give parents and depths at the end.
+    f = tl.arange(0, RP)
+    score = tl.where(f == 0, _prob_at(prob, d2, j2, 0, 0), -1.0)  # < 0: no entry
+    dkey = tl.where(f == 0, 1 << DEPTH_SHIFT, 0).to(tl.int64)
+    pscore = tl.where(f == 0, 1.0, 0.0).to(tl.float64)
+    pbits = tl.where(f == 0, 1, 0).to(tl.int64)
+    used = 1
+    anc_bits = tl.full([RP], 1, tl.int64) << f.to(tl.int64)  # dead rows: themselves
+    node_src = tl.zeros([RP], dtype=tl.int64)  # node i at entry i
+    for i in range(R - 1):
+        valid = score >= 0.0
+        best = tl.max(score, axis=0)
+        dk = tl.min(tl.where(valid & (score == best), dkey, NO_KEY), axis=0)
+        live = _flag(dk < NO_KEY)
+        sel = valid & (dkey == dk)
+        ps = tl.sum(tl.where(sel, pscore, 0.0), axis=0)
+        pb = tl.sum(tl.where(sel, pbits, 0), axis=0)
+        depth = (dk >> DEPTH_SHIFT).to(tl.int32)  # 31 when the frontier is empty: no candidate there
+        code = dk & ((1 << DEPTH_SHIFT) - 1)
+        r = (code & ((1 << BITS) - 1)).to(tl.int32)
+        one = tl.full([], 1, tl.int64)
+        row_bit = one << (one * 0 + i + 1)  # (the interpreter's loop index is an int)
+        node_src = tl.where((f == i) & live, ((depth - 1) * K + r).to(tl.int64), node_src)
+        anc_bits = tl.where((f == i + 1) & live, pb | row_bit, anc_bits)
+        sib = _prob_at(prob, d2, j2, depth - 1, r + 1)
+        score = tl.where(sel, tl.where(_flag(sib >= 0.0), ps * sib, -1.0), score)
+        dkey = tl.where(sel, dk + 1, dkey)
+        child = _prob_at(prob, d2, j2, depth, 0)  # none past the last depth
+        has_child = _flag(child >= 0.0) & live
+        new = (f == used) & has_child
+        score = tl.where(new, best * child, score)
+        dkey = tl.where(new, ((depth + 1).to(tl.int64) << DEPTH_SHIFT) | (code << BITS), dkey)
+        pscore = tl.where(new, best, pscore)
+        pbits = tl.where(new, pb | row_bit, pbits)
+        used = used + tl.where(has_child, 1, 0)
+    # Rows' depths (ancestors - 1) and parents (the last proper ancestor) from their bits, 16 columns at a time
+    # (a [64, 64] int64 tile at once took all 255 registers of the warp's threads).
+    ri = f[:, None]
+    r_ok = f < R
+    row_depth = tl.full([RP], -1, tl.int32)
+    row_par = tl.full([RP], -1, tl.int32)
+    for c in tl.static_range(0, RP, CB):
+        rj = c + tl.arange(0, CB)[None, :]
+        is_anc = ((anc_bits[:, None] >> rj.to(tl.int64)) & 1) != 0
+        row_depth += tl.sum(is_anc.to(tl.int32), axis=1)
+        row_par = tl.maximum(row_par, tl.max(tl.where(is_anc & (rj != ri), rj, -1), axis=1))
+        tl.store(tanc_ptr + ri * R + rj, is_anc.to(tl.uint8), mask=(ri < R) & (rj < R))
+        tl.store(anc_ptr + ri * W + rj, is_anc, mask=(ri < R) & (rj < R))
+    tl.store(src_ptr + f, node_src, mask=f < R - 1)
+    tl.store(par_ptr + f, row_par.to(tl.int64), mask=r_ok)
+    tl.store(depth_ptr + f, row_depth.to(tl.int64), mask=r_ok)
+    tl.store(pos_ptr + f, row_depth.to(tl.int64), mask=r_ok)
+    if HAS_BS:
+        # Row i's ancestor at depth e is the one ancestor of that depth; entries past its depth are -1.
+        for c in tl.static_range(0, RP, CB):
+            rj = c + tl.arange(0, CB)[None, :]
+            is_anc = ((anc_bits[:, None] >> rj.to(tl.int64)) & 1) != 0
+            col_depth = tl.sum(tl.where(f[:, None] == rj, row_depth[:, None], 0), axis=0)[None, :]
+            tl.store(bs_ptr + ri * W + col_depth.to(tl.int64), rj.to(tl.int64), mask=(ri < R) & is_anc)
+        for c in tl.static_range(0, WP, CB):
+            e = c + tl.arange(0, CB)[None, :]
+            tl.store(bs_ptr + ri * W + e, tl.full([RP, CB], -1, tl.int64),
+                     mask=(ri < R) & (e < W) & (e > row_depth[:, None]))
+
+
+def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock) -> None:
+    """grow_tree_ref's writes in one launch (one program)."""
+    _check_grow(tokens, probs, lead, lead_depths, width, block)
+    dev, (depth, k), rows, w = tokens.device, tokens.shape, block.rows, block.positions.shape[0]
+    check_launchable(_grow_tree_kernel, dev)
+    p2 = triton.next_power_of_2
+    has_bs = block.block_slots is not None
+    _grow_tree_kernel[(1,)](tokens, probs, tokens if lead is None else lead,
+                            block.depths if lead_depths is None else lead_depths, block.node_src, block.parents,
+                            block.tree_anc, block.depths, block.positions, block.anc,
+                            block.block_slots if has_bs else block.depths, D=depth, K=k, WIDTH=width,
+                            BITS=_code_bits(width), R=rows, W=w, HAS_LEAD=lead is not None, HAS_BS=has_bs,
+                            DP=p2(depth), KP=p2(k), RP=p2(rows), WP=p2(w), CB=min(16, p2(rows)),
+                            DEPTH_SHIFT=DEPTH_SHIFT, num_warps=1)

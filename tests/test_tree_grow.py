@@ -1,0 +1,139 @@
+"""The device loop's per-step tree (engines.tree_grow): the kernel (interpreted) and its torch reference grow the host
+loop's best-first tree (costmodel.acceptance.best_first_tree) from a step's candidates, node for node, ties, zero
+probabilities and a lookup's lead included; rows past the candidates that exist are dead and never accepted."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot.costmodel.acceptance import best_first_tree
+from specpilot.engines.layout import draft_layout
+from specpilot.engines.llama import ancestor_slots
+from specpilot.engines.loop_kernels import lead_rows, tree_commit_ref
+from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
+
+FIELDS = ("node_src", "parents", "tree_anc", "depths", "positions", "anc", "block_slots")
+
+
+def grown(tokens, probs, width, budget, lead=None, lead_depths=None, kernel=False, block_width=None):
+    block = TreeBlock.dead(budget, block_width or budget + 1, True, "cpu")
+    (grow_tree if kernel else grow_tree_ref)(tokens, probs, lead, lead_depths, width, block)
+    return block
+
+
+def host_block(tokens, probs, width, budget, lead=None, lead_depths=None, block_width=None) -> TreeBlock:
+    """The host loop's tree over the same candidates, as a TreeBlock (dead rows where it has fewer nodes)."""
+    if lead is not None:
+        use = torch.arange(tokens.shape[0]) < lead_depths.reshape(())
+        tokens, probs = lead_rows(tokens, probs, lead, use)
+    p = probs.tolist()
+    tree = best_first_tree([list(range(min(width, len(r)))) for r in p], [r[:width] for r in p], budget)
+    n, k = len(tree.parents), probs.shape[1]
+    lay = draft_layout(tuple(tree.parents))
+    dead = budget - n
+    anc = np.eye(budget + 1, dtype=bool)
+    anc[:n + 1, :n + 1] = lay.anc
+    src = [(d - 1) * k + r for d, r in zip(tree.depths, tree.tokens)] + [0] * dead
+    return TreeBlock.build(src, list(lay.parents) + [-1] * dead, list(lay.depths) + [0] * dead, anc,
+                           block_width or budget + 1, True, "cpu")
+
+
+def candidates(seed: int, depth: int = 5, k: int = 6, vocab: int = 40, scale: float = 3.0):
+    g = torch.Generator().manual_seed(seed)
+    probs, tokens = (torch.randn(depth, vocab, generator=g) * scale).softmax(-1).topk(k, dim=-1)
+    return tokens.contiguous(), probs.contiguous()
+
+
+def assert_same(a: TreeBlock, b: TreeBlock, what=""):
+    for f in FIELDS:
+        assert torch.equal(getattr(a, f), getattr(b, f)), (what, f, getattr(a, f), getattr(b, f))
+
+
+def test_a_hand_built_tree():
+    """Depth 1 rank 0 (0.9), its rank-0 child (0.72), that child's sibling (0.09) before depth 1's rank 1 (0.05)."""
+    tokens = torch.tensor([[10, 11, 12], [20, 21, 22]])
+    probs = torch.tensor([[0.9, 0.05, 0.01], [0.8, 0.1, 0.0]])
+    b = grown(tokens, probs, 2, 3)
+    assert b.node_src.tolist() == [0, 3, 4]  # flat depth * K + rank
+    assert b.parents.tolist() == [-1, 0, 1, 1] and b.depths.tolist() == [0, 1, 2, 2]
+    assert b.positions.tolist() == [0, 1, 2, 2]
+    assert b.tree_anc.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    assert b.block_slots.tolist() == [[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, -1], [0, 1, 3, -1]]
+    # budget 4 at width 3: depth 1's rank 1 (0.05) before its rank 2 (0.01); depth 2's rank 2 has probability 0
+    b = grown(tokens, probs, 3, 4, block_width=8)
+    assert b.node_src.tolist() == [0, 3, 4, 1] and b.parents.tolist() == [-1, 0, 1, 1, 0]
+    assert b.anc.shape == (8, 8) and torch.equal(b.anc[5:], torch.eye(8, dtype=torch.bool)[5:])  # pad rows
+    assert b.positions.tolist() == [0, 1, 2, 2, 1, 5, 6, 7]
+
+
+def test_ties_go_to_the_shallower_node_then_the_lower_ranks():
+    tokens = torch.arange(12).reshape(3, 4)
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0]])
+    # scores: (0) .5, (1) .5, (0,0) .5, (1,0) .5, (0,0,0) .25, (0,0,1) .125, (0,0,2) .125, (1,0,0) .25 ...
+    b = grown(tokens, probs, 4, 7)
+    assert b.depths.tolist() == [0, 1, 1, 2, 2, 3, 3, 3]
+    assert b.parents.tolist() == [-1, 0, 0, 1, 2, 3, 4, 3]
+    assert b.node_src.tolist() == [0, 1, 4, 4, 8, 8, 9]
+    assert_same(b, host_block(tokens, probs, 4, 7))
+    assert_same(grown(tokens, probs, 4, 7, kernel=True), b)
+
+
+def test_rows_past_the_candidates_are_dead_and_never_accepted():
+    """One candidate a depth (the others at probability 0): a 3-node chain, then 4 dead rows (depth 0, their own
+    only ancestor). Even where a dead row's token equals the argmax at the root, the chain's path wins."""
+    tokens = torch.tensor([[5, 6], [7, 8], [9, 1]])
+    probs = torch.tensor([[0.7, 0.0], [0.6, 0.0], [0.9, 0.0]])
+    for kernel in (False, True):
+        b = grown(tokens, probs, 2, 7, kernel=kernel)
+        assert b.parents.tolist() == [-1, 0, 1, 2, -1, -1, -1, -1] and b.depths.tolist() == [0, 1, 2, 3, 0, 0, 0, 0]
+        assert b.tree_anc[4:].tolist() == torch.eye(8, dtype=torch.uint8)[4:].tolist()
+        assert b.block_slots[5].tolist() == [5] + [-1] * 7
+    ids = torch.tensor([3, 5, 7, 9, 5, 5, 5, 5])  # dead rows carry node_src 0's token: depth 1's rank 0
+    argmax = torch.tensor([5, 7, 2, 0, 0, 0, 0, 0])  # the chain's first two nodes match
+    _, tokens_out, accepted, _ = tree_commit_ref(argmax, ids, b.parents, b.tree_anc, b.depths,
+                                                 torch.tensor([3, 10]), 4)
+    assert accepted.item() == 2 and tokens_out.tolist()[:3] == [5, 7, 2]
+
+
+def test_a_lookup_lead_is_the_main_path():
+    """Lookup's tokens lead at the depths it covers (probability 1): they are the first nodes, the block's own
+    candidates after them (a duplicate of the lead dropped)."""
+    tokens, probs = candidates(3, depth=4, k=4)
+    lead = torch.tensor([int(tokens[0, 2]), 39, 38, 0])
+    n = torch.tensor(3)
+    for kernel in (False, True):
+        b = grown(tokens, probs, 3, 15, lead, n, kernel=kernel)
+        assert b.parents.tolist()[:4] == [-1, 0, 1, 2] and b.node_src.tolist()[:3] == [0, 4, 8]
+        assert_same(b, host_block(tokens, probs, 3, 15, lead, n), kernel)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_candidates_grow_the_host_loops_tree(seed):
+    depth, k = [(3, 4), (5, 6), (7, 8), (15, 8)][seed % 4]
+    width, budget = [(1, 3), (2, 7), (4, 15), (4, 31), (8, 63), (3, 20)][seed % 6]
+    width = min(width, k)
+    tokens, probs = candidates(seed, depth, k, scale=[1.0, 3.0, 8.0][seed % 3])
+    if seed % 3 == 2:
+        probs = torch.round(probs * 8) / 8  # many exact ties and zeros
+    lead = n = None
+    if seed % 2:
+        lead, n = torch.randint(0, 40, (depth,), generator=torch.Generator().manual_seed(seed)), torch.tensor(seed % 5)
+    rows = budget + 1
+    w = 1 << (rows - 1).bit_length()
+    want = host_block(tokens, probs, width, budget, lead, n, block_width=w)
+    assert_same(grown(tokens, probs, width, budget, lead, n, block_width=w), want, "ref")
+    assert_same(grown(tokens, probs, width, budget, lead, n, kernel=True, block_width=w), want, "kernel")
+    assert torch.equal(want.block_slots, ancestor_slots(torch.tensor(0), want.anc))
+
+
+def test_bad_inputs_are_refused():
+    tokens, probs = candidates(0, 3, 4)
+    with pytest.raises(ValueError, match="width=5"):
+        grown(tokens, probs, 5, 7)
+    with pytest.raises(ValueError, match="grown tree has 1..63 nodes"):
+        grow_tree_ref(tokens, probs, None, None, 2, TreeBlock.dead(64, 128, False, "cpu"))
+    with pytest.raises(ValueError, match="probs must have dtype"):
+        grown(tokens, probs.double(), 2, 7)
+    with pytest.raises(ValueError, match="lead and lead_depths"):
+        grown(tokens, probs, 2, 7, lead=tokens[:, 0].contiguous())
