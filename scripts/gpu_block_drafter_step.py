@@ -142,11 +142,15 @@ res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                                                                                        device_overlap=True)),
                   "chain device loop x1 overlapped": guarded(engine_costs, cfg.replace(device_steps=1,
                                                                                        device_overlap=True)),
-                  "tree 31 device loop x4": guarded(engine_costs, tree31)},
+                  "tree 31 device loop x4": guarded(engine_costs, tree31),
+                  "tree 31 grown per step, device loop x4": guarded(engine_costs,
+                                                                    tree31.replace(device_tree="per_step"))},
        "loop_kernels": {"chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4,
                                                                                          ngram_prefix=True)),
                         "tree 31 + ngram_prefix, device loop x4": guarded(loop_kernels,
-                                                                          tree31.replace(ngram_prefix=True), 256)}}
+                                                                          tree31.replace(ngram_prefix=True), 256),
+                        "tree 31 grown + ngram_prefix, device loop x4": guarded(
+                            loop_kernels, tree31.replace(ngram_prefix=True, device_tree="per_step"), 256)}}
 json.dump(res, open(os.path.join(args.out, "block_drafter_step.json"), "w"), indent=1)
 for name, s in res["steps"].items():
     print(name, s["step"], "draft ms", round(s["draft_ms"], 4), "observe ms",

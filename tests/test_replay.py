@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from _tiny import prompt
 from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 from test_device_loop import TREE
 
-from specpilot.drafting.replay import LookupPolicy, Reference, anchor_candidates, replay, replay_all
+from specpilot.drafting.replay import (LookupPolicy, Reference, anchor_candidates, cached_candidates, drafter_digest,
+                                       replay, replay_all)
 from specpilot.engines.build import build_engine
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 
@@ -26,8 +28,10 @@ def setup():
     return model, drafter, refs, [anchor_candidates(drafter, model, r, topk=4) for r in refs]
 
 
-# the device loop verifies one static tree shape (calibrated on host steps): a tree replays the host loop's
-@pytest.mark.parametrize("shape,steps", [({}, 1), ({}, 4), (TREE, 1)], ids=["chain-host", "chain-device", "tree-host"])
+# a calibrated device loop verifies one static tree shape (not replayed); a tree replays the host loop's, which the
+# device loop grows every step with device_tree=per_step
+@pytest.mark.parametrize("shape,steps", [({}, 1), ({}, 4), (TREE, 1), ({**TREE, "device_tree": "per_step"}, 4)],
+                         ids=["chain-host", "chain-device", "tree-host", "tree-device-grown"])
 @pytest.mark.parametrize("engine_kw", [{"ngram_prefix": False}, {"ngram_prefix": True},
                                        {"ngram_prefix": True, **GATE}], ids=["block", "lookup", "gated"])
 def test_replay_takes_the_engines_steps(setup, engine_kw, shape, steps):
@@ -57,6 +61,25 @@ def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
     one = Reference("one", "tiny", (1, 2), (3,))  # the prefill's token alone: no verify step to replay
     assert replay(one, cands[0], LookupPolicy()) == []
     assert "one" not in replay_all([one], cands[:1], [LookupPolicy()])[0].tokens_per_step
+
+
+def test_candidates_are_kept_per_drafter_and_reference(setup, tmp_path, monkeypatch):
+    import specpilot.drafting.replay as replay_mod
+
+    model, drafter, refs, cands = setup
+    got = cached_candidates(drafter, model, refs[:2], tmp_path, topk=4, progress=False)
+    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs) for a, b in zip(got, cands))
+    computed = []
+    monkeypatch.setattr(replay_mod, "anchor_candidates", lambda d, t, r, topk: computed.append(r.key) or
+                        anchor_candidates(d, t, r, topk=topk))
+    again = cached_candidates(drafter, model, refs, tmp_path, topk=4, progress=False)
+    assert computed == ["r2"] and all(torch.equal(a.probs, b.probs) for a, b in zip(again, cands))
+    changed = Reference("r0", "tiny", refs[0].prompt, refs[0].output[:-1])  # another output: recomputed
+    cached_candidates(drafter, model, [changed], tmp_path, topk=4, progress=False)
+    other = quick_drafter(model, 3, 0, block_size=8)  # another drafter: its own folder
+    assert drafter_digest(other) != drafter_digest(drafter)
+    cached_candidates(other, model, refs[:1], tmp_path, topk=4, progress=False)
+    assert computed == ["r2", "r0", "r0"] and len(list(tmp_path.iterdir())) == 2
 
 
 def test_drafter_replay_command_records_references_once_and_writes_its_table(tmp_path, capsys):

@@ -99,10 +99,9 @@ def _gates(text: str) -> list[tuple[int, float]]:
 def run_replay(args: argparse.Namespace) -> int:
     from specpilot.bench.session import DeploymentSession
     from specpilot.deployments import load_deployment
-    from specpilot.drafting.replay import LookupPolicy, anchor_candidates, record_references, replay_all
+    from specpilot.drafting.replay import LookupPolicy, cached_candidates, record_references, replay_all
     from specpilot.engines.drafters.ngram_prefix import LeadGate
     from specpilot.workload import WorkloadSpec
-    from tqdm import tqdm
 
     dep = load_deployment(args.deployment)
     overrides = {k: v for k, v in (("prompts_per_benchmark", args.prompts_per_benchmark),
@@ -122,8 +121,8 @@ def run_replay(args: argparse.Namespace) -> int:
                              [(p.key, p.prompt.benchmark.value, p.ids) for p in prompts],
                              args.out / "references.jsonl", progress=not args.no_progress)
     session.release(ar_cfg)
-    cands = [anchor_candidates(drafter, session.target, r, topk=max(4, args.tree_width))
-             for r in tqdm(refs, desc="drafter candidates", unit="req", disable=args.no_progress)]
+    cands = cached_candidates(drafter, session.target, refs, args.out / "candidates", topk=max(4, args.tree_width),
+                              progress=not args.no_progress)
     policies = []
     for budget in args.tree_budgets:
         kw = {"tree_budget": budget, "tree_width": args.tree_width}
@@ -132,17 +131,18 @@ def run_replay(args: argparse.Namespace) -> int:
             policies.append(LookupPolicy(ngram_min=n, **kw))
             policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, **kw) for k, p in args.gates]
     results = replay_all(refs, cands, policies)
-    rows = [{"policy": r.policy.label, "tokens_per_step": r.overall(), "by_benchmark": r.by_benchmark(refs),
-             "per_request": r.tokens_per_step} for r in results]
+    rows = [{"policy": r.policy.label, "tokens_per_step": r.overall(), "mean_tokens_per_step": r.mean(),
+             "by_benchmark": r.by_benchmark(refs), "per_request": r.tokens_per_step} for r in results]
     (args.out / "replay.json").write_text(json.dumps({"deployment": dep.name, "split": args.split,
                                                       "requests": len(refs), "max_new_tokens": wl.max_new_tokens,
                                                       "policies": rows}, indent=1))
     benches = sorted({r.benchmark for r in refs})
-    print(f"{'policy':34s} {'tok/step':>8s}  " + "  ".join(f"{b[:9]:>9s}" for b in benches))
+    print(f"{'policy':34s} {'tok/step':>8s} {'mean':>6s}  " + "  ".join(f"{b[:9]:>9s}" for b in benches))
     for row in rows:
-        print(f"{row['policy']:34s} {row['tokens_per_step']:8.3f}  "
+        print(f"{row['policy']:34s} {row['tokens_per_step']:8.3f} {row['mean_tokens_per_step']:6.2f}  "
               + "  ".join(f"{row['by_benchmark'].get(b, float('nan')):9.3f}" for b in benches))
-    print(f"geometric means over {len(refs)} requests ({args.split} split); wrote {args.out / 'replay.json'}")
+    print(f"tokens per step: geometric means over {len(refs)} requests ({args.split} split; `mean`: the arithmetic "
+          f"mean, as the bench's tokens/step); wrote {args.out / 'replay.json'}")
     return 0
 
 
@@ -180,7 +180,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p = sub.add_parser("replay", help="tokens per step of lookup/gate/tree policies, replayed on recorded AR outputs")
     p.add_argument("--deployment", required=True, help="a deployment with a block drafter (YAML path or name)")
     p.add_argument("--drafter-label", default=None, help="which block drafter (default: the first)")
-    p.add_argument("--out", required=True, type=Path, help="directory: references.jsonl (resumed) and replay.json")
+    p.add_argument("--out", required=True, type=Path,
+                   help="directory: references.jsonl (resumed), candidates/ (kept per drafter) and replay.json")
     p.add_argument("--device", default=None, help="default: the deployment's")
     p.add_argument("--split", choices=["tune", "validate"], default="validate")
     p.add_argument("--prompts-per-benchmark", type=int, default=None)

@@ -6,11 +6,14 @@ a reference output (one teacher-forced target forward for the features, the draf
 lookup/gate/tree policy can be replayed step by step in Python: tokens per step for many policies from one pass,
 where the engine would decode every request again per policy. The replay follows the engine's rules:
 NgramDrafter's match (longest suffix, most recent), ngram_prefix.led_by_lookup (the gate), best_first_tree; a test
-checks its steps against the engine's on a tiny model. A tree replays the host loop's per-step best-first tree, not
-the device loop's static tree shape.
+checks its steps against the engine's on a tiny model. A tree replays the per-step best-first tree: the host loop's
+and the device loop's with device_tree=per_step (engines.tree_grow grows the same tree), not a calibrated static
+shape. The candidates, the costly part, are kept per drafter and top-k (cached_candidates): policy sweeps over the
+same outputs recompute nothing.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +96,37 @@ def anchor_candidates(drafter: BlockDrafterModel, target: LlamaModel, ref: Refer
     return AnchorCandidates(torch.cat(tokens), torch.cat(probs))
 
 
+def drafter_digest(drafter: BlockDrafterModel) -> str:
+    """The drafter's weights and config, hashed: which drafter a candidates cache belongs to."""
+    h = hashlib.sha256(json.dumps(drafter.config.__dict__, sort_keys=True, default=str).encode())
+    for name, t in sorted(drafter.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list[Reference], cache: Path,
+                      topk: int = 4, progress: bool = True) -> list[AnchorCandidates]:
+    """anchor_candidates of every reference, each kept as a file under cache/<drafter digest>-k<topk>/ (a stopped
+    run resumes; a reference whose prompt or output changed is recomputed)."""
+    folder = cache / f"{drafter_digest(drafter)}-k{topk}"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for ref in tqdm(refs, desc="drafter candidates", unit="req", disable=not progress):
+        ident = hashlib.sha256(json.dumps([ref.key, ref.prompt, ref.output]).encode()).hexdigest()[:24]
+        path = folder / f"{ident}.pt"
+        if path.is_file():
+            saved = torch.load(path)
+            out.append(AnchorCandidates(saved["tokens"], saved["probs"]))
+            continue
+        c = anchor_candidates(drafter, target, ref, topk=topk)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"key": ref.key, "tokens": c.tokens, "probs": c.probs}, tmp)
+        tmp.replace(path)  # whole files only: a run stopped mid-write leaves no half record
+        out.append(c)
+    return out
+
+
 def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth: int | None = None) -> list[int]:
     """Tokens committed by each verify step (accepted + the bonus token) when `policy` drafts ref's output."""
     seq = list(ref.prompt) + list(ref.output)
@@ -125,6 +159,11 @@ class PolicyResult:
     def overall(self) -> float:
         """Geometric mean over requests (the bench's aggregate for speedups; per request, steps cost alike)."""
         return geomean(self.tokens_per_step.values(), empty=float("nan"))
+
+    def mean(self) -> float:
+        """Arithmetic mean over requests (the bench's tokens/step column)."""
+        v = list(self.tokens_per_step.values())
+        return sum(v) / len(v) if v else float("nan")
 
     def by_benchmark(self, refs: list[Reference]) -> dict[str, float]:
         groups: dict[str, list[float]] = {}
