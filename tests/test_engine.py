@@ -227,13 +227,40 @@ def test_decode_equals_one_token_verifies():
         runner.decode(len(p), singles[0], 17)
 
 
+def test_decode_ends_at_a_stop_id():
+    """With stop ids (the engine's EOS), a chained decode returns the tokens up to and including the first stop id:
+    the steps after it, which the engine would drop, do not run."""
+    model = tiny_model("mha_tied", 4)
+    runner = ModelRunner(model, cfg(drafter=DrafterKind.NONE), "cpu", block_width=16)
+    p = prompt(model.shape.vocab, 9, 4)
+    _, singles = chained_and_single_steps(runner, p, 8)
+    j = next(i for i in range(1, 7) if singles[i] not in singles[:i])
+    runner.stop_decodes_on(frozenset({singles[j], -5}))
+    chained, _ = chained_and_single_steps(runner, p, 8)
+    assert chained == singles[:j + 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the chained-step graph)")
 def test_decode_graph_equals_one_token_verifies_on_gpu():
+    """The chained decode graph; with stop ids, its steps after a stop id are skipped on the device (a conditional
+    node a step: engines.graph_if), their argmax slots left at -1."""
+    from specpilot.engines.graph_if import GuardedChain
+
     model = tiny_model("gqa", 5, dtype=torch.bfloat16).to("cuda")
     c = cfg(drafter=DrafterKind.NONE, kernel_backend="triton", cuda_graphs=True)
     runner = ModelRunner(model, c, "cuda", block_width=16)
-    chained, singles = chained_and_single_steps(runner, prompt(model.shape.vocab, 9, 5), 8)
+    p = prompt(model.shape.vocab, 9, 5)
+    chained, singles = chained_and_single_steps(runner, p, 8)
     assert chained == singles
+    j = next(i for i in range(1, 7) if singles[i] not in singles[:i])
+    runner.stop_decodes_on(frozenset({singles[j]}))
+    for _ in range(2):  # the second replay: stale tokens of the first are not read as this one's
+        chained, _ = chained_and_single_steps(runner, p, 8)
+        g = runner._graphs["decode", 8]
+        assert isinstance(g.graph, GuardedChain) and chained == singles[:j + 1]
+        assert g.host_argmax.tolist() == singles[:j + 1] + [-1] * (7 - j)
+    runner.stop_decodes_on(frozenset({-7}))  # a stop id never produced: all 8 steps run
+    assert chained_and_single_steps(runner, p, 8)[0] == singles
 
 
 def test_warm_up_generates_and_captures_nothing_without_graphs():

@@ -79,8 +79,11 @@ class SpecEngine:
         stock = all(getattr(type(policy), hook) is getattr(EnginePolicy, hook)
                     for hook in ("draft_depth", "shape_tree", "accept"))
         self.device_loop = device_loop if stock else None
-        if self.device_loop is not None and type(policy).commit is EnginePolicy.commit:
-            self.device_loop.stop_on(self.eos)  # the device skips steps past this rule's stops
+        if type(policy).commit is EnginePolicy.commit:  # the device skips steps past this rule's stops
+            if self.device_loop is not None:
+                self.device_loop.stop_on(self.eos)
+            if self.ar_steps > 1 and hasattr(target, "stop_decodes_on"):
+                target.stop_decodes_on(self.eos)
 
     def warm_up(self, prompt: list[int], max_new_tokens: int = 8) -> None:
         """A short generation, then every graph this engine's target can replay: one-time costs (allocation,

@@ -1,14 +1,16 @@
-"""A captured CUDA graph that runs only where a device flag is set: a CUDA graph conditional (IF) node around it.
+"""Captured CUDA graphs that run only while a device flag is set: CUDA graph conditional (IF) nodes around them.
 
 The device loop queues its next chunk before it reads the current one (overlap); when the current one stops the
 request, the queued chunk only costs time (on the H200 a whole chain step: 2% of the overlapped chain's decode
 time in session 34, the short requests weighing most). Its replay here first reads the loop's `live` flag on the
-device and skips the chunk's body when it is 0.
+device and skips the chunk's body when it is 0. AR decoding chains several steps a graph (engines.graphs): there
+each step after the first runs behind a guard that also clears the flag when the step before it produced a stop
+token, so the steps past an EOS are skipped as the engine's are.
 
 torch 2.11's CUDAGraph cannot capture into a conditional node (that API came later), so the parent graph is built
-with the CUDA driver API through ctypes: a one-thread kernel (compiled once by NVRTC) sets the node's handle from
-the flag, and the IF node's body holds the captured graph as a child graph. The captured torch graph must be kept
-(CUDAGraph(keep_graph=True)): its memory pool backs the body's tensors.
+with the CUDA driver API through ctypes: a one-thread kernel (compiled once by NVRTC) updates the flag and sets the
+node's handle from it, and the IF node's body holds the captured graph as a child graph. The captured torch graphs
+must be kept (CUDAGraph(keep_graph=True)): their memory pools back the bodies' tensors.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import glob
 import os
 import sys
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -24,8 +27,16 @@ _SETTER_SRC = rb"""
 typedef unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
                                                                       unsigned int value);
-extern "C" __global__ void set_if_nonzero(cudaGraphConditionalHandle handle, const long long *flag) {
-    cudaGraphSetConditional(handle, *flag != 0);
+extern "C" __global__ void set_if_live(cudaGraphConditionalHandle handle, long long *live, const long long *token,
+                                       const long long *stop_ids, int n_stop) {
+    long long l = *live;
+    if (token != 0) {  // the step before the guarded body: a stop token ends the run
+        for (int i = 0; l != 0 && i < n_stop; i++) {
+            if (*token == stop_ids[i]) l = 0;
+        }
+        *live = l;
+    }
+    cudaGraphSetConditional(handle, l != 0);
 }
 """
 _NODE_CONDITIONAL, _COND_IF = 13, 0  # CUgraphNodeType, CUgraphConditionalNodeType
@@ -82,7 +93,7 @@ class _Driver:
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
         module, func = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.cu.cuModuleLoadData(ctypes.byref(module), ptx), "cuModuleLoadData")
-        self.check(self.cu.cuModuleGetFunction(ctypes.byref(func), module, b"set_if_nonzero"), "cuModuleGetFunction")
+        self.check(self.cu.cuModuleGetFunction(ctypes.byref(func), module, b"set_if_live"), "cuModuleGetFunction")
         return func
 
 
@@ -124,40 +135,79 @@ def unsupported_reason() -> str | None:
     return None
 
 
-class GuardedGraph:
-    """Replays `graph` (captured with keep_graph=True, not instantiated) only where flag (one int64 on the device)
-    is nonzero when the replay reaches the device."""
+class Guard(NamedTuple):
+    """A body runs only while live (one int64 on the device) is nonzero; with token (one int64) and stop_ids (int64
+    [n]), live is first cleared where token is one of them."""
+    live: torch.Tensor
+    token: torch.Tensor | None = None
+    stop_ids: torch.Tensor | None = None
 
-    def __init__(self, graph: "torch.cuda.CUDAGraph", flag: torch.Tensor):
-        if flag.dtype != torch.int64 or flag.numel() != 1 or not flag.is_cuda:
-            raise ValueError("flag: one int64 on a CUDA device")
-        drv, setter = _driver_for(flag.device.index)
+    def check(self) -> None:
+        def one(name: str, t: torch.Tensor | None, single: bool = True) -> None:
+            if t is None or t.dtype != torch.int64 or not t.is_cuda or t.numel() < 1 or (single and t.numel() != 1):
+                raise ValueError(f"{name}: {'one int64' if single else 'int64 ids'} on a CUDA device")
+        one("live", self.live)
+        if (self.token is None) != (self.stop_ids is None):
+            raise ValueError("a guard's token and stop_ids come together")
+        if self.token is not None:
+            one("token", self.token)
+            one("stop_ids", self.stop_ids, single=False)
+
+
+class GuardedChain:
+    """Replays captured graphs (keep_graph=True, not instantiated) in order, as one graph launch: a part whose guard
+    is None always runs; a guarded part runs only while its Guard's flag is set when the launch reaches it."""
+
+    def __init__(self, parts: list[tuple["torch.cuda.CUDAGraph", Guard | None]]):
+        if not parts:
+            raise ValueError("a guarded chain needs at least one graph")
+        for _, guard in parts:
+            if guard is not None:
+                guard.check()
+        dev = next((g.live.device.index for _, g in parts if g is not None), torch.cuda.current_device())
+        drv, setter = _driver_for(dev)
         cu, chk = drv.cu, drv.check
-        self.graph, self.flag, self._drv = graph, flag, drv  # the body's memory pool lives with `graph`
+        self.parts, self._drv = parts, drv  # each body's memory pool lives with its graph
         ctx, parent = ctypes.c_void_p(), ctypes.c_void_p()
         chk(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         chk(cu.cuGraphCreate(ctypes.byref(parent), 0), "cuGraphCreate")
-        self._parent = parent
-        handle = ctypes.c_ulonglong()
-        chk(cu.cuGraphConditionalHandleCreate(ctypes.byref(handle), parent, ctx, 0, 0), "conditional handle")
-        self._args = (ctypes.c_ulonglong(handle.value), ctypes.c_void_p(flag.data_ptr()))
-        arg_ptrs = (ctypes.c_void_p * 2)(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in self._args))
-        kp = _KernelParams(func=setter, params=ctypes.cast(arg_ptrs, ctypes.POINTER(ctypes.c_void_p)))
-        kp.grid[:], kp.block[:] = (1, 1, 1), (1, 1, 1)
-        set_node = ctypes.c_void_p()
-        chk(cu.cuGraphAddKernelNode_v2(ctypes.byref(set_node), parent, None, ctypes.c_size_t(0), ctypes.byref(kp)),
-            "setter node")
-        np_ = _NodeParams(type=_NODE_CONDITIONAL)
-        np_.conditional = _ConditionalParams(handle=handle.value, type=_COND_IF, size=1, ctx=ctx)
-        if_node = ctypes.c_void_p()
-        chk(cu.cuGraphAddNode(ctypes.byref(if_node), parent, ctypes.byref(set_node), ctypes.c_size_t(1),
-                              ctypes.byref(np_)), "IF node")
-        body, child = ctypes.c_void_p(np_.conditional.graphs_out[0]), ctypes.c_void_p()
-        chk(cu.cuGraphAddChildGraphNode(ctypes.byref(child), body, None, ctypes.c_size_t(0),
-                                        ctypes.c_void_p(graph.raw_cuda_graph())), "child graph node")
+        self._parent, self._args = parent, []
+        last = None  # each node depends on the one before it
+        for graph, guard in parts:
+            graph_at = parent
+            if guard is not None:
+                handle = ctypes.c_ulonglong()
+                chk(cu.cuGraphConditionalHandleCreate(ctypes.byref(handle), parent, ctx, 0, 0), "conditional handle")
+                ptr = lambda t: ctypes.c_void_p(0 if t is None else t.data_ptr())  # noqa: E731
+                args = (ctypes.c_ulonglong(handle.value), ptr(guard.live), ptr(guard.token), ptr(guard.stop_ids),
+                        ctypes.c_int(0 if guard.stop_ids is None else guard.stop_ids.numel()))
+                self._args.append(args)  # the launch reads them at instantiation: kept alive with the chain
+                arg_ptrs = (ctypes.c_void_p * len(args))(*(ctypes.cast(ctypes.byref(a), ctypes.c_void_p)
+                                                           for a in args))
+                self._args.append(arg_ptrs)
+                kp = _KernelParams(func=setter, params=ctypes.cast(arg_ptrs, ctypes.POINTER(ctypes.c_void_p)))
+                kp.grid[:], kp.block[:] = (1, 1, 1), (1, 1, 1)
+                last = self._add(lambda node, deps, n: cu.cuGraphAddKernelNode_v2(node, parent, deps, n,
+                                                                                   ctypes.byref(kp)), last, "setter")
+                np_ = _NodeParams(type=_NODE_CONDITIONAL)
+                np_.conditional = _ConditionalParams(handle=handle.value, type=_COND_IF, size=1, ctx=ctx)
+                last = self._add(lambda node, deps, n: cu.cuGraphAddNode(node, parent, deps, n, ctypes.byref(np_)),
+                                 last, "IF node")
+                graph_at, deps = ctypes.c_void_p(np_.conditional.graphs_out[0]), None
+            else:
+                deps = last
+            child = self._add(lambda node, d, n: cu.cuGraphAddChildGraphNode(
+                node, graph_at, d, n, ctypes.c_void_p(graph.raw_cuda_graph())), deps, "child graph node")
+            last = child if guard is None else last  # a guarded body hangs inside its IF node
         self._exec = ctypes.c_void_p()
         chk(cu.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), parent, ctypes.c_ulonglong(0)),
             "instantiate")
+
+    def _add(self, add, after: ctypes.c_void_p | None, what: str) -> ctypes.c_void_p:
+        node = ctypes.c_void_p()
+        deps = None if after is None else ctypes.byref(after)
+        self._drv.check(add(ctypes.byref(node), deps, ctypes.c_size_t(0 if after is None else 1)), what)
+        return node
 
     def replay(self) -> None:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
@@ -168,3 +218,14 @@ class GuardedGraph:
         if drv is not None and getattr(self, "_exec", None) is not None:
             drv.cu.cuGraphExecDestroy(self._exec)
             drv.cu.cuGraphDestroy(self._parent)
+
+
+class GuardedGraph(GuardedChain):
+    """Replays `graph` (captured with keep_graph=True, not instantiated) only where flag (one int64 on the device)
+    is nonzero when the replay reaches the device."""
+
+    def __init__(self, graph: "torch.cuda.CUDAGraph", flag: torch.Tensor):
+        if flag.dtype != torch.int64 or flag.numel() != 1 or not flag.is_cuda:
+            raise ValueError("flag: one int64 on a CUDA device")
+        super().__init__([(graph, Guard(flag))])
+        self.graph, self.flag = graph, flag

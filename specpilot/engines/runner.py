@@ -61,6 +61,9 @@ class ModelRunner:
         self.kv = torch.zeros(2, sh.layers, sh.kv_heads, self.num_slots, sh.head_dim, dtype=dtype, device=self.device)
         self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[tuple, StepGraph] = {}  # (width, view) steps and ("decode", k) chains
+        # Stop ids a chained decode checks (stop_decodes_on): on the device for the graphs, a host copy for the rest.
+        self.decode_stop: torch.Tensor | None = None
+        self._decode_stop_ids: frozenset[int] = frozenset()
         self._host_buf: torch.Tensor | None = None  # pinned landing buffer of each step's argmax
         self._fetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self.view_slots = self.num_slots  # slots the torch attention spans this request (see begin_request)
@@ -175,11 +178,14 @@ class ModelRunner:
         if base + self.block_width > self.view_slots:
             raise ValueError(f"sequence position {base} + block exceeds this request's attention view "
                              f"({self.view_slots} of {self.num_slots} slots; see begin_request)")
+        stop = self._decode_stop_ids
         if not self._decodes_in_one_graph:
             out = []
             for i in range(steps):
                 token = self.verify(base + i, [token], [0], _ONE).argmax[0]
                 out.append(token)
+                if token in stop:
+                    break
             return out
         g = self._graphs.get(("decode", steps)) or self._keep(("decode", steps), capture_decode(self, steps))
         g.staged.synchronize()
@@ -187,7 +193,22 @@ class ModelRunner:
         g.graph.replay()
         g.staged.record()
         g.staged.synchronize()
-        return g.host_argmax.numpy().tolist()
+        out = g.host_argmax.numpy().tolist()
+        if -1 in out:  # skipped steps (a guarded chain): they follow a stop id
+            out = out[:out.index(-1)]
+            if not out or out[-1] not in stop:
+                raise RuntimeError(f"AR decode: steps were skipped after {out[-1:]}, which is no stop id")
+        return out
+
+    def stop_decodes_on(self, stop_ids: frozenset[int]) -> None:
+        """Chained AR decodes skip their steps after one that produced a stop id (on the device: engines.graph_if;
+        eagerly: the loop ends there). Only for a caller that stops there anyway (EnginePolicy.commit's EOS rule):
+        decode then returns fewer tokens than asked, the last one a stop id."""
+        ids = sorted(stop_ids)
+        self.decode_stop = torch.tensor(ids, dtype=torch.long, device=self.device) if ids else None
+        self._decode_stop_ids = frozenset(ids)
+        for key in [k for k in self._graphs if k[0] == "decode"]:
+            del self._graphs[key]
 
     @torch.no_grad()
     def capture_all(self, decode_steps: int = 0) -> int:
