@@ -154,15 +154,20 @@ def test_static_tree_is_the_best_first_tree_of_mean_probabilities():
 TREE = dict(verify="tree", tree_budget=7, level_one_keep=4, position_ordered_attention=True)
 
 
+def tree_case(shape: str, seed: int, tokens: int = 90):
+    """(model, its quick drafter, a prompt, AR's tokens with position-ordered attention) for the tree tests."""
+    model = damped(shape, seed)
+    p = prompt(model.shape.vocab, 10, seed)
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
+        p, tokens).tokens
+    return model, quick_drafter(model, seed, 40), p, want
+
+
 @pytest.mark.parametrize("shape", ["gqa", "mha_tied"])
 def test_tree_device_steps_calibrate_a_static_tree_and_equal_ar(shape):
     deep = 0
     for seed in range(2):
-        model = damped(shape, seed)
-        drafter = quick_drafter(model, seed, 40)
-        p = prompt(model.shape.vocab, 10, seed)
-        want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
-            p, 90).tokens
+        model, drafter, p, want = tree_case(shape, seed)
         eng = engine(model, drafter, device_steps=4, **TREE)
         assert not eng.device_loop.ready
         r = eng.generate(p, 90)
@@ -187,11 +192,7 @@ def test_per_step_trees_are_the_host_loops_trees_and_equal_ar(shape):
     (nothing to calibrate), and the tokens are AR's."""
     deep = 0
     for seed in range(3):
-        model = damped(shape, seed)
-        drafter = quick_drafter(model, seed, 40)
-        p = prompt(model.shape.vocab, 10, seed)
-        want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
-            p, 90).tokens
+        model, drafter, p, want = tree_case(shape, seed)
         host = engine(model, drafter, device_steps=1, **PER_STEP).generate(p, 90)
         eng = engine(model, drafter, device_steps=4, **PER_STEP)
         assert eng.device_loop.ready and eng.device_loop.tree is None

@@ -29,7 +29,9 @@ def lead_rows(tokens: torch.Tensor, probs: torch.Tensor, lead: torch.Tensor, use
     return torch.where(use[:, None], led_tokens, tokens), torch.where(use[:, None], led_probs, probs)
 
 
-def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots):
+def check_candidates(tokens, probs, lead, lead_depths) -> torch.device:
+    """A step's drafted candidates tokens / probs [depth, k] and the lookup's lead [depth] with the depths it covers
+    (both or neither); returns their device."""
     check_tensor("tokens", tokens, (None, None), torch.int64)
     dev, (depth, k) = tokens.device, tokens.shape
     check_tensor("probs", probs, (depth, k), torch.float32, dev)
@@ -38,6 +40,11 @@ def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_posit
     if lead is not None:
         check_tensor("lead", lead, (depth,), torch.int64, dev)
         _check_count("lead_depths", lead_depths, dev)
+    return dev
+
+
+def _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots):
+    dev = check_candidates(tokens, probs, lead, lead_depths)
     check_tensor("state", state, (2,), torch.int64, dev)
     check_tensor("node_src", node_src, (None,), torch.int64, dev)
     check_tensor("rel_positions", rel_positions, (None,), torch.int64, dev)

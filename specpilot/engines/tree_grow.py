@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from specpilot.engines.llama import ancestor_slots
-from specpilot.engines.loop_kernels import _led_source, lead_rows
+from specpilot.engines.loop_kernels import _led_source, check_candidates, lead_rows
 from specpilot.kernels._common import check_launchable, check_tensor
 
 # Rows a grown tree may have: ancestor sets are one int64 bit mask a row in the kernel.
@@ -72,14 +72,7 @@ class TreeBlock:
 
 
 def _check_grow(tokens, probs, lead, lead_depths, width, block):
-    check_tensor("tokens", tokens, (None, None), torch.int64)
-    dev, (depth, k) = tokens.device, tokens.shape
-    check_tensor("probs", probs, (depth, k), torch.float32, dev)
-    if (lead is None) != (lead_depths is None):
-        raise ValueError("lead and lead_depths come together (a lookup's tokens and how many depths they cover)")
-    if lead is not None:
-        check_tensor("lead", lead, (depth,), torch.int64, dev)
-        check_tensor("lead_depths", lead_depths, None, torch.int64, dev)
+    dev, (depth, k) = check_candidates(tokens, probs, lead, lead_depths), tokens.shape
     rows, w = block.rows, block.positions.shape[0]
     if not 2 <= rows <= min(w, MAX_GROWN_ROWS):
         raise ValueError(f"a grown tree has 1..{MAX_GROWN_ROWS - 1} nodes in a block of >= rows, got {rows - 1} "
