@@ -137,3 +137,22 @@ def test_bad_inputs_are_refused():
         grown(tokens, probs.double(), 2, 7)
     with pytest.raises(ValueError, match="lead and lead_depths"):
         grown(tokens, probs, 2, 7, lead=tokens[:, 0].contiguous())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")
+def test_the_compiled_kernel_grows_the_host_loops_tree_on_gpu():
+    """On the H200: the kernel compiled for the device (float64 scores, one warp) = the host loop's tree."""
+    for seed in range(24):
+        depth, k = [(15, 8), (7, 4)][seed % 2]
+        width, budget = [(4, 31), (4, 63), (2, 15), (8, 31)][seed % 4]
+        width = min(width, k)
+        tokens, probs = candidates(seed, depth, k, scale=[1.0, 3.0, 8.0][seed % 3])
+        if seed % 3 == 2:
+            probs = torch.round(probs * 8) / 8
+        lead, n = torch.randint(0, 40, (depth,), generator=torch.Generator().manual_seed(seed)), torch.tensor(seed % 6)
+        w = 1 << budget.bit_length()
+        want = host_block(tokens, probs, width, budget, lead, n, block_width=w)
+        block = TreeBlock.dead(budget, w, True, "cuda")
+        grow_tree(tokens.cuda(), probs.cuda(), lead.cuda(), n.cuda(), width, block)
+        for f in FIELDS:
+            assert torch.equal(getattr(block, f).cpu(), getattr(want, f)), (seed, f)
