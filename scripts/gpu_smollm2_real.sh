@@ -22,8 +22,9 @@
 #                                                             each alone and led by prompt lookup (ngram_prefix),
 #                                                             the chain also with the lookup gate (GATE_K, GATE_P);
 #                                                             GROWN=1 adds each budget's per-step tree (device_tree:
-#                                                             per_step) alone, led by lookup, and that overlapped
-#                                                             at 1-step chunks;
+#                                                             per_step) alone, led by lookup (ngram_min 2: the
+#                                                             replay's best for trees), and that overlapped at
+#                                                             1-step chunks;
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
 #                                                             chain and the last tree, TWO_LEVEL=1 two-level,
 #                                                             OVERLAP="1 4" the gated chain with device_overlap at
@@ -89,9 +90,9 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   - {kind: block, model: {path: $d}, engine: {$tree, ngram_prefix: true}}"
     [ -n "${GROWN:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step}}
-  - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true}}
-  - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, device_overlap: true,
-                                              device_steps: 1}}"
+  - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2}}
+  - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2,
+                                              device_overlap: true, device_steps: 1}}"
   done
   [ -n "${HOST:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
