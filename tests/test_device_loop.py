@@ -387,6 +387,15 @@ def test_device_steps_is_validated(bad):
         EngineConfig(device_steps=bad)
 
 
+def test_device_tree_is_validated():
+    assert EngineConfig(device_tree="per_step", tree_budget=63).device_tree.value == "per_step"
+    with pytest.raises(ConfigError, match="at most 63 nodes"):
+        EngineConfig(device_tree="per_step", tree_budget=64)
+    with pytest.raises(ConfigError, match="device_tree='grown'"):
+        EngineConfig(device_tree="grown")
+    assert EngineConfig(tree_budget=64).device_tree.value == "calibrated"  # no limit for the static shape
+
+
 @pytest.mark.parametrize("glue", ["torch", "kernels"])
 def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
     """The fused forward's kernels, and (glue=kernels) the loop's own assemble / commit kernels, interpreted where
