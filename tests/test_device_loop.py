@@ -209,13 +209,14 @@ def test_per_step_trees_are_the_host_loops_trees_and_equal_ar(shape):
 
 
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):
-    """The grow, assemble and tree commit kernels (interpreted), lookup-led, where the CPU loop runs their torch
-    references."""
+    """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led, where the CPU loop runs their
+    torch references."""
     import specpilot.engines.device_loop as device_loop
 
     monkeypatch.setattr(device_loop, "grow_tree_ref", device_loop.grow_tree)
     monkeypatch.setattr(device_loop, "assemble_ref", device_loop.assemble)
     monkeypatch.setattr(device_loop, "tree_commit_ref", device_loop.tree_commit)
+    monkeypatch.setattr(device_loop, "tree_move_ref", device_loop.tree_move)
     model = damped("gqa", 1)
     p = prompt(model.shape.vocab, 10, 1) * 2
     want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
@@ -227,11 +228,13 @@ def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):
 
 
 def test_tree_device_steps_with_the_glue_kernels_equal_ar(monkeypatch):
-    """The loop's assemble and tree commit kernels (interpreted) where the CPU loop runs their torch references."""
+    """The loop's assemble, tree commit and tree move kernels (interpreted) where the CPU loop runs their torch
+    references."""
     import specpilot.engines.device_loop as device_loop
 
     monkeypatch.setattr(device_loop, "assemble_ref", device_loop.assemble)
     monkeypatch.setattr(device_loop, "tree_commit_ref", device_loop.tree_commit)
+    monkeypatch.setattr(device_loop, "tree_move_ref", device_loop.tree_move)
     model = damped("gqa", 1)
     p = prompt(model.shape.vocab, 10, 1)
     want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(

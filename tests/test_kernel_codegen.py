@@ -30,6 +30,7 @@ from specpilot.kernels import gemm, norm_gemm
 from specpilot.engines import device_drafters as dd
 from specpilot.engines import loop_kernels as lk
 from specpilot.engines import tree_grow as tg
+from specpilot.engines import tree_move as tm
 from specpilot.engines.drafters import block_fused as bf
 from specpilot.kernels import topk
 from specpilot.kernels.sass import ptxas_sass, sass_opcodes
@@ -261,7 +262,10 @@ print(json.dumps({
                                                                "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
          | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
          {"D": 15, "K": 8, "WIDTH": 4, "BITS": 2, "R": 64, "W": 64, "HAS_LEAD": True, "HAS_BS": True, "DP": 16,
-          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": 58}, 1))},
+          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": 58}, 1),
+        ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
+                                             "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32"},
+         {"ROWSETS": 180, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},
 }))
 
 '''
@@ -404,4 +408,4 @@ def test_post_scale_compiles_the_projection_dots(compiled):
 def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
                                 "topk_chunk": True, "topk_merge": True, "assemble": True, "chain_commit": True,
-                                "tree_commit": True, "grow_tree": True}
+                                "tree_commit": True, "grow_tree": True, "tree_move": True}

@@ -1,4 +1,4 @@
-"""The device loop's two glue kernels (engines.loop_kernels, interpreted here) equal their torch references on
+"""The device loop's glue kernels (engines.loop_kernels, tree_move; interpreted here) equal their torch references on
 hand-built edge cases and random drafts, write what the references write, and refuse bad inputs."""
 from __future__ import annotations
 
@@ -214,3 +214,31 @@ def test_tree_commit_equals_its_reference_on_random_trees():
             res = fn(*on_dev(argmax, ids, parents, anc, depths), state, depth_rows, seq if trial % 2 else None)
             out += [*res, state, seq]
         _equal(got, want)
+
+
+def test_tree_move_moves_the_path_in_place_gathering_before_it_writes():
+    """The accepted path's rows move to base.., entries past the accepted depth take the root's row; a row one depth
+    reads is one another depth writes (path 0, 2, 5 with depth 2's destination row 2 = depth 1's source), so every
+    row is read before any is written; features come back in depth order; state becomes the next state."""
+    from specpilot.engines.tree_move import tree_move, tree_move_ref
+
+    g = torch.Generator().manual_seed(0)
+    for path_rows, accepted, dtype in (([0, 2, 5, 0, 0], 2, torch.bfloat16), ([0, 1, 2, 3, 4], 4, torch.float32),
+                                       ([0, 3, 4, 7, 0], 3, torch.float32), ([0, 0, 0], 0, torch.bfloat16)):
+        kv = torch.randn(2, 3, 2, 40, 16, generator=g).to(dtype)
+        features = torch.randn(8, 300, generator=g).to(dtype)  # 300 columns: two chunks, the second partial
+        base = 11
+        path = torch.tensor(path_rows)
+        next_state = torch.tensor([7, base + accepted + 1])
+        want_kv, want_state = kv.clone(), torch.tensor([5, base])
+        want_kv[:, :, :, base:base + len(path_rows)] = kv[:, :, :, [base + r for r in path_rows]]
+        for move in (tree_move_ref, tree_move):
+            k, st = on_dev(kv.clone(), torch.tensor([5, base]))
+            got = move(k, *on_dev(path, torch.tensor(accepted), next_state), st, *on_dev(features))
+            assert torch.equal(k.cpu(), want_kv) and st.tolist() == next_state.tolist(), (move.__name__, path_rows)
+            assert torch.equal(got.cpu(), features[path]), move.__name__
+            assert move(k, *on_dev(path, torch.tensor(accepted), next_state), st) is None
+    with pytest.raises(ValueError, match="features has 2 rows"):
+        tree_move_ref(kv, path, torch.tensor(0), next_state, want_state, features[:2])
+    with pytest.raises(ValueError, match="accepted must have shape"):
+        tree_move_ref(kv, path, torch.tensor([0]), next_state, want_state)

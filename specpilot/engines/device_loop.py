@@ -52,6 +52,7 @@ from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, ch
                                             tree_commit, tree_commit_ref)
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.tree_grow import MAX_GROWN_ROWS, TreeBlock, grow_tree, grow_tree_ref
+from specpilot.engines.tree_move import tree_move, tree_move_ref
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
 CALIBRATION_STEPS = 16
@@ -102,6 +103,7 @@ class Glue(NamedTuple):
     assemble: Callable
     chain_commit: Callable
     tree_commit: Callable
+    tree_move: Callable
 
 
 # A chunk's origin: FROM_HOST copies (pending token, slot) in from the host; the two CONTINUING sets start from the
@@ -343,7 +345,6 @@ class DeviceLoop:
         self.max_depth = max_depth
         self.depth_rows = max_depth + 1  # root + the deepest path: a step's most committed tokens
         self.slots = torch.arange(self.width, device=d)
-        self.depth_offsets = torch.arange(self.depth_rows, device=d)
         self._graphs.clear()
 
     def _steps(self, steps: int) -> torch.Tensor:
@@ -351,9 +352,9 @@ class DeviceLoop:
         tensor (one copy to the host a chunk: on the H200 each copy or stack costs ~1.5 us of a ~0.87 ms step,
         and a chunk had eleven); _unpack reads them."""
         if self.runner.device.type == "cuda":
-            glue = Glue(grow_tree, assemble, chain_commit, tree_commit)
+            glue = Glue(grow_tree, assemble, chain_commit, tree_commit, tree_move)
         else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
-            glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref)
+            glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref, tree_move_ref)
         outs = [self._step(glue) for _ in range(steps)]
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
         words = [t.to(torch.int64).reshape(-1).view(torch.int32)  # no-ops: they are int64 already
@@ -397,10 +398,9 @@ class DeviceLoop:
             path, path_tokens, accepted, next_state = glue.tree_commit(
                 argmax, ids, b.parents, b.tree_anc, b.depths, self.state, self.depth_rows,
                 drafter.sequence, self.stop)
-            kv = self.runner.kv  # the path's keys/values to slots base.. (entries past `accepted`: the root's)
-            kv[:, :, :, base + self.depth_offsets] = kv[:, :, :, base + path]
-            drafter.commit(None if features is None else features[path], base + self.depth_offsets)
-            self.state.copy_(next_state)
+            # the path's keys/values to slots base.. (entries past `accepted`: the root's), state <- next_state
+            path_features = glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, features)
+            drafter.commit(path_features, slots[:self.depth_rows])  # slots: base + 0, 1, ..
         return path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs
 
     def _capture(self, steps: int, origin: int = FROM_HOST) -> LoopGraph:

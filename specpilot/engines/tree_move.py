@@ -1,0 +1,84 @@
+"""A tree step's accepted path moved into place, in one launch (the device loop's tree steps).
+
+After a tree verify the accepted path's keys/values sit at the block rows of its nodes; AR would have put them at
+slots base, base + 1, ..: they move there (entries past the accepted depth get the root's row: harmless, the next
+step overwrites them), the drafter gets the path's target features in depth order, and the loop's state becomes the
+commit's next state. In torch that was seven launches a step (two index adds, a gather, an index_put, the
+features' gather, the drafter's positions, the state copy), ~1.2 us each inside the step's graph; here one grid of
+programs, one per (key/value, layer, kv head) row set plus the features' column chunks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specpilot.kernels._common import check_launchable, check_tensor
+
+FEATURE_BLOCK = 256  # feature columns a program gathers
+
+
+def _check_move(kv, path, accepted, next_state, state, features):
+    check_tensor("kv", kv, (None, None, None, None, None))
+    dev = kv.device
+    check_tensor("path", path, (None,), torch.int64, dev)
+    check_tensor("accepted", accepted, (), torch.int64, dev)
+    check_tensor("next_state", next_state, (2,), torch.int64, dev)
+    check_tensor("state", state, (2,), torch.int64, dev)
+    if features is not None:
+        check_tensor("features", features, (None, None), None, dev)
+        if features.shape[0] < path.shape[0]:
+            raise ValueError(f"features has {features.shape[0]} rows, the path reaches {path.shape[0]} depths")
+
+
+def tree_move_ref(kv, path, accepted, next_state, state, features=None):
+    """kv [2, layers, kv heads, slots, head dim]: slots base + e <- base + path[e] for every depth e < len(path)
+    (base = next_state[1] - accepted - 1, the step's root slot), gathered before any is written; state <-
+    next_state. Returns features[path] (None without features)."""
+    _check_move(kv, path, accepted, next_state, state, features)
+    base = next_state[1] - accepted - 1
+    kv[:, :, :, base + torch.arange(path.shape[0], device=kv.device)] = kv[:, :, :, base + path]
+    state.copy_(next_state)
+    return None if features is None else features[path]
+
+
+@triton.jit
+def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fout_ptr, S, F,
+                      ROWSETS: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, D: tl.constexpr,
+                      HAS_F: tl.constexpr, BLOCK_F: tl.constexpr):
+    pid = tl.program_id(0)
+    e = tl.arange(0, DRP)
+    ok = e < DR
+    path = tl.load(path_ptr + e, mask=ok, other=0)
+    if pid < ROWSETS:  # one (key/value, layer, kv head): its DR rows of D
+        base = tl.load(next_ptr + 1) - tl.load(acc_ptr) - 1  # not state[1]: program 0 rewrites state
+        d = tl.arange(0, D)[None, :]
+        rows = kv_ptr + pid.to(tl.int64) * S * D
+        moved = tl.load(rows + (base + path)[:, None] * D + d, mask=ok[:, None])
+        tl.debug_barrier()  # a row one depth reads may be one another depth writes: every load first
+        tl.store(rows + (base + e)[:, None] * D + d, moved, mask=ok[:, None])
+    elif HAS_F:
+        c = (pid - ROWSETS) * BLOCK_F + tl.arange(0, BLOCK_F)[None, :]
+        cols = c < F
+        tl.store(fout_ptr + e[:, None] * F + c, tl.load(f_ptr + path[:, None] * F + c, mask=ok[:, None] & cols),
+                 mask=ok[:, None] & cols)
+    if pid == 0:
+        i = tl.arange(0, 2)
+        tl.store(state_ptr + i, tl.load(next_ptr + i))
+
+
+def tree_move(kv, path, accepted, next_state, state, features=None):
+    """tree_move_ref's writes and result in one launch."""
+    _check_move(kv, path, accepted, next_state, state, features)
+    check_launchable(_tree_move_kernel, kv.device)
+    two, layers, heads, slots, dim = kv.shape
+    if dim != triton.next_power_of_2(dim):
+        raise ValueError(f"head dim {dim}: the kernel moves power-of-two rows")
+    rowsets, depth_rows = two * layers * heads, path.shape[0]
+    n_f = 0 if features is None else features.shape[1]
+    out = None if features is None else torch.empty(depth_rows, n_f, dtype=features.dtype, device=kv.device)
+    _tree_move_kernel[(rowsets + triton.cdiv(n_f, FEATURE_BLOCK),)](
+        kv, path, accepted, next_state, state, kv if features is None else features, kv if out is None else out,
+        slots, max(n_f, 1), ROWSETS=rowsets, DR=depth_rows, DRP=triton.next_power_of_2(depth_rows), D=dim,
+        HAS_F=features is not None, BLOCK_F=FEATURE_BLOCK, num_warps=1)
+    return out
