@@ -9,7 +9,8 @@
 #                                                             bench's engine and an extra AR mode run that
 #                                                             deployment's kernel table; b's bench and d:
 #                                                             KT_JSON=FILE a table of [key, params] pairs instead)
-#  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table)
+#  ar: as b, AR speed only (KT="name=notes/table.json ..." adds the engine with each kernel table); AR_STEPS=N
+#      (b, d) sets the deployment engine's ar_steps (AR steps chained a graph, default 4)
 #   c: carry .gpu (+ b's on a fresh host: it converts)      -> train the block drafter within DEADLINE s (540;
 #                                                             checkpoint to $OUT); INIT=DIR continues a saved
 #                                                             drafter (with SEED, default 1: new data; LR: a
@@ -64,7 +65,7 @@ device: {kind: cuda, gpu: H200, count: 1}
 regime: {kind: single}
 workload: {benchmarks: [gsm8k, humaneval, math500, mbpp, mt_bench], prompts_per_benchmark: ${PPB:-4},
            max_new_tokens: 2048, tune_fraction: 0.5, validate_fraction: 0.5, seed: 0}
-engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: triton$(dep_table)}
+engine: {dtype: bfloat16, cuda_graphs: true, max_seq_len: 4096, kernel_backend: triton$(dep_table)${AR_STEPS:+, ar_steps: $AR_STEPS}}
 YAML
   echo "$TB/$1.yaml"
 }

@@ -227,6 +227,24 @@ def test_decode_equals_one_token_verifies():
         runner.decode(len(p), singles[0], 17)
 
 
+def test_ar_steps_is_an_engine_knob():
+    """EngineConfig.ar_steps reaches the AR engine build_engine makes (same tokens at any value) and is validated."""
+    from specpilot.engines.build import build_engine
+    from specpilot.engines.config import ConfigError, EngineConfig
+
+    model = tiny_model("gqa", 3)
+    p = prompt(model.shape.vocab, 10, 3)
+    outs = []
+    for k in (1, 8):
+        eng = build_engine(cfg(drafter=DrafterKind.NONE, ar_steps=k), model, NO_EOS, "cpu")
+        assert eng.ar_steps == k
+        outs.append(eng.generate(p, 21).tokens)
+    assert outs[0] == outs[1]
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ConfigError, match="ar_steps"):
+            EngineConfig(ar_steps=bad)
+
+
 def test_decode_ends_at_a_stop_id():
     """With stop ids (the engine's EOS), a chained decode returns the tokens up to and including the first stop id:
     the steps after it, which the engine would drop, do not run."""

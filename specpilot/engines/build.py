@@ -72,7 +72,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
-    return SpecEngine(runner, drafter, eos, policy=policy, device_loop=device_loop(cfg, runner, drafter))
+    return SpecEngine(runner, drafter, eos, policy=policy, ar_steps=cfg.ar_steps,
+                      device_loop=device_loop(cfg, runner, drafter))
 
 
 def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop | None:

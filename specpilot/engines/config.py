@@ -145,6 +145,10 @@ class EngineConfig(ConfigOps):
     # Tree verification in the device loop: a calibrated static shape, or the best-first tree of each step's own
     # candidates (the host loop's tree, at most 63 nodes), grown on the device inside the step.
     device_tree: DeviceTree = DeviceTree.CALIBRATED
+    # AR decoding (no drafter): greedy steps chained in one CUDA graph per host round trip (ModelRunner.decode; with
+    # the fused kernels). The steps after an EOS are skipped on the device (engines.graph_if), so longer chains cost
+    # nothing at a stop; the tokens are the same at any value.
+    ar_steps: int = 4
     # Block drafter, chain or tree: where the context has a prompt-lookup match (ngram_max/ngram_min), its tokens
     # lead the block's candidates: the chain's first tokens, the tree's main path (engines.drafters.ngram_prefix).
     ngram_prefix: bool = False
@@ -196,8 +200,10 @@ class EngineConfig(ConfigOps):
         _check(1 <= self.level_one_keep <= self.tree_budget,
                f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
-        _check(not isinstance(self.device_steps, bool) and isinstance(self.device_steps, int)
-               and 1 <= self.device_steps <= 16, f"device_steps={self.device_steps!r}: must be an int in 1..16")
+        for name in ("device_steps", "ar_steps"):
+            value = getattr(self, name)
+            _check(not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= 16,
+                   f"{name}={value!r}: must be an int in 1..16")
         _check(0 <= self.tree_depth < max(self.block_size, 2), f"tree_depth={self.tree_depth}: must be in 0..block_size-1")
         _check(self.level_one_layers >= 0, f"level_one_layers={self.level_one_layers}: must be >= 0")
         _check(self.token_tile in (1, 2, 4, 8, 16, 32, 64), f"token_tile={self.token_tile}: must be a power of 2 <= 64")

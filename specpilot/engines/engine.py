@@ -58,7 +58,8 @@ class GenerationResult:
 
 
 # AR decoding runs up to this many greedy steps per host round trip (ModelRunner.decode: one graph, each step's
-# token fed on the device); the steps are the same forwards as one at a time, so the tokens are identical.
+# token fed on the device; EngineConfig.ar_steps); the steps are the same forwards as one at a time, so the tokens
+# are identical.
 AR_STEPS_PER_SYNC = 4
 
 
