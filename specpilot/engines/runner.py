@@ -167,7 +167,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, base: int, token: int, steps: int) -> list[int]:
-        """`steps` greedy AR steps from `token` at slot base: the argmax after token, then after that one, ...
+        """`steps` greedy AR steps from `token` at slot base: the argmax after token, then after that one, ... (up to
+        the first stop id, with stop_decodes_on).
 
         Every step is the same one-token forward as verify(base + i, [token_i], [0], [[True]]), so the tokens are
         identical; with CUDA graphs and the fused kernels all steps are one replay (each step's token is fed on
