@@ -302,12 +302,14 @@ class DeviceLoop:
         self.drafter.end(base + int(res.accepted.sum()) + len(res.accepted))
         return res
 
-    def _check(self, rows: int):
+    def _check(self, rows: int) -> int:
+        """The verify width of a `rows`-row block, which must be one forward at this runner's tile."""
         r = self.runner
         lay = verify_layout(rows, np.tril(np.ones((rows, rows), dtype=bool)), range(rows), r.tile, r.block_width)
         if lay.padded != lay.width:
             raise ValueError(f"a {rows}-row block takes {lay.padded // lay.width} forwards at this runner's tile "
                              f"({lay.width}): the device loop needs one")
+        return lay.width
 
     def _set_tree(self, tree: StaticTree) -> None:
         lay, r = tree.layout, self.runner
@@ -327,9 +329,7 @@ class DeviceLoop:
         if shape.width > self.drafter.topk or shape.budget + 1 > MAX_GROWN_ROWS:
             raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
                              f"{MAX_GROWN_ROWS - 1} nodes, got width {shape.width}, budget {shape.budget}")
-        self._check(shape.budget + 1)
-        width = verify_layout(shape.budget + 1, np.eye(shape.budget + 1, dtype=bool), [0] * (shape.budget + 1),
-                              self.runner.tile, self.runner.block_width).width
+        width = self._check(shape.budget + 1)
         self._use(TreeBlock.dead(shape.budget, width, self._block_slots, self.runner.device), False,
                   min(self.drafter.depth, shape.budget))
 

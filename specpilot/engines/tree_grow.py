@@ -59,9 +59,9 @@ class TreeBlock:
         mask[:rows, :rows] = tree_anc
         positions = torch.arange(width)
         positions[:rows] = torch.as_tensor(depths)
-        slots = ancestor_slots(torch.tensor(0), mask).to(device) if block_slots else None
+        rel_slots = ancestor_slots(torch.tensor(0), mask).to(device) if block_slots else None
         return cls(as_long(node_src), as_long(parents), tree_anc.to(torch.uint8).to(device), as_long(depths),
-                   positions.to(device), mask.to(device), slots)
+                   positions.to(device), mask.to(device), rel_slots)
 
     @classmethod
     def dead(cls, nodes: int, width: int, block_slots: bool, device) -> "TreeBlock":
@@ -105,9 +105,9 @@ def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock
     ranks = torch.arange(k + 1, device=dev)
     padded = torch.full((depth + 1, k + 1), -1.0, dtype=torch.float64, device=dev)  # -1: no candidate
     padded[:depth, :k] = torch.where((ranks[None, :k] < width) & (probs > 0), probs.double(), -1.0)
-    size, bits = rows, _code_bits(width)
-    f = torch.arange(size, device=dev)
-    zero = torch.zeros(size, dtype=torch.long, device=dev)
+    bits = _code_bits(width)
+    f = torch.arange(rows, device=dev)  # the frontier: one entry a pop at most, plus the first
+    zero = torch.zeros(rows, dtype=torch.long, device=dev)
     score = torch.where(f == 0, padded[0, 0], -1.0)  # < 0: no entry
     pscore = torch.where(f == 0, 1.0, 0.0).double()
     fdepth, code, rank, parent = zero + (f == 0).long(), zero.clone(), zero.clone(), zero.clone()
