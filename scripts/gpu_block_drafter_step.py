@@ -31,6 +31,8 @@ ap.add_argument("out")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--tokens", type=int, default=512)
 ap.add_argument("--reps", type=int, default=200, help="calls per timing (CPU smoke test: TRITON_INTERPRET=1, 1)")
+ap.add_argument("--tree-budget", type=int, default=31, help="the trees' nodes (15: the smollm2-135m-h200 grown tree)")
+ap.add_argument("--sections", default="steps,engine,loop", help="which of steps, engine, loop to run")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 dev, cuda = args.device, args.device.startswith("cuda")
@@ -120,9 +122,13 @@ def loop_kernels(c: EngineConfig, tokens: int = 128) -> dict:
             "by_kernel": {k: [round(seen[k] / steps, 2), round(us[k] / steps, 2)] for k, _ in us.most_common()}}
 
 
-# The bench's tree: 31 nodes (32 rows), position-ordered attention, led by lookup; its first steps calibrate the
-# static shape on the host loop, the rest run on the device loop.
-tree31 = cfg.replace(verify=VerifyMode.TREE, tree_budget=31, position_ordered_attention=True, device_steps=4)
+# The bench's tree: --tree-budget nodes, position-ordered attention, led by lookup; a static tree's first steps
+# calibrate its shape on the host loop, the rest run on the device loop.
+tree = cfg.replace(verify=VerifyMode.TREE, tree_budget=args.tree_budget, position_ordered_attention=True,
+                   device_steps=4)
+grown = tree.replace(device_tree="per_step")
+tb = f"tree {args.tree_budget}"
+sections = set(args.sections.split(","))
 
 
 def guarded(fn, *a, **kw) -> dict:
@@ -134,23 +140,21 @@ def guarded(fn, *a, **kw) -> dict:
 
 
 res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-       "steps": {name: step_costs(name == "fused") for name in ("reference", "fused")},
-       "engine": {"ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
+       "steps": {name: step_costs(name == "fused") for name in ("reference", "fused")} if "steps" in sections else {},
+       "engine": {} if "engine" not in sections else {
+                  "ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
                   "chain host loop": engine_costs(cfg.replace(device_steps=1)),
                   "chain device loop x4": engine_costs(cfg.replace(device_steps=4)),
                   "chain device loop x4 overlapped": guarded(engine_costs, cfg.replace(device_steps=4,
                                                                                        device_overlap=True)),
                   "chain device loop x1 overlapped": guarded(engine_costs, cfg.replace(device_steps=1,
                                                                                        device_overlap=True)),
-                  "tree 31 device loop x4": guarded(engine_costs, tree31),
-                  "tree 31 grown per step, device loop x4": guarded(engine_costs,
-                                                                    tree31.replace(device_tree="per_step"))},
-       "loop_kernels": {"chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4,
-                                                                                         ngram_prefix=True)),
-                        "tree 31 + ngram_prefix, device loop x4": guarded(loop_kernels,
-                                                                          tree31.replace(ngram_prefix=True), 256),
-                        "tree 31 grown + ngram_prefix, device loop x4": guarded(
-                            loop_kernels, tree31.replace(ngram_prefix=True, device_tree="per_step"), 256)}}
+                  f"{tb} device loop x4": guarded(engine_costs, tree),
+                  f"{tb} grown per step, device loop x4": guarded(engine_costs, grown)},
+       "loop_kernels": {} if "loop" not in sections else {
+           "chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
+           f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
+           f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True), 256)}}
 json.dump(res, open(os.path.join(args.out, "block_drafter_step.json"), "w"), indent=1)
 for name, s in res["steps"].items():
     print(name, s["step"], "draft ms", round(s["draft_ms"], 4), "observe ms",
