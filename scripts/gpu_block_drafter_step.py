@@ -150,7 +150,14 @@ res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                   "chain device loop x1 overlapped": guarded(engine_costs, cfg.replace(device_steps=1,
                                                                                        device_overlap=True)),
                   f"{tb} device loop x4": guarded(engine_costs, tree),
-                  f"{tb} grown per step, device loop x4": guarded(engine_costs, grown)},
+                  f"{tb} grown per step, device loop x4": guarded(engine_costs, grown),
+                  # what position-ordered attention costs: the chain with it, the trees without (not bit-exact)
+                  "chain device loop x4, position-ordered": guarded(engine_costs, cfg.replace(
+                      device_steps=4, position_ordered_attention=True)),
+                  f"{tb} device loop x4, block-ordered": guarded(engine_costs, tree.replace(
+                      position_ordered_attention=False)),
+                  f"{tb} grown, device loop x4, block-ordered": guarded(engine_costs, grown.replace(
+                      position_ordered_attention=False))},
        "loop_kernels": {} if "loop" not in sections else {
            "chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
            f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
