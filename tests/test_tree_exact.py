@@ -218,3 +218,24 @@ def test_attention_block_slots_matches_ref_and_reads_keys_in_position_order(dtyp
     assert torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=32, tile_rows=32), o)
     with pytest.raises(ValueError, match="block_slots"):
         K.attention(q, kc, vc, base, anc, block_slots=bs.int(), block_n=16, split_keys=32)
+
+
+@pytest.mark.parametrize("base", [3, 13, 16, 30])  # the block inside one 16-key split, across two, across three
+def test_attention_block_slots_covers_every_split_the_block_reaches(base):
+    """A 20-node tree at 16-key splits reaches up to three splits past the context's: each is run by the per-token
+    section of the grid whatever base is (an int, or a tensor as in CUDA graphs, the grid then spans the cache)."""
+    g = torch.Generator().manual_seed(base)
+    dev = "cuda" if CUDA else "cpu"
+    T, H, KVH, D, S = 20, 4, 2, 16, 64
+    rng = random.Random(base)
+    parents = [-1] + [rng.randrange(i) for i in range(1, T)]
+    anc = torch.from_numpy(tree_anc(parents)).to(dev)
+    q = torch.randn(T, H, D, generator=g).to(dev)
+    kc, vc = (torch.randn(KVH, S, D, generator=g).to(dev) for _ in range(2))
+    bs = ancestor_slots(torch.tensor(base, device=dev), anc)
+    o = K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=16)
+    ref = K.attention_ref(q, kc, vc, base, anc, block_slots=bs)
+    assert ((o.double() - ref.double()).norm() / ref.double().norm()).item() <= 1e-5
+    t_base = torch.tensor([base], dtype=torch.int32, device=dev)
+    for kw in ({}, {"tiles_per_program": 4}, {"tile_rows": 32}):  # the same bits however the rows are tiled
+        assert torch.equal(K.attention(q, kc, vc, t_base, anc, block_slots=bs, block_n=16, split_keys=16, **kw), o)

@@ -102,30 +102,45 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 
 @triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                       T, base_val, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                       BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                       T, base_val, S, A, N_SPLIT, P_CTX, P_BLK, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                       D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
                        PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
-    split = tl.program_id(2)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
+    if HAS_SLOTS:
+        # One flat axis, two sections (attention(): the grid): P_CTX row-tile programs for each of the N_SPLIT
+        # splits, which run only splits of context keys, then P_BLK per-token programs for each split from the
+        # one holding base on (at most those reaching base + T - 1). A 3-D grid of per-token programs for every
+        # split of the cache launched ~5x the programs, nearly all idle: 4-5 us a layer on an H200 (session 36).
+        pid = tl.program_id(0)
+        in_blk = pid >= P_CTX * N_SPLIT
+        rest = pid - P_CTX * N_SPLIT
+        split = tl.where(in_blk, base // SPLIT + rest // tl.maximum(P_BLK, 1), pid // P_CTX)
+        prog_m = tl.where(in_blk, rest % tl.maximum(P_BLK, 1), pid % P_CTX)
+        section_ok = in_blk | (split * SPLIT + SPLIT <= base)
+    else:
+        split = tl.program_id(2)
+        prog_m = tl.program_id(0)
+        section_ok = True
     lo = split * SPLIT
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                         tl.program_id(0) * TILES + tile, kvh, split, base, end, lo, T, S, A, qk_scale, H, G, D,
+                         prog_m * TILES + tile, kvh, split, base, end, lo, section_ok, T, S, A, qk_scale, H, G, D,
                          DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
     release_successor(PDL)
 
 
 @triton.jit
 def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, split,
-                     base, end, lo, T, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                     DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                     HAS_SLOTS: tl.constexpr):
+                     base, end, lo, section_ok, T, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
     """Row tile pid_m of one (kv head, split): the online softmax over the split's visible keys, its partials
-    stored. A tile past the rows (the last program's spare tiles) does nothing."""
+    stored. A tile past the rows (the last program's spare tiles), or of a split its section does not run, does
+    nothing."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if HAS_SLOTS:
         # A split of context keys only (all below base) reads the same keys for every token: its rows are tiled
@@ -139,12 +154,12 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
         row_ok = tl.where(context, r < T * G, g < G)
         t = tl.where(context, r // G, tok)
         h = kvh * G + tl.where(context, r % G, g)
-        live = (lo < end) & tl.where(lo + SPLIT > base, tok < T, pid_m * BLOCK_M < T * G)
+        live = section_ok & (lo < end) & tl.where(lo + SPLIT > base, tok < T, pid_m * BLOCK_M < T * G)
     else:
         row_ok = r < T * G
         t = r // G
         h = kvh * G + r % G
-        live = (lo < end) & (pid_m * BLOCK_M < T * G)
+        live = section_ok & (lo < end) & (pid_m * BLOCK_M < T * G)
     if live:
         dtype = q_ptr.dtype.element_ty
         dd = tl.arange(0, D)
@@ -332,11 +347,15 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     base_ptr = base if base_is_ptr else ws_m
     qk_scale = LOG2E / math.sqrt(D)
     has_slots = block_slots is not None
-    n_m = T * triton.cdiv(G, tile_rows) if has_slots else triton.cdiv(T * G, tile_rows)
-    tiles = min(params.tiles_per_program, n_m)
-    _attn_split_kernel[(triton.cdiv(n_m, tiles), KVH, n_split)](
+    n_ctx = triton.cdiv(T * G, tile_rows)  # (token, head) row tiles
+    n_tok = T * triton.cdiv(G, tile_rows)  # per-token tiles (with block_slots, the splits reaching base)
+    tiles = min(params.tiles_per_program, max(n_ctx, n_tok) if has_slots else n_ctx)
+    p_ctx, p_blk = triton.cdiv(n_ctx, tiles), triton.cdiv(n_tok, tiles)
+    # block_slots: the splits a T-token block can reach from any base (see _attn_split_kernel)
+    grid = (p_ctx * n_split + p_blk * ((T - 1) // split_keys + 2), KVH, 1) if has_slots else (p_ctx, KVH, n_split)
+    _attn_split_kernel[grid](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        T, base_val, S, block_slots.shape[1] if has_slots else 0, qk_scale,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, n_split, p_ctx, p_blk, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
