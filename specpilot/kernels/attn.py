@@ -102,7 +102,7 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 
 @triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                       T, base_val, S, A, N_SPLIT, P_CTX, P_BLK, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                       T, base_val, S, A, P_CTX, P_BLK, qk_scale, H: tl.constexpr, G: tl.constexpr,
                        D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
                        PDL: tl.constexpr = 0):
@@ -111,15 +111,18 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     if HAS_SLOTS:
-        # One flat axis, two sections (attention(): the grid): P_CTX row-tile programs for each of the N_SPLIT
-        # splits, which run only splits of context keys, then P_BLK per-token programs for each split from the
-        # one holding base on (at most those reaching base + T - 1). A 3-D grid of per-token programs for every
-        # split of the cache launched ~5x the programs, nearly all idle: 4-5 us a layer on an H200 (session 36).
+        # One flat axis, two sections (attention(): the grid): first P_BLK per-token programs for each split from
+        # the one holding base on (as many as a T-token block can reach), then P_CTX row-tile programs for each
+        # split, which run only splits of context keys. The per-token programs go first: they are the step's
+        # longest (a split's context keys and the block's), and programs start in index order. A 3-D grid of
+        # per-token programs for every split of the cache launched ~5x the programs, nearly all idle: 4-5 us a
+        # layer on an H200 (session 36).
         pid = tl.program_id(0)
-        in_blk = pid >= P_CTX * N_SPLIT
-        rest = pid - P_CTX * N_SPLIT
-        split = tl.where(in_blk, base // SPLIT + rest // tl.maximum(P_BLK, 1), pid // P_CTX)
-        prog_m = tl.where(in_blk, rest % tl.maximum(P_BLK, 1), pid % P_CTX)
+        n_blk = P_BLK * ((T - 1) // SPLIT + 2)
+        in_blk = pid < n_blk
+        rest = pid - n_blk
+        split = tl.where(in_blk, base // SPLIT + pid // P_BLK, rest // P_CTX)
+        prog_m = tl.where(in_blk, pid % P_BLK, rest % P_CTX)
         section_ok = in_blk | (split * SPLIT + SPLIT <= base)
     else:
         split = tl.program_id(2)
@@ -355,7 +358,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     grid = (p_ctx * n_split + p_blk * ((T - 1) // split_keys + 2), KVH, 1) if has_slots else (p_ctx, KVH, n_split)
     _attn_split_kernel[grid](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        T, base_val, S, block_slots.shape[1] if has_slots else 0, n_split, p_ctx, p_blk, qk_scale,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
