@@ -20,6 +20,7 @@
 #                                                             /root/tb/drafter after a c on this host)
 #   d: carry .gpu (+ b's on a fresh host: it converts)      -> block drafter bench on the device loop: chain, and
 #                                                             trees of each budget in BUDGETS (default "15 31"),
+#                                                             calibrated static shapes (device_tree: calibrated),
 #                                                             each alone and led by prompt lookup (ngram_prefix),
 #                                                             the chain also with the lookup gate (GATE_K, GATE_P);
 #                                                             GROWN=1 adds each budget's per-step tree (device_tree:
@@ -87,8 +88,8 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   for b in ${BUDGETS:-15 31}; do
     tree="verify: tree, tree_budget: $b, position_ordered_attention: true"
     drafters="$drafters
-  - {kind: block, model: {path: $d}, engine: {$tree}}
-  - {kind: block, model: {path: $d}, engine: {$tree, ngram_prefix: true}}"
+  - {kind: block, model: {path: $d}, engine: {$tree, device_tree: calibrated}}
+  - {kind: block, model: {path: $d}, engine: {$tree, device_tree: calibrated, ngram_prefix: true}}"
     [ -n "${GROWN:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step}}
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2}}

@@ -151,7 +151,7 @@ def test_static_tree_is_the_best_first_tree_of_mean_probabilities():
     assert StaticTree.calibrated(mean, 9, 1) == StaticTree.chain(2) == StaticTree((-1, 0), (0, 0))
 
 
-TREE = dict(verify="tree", tree_budget=7, level_one_keep=4, position_ordered_attention=True)
+TREE = dict(verify="tree", tree_budget=7, level_one_keep=4, position_ordered_attention=True, device_tree="calibrated")
 
 
 def tree_case(shape: str, seed: int, tokens: int = 90):
@@ -391,12 +391,17 @@ def test_device_steps_is_validated(bad):
 
 
 def test_device_tree_is_validated():
-    assert EngineConfig(device_tree="per_step", tree_budget=63).device_tree.value == "per_step"
+    assert EngineConfig(verify="tree", tree_budget=63).device_tree.value == "per_step"  # the default
     with pytest.raises(ConfigError, match="at most 63 nodes"):
-        EngineConfig(device_tree="per_step", tree_budget=64)
+        EngineConfig(verify="tree", tree_budget=64, device_steps=4)
+    with pytest.raises(ConfigError, match="at most 63 nodes"):
+        EngineConfig(verify="tree", tree_budget=64, device_overlap=True)
     with pytest.raises(ConfigError, match="device_tree='grown'"):
         EngineConfig(device_tree="grown")
-    assert EngineConfig(tree_budget=64).device_tree.value == "calibrated"  # no limit for the static shape
+    # no limit for the static shape, the host loop (device_steps 1), nor a two-level verify (no device loop)
+    for ok in (dict(verify="tree", device_tree="calibrated", device_steps=4), dict(verify="tree", device_steps=1),
+               dict(verify="two_level", device_steps=4)):
+        assert EngineConfig(tree_budget=64, **ok).tree_budget == 64
 
 
 @pytest.mark.parametrize("glue", ["torch", "kernels"])

@@ -162,7 +162,7 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("block_tree_shape", MechanismCategory.ALGORITHM,
                      "block drafter: chain, best-first tree or two-level verification and the tree's node budget",
                      (Knob("verify", _CHOICE, choices=tuple(v.value for v in VerifyMode)),
-                      Knob("tree_budget", _INT, 4, 64), Knob("tree_width", _INT, 1, 8),
+                      Knob("tree_budget", _INT, 4, 63), Knob("tree_width", _INT, 1, 8),  # 63: a grown tree's limit
                       Knob("level_one_keep", _INT, 2, 32)),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
