@@ -32,7 +32,8 @@ ap.add_argument("--device", default="cuda")
 ap.add_argument("--tokens", type=int, default=512)
 ap.add_argument("--reps", type=int, default=200, help="calls per timing (CPU smoke test: TRITON_INTERPRET=1, 1)")
 ap.add_argument("--tree-budget", type=int, default=31, help="the trees' nodes (15: the smollm2-135m-h200 grown tree)")
-ap.add_argument("--sections", default="steps,engine,loop", help="which of steps, engine, loop to run")
+ap.add_argument("--sections", default="steps,engine,loop",
+                help="which of steps, engine, loop, ar (AR at 1..16 steps a graph) to run")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 dev, cuda = args.device, args.device.startswith("cuda")
@@ -90,10 +91,11 @@ def step_costs(fused: bool) -> dict:
     return out
 
 
-def engine_costs(c: EngineConfig) -> dict:
+def engine_costs(c: EngineConfig, reps: int = 1) -> dict:
+    """One request of --tokens tokens (the fastest of `reps`: A/Bs of ~1% want the noise of one run out)."""
     engine = build_engine(c, target, frozenset(), dev, block_drafter=drafter)
     engine.warm_up(prompt, 8)
-    r = engine.generate(prompt, args.tokens)
+    r = min((engine.generate(prompt, args.tokens) for _ in range(reps)), key=lambda g: g.decode_s)
     steps = len(r.steps) or 1
     return {"ms_per_token": 1e3 * r.decode_s / len(r.tokens), "ms_per_step": 1e3 * r.decode_s / steps,
             "tokens_per_step": r.accepted_per_step}
@@ -158,6 +160,10 @@ res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
                       position_ordered_attention=False)),
                   f"{tb} grown, device loop x4, block-ordered": guarded(engine_costs, grown.replace(
                       position_ordered_attention=False))},
+       # AR's steps a graph (EngineConfig.ar_steps): what the host's round trip between graphs costs
+       "ar_steps": {} if "ar" not in sections else {
+           f"ar, {k} steps a graph": engine_costs(cfg.replace(drafter=DrafterKind.NONE, ar_steps=k), reps=5)
+           for k in (1, 2, 4, 8, 16)},
        "loop_kernels": {} if "loop" not in sections else {
            "chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
            f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
@@ -168,7 +174,7 @@ for name, s in res["steps"].items():
           {n: round(v, 4) for n, v in s["observe_ms"].items()},
           "draft kernels", s["draft_kernels"].get("count"), s["draft_kernels"].get("device_us"))
 print("| engine | ms/token | ms/step | tokens/step |\n|---|---|---|---|")
-for name, e in res["engine"].items():
+for name, e in {**res["engine"], **res["ar_steps"]}.items():
     if "error" in e:
         print(f"| {name} | {e['error']} |")
         continue
