@@ -1,17 +1,20 @@
 """Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter).
 
-python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R]
-For each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's Triton
-kernels): (a) the draft graph, one replay + sync (BlockTreeDrafter.distributions); (b) the observe graph of n
-accepted tokens (n = 1, 4, 16); (c) the kernels (a) and (b) launch, from torch.profiler, with their time. Then
-(d) SpecEngine.generate with chain (and tree 31) verification and the fused step, host loop (device_steps=1) and device loop
-(device_steps=4), beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the
-cost of a speculative step against AR's ms/token); (e) the kernels per step of a chain (and a tree 31) + ngram_prefix generate on
-the device loop (the glue around the target's forward: acceptance, lead_rows, the lookup). On CPU (no graphs) it
-times eager calls and counts no kernels: a smoke test of the script.
+python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R] [--tree-budget B]
+    [--sections steps,engine,loop,ar] [--grid-dependency off]
+steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
+Triton kernels) the draft graph, one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
+tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
+tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
+beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the cost of a speculative
+step against AR's ms/token). loop: the kernels per step of a chain and the trees + ngram_prefix on the device loop.
+ar: AR at 1..16 steps a graph. --grid-dependency off: kernels in plain stream order, so that the profiled times are
+each kernel's own, not its wait for the one before (PDL). On CPU (no graphs) it times eager calls and counts no
+kernels: a smoke test of the script.
 """
 import argparse
 import collections
+import contextlib
 import json
 import os
 import time
@@ -25,12 +28,16 @@ from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterMod
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
+from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--tokens", type=int, default=512)
 ap.add_argument("--reps", type=int, default=200, help="calls per timing (CPU smoke test: TRITON_INTERPRET=1, 1)")
+ap.add_argument("--grid-dependency", default="",
+                help="MODE[:PREFETCH_MIB[:LARGE_MODE]] (kernels.pdl): e.g. off, so the profiled kernel times are each "
+                     "kernel's own, not its wait for the one before")
 ap.add_argument("--tree-budget", type=int, default=31, help="the trees' nodes (15: the smollm2-135m-h200 grown tree)")
 ap.add_argument("--sections", default="steps,engine,loop",
                 help="which of steps, engine, loop, ar (AR at 1..16 steps a graph) to run")
@@ -141,33 +148,40 @@ def guarded(fn, *a, **kw) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-res = {"device": torch.cuda.get_device_name() if cuda else "cpu",
-       "steps": {name: step_costs(name == "fused") for name in ("reference", "fused")} if "steps" in sections else {},
-       "engine": {} if "engine" not in sections else {
-                  "ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
-                  "chain host loop": engine_costs(cfg.replace(device_steps=1)),
-                  "chain device loop x4": engine_costs(cfg.replace(device_steps=4)),
-                  "chain device loop x4 overlapped": guarded(engine_costs, cfg.replace(device_steps=4,
-                                                                                       device_overlap=True)),
-                  "chain device loop x1 overlapped": guarded(engine_costs, cfg.replace(device_steps=1,
-                                                                                       device_overlap=True)),
-                  f"{tb} device loop x4": guarded(engine_costs, tree),
-                  f"{tb} grown per step, device loop x4": guarded(engine_costs, grown),
-                  # what position-ordered attention costs: the chain with it, the trees without (not bit-exact)
-                  "chain device loop x4, position-ordered": guarded(engine_costs, cfg.replace(
-                      device_steps=4, position_ordered_attention=True)),
-                  f"{tb} device loop x4, block-ordered": guarded(engine_costs, tree.replace(
-                      position_ordered_attention=False)),
-                  f"{tb} grown, device loop x4, block-ordered": guarded(engine_costs, grown.replace(
-                      position_ordered_attention=False))},
-       # AR's steps a graph (EngineConfig.ar_steps): what the host's round trip between graphs costs
-       "ar_steps": {} if "ar" not in sections else {
-           f"ar, {k} steps a graph": engine_costs(cfg.replace(drafter=DrafterKind.NONE, ar_steps=k), reps=5)
-           for k in (1, 2, 4, 8, 16)},
-       "loop_kernels": {} if "loop" not in sections else {
-           "chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
-           f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
-           f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True), 256)}}
+def measure() -> dict:
+    engine, ar, loop = {}, {}, {}
+    if "engine" in sections:
+        engine = {
+            "ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
+            "chain host loop": engine_costs(cfg.replace(device_steps=1)),
+            "chain device loop x4": engine_costs(cfg.replace(device_steps=4)),
+            "chain device loop x4 overlapped": guarded(engine_costs, cfg.replace(device_steps=4, device_overlap=True)),
+            "chain device loop x1 overlapped": guarded(engine_costs, cfg.replace(device_steps=1, device_overlap=True)),
+            f"{tb} device loop x4": guarded(engine_costs, tree),
+            f"{tb} grown per step, device loop x4": guarded(engine_costs, grown),
+            # what position-ordered attention costs: the chain with it, the trees without (not bit-exact)
+            "chain device loop x4, position-ordered": guarded(engine_costs, cfg.replace(
+                device_steps=4, position_ordered_attention=True)),
+            f"{tb} device loop x4, block-ordered": guarded(engine_costs, tree.replace(
+                position_ordered_attention=False)),
+            f"{tb} grown, device loop x4, block-ordered": guarded(engine_costs, grown.replace(
+                position_ordered_attention=False))}
+    if "ar" in sections:  # AR's steps a graph (EngineConfig.ar_steps): what the host's round trip between graphs costs
+        ar = {f"ar, {k} steps a graph": engine_costs(cfg.replace(drafter=DrafterKind.NONE, ar_steps=k), reps=5)
+              for k in (1, 2, 4, 8, 16)}
+    if "loop" in sections:
+        loop = {"chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
+                f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
+                f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True),
+                                                                      256)}
+    steps = {name: step_costs(name == "fused") for name in ("reference", "fused")} if "steps" in sections else {}
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
+            "ar_steps": ar, "loop_kernels": loop}
+
+
+with grid_dependency(**parse_grid_dependency(args.grid_dependency)) if args.grid_dependency else \
+        contextlib.nullcontext():
+    res = measure()
 json.dump(res, open(os.path.join(args.out, "block_drafter_step.json"), "w"), indent=1)
 for name, s in res["steps"].items():
     print(name, s["step"], "draft ms", round(s["draft_ms"], 4), "observe ms",
