@@ -188,7 +188,7 @@ def check_split_partials(page: int, block_n: int, kv: int, q_len: int, seed: int
     single = ws()
     anc = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=DEV))
     k_single = sa._attn_split_kernel[(triton.cdiv(q_len * G, BLOCK_M), kvh, n_split)](
-        q, kc, vc, anc.view(torch.uint8), single[0], *single, single[0], q_len, kv - q_len, S, 0, 1, 1, scale, H=h, G=G, D=d,
+        q, kc, vc, anc.view(torch.uint8), single[0], *single, single[0], q_len, kv - q_len, S, 0, 1, 1, 0, scale, H=h, G=G, D=d,
         BASE_IS_PTR=False, DOT_PREC=dot_precision(DT), BLOCK_M=BLOCK_M, BLOCK_N=block_n, SPLIT=page, HAS_SLOTS=False,
         TILES=1, **NO_FP_FUSION, num_warps=4, num_stages=2)
     t_req, t_row = tile_map(np.array([q_len]), G, max_tiles(q_len, G, 1))

@@ -102,7 +102,7 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 
 @triton.jit(do_not_specialize=["T", "base_val"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                       T, base_val, S, A, P_CTX, P_BLK, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                       T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, H: tl.constexpr, G: tl.constexpr,
                        D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
                        PDL: tl.constexpr = 0):
@@ -111,16 +111,15 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     if HAS_SLOTS:
-        # One flat axis, two sections (attention(): the grid): first P_BLK per-token programs for each split from
-        # the one holding base on (as many as a T-token block can reach), then P_CTX row-tile programs for each
-        # split, which run only splits of context keys. The per-token programs go first (programs start in index
-        # order and theirs read the most keys; no measurable change on the H200). A 3-D grid of per-token programs
-        # for every split of the cache launched ~5x the programs, nearly all idle: ~2.5 us a layer on an H200
-        # (session 36: a 16-row tree's verify 1.036 -> 0.959 ms a step).
+        # One flat axis, two sections (attention(): the grid): first N_BLK programs, P_BLK per-token ones for each
+        # split from the one holding base on (as many as a T-token block can reach), then P_CTX row-tile programs
+        # for each split, which run only splits of context keys. The per-token programs go first (programs start
+        # in index order and theirs read the most keys; no measurable change on the H200). A 3-D grid of per-token
+        # programs for every split of the cache launched ~5x the programs, nearly all idle: ~2.5 us a layer on an
+        # H200 (session 36: a 16-row tree's verify 1.036 -> 0.959 ms a step).
         pid = tl.program_id(0)
-        n_blk = P_BLK * ((T - 1) // SPLIT + 2)
-        in_blk = pid < n_blk
-        rest = pid - n_blk
+        in_blk = pid < N_BLK
+        rest = pid - N_BLK
         split = tl.where(in_blk, base // SPLIT + pid // P_BLK, rest // P_CTX)
         prog_m = tl.where(in_blk, pid % P_BLK, rest % P_CTX)
         section_ok = in_blk | (split * SPLIT + SPLIT <= base)
@@ -354,11 +353,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     n_tok = T * triton.cdiv(G, tile_rows)  # per-token tiles (with block_slots, the splits reaching base)
     tiles = min(params.tiles_per_program, max(n_ctx, n_tok) if has_slots else n_ctx)
     p_ctx, p_blk = triton.cdiv(n_ctx, tiles), triton.cdiv(n_tok, tiles)
-    # block_slots: the splits a T-token block can reach from any base (see _attn_split_kernel)
-    grid = (p_ctx * n_split + p_blk * ((T - 1) // split_keys + 2), KVH, 1) if has_slots else (p_ctx, KVH, n_split)
+    n_blk = p_blk * ((T - 1) // split_keys + 2)  # block_slots: the splits a T-token block can reach from any base
+    grid = (n_blk + p_ctx * n_split, KVH, 1) if has_slots else (p_ctx, KVH, n_split)
     _attn_split_kernel[grid](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, qk_scale,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
