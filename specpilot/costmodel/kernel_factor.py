@@ -144,7 +144,7 @@ def kernel_factor(kernel_traces: Sequence[KernelTrace], shape: CostShape, tokens
         ideal_s = ideal.ideal_s if ideal else 0.0
         gaps.append(OpGap(op, measured[op], ideal_s, ideal.bound if ideal else Bound.UNMODELLED,
                           measured[op] / ideal_s if ideal_s > 0.0 else None, top.get(op, (0.0, ""))[1]))
-    measured_s = sum(measured.values())
+    measured_s = sum(r.time_s for r in rows)  # the kernels' own times: the op-class split rounds by the formats' bytes
     ideal_s = sum(i.ideal_s for i in ideals.values())
     launches = sum(r.launches for r in rows)
     return KernelFactor(
