@@ -35,6 +35,10 @@ class LevelOneRule(str, Enum):
     SHALLOW = "shallow"  # the target's first layers vote on one path; costs a fraction of a target forward
 
 
+# The most nodes a tree grown on the device holds (engines.tree_grow: a row's ancestors are one 64-bit mask).
+MAX_GROWN_NODES = 63
+
+
 class DeviceTree(str, Enum):
     """How the device loop shapes a block drafter's tree (engines.device_loop)."""
     CALIBRATED = "calibrated"  # one static shape from the mean probabilities of the first host-loop steps
@@ -197,9 +201,11 @@ class EngineConfig(ConfigOps):
                f"lookup_doubt_prob={self.lookup_doubt_prob!r}: must be in 0..1")
         _check(1 <= self.tree_budget <= 256, f"tree_budget={self.tree_budget}: must be in 1..256")
         _check(1 <= self.tree_width <= 16, f"tree_width={self.tree_width}: must be in 1..16")
-        _check(self.device_tree is DeviceTree.CALIBRATED or self.verify is not VerifyMode.TREE or self.tree_budget <= 63
+        _check(self.device_tree is DeviceTree.CALIBRATED or self.verify is not VerifyMode.TREE
+               or self.tree_budget <= MAX_GROWN_NODES
                or (self.device_steps <= 1 and not self.device_overlap),  # the host loop grows any tree
-               f"tree_budget={self.tree_budget}: device_tree=per_step grows at most 63 nodes on the device loop "
+               f"tree_budget={self.tree_budget}: device_tree=per_step grows at most {MAX_GROWN_NODES} nodes on the "
+               "device loop "
                "(device_tree: calibrated verifies a larger static tree there)")
         _check(1 <= self.level_one_keep <= self.tree_budget,
                f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")

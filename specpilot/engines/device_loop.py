@@ -46,12 +46,13 @@ from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.device_drafters import DeviceDrafter
 from specpilot.engines.drafters.block_tree import TreeShape
 from specpilot.engines import graph_if
+from specpilot.engines.config import MAX_GROWN_NODES
 from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
                                             tree_commit, tree_commit_ref)
 from specpilot.engines.runner import ModelRunner
-from specpilot.engines.tree_grow import MAX_GROWN_ROWS, TreeBlock, grow_tree, grow_tree_ref
+from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
 from specpilot.engines.tree_move import tree_move, tree_move_ref
 
 # Host-loop tree steps whose drafter probabilities fix a static tree's shape.
@@ -326,9 +327,9 @@ class DeviceLoop:
     def _grow_per_step(self, shape: TreeShape) -> None:
         """Trees grown every step from the step's own candidates (tree_grow): the deepest a path can reach is the
         drafter's depth or the budget."""
-        if shape.width > self.drafter.topk or shape.budget + 1 > MAX_GROWN_ROWS:
+        if shape.width > self.drafter.topk or shape.budget > MAX_GROWN_NODES:
             raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
-                             f"{MAX_GROWN_ROWS - 1} nodes, got width {shape.width}, budget {shape.budget}")
+                             f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budget {shape.budget}")
         width = self._check(shape.budget + 1)
         self._use(TreeBlock.dead(shape.budget, width, self._block_slots, self.runner.device), False,
                   min(self.drafter.depth, shape.budget))

@@ -19,8 +19,8 @@ from specpilot.costmodel import DirectionName
 from specpilot.deployments import Deployment, DeviceKind, RegimeKind
 from specpilot.engines.batch.config import MECHANISMS as BATCH_MECHANISMS
 from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
-from specpilot.engines.config import (DeviceTree, DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode,
-                                      WeightFormat)
+from specpilot.engines.config import (MAX_GROWN_NODES, DeviceTree, DrafterKind, DType, EngineConfig, KernelBackend,
+                                      VerifyMode, WeightFormat)
 from specpilot.engines.family import TargetFamily
 from specpilot.kernels.table import PROJECTIONS, numerics_only
 from specpilot.memory import MechanismCategory
@@ -162,7 +162,7 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("block_tree_shape", MechanismCategory.ALGORITHM,
                      "block drafter: chain, best-first tree or two-level verification and the tree's node budget",
                      (Knob("verify", _CHOICE, choices=tuple(v.value for v in VerifyMode)),
-                      Knob("tree_budget", _INT, 4, 63), Knob("tree_width", _INT, 1, 8),  # 63: a grown tree's limit
+                      Knob("tree_budget", _INT, 4, MAX_GROWN_NODES), Knob("tree_width", _INT, 1, 8),
                       Knob("level_one_keep", _INT, 2, 32)),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
