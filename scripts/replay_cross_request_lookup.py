@@ -7,28 +7,24 @@ requests ('fallback'), or the longer of the two matches ('longest'); 'corpus gat
 where the block agrees (LeadGate). Prints tokens/step (mean and geometric mean over requests) per policy.
 """
 import glob
-import hashlib
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from specpilot.costmodel.acceptance import best_first_tree, replay_accepted
-from specpilot.drafting.replay import load_references
+from specpilot.drafting.replay import LookupPolicy, accepted_length, candidates_file, load_references
 from specpilot.engines.drafters.ngram import NgramDrafter
-from specpilot.engines.drafters.ngram_prefix import LeadGate, led_by_lookup
+from specpilot.engines.drafters.ngram_prefix import LeadGate
 
 R = Path(sys.argv[1])
 refs = load_references(R / "references.jsonl")
-folder = sorted(glob.glob(str(R / "candidates" / "*-k8")))[0]
+folder = Path(sorted(glob.glob(str(R / "candidates" / "*-k8")))[0])
 NMAX = 4
 
 
 def candidates(ref):
-    ident = hashlib.sha256(json.dumps([ref.key, ref.prompt, ref.output]).encode()).hexdigest()[:24]
-    saved = torch.load(f"{folder}/{ident}.pt")
+    saved = torch.load(candidates_file(folder, ref))
     return saved["tokens"].tolist(), saved["probs"].tolist()
 
 
@@ -61,7 +57,7 @@ def context_match_len(look, ctx):
 
 
 def run(gate, budget, width, nmin, mode, corpus_gate=None):
-    corpus, per = Corpus(nmin), []
+    corpus, per, shape = Corpus(nmin), [], LookupPolicy(tree_budget=budget, tree_width=width)
     for ref in refs:
         tokens_at, probs_at = candidates(ref)
         seq = list(ref.prompt) + list(ref.output)
@@ -77,13 +73,8 @@ def run(gate, budget, width, nmin, mode, corpus_gate=None):
                 n_ctx = context_match_len(look, ctx) if lead else 0  # the context's match wins a tie
                 if other and (n_ctx == 0 if mode == "fallback" else n_other > n_ctx):
                     lead, g = other, corpus_gate or gate
-            tokens, probs = led_by_lookup(lead, tokens_at[a - start], probs_at[a - start], g)
-            truth = seq[a + 1:a + 1 + depth]
-            if budget:
-                accepted = replay_accepted(best_first_tree([t[:width] for t in tokens], [p[:width] for p in probs],
-                                                           budget), truth)
-            else:
-                accepted = next((d for d, (t, want) in enumerate(zip(tokens, truth)) if t[0] != want), len(truth))
+            accepted = accepted_length(lead, tokens_at[a - start], probs_at[a - start], g, shape,
+                                       seq[a + 1:a + 1 + depth])
             steps.append(min(accepted + 1, end - a))
             a += steps[-1]
         per.append(sum(steps) / len(steps))

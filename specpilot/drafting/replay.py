@@ -113,8 +113,7 @@ def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for ref in tqdm(refs, desc="drafter candidates", unit="req", disable=not progress):
-        ident = hashlib.sha256(json.dumps([ref.key, ref.prompt, ref.output]).encode()).hexdigest()[:24]
-        path = folder / f"{ident}.pt"
+        path = candidates_file(folder, ref)
         if path.is_file():
             saved = torch.load(path)
             out.append(AnchorCandidates(saved["tokens"], saved["probs"]))
@@ -127,6 +126,23 @@ def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list
     return out
 
 
+def accepted_length(lead: list[int], tokens: list[list[int]], probs: list[list[float]], gate: LeadGate | None,
+                    policy: LookupPolicy, truth: list[int]) -> int:
+    """Draft tokens one step accepts: the block's candidates tokens / probs [depth][k] led by `lead` under `gate`,
+    drafted as policy's chain or tree, against the output's next tokens `truth`."""
+    tokens, probs = led_by_lookup(lead, tokens, probs, gate)
+    if policy.tree_budget:
+        w = policy.tree_width
+        return replay_accepted(best_first_tree([t[:w] for t in tokens], [p[:w] for p in probs], policy.tree_budget),
+                               truth)
+    return next((d for d, (t, want) in enumerate(zip(tokens, truth)) if t[0] != want), len(truth))
+
+
+def candidates_file(folder: Path, ref: Reference) -> Path:
+    """Where cached_candidates keeps ref's candidates inside one drafter's folder."""
+    return folder / f"{hashlib.sha256(json.dumps([ref.key, ref.prompt, ref.output]).encode()).hexdigest()[:24]}.pt"
+
+
 def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth: int | None = None) -> list[int]:
     """Tokens committed by each verify step (accepted + the bonus token) when `policy` drafts ref's output."""
     seq = list(ref.prompt) + list(ref.output)
@@ -137,14 +153,8 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     a, steps = start, []
     while a < end:
         lead = lookup.propose(seq[:a + 1], depth).tokens if lookup is not None else []
-        tokens, probs = led_by_lookup(lead, all_tokens[a - start], all_probs[a - start], policy.gate)
-        truth = seq[a + 1:a + 1 + depth]
-        if policy.tree_budget:
-            w = policy.tree_width
-            accepted = replay_accepted(best_first_tree([t[:w] for t in tokens], [p[:w] for p in probs],
-                                                       policy.tree_budget), truth)
-        else:
-            accepted = next((d for d, (t, want) in enumerate(zip(tokens, truth)) if t[0] != want), len(truth))
+        accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, policy,
+                                   seq[a + 1:a + 1 + depth])
         step = min(accepted + 1, end - a)
         steps.append(step)
         a += step
