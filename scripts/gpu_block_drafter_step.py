@@ -1,7 +1,7 @@
 """Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter).
 
 python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R] [--tree-budget B]
-    [--sections steps,engine,loop,ar] [--grid-dependency off]
+    [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
 Triton kernels) the draft graph, one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
@@ -9,7 +9,8 @@ tree-B verification (calibrated and grown; position- and block-ordered attention
 beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the cost of a speculative
 step against AR's ms/token). loop: the kernels per step of a chain and the trees + ngram_prefix on the device loop.
 ar: AR at 1..16 steps a graph. --grid-dependency off: kernels in plain stream order, so that the profiled times are
-each kernel's own, not its wait for the one before (PDL). On CPU (no graphs) it times eager calls and counts no
+each kernel's own, not its wait for the one before (PDL). --kernel-table: every engine launches its kernels with that
+table (a tuner's summary.json or [key, params JSON] pairs, kernels.table), e.g. an A/B of one launch field. On CPU (no graphs) it times eager calls and counts no
 kernels: a smoke test of the script.
 """
 import argparse
@@ -29,6 +30,7 @@ from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
 from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
+from specpilot.kernels.table import read_pairs
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -41,13 +43,15 @@ ap.add_argument("--grid-dependency", default="",
 ap.add_argument("--tree-budget", type=int, default=31, help="the trees' nodes (15: the smollm2-135m-h200 grown tree)")
 ap.add_argument("--sections", default="steps,engine,loop",
                 help="which of steps, engine, loop, ar (AR at 1..16 steps a graph) to run")
+ap.add_argument("--kernel-table", default="", help="launch every engine with this kernel table (kernels.table)")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 dev, cuda = args.device, args.device.startswith("cuda")
 target = random_model(SMOLLM2_135M, torch.bfloat16, dev, seed=0)
 drafter = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
 cfg = EngineConfig(drafter=DrafterKind.BLOCK, block_size=16, max_seq_len=4096, cuda_graphs=cuda,
-                   kernel_backend="triton" if cuda else "torch")
+                   kernel_backend="triton" if cuda else "torch",
+                   kernel_table=read_pairs(args.kernel_table) if args.kernel_table else ())
 prompt = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(0)).tolist()
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 
