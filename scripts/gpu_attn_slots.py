@@ -1,6 +1,6 @@
 """Position-ordered tree attention (kernels.attn block_slots) on the GPU: bit-exact against AR and its cost.
 
-python3 scripts/gpu_attn_slots.py [--contexts 256,1024,2048] [--num-stages 2,1]
+python3 scripts/gpu_attn_slots.py [--contexts 256,1024,2048] [--launches 2:1,1:1,1:2]
 For a 16-node tree at each context (SmolLM2 heads: 9 query, 3 KV, head_dim 64, bf16): (1) every node's output equals,
 bit for bit, a one-token AR query over a cache with its path moved into position order; (2) microseconds per call
 of the attention without slots (a chain's verify) and with them (a tree's), CUDA-graph replays.
@@ -15,7 +15,7 @@ from specpilot.engines.llama import ancestor_slots
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--contexts", default="256,1024,2048")
-ap.add_argument("--num-stages", default="2")
+ap.add_argument("--launches", default="2:1", help="num_stages:tiles_per_program, comma-separated")
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test under TRITON_INTERPRET=1 (no timing)")
 args = ap.parse_args()
 dev, dt = torch.device(args.device), torch.bfloat16
@@ -42,8 +42,8 @@ def timed(fn, reps=200):
     return start.elapsed_time(stop) * 1000 / reps
 
 
-stages = [int(n) for n in args.num_stages.split(",")]
-print("| context | num_stages | nodes bit-equal to AR | chain us | tree (slots) us | ratio |")
+launches = [dict(zip(("num_stages", "tiles_per_program"), map(int, v.split(":")))) for v in args.launches.split(",")]
+print("| context | stages:tiles | nodes bit-equal to AR | chain us | tree (slots) us | ratio |")
 print("|---|---|---|---|---|---|")
 for ctx in (int(c) for c in args.contexts.split(",")):
     g = torch.Generator(device=dev).manual_seed(ctx)
@@ -51,7 +51,7 @@ for ctx in (int(c) for c in args.contexts.split(",")):
     kc, vc = (torch.randn(KVH, S, D, generator=g, device=dev).to(dt) for _ in range(2))
     base = torch.tensor([ctx], device=dev)
     bs = ancestor_slots(base[0], anc)
-    tree = K.attention(q, kc, vc, base, anc, block_slots=bs, num_stages=stages[0])
+    tree = K.attention(q, kc, vc, base, anc, block_slots=bs, **launches[0])
     equal = 0
     for node in range(T):
         path, n = [], node
@@ -67,9 +67,10 @@ for ctx in (int(c) for c in args.contexts.split(",")):
         ar = K.attention(q[node:node + 1], kc2, vc2, b1, one, block_slots=ancestor_slots(b1[0], one))
         equal += bool(torch.equal(ar[0], tree[node]))
     chain = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-    for ns in stages:
-        same = torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, num_stages=ns), tree)
-        chain_us = timed(lambda: K.attention(q, kc, vc, base, chain, num_stages=ns))  # noqa: B023
-        tree_us = timed(lambda: K.attention(q, kc, vc, base, anc, block_slots=bs, num_stages=ns))  # noqa: B023
-        print(f"| {ctx} | {ns} | {equal}/{T}{'' if same else ' (not the first stages bits)'} | {chain_us:.1f} | "
+    for lp in launches:
+        same = torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, **lp), tree)
+        chain_us = timed(lambda: K.attention(q, kc, vc, base, chain, **lp))  # noqa: B023
+        tree_us = timed(lambda: K.attention(q, kc, vc, base, anc, block_slots=bs, **lp))  # noqa: B023
+        label = f"{lp['num_stages']}:{lp['tiles_per_program']}"
+        print(f"| {ctx} | {label} | {equal}/{T}{'' if same else ' (not the first launch bits)'} | {chain_us:.1f} | "
               f"{tree_us:.1f} | {tree_us / chain_us:.2f} |")

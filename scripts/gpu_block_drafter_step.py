@@ -1,7 +1,7 @@
 """Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter).
 
 python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R] [--tree-budget B]
-    [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE]
+    [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE] [--only NAME,..]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
 Triton kernels) the draft graph, one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
@@ -43,6 +43,8 @@ ap.add_argument("--grid-dependency", default="",
 ap.add_argument("--tree-budget", type=int, default=31, help="the trees' nodes (15: the smollm2-135m-h200 grown tree)")
 ap.add_argument("--sections", default="steps,engine,loop",
                 help="which of steps, engine, loop, ar (AR at 1..16 steps a graph) to run")
+ap.add_argument("--only", default="", help="engine section: only the engines whose name holds one of these "
+                                          "comma-separated strings")
 ap.add_argument("--kernel-table", default="", help="launch every engine with this kernel table (kernels.table)")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
@@ -155,21 +157,21 @@ def guarded(fn, *a, **kw) -> dict:
 def measure() -> dict:
     engine, ar, loop = {}, {}, {}
     if "engine" in sections:
-        engine = {
-            "ar": engine_costs(cfg.replace(drafter=DrafterKind.NONE)),
-            "chain host loop": engine_costs(cfg.replace(device_steps=1)),
-            "chain device loop x4": engine_costs(cfg.replace(device_steps=4)),
-            "chain device loop x4 overlapped": guarded(engine_costs, cfg.replace(device_steps=4, device_overlap=True)),
-            "chain device loop x1 overlapped": guarded(engine_costs, cfg.replace(device_steps=1, device_overlap=True)),
-            f"{tb} device loop x4": guarded(engine_costs, tree),
-            f"{tb} grown per step, device loop x4": guarded(engine_costs, grown),
+        configs = {
+            "ar": cfg.replace(drafter=DrafterKind.NONE),
+            "chain host loop": cfg.replace(device_steps=1),
+            "chain device loop x4": cfg.replace(device_steps=4),
+            "chain device loop x4 overlapped": cfg.replace(device_steps=4, device_overlap=True),
+            "chain device loop x1 overlapped": cfg.replace(device_steps=1, device_overlap=True),
+            f"{tb} device loop x4": tree,
+            f"{tb} grown per step, device loop x4": grown,
             # what position-ordered attention costs: the chain with it, the trees without (not bit-exact)
-            "chain device loop x4, position-ordered": guarded(engine_costs, cfg.replace(
-                device_steps=4, position_ordered_attention=True)),
-            f"{tb} device loop x4, block-ordered": guarded(engine_costs, tree.replace(
-                position_ordered_attention=False)),
-            f"{tb} grown, device loop x4, block-ordered": guarded(engine_costs, grown.replace(
-                position_ordered_attention=False))}
+            "chain device loop x4, position-ordered": cfg.replace(device_steps=4, position_ordered_attention=True),
+            f"{tb} device loop x4, block-ordered": tree.replace(position_ordered_attention=False),
+            f"{tb} grown, device loop x4, block-ordered": grown.replace(position_ordered_attention=False)}
+        only = [o for o in args.only.split(",") if o]
+        engine = {name: guarded(engine_costs, c) for name, c in configs.items()
+                  if not only or any(o in name for o in only)}
     if "ar" in sections:  # AR's steps a graph (EngineConfig.ar_steps): what the host's round trip between graphs costs
         ar = {f"ar, {k} steps a graph": engine_costs(cfg.replace(drafter=DrafterKind.NONE, ar_steps=k), reps=5)
               for k in (1, 2, 4, 8, 16)}
