@@ -26,7 +26,9 @@
 #                                                             GROWN=1 adds each budget's per-step tree (device_tree:
 #                                                             per_step) alone, led by lookup (ngram_min 2: the
 #                                                             replay's best for trees), and that overlapped at
-#                                                             1-step chunks;
+#                                                             1-step chunks (LOOKUP_MAX=8: also that at width 8
+#                                                             with suffixes up to 8 tokens, and each OVERLAP
+#                                                             gated chain with them);
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
 #                                                             chain and the last tree, TWO_LEVEL=1 two-level,
 #                                                             OVERLAP="1 4" the gated chain with device_overlap at
@@ -95,6 +97,9 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2}}
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2,
                                               device_overlap: true, device_steps: 1}}"
+    [ -n "${GROWN:-}" ] && [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
+  - {kind: block, model: {path: $d}, engine: {$tree, tree_width: 8, device_tree: per_step, ngram_prefix: true,
+                                              ngram_min: 2, ngram_max: $LOOKUP_MAX, device_overlap: true, device_steps: 1}}"
   done
   [ -n "${HOST:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
@@ -105,6 +110,10 @@ ${EXTRA//@D@/$d}"
     drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
                                               lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k}}"
+    [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
+                                              lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k,
+                                              ngram_max: $LOOKUP_MAX}}"
   done
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"

@@ -27,7 +27,7 @@ def contexts(seed: int, rows: int, width: int, vocab: int = 5):
     return seqs, buf
 
 
-@pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 8), (1, 1, 3)])
+@pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 8), (1, 1, 3), (2, 8, 6)])
 def test_batch_lookup_equals_the_host_drafter_row_by_row(nmin, nmax, k):
     """Kernel (interpreted) and torch reference: each row's proposal equals NgramChainDrafter's over that row's
     context alone, whatever the junk after it; a context of one token or with no match proposes nothing."""

@@ -253,7 +253,7 @@ def test_warm_up_calibrates_the_static_tree():
     assert eng.device_loop.ready
 
 
-@pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 7), (1, 1, 3)])
+@pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 7), (1, 1, 3), (2, 8, 6)])
 def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
     """Over contexts with repeats (and none), the device lookup (kernel and torch reference) proposes NgramDrafter's
     tokens: as many as it proposes (its proposal can end at the context's end), the rest filler not counted."""

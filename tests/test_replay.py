@@ -33,14 +33,16 @@ def setup():
 @pytest.mark.parametrize("shape,steps", [({}, 1), ({}, 4), (TREE, 1), ({**TREE, "device_tree": "per_step"}, 4)],
                          ids=["chain-host", "chain-device", "tree-host", "tree-device-grown"])
 @pytest.mark.parametrize("engine_kw", [{"ngram_prefix": False}, {"ngram_prefix": True},
-                                       {"ngram_prefix": True, **GATE}], ids=["block", "lookup", "gated"])
+                                       {"ngram_prefix": True, **GATE}, {"ngram_prefix": True, "ngram_min": 2,
+                                                                        "ngram_max": 8}],
+                         ids=["block", "lookup", "gated", "lookup-2-8"])
 def test_replay_takes_the_engines_steps(setup, engine_kw, shape, steps):
     model, drafter, refs, cands = setup
     c = cfg(block_size=8, device_steps=steps, **shape, **engine_kw)
     eng = build_engine(c, model, NO_EOS, "cpu", block_drafter=drafter)
     gate = LeadGate.from_config(c.lookup_agree_topk, c.lookup_doubt_prob)
     policy = LookupPolicy(lookup=c.ngram_prefix, gate=gate, tree_budget=c.tree_budget if shape else 0,
-                          tree_width=c.tree_width)
+                          tree_width=c.tree_width, ngram_min=c.ngram_min, ngram_max=c.ngram_max)
     for ref, cand in zip(refs, cands):
         got = eng.generate(list(ref.prompt), len(ref.output))
         assert got.tokens == list(ref.output)
@@ -105,15 +107,16 @@ workload: {{benchmarks: [gsm8k, mbpp], prompts_per_benchmark: 1, max_new_tokens:
 engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
 """)
     argv = ["drafter", "replay", "--deployment", str(yaml), "--out", str(tmp_path / "r"), "--gates", "2:0.5",
-            "--tree-budgets", "0,6", "--no-progress"]
+            "--tree-budgets", "0,6", "--ngram-maxes", "4,8", "--no-progress"]
     assert cli_main(argv) == 0
     table = capsys.readouterr().out
     refs = (tmp_path / "r" / "references.jsonl").read_text().splitlines()
     assert len(refs) == 2 and all(len(json.loads(r)["output"]) == 12 for r in refs)
     got = json.loads((tmp_path / "r" / "replay.json").read_text())
     assert [p["policy"] for p in got["policies"]] == [
-        "chain block", "chain lookup", "chain lookup gated top2|p<0.5", "tree6 block", "tree6 lookup",
-        "tree6 lookup gated top2|p<0.5"]
+        "chain block", "chain lookup", "chain lookup gated top2|p<0.5", "chain lookup n<=8",
+        "chain lookup gated top2|p<0.5 n<=8", "tree6 block", "tree6 lookup", "tree6 lookup gated top2|p<0.5",
+        "tree6 lookup n<=8", "tree6 lookup gated top2|p<0.5 n<=8"]
     assert all(1.0 <= p["tokens_per_step"] <= 4.0 for p in got["policies"]) and "chain lookup gated" in table
     before = (tmp_path / "r" / "references.jsonl").stat().st_mtime_ns
     assert cli_main(argv) == 0  # resumes: nothing left to record

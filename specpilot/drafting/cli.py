@@ -127,9 +127,13 @@ def run_replay(args: argparse.Namespace) -> int:
     for budget in args.tree_budgets:
         kw = {"tree_budget": budget, "tree_width": args.tree_width}
         policies.append(LookupPolicy(lookup=False, **kw))
-        for n in args.ngram_mins:
-            policies.append(LookupPolicy(ngram_min=n, **kw))
-            policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, **kw) for k, p in args.gates]
+        for n_max in args.ngram_maxes:
+            for n in args.ngram_mins:
+                if n > n_max:
+                    continue
+                policies.append(LookupPolicy(ngram_min=n, ngram_max=n_max, **kw))
+                policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, ngram_max=n_max, **kw)
+                             for k, p in args.gates]
     results = replay_all(refs, cands, policies)
     rows = [{"policy": r.policy.label, "tokens_per_step": r.overall(), "mean_tokens_per_step": r.mean(),
              "by_benchmark": r.by_benchmark(refs), "per_request": r.tokens_per_step} for r in results]
@@ -194,6 +198,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--tree-width", type=int, default=4)
     p.add_argument("--ngram-mins", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="the lookup's shortest suffix (ngram_min) values to replay, e.g. 1,2")
+    p.add_argument("--ngram-maxes", type=lambda s: [int(x) for x in s.split(",")], default=[4],
+                   help="the lookup's longest suffix (ngram_max) values to replay, e.g. 4,8")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_guarded(run_replay))
     return parser

@@ -75,7 +75,8 @@ class LookupPolicy:
         lead = "block" if not self.lookup else "lookup" if self.gate is None else (
             f"lookup gated top{self.gate.agree_topk}|p<{self.gate.doubt_prob:.2g}")
         nmin = f" n>={self.ngram_min}" if self.lookup and self.ngram_min != 1 else ""
-        return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}"
+        nmax = f" n<={self.ngram_max}" if self.lookup and self.ngram_max != 4 else ""
+        return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}{nmax}"
 
 
 @torch.no_grad()

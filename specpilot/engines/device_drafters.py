@@ -168,18 +168,11 @@ class NgramDeviceDrafter:
 
 
 # ---- prompt lookup on the device: one kernel (a single program scans the context), and its torch reference ----
-@triton.jit
-def _latest_match(tok_ptr, length, N: tl.constexpr, BLOCK: tl.constexpr):
-    """The last start j whose N tokens equal the context's last N (and leave a token after them), or -1."""
-    latest = length * 0 - 1
-    for start in range(0, length, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        ok = (j + N <= length - 2) & (length - 1 >= N)
-        for t in tl.static_range(N):
-            suffix = tl.load(tok_ptr + tl.maximum(length - N + t, 0))  # (a context shorter than N: ok is false)
-            ok = ok & (tl.load(tok_ptr + j + t, mask=ok, other=-1) == suffix)
-        latest = tl.maximum(latest, tl.max(tl.where(ok, j, -1), 0))
-    return latest
+# A match's (length, continuation start) packed in one int32, length in the high bits: one max finds the longest
+# match and, among those, the most recent. Contexts stay below 2**24 tokens (check_context_width).
+MATCH_BITS = 24
+MATCH_SHIFT = tl.constexpr(MATCH_BITS)  # (constexpr globals only, in kernels)
+MATCH_START = tl.constexpr((1 << MATCH_BITS) - 1)  # the low bits: the continuation start
 
 
 @triton.jit
@@ -187,15 +180,24 @@ def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constex
                 KP: tl.constexpr, BLOCK: tl.constexpr):
     """NgramDrafter's proposal for the context tok_ptr[0..length-1] (the pending token last): K tokens from where
     the match continues into draft_ptr -> (where the continuation starts: `length` without a match, how many of the
-    K tokens are the proposal)."""
+    K tokens are the proposal).
+
+    One pass over continuation starts e (1 <= e <= length - 2: a token after the match, before the pending one):
+    m(e) = how many tokens before e equal the context's last ones, up to NMAX. The longest suffix with an earlier
+    occurrence is max m(e) (if >= NMIN), its most recent occurrence the last e reaching it: NgramDrafter's
+    longest-suffix-first rule with NMAX loads a position, not one scan per suffix length (NMAX=8, NMIN=2: 8, not 35)."""
     best = length * 0 - 1
-    best_n = length * 0
-    for i in tl.static_range(NMAX - NMIN + 1):  # longest suffix first
-        latest = _latest_match(tok_ptr, length, NMAX - i, BLOCK)
-        take = (best < 0) & (latest >= 0)
-        best = tl.where(take, latest, best)
-        best_n = tl.where(take, NMAX - i, best_n)
-    first = tl.where(best >= 0, best + best_n, length)
+    for start in range(0, length, BLOCK):
+        e = start + tl.arange(0, BLOCK)
+        alive = (e >= 1) & (e <= length - 2)
+        m = tl.zeros([BLOCK], dtype=tl.int32)
+        for t in tl.static_range(NMAX):
+            suffix = tl.load(tok_ptr + tl.maximum(length - 1 - t, 0))  # (past a short context: alive is false)
+            alive = alive & (t < e) & (t < length - 1)
+            alive = alive & (tl.load(tok_ptr + e - 1 - t, mask=alive, other=-1) == suffix)
+            m += alive.to(tl.int32)
+        best = tl.maximum(best, tl.max(tl.where(m >= NMIN, (m << MATCH_SHIFT) + e, -1), 0))
+    first = tl.where(best >= 0, best & MATCH_START, length)
     k = tl.arange(0, KP)
     tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
     return first, tl.where(best >= 0, tl.minimum(length - first, K), 0)
@@ -215,8 +217,14 @@ def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gat
     tl.store(proposed_ptr, proposed.to(tl.int64))
 
 
+def check_context_width(width: int) -> None:
+    if width >= 1 << MATCH_BITS:
+        raise ValueError(f"a lookup buffer of {width} tokens: the device lookup takes fewer than {1 << MATCH_BITS}")
+
+
 def _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs):
     check_tensor("tokens", tokens, (None,), torch.int64)
+    check_context_width(tokens.shape[0])
     check_tensor("state", state, (2,), torch.int64, tokens.device)
     if not 1 <= ngram_min <= ngram_max or k < 1:
         raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
