@@ -141,9 +141,9 @@ def run_replay(args: argparse.Namespace) -> int:
                                                       "requests": len(refs), "max_new_tokens": wl.max_new_tokens,
                                                       "policies": rows}, indent=1))
     benches = sorted({r.benchmark for r in refs})
-    print(f"{'policy':34s} {'tok/step':>8s} {'mean':>6s}  " + "  ".join(f"{b[:9]:>9s}" for b in benches))
+    print(f"{'policy':42s} {'tok/step':>8s} {'mean':>6s}  " + "  ".join(f"{b[:9]:>9s}" for b in benches))
     for row in rows:
-        print(f"{row['policy']:34s} {row['tokens_per_step']:8.3f} {row['mean_tokens_per_step']:6.2f}  "
+        print(f"{row['policy']:42s} {row['tokens_per_step']:8.3f} {row['mean_tokens_per_step']:6.2f}  "
               + "  ".join(f"{row['by_benchmark'].get(b, float('nan')):9.3f}" for b in benches))
     print(f"tokens per step: geometric means over {len(refs)} requests ({args.split} split; `mean`: the arithmetic "
           f"mean, as the bench's tokens/step); wrote {args.out / 'replay.json'}")
