@@ -9,13 +9,10 @@ tree led by prompt lookup (ngram_min 2) as the smollm2-135m-h200 deployment runs
 geometric mean over requests), raw and calibrated, and the calibration table.
 """
 import argparse
-import glob
 import math
 from pathlib import Path
 
-import torch
-
-from specpilot.drafting.replay import LookupPolicy, accepted_length, candidates_file, load_references
+from specpilot.drafting.replay import LookupPolicy, accepted_length, saved_replay
 from specpilot.engines.drafters.ngram import NgramDrafter
 
 ap = argparse.ArgumentParser()
@@ -23,18 +20,12 @@ ap.add_argument("replay_dir", type=Path)
 ap.add_argument("--budget", type=int, default=15)
 ap.add_argument("--width", type=int, default=8)
 args = ap.parse_args()
-refs = load_references(args.replay_dir / "references.jsonl")
-folder = Path(sorted(glob.glob(str(args.replay_dir / "candidates" / "*-k8")))[0])
+refs, cands = saved_replay(args.replay_dir)
 policy = LookupPolicy(lookup=True, ngram_min=2, tree_budget=args.budget, tree_width=args.width)
 BINS = 24
 
 
-def candidates(ref):
-    saved = torch.load(candidates_file(folder, ref))
-    return saved["tokens"][:, :, :args.width].tolist(), saved["probs"][:, :, :args.width].tolist()
-
-
-data = [(ref, *candidates(ref)) for ref in refs]
+data = [(ref, c.tokens[:, :, :args.width].tolist(), c.probs[:, :, :args.width].tolist()) for ref, c in zip(refs, cands)]
 depth = len(data[0][1][0])
 
 

@@ -6,26 +6,17 @@ Where the context has no match, the lookup takes the most recent continuation of
 requests ('fallback'), or the longer of the two matches ('longest'); 'corpus gate' leads with a corpus match only
 where the block agrees (LeadGate). Prints tokens/step (mean and geometric mean over requests) per policy.
 """
-import glob
 import statistics
 import sys
 from pathlib import Path
 
-import torch
-
-from specpilot.drafting.replay import LookupPolicy, accepted_length, candidates_file, load_references
+from specpilot.drafting.replay import LookupPolicy, accepted_length, saved_replay
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 
 R = Path(sys.argv[1])
-refs = load_references(R / "references.jsonl")
-folder = Path(sorted(glob.glob(str(R / "candidates" / "*-k8")))[0])
+refs, cands = saved_replay(R)
 NMAX = 4
-
-
-def candidates(ref):
-    saved = torch.load(candidates_file(folder, ref))
-    return saved["tokens"].tolist(), saved["probs"].tolist()
 
 
 class Corpus:
@@ -58,8 +49,8 @@ def context_match_len(look, ctx):
 
 def run(gate, budget, width, nmin, mode, corpus_gate=None):
     corpus, per, shape = Corpus(nmin), [], LookupPolicy(tree_budget=budget, tree_width=width)
-    for ref in refs:
-        tokens_at, probs_at = candidates(ref)
+    for ref, c in zip(refs, cands):
+        tokens_at, probs_at = c.tokens.tolist(), c.probs.tolist()
         seq = list(ref.prompt) + list(ref.output)
         start, end = len(ref.prompt), len(seq) - 1
         depth = len(tokens_at[0])

@@ -9,22 +9,18 @@ that accepts the most (`oracle`: a bound, it reads the output). The 16-row grown
 smollm2-135m-h200 deployment runs it; tokens/step, mean and geometric mean over the requests.
 """
 import argparse
-import glob
 import math
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
-from specpilot.drafting.replay import LookupPolicy, accepted_length, candidates_file, load_references
+from specpilot.drafting.replay import LookupPolicy, accepted_length, saved_replay
 
 ap = argparse.ArgumentParser()
 ap.add_argument("replay_dir", type=Path)
 ap.add_argument("--ngram-max", type=int, default=8)
 ap.add_argument("--budget", type=int, default=15)
 args = ap.parse_args()
-refs = load_references(args.replay_dir / "references.jsonl")
-folder = Path(sorted(glob.glob(str(args.replay_dir / "candidates" / "*-k8")))[0])
+refs, cands = saved_replay(args.replay_dir)
 NMIN, NMAX = 2, args.ngram_max
 policy = LookupPolicy(tree_budget=args.budget, tree_width=8, ngram_min=NMIN, ngram_max=NMAX)
 MODES = ("recent", "agree_longest", "agree_all", "oracle_longest", "oracle_all")
@@ -70,9 +66,8 @@ def tokens_per_step(ref, tokens_all, probs_all, mode) -> float:
 
 
 results = {m: [] for m in MODES}
-for ref in refs:
-    saved = torch.load(candidates_file(folder, ref))
-    tokens_all, probs_all = saved["tokens"][:, :, :8].tolist(), saved["probs"][:, :, :8].tolist()
+for ref, c in zip(refs, cands):
+    tokens_all, probs_all = c.tokens[:, :, :8].tolist(), c.probs[:, :, :8].tolist()
     for mode in MODES:
         results[mode].append(tokens_per_step(ref, tokens_all, probs_all, mode))
 print(f"tree {args.budget} width 8, lookup n>={NMIN} n<={NMAX}, {len(refs)} requests: tokens/step mean / geomean")

@@ -118,6 +118,14 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
         "chain lookup gated top2|p<0.5 n<=8", "tree6 block", "tree6 lookup", "tree6 lookup gated top2|p<0.5",
         "tree6 lookup n<=8", "tree6 lookup gated top2|p<0.5 n<=8"]
     assert all(1.0 <= p["tokens_per_step"] <= 4.0 for p in got["policies"]) and "chain lookup gated" in table
+    # what the policy scripts read back (scripts/replay_*.py): the references and their cached candidates
+    from specpilot.drafting.replay import saved_replay
+    saved_refs, saved_cands = saved_replay(tmp_path / "r", topk=4)
+    assert [r.output for r in saved_refs] == [tuple(json.loads(r)["output"]) for r in refs]
+    # an anchor per output token but the last, block_size - 1 drafted depths, the top 4 at each
+    assert all(c.tokens.shape == c.probs.shape == (11, 3, 4) for c in saved_cands)
+    with pytest.raises(ValueError, match="0 caches of top-8"):
+        saved_replay(tmp_path / "r", topk=8)
     before = (tmp_path / "r" / "references.jsonl").stat().st_mtime_ns
     assert cli_main(argv) == 0  # resumes: nothing left to record
     assert (tmp_path / "r" / "references.jsonl").stat().st_mtime_ns == before

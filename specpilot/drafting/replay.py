@@ -116,8 +116,7 @@ def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list
     for ref in tqdm(refs, desc="drafter candidates", unit="req", disable=not progress):
         path = candidates_file(folder, ref)
         if path.is_file():
-            saved = torch.load(path)
-            out.append(AnchorCandidates(saved["tokens"], saved["probs"]))
+            out.append(_load_candidates(path))
             continue
         c = anchor_candidates(drafter, target, ref, topk=topk)
         tmp = path.with_suffix(".tmp")
@@ -137,6 +136,26 @@ def accepted_length(lead: list[int], tokens: list[list[int]], probs: list[list[f
         return replay_accepted(best_first_tree([t[:w] for t in tokens], [p[:w] for p in probs], policy.tree_budget),
                                truth)
     return next((d for d, (t, want) in enumerate(zip(tokens, truth)) if t[0] != want), len(truth))
+
+
+def _load_candidates(path: Path) -> AnchorCandidates:
+    saved = torch.load(path)
+    return AnchorCandidates(saved["tokens"], saved["probs"])
+
+
+def saved_replay(replay_dir: Path, topk: int = 8) -> tuple[list[Reference], list[AnchorCandidates]]:
+    """The references and cached top-`topk` candidates a `specpilot drafter replay --out replay_dir` run left, for
+    policy studies that need no model (scripts/replay_*.py). One drafter's cache only: which one is ambiguous else."""
+    refs = load_references(replay_dir / "references.jsonl")
+    folders = sorted((replay_dir / "candidates").glob(f"*-k{topk}"))
+    if len(folders) != 1:
+        raise ValueError(f"{replay_dir / 'candidates'}: {len(folders)} caches of top-{topk} candidates, want one "
+                         f"(`specpilot drafter replay --tree-width {topk}` writes it)")
+    missing = [r.key for r in refs if not candidates_file(folders[0], r).is_file()]
+    if missing:
+        raise ValueError(f"{folders[0]}: no candidates for {len(missing)} references (first {missing[0]}); rerun "
+                         "`specpilot drafter replay` to complete the cache")
+    return refs, [_load_candidates(candidates_file(folders[0], r)) for r in refs]
 
 
 def candidates_file(folder: Path, ref: Reference) -> Path:
