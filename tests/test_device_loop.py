@@ -278,6 +278,27 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
     assert seen > 20
 
 
+def test_device_lookup_over_several_scan_blocks_takes_the_longest_suffix_then_the_latest():
+    """Contexts longer than the kernel's 1024-token scan block: the longest suffix wins over a later shorter match
+    in another block, and of two equally long ones the later wins, across blocks (the packed max)."""
+    filler = [3 + i % 40 for i in range(2600)]  # no repeat of the suffix below: period 40 over tokens 3..42
+    suffix = [50, 51, 52, 53, 54, 55, 56, 57]
+    cases = {  # context -> the continuation the host drafter proposes
+        "longest in the first block": suffix + [60, 61] + filler[:1500] + suffix[-3:] + [70] + filler[:1200] + suffix,
+        "latest of two equal ones": suffix + [60] + filler[:1500] + suffix + [80, 81] + filler[:900] + suffix,
+        "none": filler + [99]}
+    for name, context in cases.items():
+        k = 4
+        want = NgramDrafter(k, 8, 2).propose(context, k).tokens
+        tokens = torch.tensor(context + [0] * (k + 1))
+        state = torch.tensor([context[-1], len(context) - 1])
+        for lookup in (ngram_lookup_ref, ngram_lookup):  # the kernel interpreted here
+            draft, proposed = lookup(tokens, state, 2, 8, k)
+            assert int(proposed) == len(want) and draft[:len(want)].tolist() == want, (name, lookup)
+    assert NgramDrafter(4, 8, 2).propose(cases["longest in the first block"], 4).tokens[:2] == [60, 61]
+    assert NgramDrafter(4, 8, 2).propose(cases["latest of two equal ones"], 4).tokens[:2] == [80, 81]
+
+
 def test_a_gated_device_lookup_proposes_only_where_the_block_does_not_contradict_it():
     """LeadGate on the device (kernel, interpreted, and torch reference) against the host rule, over hand-built
     depth-1 candidates: the match's first token among the first agree_topk of them, or the block's top-1 in doubt."""
