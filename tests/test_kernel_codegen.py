@@ -67,8 +67,8 @@ def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None, num_stages=2):
                                    "launch_pdl": pdl, **({} if maxnreg is None else {"maxnreg": maxnreg})})
 
 
-def dots(fn, sig, consts, num_warps=4, pdl=False):
-    ir = build(fn, sig, consts, num_warps, pdl).asm["ttgir"]
+def dots(fn, sig, consts, num_warps=4, pdl=False, num_stages=2):
+    ir = build(fn, sig, consts, num_warps, pdl, num_stages=num_stages).asm["ttgir"]
     alias = dict(re.findall(r"^(#\w+) = (.*)$", ir, flags=re.M))
     out = []
     for line in ir.splitlines():
@@ -127,8 +127,9 @@ print(json.dumps({
     **{f"single_chain{'' if tiles == 1 else f'_tiles{tiles}'}": dots(
         sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False, "TILES": tiles})
        for tiles in (1, 4)},
-    "single_slots": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True,
-                                                         "TILES": 1}),
+    **{f"single_slots{'' if stages == 2 else f'_stages{stages}'}": dots(
+        sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True, "TILES": 1},
+        num_stages=stages) for stages in (2, 1)},
     **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
                                                                        "HAS_SLOTS": kind == "slots", "TILES": 1})
        for kind in ("chain", "slots")},
@@ -294,6 +295,9 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert len(compiled["paged"]) == 3, compiled["paged"]
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
+    # num_stages is T-neutral (AttentionParams): one stage (99 registers a thread with block_slots, 168 at two;
+    # scripts/attn_registers.py) runs the same dots
+    assert compiled["single_slots_stages1"] == compiled["paged"]
     assert compiled["single_chain_tiles4"] == compiled["single_chain"] * 4  # row tiles in turn: the same dots
     # the batched engine's 32-row tiles: the same MMA v2 dots (layout, instruction shape, warps), twice the rows
     assert compiled["paged_row_tile"] == [d.replace("tensor<16x", "tensor<32x") for d in compiled["paged"]]
