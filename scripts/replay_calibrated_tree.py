@@ -12,8 +12,9 @@ import argparse
 import math
 from pathlib import Path
 
-from specpilot.drafting.replay import LookupPolicy, accepted_length, saved_replay
-from specpilot.engines.drafters.ngram import NgramDrafter
+import torch
+
+from specpilot.drafting.replay import AnchorCandidates, LookupPolicy, replay, saved_replay
 
 ap = argparse.ArgumentParser()
 ap.add_argument("replay_dir", type=Path)
@@ -53,19 +54,13 @@ def fit(idx: list[int]) -> list[list[float]]:
 
 
 def tokens_per_step(i: int, calibrated: list[list[float]] | None) -> float:
-    ref, tokens, probs = data[i]
-    seq = list(ref.prompt) + list(ref.output)
-    start, end = len(ref.prompt), len(seq) - 1
-    lookup = NgramDrafter(depth, policy.ngram_max, policy.ngram_min)
-    a, steps = start, []
-    while a < end:
-        p = probs[a - start]
-        if calibrated is not None:
-            p = [[calibrated[d][prob_bin(x)] if x > 0 else 0.0 for x in row] for d, row in enumerate(p)]
-        accepted = accepted_length(lookup.propose(seq[:a + 1], depth).tokens, tokens[a - start], p, None, policy,
-                                   seq[a + 1:a + 1 + depth])
-        steps.append(min(accepted + 1, end - a))
-        a += steps[-1]
+    """The replay (drafting.replay) of request i, its probabilities mapped through `calibrated` (None: as drafted)."""
+    probs = cands[i].probs
+    if calibrated is not None:
+        bins = (-2 * torch.log2(probs.clamp(min=1e-30))).floor().clamp(0, BINS - 1).long()
+        table = torch.tensor(calibrated, dtype=probs.dtype)
+        probs = torch.where(probs > 0, table[torch.arange(probs.shape[1])[None, :, None], bins], 0.0)
+    steps = replay(refs[i], AnchorCandidates(cands[i].tokens, probs), policy)
     return sum(steps) / len(steps)
 
 
