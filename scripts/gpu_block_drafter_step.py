@@ -10,8 +10,8 @@ beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms
 step against AR's ms/token). loop: the kernels per step of a chain and the trees + ngram_prefix on the device loop.
 ar: AR at 1..16 steps a graph. --grid-dependency off: kernels in plain stream order, so that the profiled times are
 each kernel's own, not its wait for the one before (PDL). --kernel-table: every engine launches its kernels with that
-table (a tuner's summary.json or [key, params JSON] pairs, kernels.table), e.g. an A/B of one launch field. On CPU (no graphs) it times eager calls and counts no
-kernels: a smoke test of the script.
+table (a tuner's summary.json or [key, params JSON] pairs, kernels.table), e.g. an A/B of one launch field. On CPU
+(no graphs) it times eager calls and counts no kernels: a smoke test of the script.
 """
 import argparse
 import collections

@@ -35,7 +35,8 @@ def choose(mode, occurrences, lead_of, tokens, probs, truth):
         return lead_of(max(o for o in occurrences if o[0] == longest))
     pool = occurrences if mode.endswith("_all") else [o for o in occurrences if o[0] == longest]
     if mode.startswith("oracle"):
-        return max((lead_of(o) for o in pool), key=lambda lead: accepted_length(lead, tokens, probs, None, policy, truth))
+        return max((lead_of(o) for o in pool),
+                   key=lambda lead: accepted_length(lead, tokens, probs, None, policy, truth))
 
     def agreement(o):
         rated = (dict(zip(tokens[d], probs[d])).get(t, 0.0) for d, t in enumerate(lead_of(o)[:4]))

@@ -169,7 +169,7 @@ class NgramDeviceDrafter:
 
 # ---- prompt lookup on the device: one kernel (a single program scans the context), and its torch reference ----
 # A match's (length, continuation start) packed in one int32, length in the high bits: one max finds the longest
-# match and, among those, the most recent. Contexts stay below 2**24 tokens (check_context_width).
+# match and, among those, the most recent. Contexts stay below 2**24 tokens (check_lookup_args).
 MATCH_BITS = 24
 MATCH_SHIFT = tl.constexpr(MATCH_BITS)  # (constexpr globals only, in kernels)
 MATCH_START = tl.constexpr((1 << MATCH_BITS) - 1)  # the low bits: the continuation start
@@ -217,17 +217,18 @@ def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gat
     tl.store(proposed_ptr, proposed.to(tl.int64))
 
 
-def check_context_width(width: int) -> None:
+def check_lookup_args(width: int, ngram_min: int, ngram_max: int, k: int) -> None:
+    """What lookup_into takes, for the single-request and batched lookups: a buffer row of `width` tokens."""
     if width >= 1 << MATCH_BITS:
         raise ValueError(f"a lookup buffer of {width} tokens: the device lookup takes fewer than {1 << MATCH_BITS}")
+    if not 1 <= ngram_min <= ngram_max or k < 1:
+        raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
 
 
 def _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs):
     check_tensor("tokens", tokens, (None,), torch.int64)
-    check_context_width(tokens.shape[0])
     check_tensor("state", state, (2,), torch.int64, tokens.device)
-    if not 1 <= ngram_min <= ngram_max or k < 1:
-        raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
+    check_lookup_args(tokens.shape[0], ngram_min, ngram_max, k)
     if (gate is None) != (candidates is None) or (candidates is None) != (candidate_probs is None):
         raise ValueError("a gate comes with the block's depth-1 candidates and their probabilities, and only with one")
     if gate is not None:

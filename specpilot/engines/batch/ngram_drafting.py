@@ -19,7 +19,7 @@ import triton.language as tl
 
 from specpilot.engines.batch.device_policy import DevicePolicy
 from specpilot.engines.batch.drafting import AGREE_TENTHS, PERIOD_MIN, STEP_MAX
-from specpilot.engines.device_drafters import check_context_width, lookup_into, lookup_rows_ref
+from specpilot.engines.device_drafters import check_lookup_args, lookup_into, lookup_rows_ref
 from specpilot.kernels._common import check_launchable, check_tensor
 
 
@@ -112,9 +112,7 @@ def batch_ngram_lookup(tokens: torch.Tensor, positions: torch.Tensor, ngram_min:
     check_tensor("positions", positions, (rows,), torch.int64, tokens.device)
     if tokens.stride(1) != 1:
         raise ValueError("tokens must be contiguous along a row")
-    check_context_width(length)
-    if not 1 <= ngram_min <= ngram_max or k < 1:
-        raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max}) and k ({k}) >= 1")
+    check_lookup_args(length, ngram_min, ngram_max, k)
     if not (tokens.is_cuda if kernel is None else kernel):
         return lookup_rows_ref(tokens, positions, ngram_min, ngram_max, k)
     check_launchable(_batch_ngram_kernel, tokens.device)
