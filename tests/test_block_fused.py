@@ -57,16 +57,18 @@ def test_qk_norm_rope_refuses_bad_inputs():
         qk_norm_rope(x, 2, 2, pos.int(), pos, cos, sin, k, v)
 
 
-@pytest.mark.parametrize("over", [{}, {"qk_norm": False}, {"input_scale": 1.7, "logit_scale": 0.8,
-                                                              "logit_softcap": 5.0}])
-def test_fused_step_gives_the_reference_steps_distributions(over):
+@pytest.mark.parametrize("over,window", [({}, 0), ({"qk_norm": False}, 0),
+                                         ({"input_scale": 1.7, "logit_scale": 0.8, "logit_softcap": 5.0}, 0),
+                                         ({}, 6)])
+def test_fused_step_gives_the_reference_steps_distributions(over, window):
     """float32, under the interpreter: the same context caches up to rounding and the same top-1 tokens and
-    probabilities (to 1e-4) as the reference step with the same Triton attention, over contexts of several lengths."""
+    probabilities (to 1e-4) as the reference step with the same Triton attention, over contexts of several lengths
+    (window: the drafter's context window, both steps)."""
     target = tiny_model("gqa", 3, torch.float32)
     model = drafter_for(target, 3, 8, **over).eval()
     head = target.lm_head.weight
-    ref = BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True)
-    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5)
+    ref = BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True, window=window)
+    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, window=window)
     g = torch.Generator().manual_seed(3)
     n_ctx = 0
     for n in (12, 1, 5, 3):

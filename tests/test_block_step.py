@@ -54,12 +54,15 @@ def drafter_for(target, seed: int, block_size: int, **over) -> BlockDrafterModel
     return model
 
 
-def reference_step(model: BlockDrafterModel, embed, head, cache, pending: int, position: int, width: int, topk: int):
+def reference_step(model: BlockDrafterModel, embed, head, cache, pending: int, position: int, width: int, topk: int,
+                   window: int = 0):
     """The drafting step through BlockDrafterModel's forward (the run-time code before BlockStep): the block
-    attends to the concatenated zero-padded context cache [layers, k/v, kv_heads, C, D], masked from `position`."""
+    attends to the concatenated zero-padded context cache [layers, k/v, kv_heads, C, D], masked from `position`
+    (and below position - window)."""
     x = model.block_inputs(embed[torch.tensor([pending])], width)
     pos = (position + torch.arange(width))[None]
-    ctx_ok = (torch.arange(cache.shape[3]) < position).expand(width, -1)
+    slot = torch.arange(cache.shape[3])
+    ctx_ok = ((slot < position) & ((slot >= position - window) if window else True)).expand(width, -1)
     mask = torch.cat([ctx_ok, torch.ones(width, width, dtype=torch.bool)], dim=1)[None]
     ctx = [(cache[i, 0, None], cache[i, 1, None]) for i in range(cache.shape[0])]
     hidden = model(x, pos, ctx, mask)[0, 1:]
@@ -67,14 +70,15 @@ def reference_step(model: BlockDrafterModel, embed, head, cache, pending: int, p
     return top.indices, top.values.exp()
 
 
+@pytest.mark.parametrize("window", [0, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_step_and_observe_equal_the_reference_bit_for_bit(shape, dtype):
+def test_step_and_observe_equal_the_reference_bit_for_bit(shape, dtype, window):
     capacity, width = 64, 6
     for seed, over in enumerate(VARIANTS):
         target = tiny_model(shape, seed, dtype)
         d = BlockTreeDrafter(drafter_for(target, seed, width, **over), target, TreeShape(False, width, 8, 4, width - 1),
-                             capacity, "cpu")
+                             capacity, "cpu", window=window)
         model, c = d.step.model, d.step.config  # the drafter's run-time copy: reference modules at its dtype
         head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
         cache = torch.zeros(c.layers, 2, c.kv_heads, capacity, c.head_dim, dtype=dtype)
@@ -90,7 +94,7 @@ def test_step_and_observe_equal_the_reference_bit_for_bit(shape, dtype):
             pending = int(torch.randint(c.vocab, (1,), generator=g))
             tokens, probs = d.distributions(pending, n_ctx, width - 1)
             ref_tokens, ref_probs = reference_step(model, target.embed_tokens.weight, head, cache, pending, n_ctx,
-                                                   width, d.topk)
+                                                   width, d.topk, window)
             assert tokens == ref_tokens.tolist() and probs == ref_probs.tolist(), (seed, over, n_ctx)
 
 
@@ -118,13 +122,15 @@ def test_one_drafting_step_launches_a_pinned_number_of_ops(verify, monkeypatch):
     assert sum(DRAFT_OPS.values()) == 112 and sum(PROJECT_OPS.values()) == 34
 
 
-def test_triton_attention_step_matches_the_sdpa_step():
+@pytest.mark.parametrize("window", [0, 7])
+def test_triton_attention_step_matches_the_sdpa_step(window):
     """On CUDA the draft's attention is the engine's Triton kernel (block keys at their own positions): other bits
     than SDPA's, the same distributions up to rounding. Run here under the interpreter on a float32 drafter."""
     target = tiny_model("gqa", 3, torch.float32)
     model = drafter_for(target, 3, 8).eval()
     head = target.lm_head.weight if target.lm_head is not None else target.embed_tokens.weight
-    steps = [BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=t) for t in (False, True)]
+    steps = [BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=t, window=window)
+             for t in (False, True)]
     g = torch.Generator().manual_seed(3)
     features = torch.randn(20, model.config.feature_dim, generator=g)
     for s in steps:

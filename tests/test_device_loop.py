@@ -208,6 +208,26 @@ def test_per_step_trees_are_the_host_loops_trees_and_equal_ar(shape):
     assert deep >= 5
 
 
+def test_a_drafter_context_window_drafts_otherwise_and_still_equals_ar():
+    """drafter_window: the drafter attends to the last few context positions only. Host and device loops draft the
+    same windowed trees (the same acceptance step for step), the tokens stay AR's, and the drafts differ from the
+    whole-context drafter's."""
+    model, drafter, p, want = tree_case("gqa", 1)
+    engines = [engine(model, drafter, device_steps=1, **PER_STEP),
+               engine(model, drafter, device_steps=1, drafter_window=6, **PER_STEP),
+               engine(model, drafter, device_steps=4, drafter_window=6, **PER_STEP)]
+    full, host, r = (e.generate(p, 90) for e in engines)
+    assert r.tokens == host.tokens == full.tokens == want
+    end = len(p) + 90 - 4
+    assert [(s.position, s.accepted) for s in r.steps if s.position <= end] == \
+        [(s.position, s.accepted) for s in host.steps if s.position <= end]
+    # the same cached context (every committed token's features), other distributions past the window
+    ints = torch.tensor([5, len(p) + 80])
+    (t_full, p_full), (t_win, p_win) = (e.drafter.step.draft(ints) for e in engines[:2])
+    assert not torch.equal(p_full, p_win)
+    assert torch.equal(engines[0].drafter.step.cache, engines[1].drafter.step.cache)
+
+
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):
     """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led, where the CPU loop runs their
     torch references."""
@@ -444,7 +464,8 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
-                                  "prefix tree overlap", "grown tree", "prefix grown tree overlap"])
+                                  "prefix tree overlap", "grown tree", "prefix grown tree overlap",
+                                  "windowed prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -454,7 +475,8 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     over = {"block tree": TREE, "ngram": {"drafter": "ngram", "draft_len": 5},
             "prefix tree": {**TREE, "ngram_prefix": True}, "prefix chain overlap": {"ngram_prefix": True},
             "prefix tree overlap": {**TREE, "ngram_prefix": True}, "grown tree": PER_STEP,
-            "prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True}}.get(kind, {})
+            "prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True},
+            "windowed prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True, "drafter_window": 8}}.get(kind, {})
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,

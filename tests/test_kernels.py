@@ -213,6 +213,36 @@ def test_attention_matches_ref(dtype, T, H, KVH, D, base, tree, split, bn):
     assert torch.equal(o, o_dev_base), "a device-side base must give the same bits as an int base"
 
 
+@pytest.mark.parametrize("T,base,window,split,bn", [
+    (16, 300, 100, 64, 64),  # the window starts mid key block, 4 splits wholly below it
+    (16, 300, 256, 64, 32),
+    (4, 130, 64, 256, 64),  # one split holds both sides of the window's start
+    (16, 40, 200, 64, 64),  # a window longer than the context: everything visible
+    (1, 1100, 17, 16, 16),  # 69 splits, all but two below the window
+])
+def test_windowed_attention_sees_the_last_window_keys_only(T, base, window, split, bn):
+    """The block drafter's context window: keys below base - window are neither visible nor read (NaN there)."""
+    g = torch.Generator().manual_seed(base + window)
+    KVH, H, D, dtype = 2, 6, 16, torch.bfloat16
+    S = base + T + 8
+    kc, vc = rnd(g, KVH, S, D, dtype=dtype), rnd(g, KVH, S, D, dtype=dtype)
+    lo = max(0, base - window) // bn * bn  # the first key block the window reaches is read whole
+    for c in (kc, vc):
+        c[:, :lo] = float("nan")
+        c[:, base + T:] = float("nan")
+    q = rnd(g, T, H, D, dtype=dtype, scale=2.0)
+    anc = torch.ones(T, T, dtype=torch.bool)  # the drafter's non-causal block
+    o = K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor([base], device=DEV), anc.to(DEV),
+                    split_keys=split, block_n=bn, window=window)
+    want = K.attention_ref(q, kc.nan_to_num(), vc.nan_to_num(), base, anc, window=window)
+    assert_close(o.cpu(), want, dtype)
+    if window >= base:
+        assert torch.equal(o, K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), base, anc.to(DEV), split_keys=split,
+                                          block_n=bn))
+    with pytest.raises(ValueError, match="window"):
+        K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), base, anc.to(DEV), window=-1)
+
+
 def test_attention_ref_masks_exactly():
     """attention_ref against a hand computation: one query, context of 2 keys plus itself, one masked sibling."""
     kc = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 1.0, 0], [9.0, 9, 9, 9]]])

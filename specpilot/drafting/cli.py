@@ -88,6 +88,14 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0 if all(r.equal_to_ar for r in rows) else 1
 
 
+def _ints(text: str) -> list[int]:
+    """'0,15,31' -> [0, 15, 31]."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated integers, e.g. 0,15") from None
+
+
 def _gates(text: str) -> list[tuple[int, float]]:
     """'2:0.5,4:0.5' -> [(2, 0.5), (4, 0.5)]: lookup_agree_topk:lookup_doubt_prob pairs."""
     try:
@@ -121,8 +129,6 @@ def run_replay(args: argparse.Namespace) -> int:
                              [(p.key, p.prompt.benchmark.value, p.ids) for p in prompts],
                              args.out / "references.jsonl", progress=not args.no_progress)
     session.release(ar_cfg)
-    cands = cached_candidates(drafter, session.target, refs, args.out / "candidates", topk=max(4, args.tree_width),
-                              progress=not args.no_progress)
     policies = []
     for budget in args.tree_budgets:
         kw = {"tree_budget": budget, "tree_width": args.tree_width}
@@ -134,9 +140,13 @@ def run_replay(args: argparse.Namespace) -> int:
                 policies.append(LookupPolicy(ngram_min=n, ngram_max=n_max, **kw))
                 policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, ngram_max=n_max, **kw)
                              for k, p in args.gates]
-    results = replay_all(refs, cands, policies)
-    rows = [{"policy": r.policy.label, "tokens_per_step": r.overall(), "mean_tokens_per_step": r.mean(),
-             "by_benchmark": r.by_benchmark(refs), "per_request": r.tokens_per_step} for r in results]
+    rows = []
+    for window in args.drafter_windows:  # the candidates depend on the window, the policies not
+        cands = cached_candidates(drafter, session.target, refs, args.out / "candidates",
+                                  topk=max(4, args.tree_width), progress=not args.no_progress, window=window)
+        rows += [{"policy": (f"w{window} " if window else "") + r.policy.label, "drafter_window": window,
+                  "tokens_per_step": r.overall(), "mean_tokens_per_step": r.mean(), "by_benchmark": r.by_benchmark(refs),
+                  "per_request": r.tokens_per_step} for r in replay_all(refs, cands, policies)]
     (args.out / "replay.json").write_text(json.dumps({"deployment": dep.name, "split": args.split,
                                                       "requests": len(refs), "max_new_tokens": wl.max_new_tokens,
                                                       "policies": rows}, indent=1))
@@ -193,12 +203,15 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--benchmarks-dir", default=None)
     p.add_argument("--gates", type=_gates, default=_gates("1:0.5,2:0.5,4:0.5,2:0.3,2:0.7"),
                    help="AGREE_TOPK:DOUBT_PROB pairs to replay (default %(default)s)")
-    p.add_argument("--tree-budgets", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+    p.add_argument("--tree-budgets", type=_ints, default=[0],
                    help="0 = chain; e.g. 0,31")
     p.add_argument("--tree-width", type=int, default=4)
-    p.add_argument("--ngram-mins", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+    p.add_argument("--ngram-mins", type=_ints, default=[1],
                    help="the lookup's shortest suffix (ngram_min) values to replay, e.g. 1,2")
-    p.add_argument("--ngram-maxes", type=lambda s: [int(x) for x in s.split(",")], default=[4],
+    p.add_argument("--drafter-windows", type=_ints, default=[0],
+                   help="drafter context windows to replay (EngineConfig.drafter_window; 0: the whole context), "
+                        "e.g. 0,256: the candidates are computed once per window")
+    p.add_argument("--ngram-maxes", type=_ints, default=[4],
                    help="the lookup's longest suffix (ngram_max) values to replay, e.g. 4,8")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_guarded(run_replay))

@@ -41,8 +41,10 @@ def sample_batch(data: DraftData, rows: torch.Tensor, anchors: int, block_size: 
     return Batch(tokens, data.features[rows], a, targets, inside.float())
 
 
-def block_logits(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Drafter logits [N, K, B-1, vocab] for every anchor's mask slots."""
+def block_logits(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
+                 window: int = 0) -> torch.Tensor:
+    """Drafter logits [N, K, B-1, vocab] for every anchor's mask slots; window > 0: each block sees the features of
+    its context's last `window` positions only (EngineConfig.drafter_window)."""
     n, t = batch.tokens.shape
     k = batch.anchors.shape[1]
     b = model.config.block_size
@@ -52,7 +54,10 @@ def block_logits(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tens
     first = F.embedding(torch.gather(batch.tokens, 1, batch.anchors), embed)  # [N, K, H]
     x = model.block_inputs(first.to(model.mask_embed.dtype)).flatten(1, 2)  # [N, K*B, H]
     pos = (batch.anchors[..., None] + torch.arange(b, device=dev)).flatten(1)  # [N, K*B]
-    sees_ctx = (torch.arange(t, device=dev) < batch.anchors[..., None])  # [N, K, T]
+    ctx = torch.arange(t, device=dev)
+    sees_ctx = ctx < batch.anchors[..., None]  # [N, K, T]
+    if window:
+        sees_ctx = sees_ctx & (ctx >= batch.anchors[..., None] - window)
     sees_ctx = sees_ctx[:, :, None].expand(n, k, b, t).reshape(n, k * b, t)
     same_block = torch.arange(k, device=dev).repeat_interleave(b)
     sees_block = (same_block[:, None] == same_block[None]).expand(n, k * b, k * b)

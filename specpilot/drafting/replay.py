@@ -81,8 +81,9 @@ class LookupPolicy:
 
 @torch.no_grad()
 def anchor_candidates(drafter: BlockDrafterModel, target: LlamaModel, ref: Reference, topk: int = 4,
-                      chunk: int = 32) -> AnchorCandidates:
-    """The drafter's depth-1.. candidates at every anchor of ref, from the target's teacher-forced features."""
+                      chunk: int = 32, window: int = 0) -> AnchorCandidates:
+    """The drafter's depth-1.. candidates at every anchor of ref, from the target's teacher-forced features (window:
+    the drafter's context window, EngineConfig.drafter_window)."""
     seq = list(ref.prompt) + list(ref.output)
     data = recompute(target, [seq], [len(ref.prompt)], drafter.config.target_layers, batch=1)
     embed, head = target.embed_tokens.weight, lm_head_weight(target)
@@ -90,7 +91,7 @@ def anchor_candidates(drafter: BlockDrafterModel, target: LlamaModel, ref: Refer
     tokens, probs = [], []
     for s in range(0, len(anchors), chunk):
         batch = Batch(data.tokens, data.features, anchors[s:s + chunk][None], None, None)
-        p = block_logits(drafter, embed, head, batch)[0].float().softmax(-1)  # [anchors, B - 1, vocab]
+        p = block_logits(drafter, embed, head, batch, window)[0].float().softmax(-1)  # [anchors, B - 1, vocab]
         top_p, top_t = p.topk(topk, -1)
         tokens.append(top_t.cpu())
         probs.append(top_p.cpu())
@@ -107,10 +108,10 @@ def drafter_digest(drafter: BlockDrafterModel) -> str:
 
 
 def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list[Reference], cache: Path,
-                      topk: int = 4, progress: bool = True) -> list[AnchorCandidates]:
-    """anchor_candidates of every reference, each kept as a file under cache/<drafter digest>-k<topk>/ (a stopped
-    run resumes; a reference whose prompt or output changed is recomputed)."""
-    folder = cache / f"{drafter_digest(drafter)}-k{topk}"
+                      topk: int = 4, progress: bool = True, window: int = 0) -> list[AnchorCandidates]:
+    """anchor_candidates of every reference, each kept as a file under cache/<drafter digest>-k<topk>[-w<window>]/
+    (a stopped run resumes; a reference whose prompt or output changed is recomputed)."""
+    folder = cache / f"{drafter_digest(drafter)}-k{topk}{f'-w{window}' if window else ''}"
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for ref in tqdm(refs, desc="drafter candidates", unit="req", disable=not progress):
@@ -118,7 +119,7 @@ def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list
         if path.is_file():
             out.append(_load_candidates(path))
             continue
-        c = anchor_candidates(drafter, target, ref, topk=topk)
+        c = anchor_candidates(drafter, target, ref, topk=topk, window=window)
         tmp = path.with_suffix(".tmp")
         torch.save({"key": ref.key, "tokens": c.tokens, "probs": c.probs}, tmp)
         tmp.replace(path)  # whole files only: a run stopped mid-write leaves no half record
@@ -143,11 +144,12 @@ def _load_candidates(path: Path) -> AnchorCandidates:
     return AnchorCandidates(saved["tokens"], saved["probs"])
 
 
-def saved_replay(replay_dir: Path, topk: int = 8) -> tuple[list[Reference], list[AnchorCandidates]]:
-    """The references and cached top-`topk` candidates a `specpilot drafter replay --out replay_dir` run left, for
-    policy studies that need no model (scripts/replay_*.py). One drafter's cache only: which one is ambiguous else."""
+def saved_replay(replay_dir: Path, topk: int = 8, window: int = 0) -> tuple[list[Reference], list[AnchorCandidates]]:
+    """The references and cached top-`topk` candidates (of drafter context window `window`) a `specpilot drafter
+    replay --out replay_dir` run left, for policy studies that need no model (scripts/replay_*.py). One drafter's
+    cache only: which one is ambiguous else."""
     refs = load_references(replay_dir / "references.jsonl")
-    folders = sorted((replay_dir / "candidates").glob(f"*-k{topk}"))
+    folders = sorted((replay_dir / "candidates").glob(f"*-k{topk}{f'-w{window}' if window else ''}"))
     if len(folders) != 1:
         raise ValueError(f"{replay_dir / 'candidates'}: {len(folders)} caches of top-{topk} candidates, want one "
                          f"(`specpilot drafter replay --tree-width {topk}` writes it)")

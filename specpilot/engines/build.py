@@ -62,7 +62,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
             # The drafter reads the stock target's embedding and LM head: drafts are only proposals.
             drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device,
                                        cuda_graphs=cfg.cuda_graphs,
-                                       fused=cfg.kernel_backend is KernelBackend.TRITON)
+                                       fused=cfg.kernel_backend is KernelBackend.TRITON,
+                                       window=cfg.drafter_window)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.ngram_prefix:

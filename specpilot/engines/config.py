@@ -137,6 +137,10 @@ class EngineConfig(ConfigOps):
     level_one_layers: int = 0  # SHALLOW rule: target layers run by level one (0: a quarter of them)
     tree_depth: int = 0  # deepest tree level a block drafter grows (0: block_size - 1)
     block_size: int = 16  # block drafter: tokens drafted per forward
+    # Block drafter: its attention sees the target features of the context's last drafter_window positions only (0:
+    # all). A drafter trained on short sequences loses its way over long contexts: the shipped SmolLM2 one (trained
+    # on ~350-token sequences) drafts past position 1024 with half its accuracy at 256 (replayed, drafting.replay).
+    drafter_window: int = 0
     # Block drafter (chain or tree) and n-gram (chain): up to this many speculative steps run on the device (one
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
@@ -210,6 +214,9 @@ class EngineConfig(ConfigOps):
         _check(1 <= self.level_one_keep <= self.tree_budget,
                f"level_one_keep={self.level_one_keep}: must be in 1..tree_budget ({self.tree_budget})")
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
+        _check(not isinstance(self.drafter_window, bool) and isinstance(self.drafter_window, int)
+               and 0 <= self.drafter_window <= 1 << 20,
+               f"drafter_window={self.drafter_window!r}: must be an int >= 0 (0: the whole context)")
         for name in ("device_steps", "ar_steps"):
             value = getattr(self, name)
             _check(not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= 16,
@@ -250,8 +257,8 @@ class EngineConfig(ConfigOps):
     # Fields that only shape what is drafted and verified, never how a row is computed.
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
-        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "device_steps", "device_overlap",
-        "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob")
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "device_steps",
+        "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

@@ -100,12 +100,12 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
     return m, l, acc
 
 
-@triton.jit(do_not_specialize=["T", "base_val"])
+@triton.jit(do_not_specialize=["T", "base_val", "window"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                       T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                       T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                        D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
@@ -130,19 +130,20 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     lo = split * SPLIT
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                         prog_m * TILES + tile, kvh, split, base, end, lo, section_ok, T, S, A, qk_scale, H, G, D,
-                         DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS)
+                         prog_m * TILES + tile, kvh, split, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
+                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED)
     release_successor(PDL)
 
 
 @triton.jit
 def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, split,
-                     base, end, lo, section_ok, T, S, A, qk_scale, H: tl.constexpr, G: tl.constexpr,
+                     base, end, lo, section_ok, T, S, A, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr):
     """Row tile pid_m of one (kv head, split): the online softmax over the split's visible keys, its partials
     stored. A tile past the rows (the last program's spare tiles), or of a split its section does not run, does
-    nothing."""
+    nothing. WINDOWED: context keys below base - window are not visible; the key loop starts at the window's
+    first key block (a split wholly below it stores the empty partials, which the combine adds as zero)."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if HAS_SLOTS:
         # A split of context keys only (all below base) reads the same keys for every token: its rows are tiled
@@ -171,9 +172,14 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for k0 in range(lo, tl.minimum(lo + SPLIT, end), BLOCK_N):
+        first = lo
+        if WINDOWED:
+            first = tl.maximum(lo, (base - window) // BLOCK_N * BLOCK_N)
+        for k0 in range(first, tl.minimum(lo + SPLIT, end), BLOCK_N):
             kk = k0 + tl.arange(0, BLOCK_N)
             k_ok = kk < end
+            if WINDOWED:
+                k_ok = k_ok & (kk >= base - window)
             j = kk - base
             if HAS_SLOTS:  # key of position base + e: the slot of the token's ancestor at depth e (-1: none)
                 e_ok = (j >= 0) & (j < A) & k_ok
@@ -266,16 +272,17 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
 
 
 def attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
-                  anc: torch.Tensor, block_slots: torch.Tensor | None = None) -> torch.Tensor:
+                  anc: torch.Tensor, block_slots: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Plain torch: boolean mask over slots 0..base+T-1, fp32 scores and softmax; returns [T, heads * D].
 
-    With block_slots [T, A]: token i's key at position base + e is slot block_slots[i, e] (visible iff >= 0)."""
+    With block_slots [T, A]: token i's key at position base + e is slot block_slots[i, e] (visible iff >= 0).
+    window > 0: only the context's last `window` slots (base - window .. base - 1) are visible."""
     T, H, D = q.shape
     KVH = k_cache.shape[0]
     base = int(base)
     L = base + T
     mask = torch.zeros(T, L, dtype=torch.bool, device=q.device)
-    mask[:, :base] = True
+    mask[:, max(0, base - window) if window else 0:base] = True
     if block_slots is None:
         mask[:, base:] = anc.bool()
         k = k_cache[:, :L].float().repeat_interleave(H // KVH, dim=0)  # [H, L, D]
@@ -318,7 +325,7 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1, tile_rows: int = BLOCK_M) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -326,6 +333,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
     the keys AR would, in position order (anc is then not read). Splits that reach base then tile one token per
     program; splits of context keys only tile as without block_slots (the same bits).
+    window: > 0 shows only the context's last `window` slots (base - window .. base - 1; the block drafter's
+    context window), 0 all of them. Not with block_slots.
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
                              tiles_per_program=tiles_per_program, tile_rows=tile_rows)
@@ -340,6 +349,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         base_is_ptr, n_split = False, triton.cdiv(base_val + T, split_keys)
     if block_slots is not None:
         check_tensor("block_slots", block_slots, (T, None), torch.int64, dev)
+    check_int("window", window, 0, None)
+    if window and block_slots is not None:
+        raise ValueError("a context window is for the block drafter's attention: not with block_slots")
     check_launchable(_attn_split_kernel, dev)
     out = check_out("out", out, (T, H * D), dt, dev)
     G = H // KVH
@@ -357,9 +369,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     grid = (n_blk + p_ctx * n_split, KVH, 1) if has_slots else (p_ctx, KVH, n_split)
     _attn_split_kernel[grid](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale, window,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
-        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, **NO_FP_FUSION,
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, WINDOWED=window > 0,
+        **NO_FP_FUSION,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,

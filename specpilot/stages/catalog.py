@@ -173,6 +173,11 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                       Knob("lookup_agree_topk", _INT, 0, 4),
                       Knob("lookup_doubt_prob", _CHOICE, choices=(0.3, 0.5, 0.7))),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
+    CatalogMechanism("drafter_window", MechanismCategory.ALGORITHM,
+                     "block drafter sees only the context's last positions: a drafter trained on short sequences "
+                     "keeps its accuracy over long outputs",
+                     (Knob("drafter_window", _CHOICE, choices=(0, 128, 256, 512)),),
+                     frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,
                      "speculative steps per host round trip: draft, verify, accept and commit on the device, several "

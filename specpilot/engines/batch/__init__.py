@@ -37,7 +37,8 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
     takes the drafter's model in block_drafter: the runner then captures its target layers; device_draft gives the
     runner a BatchNgramDrafter (with a DevicePolicy when goodput or the verify budget is on)."""
     block = (BatchBlockDrafter(block_drafter, model, batch.max_batch, cfg.max_seq_len, device,
-                               cuda_graphs=cfg.cuda_graphs) if block_drafter is not None else None)
+                               cuda_graphs=cfg.cuda_graphs, window=cfg.drafter_window)
+             if block_drafter is not None else None)
     lookup = None
     if batch.device_draft and cfg.speculative:
         depth = longest_draft(cfg, batch)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight, runtime_copy
+from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.llama import LlamaModel, rotate_half
 from specpilot.kernels._common import capture_graph
 
@@ -35,8 +36,10 @@ FUSED_HEAD_MAX_SLOTS = 32  # draft slots (rows x depth) up to which the fused no
 
 class BatchBlockDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, rows: int, capacity: int,
-                 device: str | torch.device, cuda_graphs: bool = True, triton_head: bool | None = None):
+                 device: str | torch.device, cuda_graphs: bool = True, triton_head: bool | None = None,
+                 window: int = 0):
         c = model.config
+        self.window = check_window(window)
         c.check_target(target.shape)
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}: both must be >= 1")
@@ -143,7 +146,10 @@ class BatchBlockDrafter:
         x = m.block_inputs(self.embed[pending])  # [rows, B, H]
         cos, sin = (t[:, :, None] for t in m.rotary(pos[:, None] + self._block, x.dtype))  # [rows, B, 1, D]
         # a row's slot is visible iff it holds context before the pending position, or is one of the block's
-        visible = (self._key_slot[None, :] < pos[:, None]) | (self._key_slot[None, :] >= cap)
+        context = self._key_slot[None, :] < pos[:, None]
+        if self.window:  # the drafter's context window (EngineConfig.drafter_window)
+            context = context & (self._key_slot[None, :] >= pos[:, None] - self.window)
+        visible = context | (self._key_slot[None, :] >= cap)
         mask = visible[:, None, None, :]  # [rows, 1, 1, slots]: the same for every head and block token
         for layer, keys, values in zip(m.layers, self.keys, self.values):
             a = layer.self_attn

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from specpilot.engines.drafters.block import BlockDrafterModel
+from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
@@ -129,13 +130,13 @@ class FusedBlockStep:
     """BlockStep's interface and cache ([layers, k/v, kv_heads, capacity + block_size, D]) on fused kernels."""
 
     def __init__(self, model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, capacity: int,
-                 block_size: int, topk: int):
+                 block_size: int, topk: int, window: int = 0):
         if not fusable(model):
             raise ValueError("the fused drafter step needs a drafter without attention biases and a power-of-two "
                              "head size of at least 16")
         c = self.config = model.config
         self.model, self.embed, self.head, self.topk = model, embed, head, topk
-        self.capacity, self.width = capacity, block_size
+        self.capacity, self.width, self.window = capacity, block_size, check_window(window)
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -180,7 +181,7 @@ class FusedBlockStep:
         for i, layer in enumerate(m.layers):
             q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps), c.heads, i,
                          positions, positions)
-            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible)
+            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps)
             x = linear(act, layer.mlp.down_proj.weight, residual=x)

@@ -47,6 +47,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None
     torch.add(x * cos, swapped * sin_signed, out=x)
 
 
+def check_window(window: int) -> int:
+    """A drafter context window: > 0 keys of the last `window` context positions only, 0 the whole context."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window={window!r}: must be an int >= 0 (0: the whole context)")
+    return window
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
@@ -56,9 +63,10 @@ class BlockStep:
     context keys/values, `draft` runs one block forward and returns top-k tokens and probabilities."""
 
     def __init__(self, model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, capacity: int,
-                 block_size: int, topk: int, triton_attention: bool | None = None):
+                 block_size: int, topk: int, triton_attention: bool | None = None, window: int = 0):
         c = self.config = model.config
         self.model, self.embed, self.head, self.topk = model, embed, head, topk
+        self.window = check_window(window)
         self.capacity, self.width = capacity, block_size
         dev, dtype = embed.device, embed.dtype
         # Rotary rows (cos, sin') of every position a step can reach, computed as BlockDrafterModel.rotary does.
@@ -117,8 +125,12 @@ class BlockStep:
         # Rotary rows of the consecutive positions position..position+B-1: one gather of a window.
         rope = self.rope.unfold(0, width, 1)[ints[1:2]][0].permute(2, 0, 1)  # [B, 2, D]
         cos, sin = rope[:, None, 0], rope[:, None, 1]
-        mask = None if self.triton_attention else torch.where((self.key_pos < ints[1]).expand(width, -1),
-                                                              *self.mask_values)[None, None]
+        mask = None
+        if not self.triton_attention:
+            visible = self.key_pos < ints[1]
+            if self.window:  # block keys (key_pos -1) stay visible
+                visible = visible & ((self.key_pos >= ints[1] - self.window) | (self.key_pos < 0))
+            mask = torch.where(visible.expand(width, -1), *self.mask_values)[None, None]
         x = self.x
         for i, layer in enumerate(m.layers):
             x = x + self._attention(x, layer, self.cache[i], cos, sin, mask, ints[1:2])
@@ -149,7 +161,8 @@ class BlockStep:
             slots = position + self.block_offsets
             cache[0].index_copy_(1, slots, qk[:, qh:].transpose(0, 1))
             cache[1].index_copy_(1, slots, v.transpose(0, 1))
-            o = attention(qk[:, :qh].contiguous(), cache[0], cache[1], position, self.block_visible)
+            o = attention(qk[:, :qh].contiguous(), cache[0], cache[1], position, self.block_visible,
+                          window=self.window)
             return linear(o, a.o_proj)
         cache[0, :, self.capacity:] = qk[:, qh:].transpose(0, 1)
         cache[1, :, self.capacity:] = v.transpose(0, 1)

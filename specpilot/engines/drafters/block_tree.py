@@ -74,7 +74,7 @@ class DrafterGraph:
 
 class BlockTreeDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, shape: TreeShape, max_len: int,
-                 device: str | torch.device, cuda_graphs: bool = False, fused: bool = False):
+                 device: str | torch.device, cuda_graphs: bool = False, fused: bool = False, window: int = 0):
         c = model.config
         c.check_target(target.shape)
         if shape.block_size > c.block_size:
@@ -89,7 +89,7 @@ class BlockTreeDrafter:
         # trainer's reference: proposals only); drafters the kernels cannot run keep the reference step.
         step = FusedBlockStep if fused and fusable(runtime) else BlockStep
         self.step = step(runtime, target.embed_tokens.weight, lm_head_weight(target), max_len, shape.block_size,
-                         self.topk)
+                         self.topk, window=window)
         self._graph: DrafterGraph | None = None
         self._observe_graphs: dict[int, DrafterGraph] = {}  # per observed count n <= block_size
         self.use_graph = cuda_graphs and self.device.type == "cuda"
