@@ -17,7 +17,9 @@
 #                                                             continuation wants ~1e-4, not the default 1e-3);
 #                                                             DATA=DIR
 #                                                             trains on a run's saved sequences (no generation;
-#                                                             /root/tb/drafter after a c on this host)
+#                                                             /root/tb/drafter after a c on this host); WINDOW=N
+#                                                             trains at drafter_window N, GEN_TOKENS=N generates
+#                                                             N tokens a sequence (256)
 #   d: carry .gpu (+ b's on a fresh host: it converts)      -> block drafter bench on the device loop: chain, and
 #                                                             trees of each budget in BUDGETS (default "15 31"),
 #                                                             calibrated static shapes (device_tree: calibrated),
@@ -28,7 +30,8 @@
 #                                                             replay's best for trees), and that overlapped at
 #                                                             1-step chunks (LOOKUP_MAX=8: also that at width 8
 #                                                             with suffixes up to 8 tokens, and each OVERLAP
-#                                                             gated chain with them);
+#                                                             gated chain with them; WINDOW=N: those two again
+#                                                             with drafter_window N);
 #                                                             HOST=1 adds the host loop (device_steps 1) of the
 #                                                             chain and the last tree, TWO_LEVEL=1 two-level,
 #                                                             OVERLAP="1 4" the gated chain with device_overlap at
@@ -100,6 +103,10 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
     [ -n "${GROWN:-}" ] && [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {$tree, tree_width: 8, device_tree: per_step, ngram_prefix: true,
                                               ngram_min: 2, ngram_max: $LOOKUP_MAX, device_overlap: true, device_steps: 1}}"
+    [ -n "${GROWN:-}" ] && [ -n "${LOOKUP_MAX:-}" ] && [ -n "${WINDOW:-}" ] && drafters="$drafters
+  - {kind: block, model: {path: $d}, engine: {$tree, tree_width: 8, device_tree: per_step, ngram_prefix: true,
+                                              ngram_min: 2, ngram_max: $LOOKUP_MAX, device_overlap: true, device_steps: 1,
+                                              drafter_window: $WINDOW}}"
   done
   [ -n "${HOST:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
@@ -114,6 +121,10 @@ ${EXTRA//@D@/$d}"
   - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
                                               lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k,
                                               ngram_max: $LOOKUP_MAX}}"
+    [ -n "${LOOKUP_MAX:-}" ] && [ -n "${WINDOW:-}" ] && drafters="$drafters
+  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
+                                              lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k,
+                                              ngram_max: $LOOKUP_MAX, drafter_window: $WINDOW}}"
   done
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
@@ -139,7 +150,7 @@ case $stage in
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
       --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} ${INIT:+--init $INIT --seed ${SEED:-1}} ${DATA:+--data-from $DATA} \
-      ${LR:+--lr $LR} \
+      ${LR:+--lr $LR} ${WINDOW:+--context-window $WINDOW} ${GEN_TOKENS:+--gen-tokens $GEN_TOKENS} \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
     mkdir -p "$OUT/drafter/sequences" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" &&
       cp $TB/drafter/sequences/* "$OUT/drafter/sequences/" ;;

@@ -473,17 +473,17 @@ def block_model(shape: str, seed: int, block_size: int = 5):
         seed, std=0.3)
 
 
-@pytest.mark.parametrize("shape", ["mha", "g3"])  # key-head groups of 1 and 3 query heads
-def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
+@pytest.mark.parametrize("shape,window", [("mha", 0), ("g3", 0), ("g3", 9)])  # key-head groups of 1 and 3 query heads
+def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape, window):
     """Three requests' contexts (different lengths) in one cache, with a rejected draft's junk written past one
     request's pending position and padding tokens: each row's batched top-1 chain equals BlockTreeDrafter's (the
-    single-request engine's drafter) over that request's context alone."""
+    single-request engine's drafter) over that request's context alone (window: both with that context window)."""
     from specpilot.engines.batch.block_drafting import BatchBlockDrafter
     from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
     target, drafter = micro(shape, 0), block_model(shape, 1)
     feat = drafter.config.feature_dim
     g = torch.Generator().manual_seed(2)
-    batched = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu")
+    batched = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu", window=window)
     lengths, rows = (7, 30, 12), (2, 0, 3)
     contexts = [torch.randn(n, feat, generator=g) for n in lengths]
     junk = torch.randn(3, feat, generator=g)
@@ -496,12 +496,16 @@ def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape):
     chains = batched.draft(list(rows), pending, list(lengths))
     shape = TreeShape(tree=False, block_size=5, budget=4, width=1, depth=4)
     for ctx, tok, chain in zip(contexts, pending, chains):
-        single = BlockTreeDrafter(drafter, target, shape, 64, "cpu")
+        single = BlockTreeDrafter(drafter, target, shape, 64, "cpu", window=window)
         single.observe(0, ctx)
         tokens, _ = single.candidates([1] * ctx.shape[0] + [tok], 4)
         assert chain == [t[0] for t in tokens]
     assert len(set(map(tuple, chains))) > 1, "degenerate drafter: the chains must depend on the context"
-    fused = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu", triton_head=True)
+    if window:  # the window shows: the 30-token context drafts otherwise without it
+        plain = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu")
+        plain.keys, plain.values = batched.keys, batched.values
+        assert plain.draft([0], [9], [30]) != [chains[1]]
+    fused = BatchBlockDrafter(drafter, target, rows=4, capacity=64, device="cpu", triton_head=True, window=window)
     fused.keys, fused.values = batched.keys, batched.values
     assert fused.draft(list(rows), pending, list(lengths)) == chains  # the engine's norm + head + argmax kernel
     with pytest.raises(ValueError, match="features"):

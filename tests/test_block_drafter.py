@@ -119,9 +119,9 @@ def test_briefly_trained_drafter_learns(tmp_path):
     assert training["steps"] == 300 and training["kept_step"] == rep["kept_step"] == 300
 
 
-def _observed(model, drafter, shape: TreeShape, ctx):
+def _observed(model, drafter, shape: TreeShape, ctx, window: int = 0):
     runner = ModelRunner(model, cfg(), "cpu", block_width=32, capture=drafter.config.target_layers)
-    d = BlockTreeDrafter(drafter, model, shape, 128, "cpu")
+    d = BlockTreeDrafter(drafter, model, shape, 128, "cpu", window=window)
     d.observe(0, runner.prefill(ctx[:-1]).features)
     return d
 
@@ -144,19 +144,21 @@ def test_tree_respects_budget_width_and_depth():
     assert chain.parents == [-1, 0, 1, 2, 3] and chain.tokens == [t[0] for t in chain.topk_tokens]
 
 
-def test_drafter_at_run_time_matches_the_training_objective():
-    """Engine-side drafting (runner features, drafter cache) == the batched training forward (generated data)."""
+@pytest.mark.parametrize("window", [0, 5])
+def test_drafter_at_run_time_matches_the_training_objective(window):
+    """Engine-side drafting (runner features, drafter cache) == the batched training forward (generated data), with
+    the same context window (the trainer's context_window, the engine's drafter_window)."""
     model = tiny_model("mha_tied", 1)
     drafter = quick_drafter(model, 1)
     p = prompt(model.shape.vocab, 9, 1)
     data = generate(model, [p], 12, drafter.config.target_layers, NO_EOS)
     seq = data.tokens[0].tolist()
     a = 13  # a generated pending token
-    d = _observed(model, drafter, TreeShape(False, 4, 16, 4, 3), seq[:a + 1])
+    d = _observed(model, drafter, TreeShape(False, 4, 16, 4, 3), seq[:a + 1], window)
     tokens, probs = d.distributions(seq[a], a, 3)
     logits = block_logits(drafter, model.embed_tokens.weight, model.embed_tokens.weight,
                           Batch(data.tokens, data.features, torch.tensor([[a]]), torch.zeros(1, 1, 3, dtype=torch.long),
-                                torch.ones(1, 1, 3)))
+                                torch.ones(1, 1, 3)), window)
     train_probs = torch.softmax(logits[0, 0], -1)
     assert [t[0] for t in tokens] == train_probs.argmax(-1).tolist()
     torch.testing.assert_close(torch.tensor([q[0] for q in probs]), train_probs.max(-1).values, rtol=1e-4, atol=1e-5)
@@ -416,11 +418,13 @@ def test_cli_trains_on_a_model_directory_and_evaluates(tmp_path, capsys):
     args = parser.parse_args(["drafter", "train", "--target", str(tmp_path / "target"), "--out", str(tmp_path / "d"),
                               "--steps", "30", "--block-size", "3", "--layers", "1", "--mbpp-prompts", "24",
                               "--free-prompts", "8", "--gen-tokens", "24", "--held-out", "2", "--eval-tokens", "16",
-                              "--no-progress"])
+                              "--context-window", "8", "--no-progress"])
     assert args.func(args) == 0
     assert "equal to AR: True" in capsys.readouterr().out
     rep = json.loads((tmp_path / "d" / "report.json").read_text())
     assert rep["config"]["steps"] == 30 and {r["mode"] for r in rep["trained"]["engine"]} == {"chain", "tree", "two_level"}
+    assert rep["config"]["context_window"] == 8
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["training"]["context_window"] == 8
     args = parser.parse_args(["drafter", "eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "d"),
                               "--new-tokens", "16", "--held-out", "2", "--mbpp-prompts", "24"])
     assert args.func(args) == 0

@@ -14,6 +14,7 @@ from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup, 
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
 from specpilot.engines.drafters.ngram import NgramDrafter
+from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.graph_if import GuardedGraph, unsupported_reason
 from specpilot.engines.policy import EnginePolicy
 
@@ -226,6 +227,11 @@ def test_a_drafter_context_window_drafts_otherwise_and_still_equals_ar():
     (t_full, p_full), (t_win, p_win) = (e.drafter.step.draft(ints) for e in engines[:2])
     assert not torch.equal(p_full, p_win)
     assert torch.equal(engines[0].drafter.step.cache, engines[1].drafter.step.cache)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ConfigError, match="drafter_window"):
+            cfg(drafter_window=bad)
+        with pytest.raises(ValueError, match="window"):
+            BlockTreeDrafter(drafter, model, TreeShape.from_config(cfg()), 64, "cpu", window=bad)
 
 
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):

@@ -49,6 +49,24 @@ def test_replay_takes_the_engines_steps(setup, engine_kw, shape, steps):
         assert [s.committed for s in got.steps] == replay(ref, cand, policy), (ref.key, policy.label)
 
 
+@pytest.mark.parametrize("shape,steps", [({}, 1), ({**TREE, "device_tree": "per_step"}, 4)],
+                         ids=["chain-host", "tree-device-grown"])
+def test_replay_of_a_windowed_drafter_takes_the_engines_steps(setup, shape, steps, tmp_path):
+    """drafter_window: the replay's candidates with the same context window give the windowed engine's steps, and
+    are cached apart from the whole-context ones."""
+    model, drafter, refs, cands = setup
+    c = cfg(block_size=8, device_steps=steps, ngram_prefix=True, drafter_window=6, **shape)
+    eng = build_engine(c, model, NO_EOS, "cpu", block_drafter=drafter)
+    policy = LookupPolicy(tree_budget=c.tree_budget if shape else 0, tree_width=c.tree_width)
+    windowed = cached_candidates(drafter, model, refs, tmp_path, topk=4, progress=False, window=6)
+    assert not torch.equal(windowed[0].probs, cands[0].probs)
+    assert [p.name for p in tmp_path.iterdir()] == [f"{drafter_digest(drafter)}-k4-w6"]
+    for ref, cand in zip(refs, windowed):
+        got = eng.generate(list(ref.prompt), len(ref.output))
+        assert got.tokens == list(ref.output)
+        assert [s.committed for s in got.steps] == replay(ref, cand, policy), ref.key
+
+
 def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
     _, _, refs, cands = setup
     results = replay_all(refs, cands, [LookupPolicy(lookup=False), LookupPolicy()])
@@ -72,8 +90,8 @@ def test_candidates_are_kept_per_drafter_and_reference(setup, tmp_path, monkeypa
     got = cached_candidates(drafter, model, refs[:2], tmp_path, topk=4, progress=False)
     assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs) for a, b in zip(got, cands))
     computed = []
-    monkeypatch.setattr(replay_mod, "anchor_candidates", lambda d, t, r, topk: computed.append(r.key) or
-                        anchor_candidates(d, t, r, topk=topk))
+    monkeypatch.setattr(replay_mod, "anchor_candidates", lambda d, t, r, **kw: computed.append(r.key) or
+                        anchor_candidates(d, t, r, **kw))
     again = cached_candidates(drafter, model, refs, tmp_path, topk=4, progress=False)
     assert computed == ["r2"] and all(torch.equal(a.probs, b.probs) for a, b in zip(again, cands))
     changed = Reference("r0", "tiny", refs[0].prompt, refs[0].output[:-1])  # another output: recomputed

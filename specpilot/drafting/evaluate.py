@@ -75,8 +75,9 @@ def measure_acceptance(target: LlamaModel, drafter: BlockDrafterModel, prompts: 
 
 @torch.no_grad()
 def teacher_forced(model: BlockDrafterModel, target: LlamaModel, data: DraftData, anchors: int, decay: float,
-                   seed: int, batch_seqs: int = 16) -> dict:
-    """Per-slot top-1 accuracy, loss and teacher-forced accepted length on held-out generated data."""
+                   seed: int, batch_seqs: int = 16, window: int = 0) -> dict:
+    """Per-slot top-1 accuracy, loss and teacher-forced accepted length on held-out generated data (window: the
+    drafter's context window)."""
     gen = torch.Generator().manual_seed(seed)
     embed, head = target.embed_tokens.weight, lm_head_weight(target)
     was_training = model.training
@@ -85,7 +86,7 @@ def teacher_forced(model: BlockDrafterModel, target: LlamaModel, data: DraftData
     for s in range(0, len(data), batch_seqs):
         rows = torch.arange(s, min(s + batch_seqs, len(data)))
         batch = sample_batch(data, rows, anchors, model.config.block_size, gen)
-        m = block_loss(model, embed, head, batch, decay)
+        m = block_loss(model, embed, head, batch, decay, window)
         losses.append(float(m.loss))
         accs.append(m.slot_accuracy)
         accepted.append(m.accepted)

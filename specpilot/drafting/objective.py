@@ -82,8 +82,8 @@ class BlockMetrics:
 
 
 def block_loss(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
-               decay: float) -> BlockMetrics:
-    logits = block_logits(model, embed, head, batch)
+               decay: float, window: int = 0) -> BlockMetrics:
+    logits = block_logits(model, embed, head, batch, window)
     ce = F.cross_entropy(logits.float().flatten(0, 2), batch.targets.flatten(), reduction="none").view_as(batch.weight)
     w = batch.weight * slot_weights(model.config.block_size, decay, ce.device)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)

@@ -49,6 +49,9 @@ class TrainConfig:
     batch_seqs: int = 16  # sequences per step
     anchors: int = 64  # anchors (blocks) per sequence per step
     decay: float = 7.0  # slot j's loss weight: exp(-(j-1)/decay)
+    # Train (and evaluate) with the drafter's attention on the context's last context_window positions (0: all),
+    # the EngineConfig.drafter_window the drafter will run at.
+    context_window: int = 0
     mbpp_prompts: int = 366  # MBPP train prompts (random prefixes for targets without a tokenizer)
     # free generations (a chat-framed user turn and its answer, or BOS + sampled tokens then greedy: see chat_free
     # below). H200 runs, BOS-started, memorised their data: with 512 (878 sequences,
@@ -91,6 +94,8 @@ class TrainConfig:
                      "eval_tokens", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.context_window < 0:
+            raise ValueError(f"context_window={self.context_window}: must be >= 0 (0: the whole context)")
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every}: must be >= 0")
         if self.deadline_s is not None and not self.deadline_s > 0:
@@ -181,9 +186,10 @@ def new_drafter(bundle: TargetBundle, cfg: TrainConfig) -> BlockDrafterModel:
 
 def evaluate_all(model, bundle: TargetBundle, cfg: TrainConfig, held: DraftData, prompts: list[list[int]]) -> dict:
     dtype = DType(str(bundle.model.embed_tokens.weight.dtype).removeprefix("torch."))
-    return {"teacher_forced": teacher_forced(model, bundle.model, held, cfg.eval_anchors, cfg.decay, cfg.seed),
+    return {"teacher_forced": teacher_forced(model, bundle.model, held, cfg.eval_anchors, cfg.decay, cfg.seed,
+                                             window=cfg.context_window),
             "engine": as_dicts(measure_acceptance(bundle.model, model, prompts, cfg.eval_tokens, bundle.eos,
-                                                  cfg.device, dtype))}
+                                                  cfg.device, dtype, drafter_window=cfg.context_window))}
 
 
 def train_autocast(device: str, target_dtype: torch.dtype) -> torch.autocast:
@@ -226,7 +232,7 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
         rows = torch.randint(len(data), (cfg.batch_seqs,), generator=gen)
         batch = sample_batch(data, rows, cfg.anchors, model.config.block_size, gen)
         with autocast:
-            m = block_loss(model, embed, head, batch, cfg.decay)
+            m = block_loss(model, embed, head, batch, cfg.decay, cfg.context_window)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -253,7 +259,8 @@ class _HeldOutBest:
         self.best, self.step, self.state = float("-inf"), 0, None
 
     def score(self, step: int) -> dict:
-        tf = teacher_forced(self.model, self.target, self.held, self.cfg.eval_anchors, self.cfg.decay, self.cfg.seed)
+        tf = teacher_forced(self.model, self.target, self.held, self.cfg.eval_anchors, self.cfg.decay, self.cfg.seed,
+                            window=self.cfg.context_window)
         if tf["accepted"] > self.best:
             self.best, self.step = tf["accepted"], step
             self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -293,7 +300,8 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     result = TrainResult(model, report)
     if out is not None:
         trained = max([r["step"] + 1 for r in curve if "loss" in r] + [r["step"] for r in curve if "stopped" in r])
-        meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name, "init": cfg.init}
+        meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name, "init": cfg.init,
+                "context_window": cfg.context_window}
         result.checkpoint = save_drafter(model, out, bundle.model, meta)
         report["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
         (out / "report.json").write_text(json.dumps(report, indent=2))
