@@ -230,6 +230,18 @@ def test_search_space_by_device_direction_and_widening():
     assert {"cuda_graphs", "torch_compile", "token_tile", "ngram_draft_length"} <= gpu_names
 
 
+def test_the_drafter_window_is_a_tree_shape_knob_of_block_drafters_only():
+    dep = load_deployment("smollm2-135m-block-cpu")
+    space = catalog.search_space(dep, catalog.stock_candidate(dep), DirectionName.TREE_SHAPE, min_settings=2)
+    assert space.mechanisms and all("drafter_window" in {m.name for m in ms} for ms in space.mechanisms.values())
+    window = catalog.BY_NAME["drafter_window"]
+    for value in window.knobs[0].choices:  # every setting is a valid engine
+        EngineConfig(drafter="block", drafter_window=value)
+    cpu = load_deployment("smollm2-135m-cpu")  # n-gram and draft-model drafters have no context window
+    space = catalog.search_space(cpu, catalog.stock_candidate(cpu), DirectionName.TREE_SHAPE, min_settings=2)
+    assert not any("drafter_window" in {m.name for m in ms} for ms in space.mechanisms.values())
+
+
 def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
     """The loop can choose the 12-bit weights where they pay (issue #6): a KERNELS mechanism of a CUDA build that
     runs the Triton kernels in bf16 (W12 decodes inside them, to bf16), offered by the search, turned by its delta."""
