@@ -125,17 +125,20 @@ workload: {{benchmarks: [gsm8k, mbpp], prompts_per_benchmark: 1, max_new_tokens:
 engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
 """)
     argv = ["drafter", "replay", "--deployment", str(yaml), "--out", str(tmp_path / "r"), "--gates", "2:0.5",
-            "--tree-budgets", "0,6", "--ngram-maxes", "4,8", "--no-progress"]
+            "--tree-budgets", "0,6", "--ngram-maxes", "4,8", "--drafter-windows", "0,5", "--no-progress"]
     assert cli_main(argv) == 0
     table = capsys.readouterr().out
     refs = (tmp_path / "r" / "references.jsonl").read_text().splitlines()
     assert len(refs) == 2 and all(len(json.loads(r)["output"]) == 12 for r in refs)
     got = json.loads((tmp_path / "r" / "replay.json").read_text())
-    assert [p["policy"] for p in got["policies"]] == [
-        "chain block", "chain lookup", "chain lookup gated top2|p<0.5", "chain lookup n<=8",
-        "chain lookup gated top2|p<0.5 n<=8", "tree6 block", "tree6 lookup", "tree6 lookup gated top2|p<0.5",
-        "tree6 lookup n<=8", "tree6 lookup gated top2|p<0.5 n<=8"]
+    labels = ["chain block", "chain lookup", "chain lookup gated top2|p<0.5", "chain lookup n<=8",
+              "chain lookup gated top2|p<0.5 n<=8", "tree6 block", "tree6 lookup", "tree6 lookup gated top2|p<0.5",
+              "tree6 lookup n<=8", "tree6 lookup gated top2|p<0.5 n<=8"]
+    assert [p["policy"] for p in got["policies"]] == labels + ["w5 " + label for label in labels]
     assert all(1.0 <= p["tokens_per_step"] <= 4.0 for p in got["policies"]) and "chain lookup gated" in table
+    # the block's accuracy by output position, per window: in the JSON, the printed table and a picture
+    assert set(got["position_accuracy"]) == {"0", "5"} and got["position_accuracy"]["0"][0]["anchors"] == 2 * (12 - 3)
+    assert "| whole context |" in table and (tmp_path / "r" / "replay_positions.png").is_file()
     # what the policy scripts read back (scripts/replay_*.py): the references and their cached candidates
     from specpilot.drafting.replay import saved_replay
     saved_refs, saved_cands = saved_replay(tmp_path / "r", topk=4)
@@ -150,3 +153,29 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
     (tmp_path / "r" / "references.jsonl").write_text("{not json\n")
     assert cli_main(argv) != 0
     assert "references.jsonl:1: not a reference record" in capsys.readouterr().err
+
+
+def test_position_accuracy_counts_hand_built_candidates(tmp_path):
+    """Output 10..19 (10 tokens), depth 3: anchor a predicts output[a+1..a+3]. Anchors 0-3 draft the truth, anchors
+    4-6 miss at depth 2 (a chain of 1), and anchor 6 also misses at depth 1; anchors 7-8 lie within depth of the
+    end and are left out."""
+    from specpilot.drafting.replay import AnchorCandidates
+    from specpilot.drafting.replay_report import format_table, plot_position_accuracy, position_accuracy
+
+    out = list(range(10, 20))
+    ref = Reference("r", "tiny", (1, 2), tuple(out))
+    tokens = torch.zeros(len(out) - 1, 3, 2, dtype=torch.long)
+    for a in range(len(out) - 1):
+        for d in range(3):
+            tokens[a, d, 0] = out[a + 1 + d] if a + 1 + d < len(out) else 0
+    tokens[4:7, 1, 0] = 99
+    tokens[6, 0, 0] = 99
+    cands = AnchorCandidates(tokens, torch.ones_like(tokens, dtype=torch.float))
+    bins = position_accuracy([ref], [cands], bins=(0, 4))
+    assert [(b.start, b.end, b.anchors) for b in bins] == [(0, 4, 4), (4, None, 3)]
+    assert bins[0].depth1_accuracy == 1.0 and bins[0].chain_length == 3.0
+    assert bins[1].depth1_accuracy == 2 / 3 and bins[1].chain_length == 2 / 3
+    assert "| 2 | 1.000 / 3.00 | 0.667 / 0.67 |" in format_table({2: bins})
+    assert plot_position_accuracy({0: bins, 2: bins}, tmp_path / "p.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="bins"):
+        position_accuracy([ref], [cands], bins=(4, 0))

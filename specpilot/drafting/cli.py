@@ -108,6 +108,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from specpilot.bench.session import DeploymentSession
     from specpilot.deployments import load_deployment
     from specpilot.drafting.replay import LookupPolicy, cached_candidates, record_references, replay_all
+    from specpilot.drafting.replay_report import as_rows, format_table, plot_position_accuracy, position_accuracy
     from specpilot.engines.drafters.ngram_prefix import LeadGate
     from specpilot.workload import WorkloadSpec
 
@@ -140,16 +141,18 @@ def run_replay(args: argparse.Namespace) -> int:
                 policies.append(LookupPolicy(ngram_min=n, ngram_max=n_max, **kw))
                 policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, ngram_max=n_max, **kw)
                              for k, p in args.gates]
-    rows = []
+    rows, positions = [], {}
     for window in args.drafter_windows:  # the candidates depend on the window, the policies not
         cands = cached_candidates(drafter, session.target, refs, args.out / "candidates",
                                   topk=max(4, args.tree_width), progress=not args.no_progress, window=window)
+        positions[window] = position_accuracy(refs, cands)
         rows += [{"policy": (f"w{window} " if window else "") + r.policy.label, "drafter_window": window,
                   "tokens_per_step": r.overall(), "mean_tokens_per_step": r.mean(), "by_benchmark": r.by_benchmark(refs),
                   "per_request": r.tokens_per_step} for r in replay_all(refs, cands, policies)]
-    (args.out / "replay.json").write_text(json.dumps({"deployment": dep.name, "split": args.split,
-                                                      "requests": len(refs), "max_new_tokens": wl.max_new_tokens,
-                                                      "policies": rows}, indent=1))
+    (args.out / "replay.json").write_text(json.dumps({
+        "deployment": dep.name, "split": args.split, "requests": len(refs), "max_new_tokens": wl.max_new_tokens,
+        "policies": rows, "position_accuracy": {str(w): as_rows(b) for w, b in positions.items()}}, indent=1))
+    picture = plot_position_accuracy(positions, args.out / "replay_positions.png")
     benches = sorted({r.benchmark for r in refs})
     print(f"{'policy':42s} {'tok/step':>8s} {'mean':>6s}  " + "  ".join(f"{b[:9]:>9s}" for b in benches))
     for row in rows:
@@ -157,6 +160,8 @@ def run_replay(args: argparse.Namespace) -> int:
               + "  ".join(f"{row['by_benchmark'].get(b, float('nan')):9.3f}" for b in benches))
     print(f"tokens per step: geometric means over {len(refs)} requests ({args.split} split; `mean`: the arithmetic "
           f"mean, as the bench's tokens/step); wrote {args.out / 'replay.json'}")
+    print("\nthe block's depth-1 top-1 accuracy / top-1 chain length by output position:\n" + format_table(positions)
+          + (f"\n({picture})" if picture else ""))
     return 0
 
 
