@@ -153,6 +153,9 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
     (tmp_path / "r" / "references.jsonl").write_text("{not json\n")
     assert cli_main(argv) != 0
     assert "references.jsonl:1: not a reference record" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's refusal
+        cli_main(argv[:-3] + ["--drafter-windows", "0,-5", "--no-progress"])
+    assert "integers >= 0" in capsys.readouterr().err
 
 
 def test_position_accuracy_counts_hand_built_candidates(tmp_path):

@@ -89,11 +89,14 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def _ints(text: str) -> list[int]:
-    """'0,15,31' -> [0, 15, 31]."""
+    """'0,15,31' -> [0, 15, 31] (none negative)."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        values = [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated integers, e.g. 0,15") from None
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: want comma-separated integers >= 0, e.g. 0,15")
+    return values
 
 
 def _gates(text: str) -> list[tuple[int, float]]:

@@ -26,6 +26,7 @@ from specpilot.costmodel.acceptance import best_first_tree, replay_accepted
 from specpilot.drafting.data import recompute
 from specpilot.drafting.objective import Batch, block_logits
 from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate, led_by_lookup
 from specpilot.engines.llama import LlamaModel
@@ -84,6 +85,7 @@ def anchor_candidates(drafter: BlockDrafterModel, target: LlamaModel, ref: Refer
                       chunk: int = 32, window: int = 0) -> AnchorCandidates:
     """The drafter's depth-1.. candidates at every anchor of ref, from the target's teacher-forced features (window:
     the drafter's context window, EngineConfig.drafter_window)."""
+    check_window(window)
     seq = list(ref.prompt) + list(ref.output)
     data = recompute(target, [seq], [len(ref.prompt)], drafter.config.target_layers, batch=1)
     embed, head = target.embed_tokens.weight, lm_head_weight(target)
@@ -111,7 +113,7 @@ def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list
                       topk: int = 4, progress: bool = True, window: int = 0) -> list[AnchorCandidates]:
     """anchor_candidates of every reference, each kept as a file under cache/<drafter digest>-k<topk>[-w<window>]/
     (a stopped run resumes; a reference whose prompt or output changed is recomputed)."""
-    folder = cache / f"{drafter_digest(drafter)}-k{topk}{f'-w{window}' if window else ''}"
+    folder = cache / f"{drafter_digest(drafter)}-k{topk}{f'-w{check_window(window)}' if window else ''}"
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for ref in tqdm(refs, desc="drafter candidates", unit="req", disable=not progress):
