@@ -1,7 +1,8 @@
 """Replay: which earlier occurrence of the context's suffix should lead the tree.
 
-python3 scripts/replay_lookup_occurrence.py R [--ngram-max 8] [--budget 15]   (R: a `specpilot drafter replay --out
-R` directory whose candidates/ hold the drafter's top-8 candidates; notes/h200.md, session 37)
+python3 scripts/replay_lookup_occurrence.py R [--ngram-max 8] [--budget 15] [--window 256]
+(R: a `specpilot drafter replay --out R` directory whose candidates/ hold the drafter's top-8 candidates, of
+drafter_window `--window`; notes/h200.md, sessions 37-38)
 The lookup leads with the continuation of the most recent occurrence of the longest suffix (NgramDrafter; `recent`).
 Against it: among the last 16 occurrences of the longest suffix (`_longest`) or of every suffix length >= 2
 (`_all`), the one whose first 4 tokens the block's candidates rate highest (`agree`: sum of log(p + 1e-3)), or the one
@@ -19,8 +20,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("replay_dir", type=Path)
 ap.add_argument("--ngram-max", type=int, default=8)
 ap.add_argument("--budget", type=int, default=15)
+ap.add_argument("--window", type=int, default=0, help="the candidates of this drafter_window (0: whole context)")
 args = ap.parse_args()
-refs, cands = saved_replay(args.replay_dir)
+refs, cands = saved_replay(args.replay_dir, window=args.window)
 NMIN, NMAX = 2, args.ngram_max
 policy = LookupPolicy(tree_budget=args.budget, tree_width=8, ngram_min=NMIN, ngram_max=NMAX)
 MODES = ("recent", "agree_longest", "agree_all", "oracle_longest", "oracle_all")
