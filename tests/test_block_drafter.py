@@ -426,7 +426,7 @@ def test_cli_trains_on_a_model_directory_and_evaluates(tmp_path, capsys):
     assert rep["config"]["context_window"] == 8
     assert json.loads((tmp_path / "d" / "config.json").read_text())["training"]["context_window"] == 8
     args = parser.parse_args(["drafter", "eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "d"),
-                              "--new-tokens", "16", "--held-out", "2", "--mbpp-prompts", "24"])
+                              "--drafter-window", "8", "--new-tokens", "16", "--held-out", "2", "--mbpp-prompts", "24"])
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["prompts"] == 2
 

@@ -77,7 +77,8 @@ def run_eval(args: argparse.Namespace) -> int:
     # The same seeded shuffle as training, so the held-out prompts are the ones training never saw.
     ps = build_prompts(bundle.tokenizer, bundle.shape.vocab, args.mbpp_prompts, 0, args.held_out, args.seed)
     modes = tuple(VerifyMode(m) for m in args.modes.split(","))
-    knobs = {k: getattr(args, k) for k in ("tree_budget", "tree_width", "level_one_keep") if getattr(args, k)}
+    knobs = {k: getattr(args, k) for k in ("tree_budget", "tree_width", "level_one_keep", "drafter_window")
+             if getattr(args, k)}
     rows = measure_acceptance(bundle.model, drafter, [list(p) for p in ps.held_out], args.new_tokens, bundle.eos,
                               args.device, dtype, modes, **knobs)
     text = json.dumps({"target": args.target, "drafter": str(args.drafter), "prompts": len(ps.held_out),
@@ -193,6 +194,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--tree-budget", type=int, default=None)
     p.add_argument("--tree-width", type=int, default=None)
     p.add_argument("--level-one-keep", type=int, default=None)
+    p.add_argument("--drafter-window", type=int, default=None,
+                   help="the drafter's context window (EngineConfig.drafter_window; default: the whole context)")
     p.add_argument("--held-out", type=int, default=defaults.held_out)
     p.add_argument("--mbpp-prompts", type=int, default=defaults.mbpp_prompts)
     p.add_argument("--seed", type=int, default=defaults.seed)
