@@ -113,7 +113,7 @@ def cached_candidates(drafter: BlockDrafterModel, target: LlamaModel, refs: list
                       topk: int = 4, progress: bool = True, window: int = 0) -> list[AnchorCandidates]:
     """anchor_candidates of every reference, each kept as a file under cache/<drafter digest>-k<topk>[-w<window>]/
     (a stopped run resumes; a reference whose prompt or output changed is recomputed)."""
-    folder = cache / f"{drafter_digest(drafter)}-k{topk}{f'-w{check_window(window)}' if window else ''}"
+    folder = cache / (drafter_digest(drafter) + _cache_suffix(topk, window))
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for ref in tqdm(refs, desc="drafter candidates", unit="req", disable=not progress):
@@ -141,6 +141,11 @@ def accepted_length(lead: list[int], tokens: list[list[int]], probs: list[list[f
     return next((d for d, (t, want) in enumerate(zip(tokens, truth)) if t[0] != want), len(truth))
 
 
+def _cache_suffix(topk: int, window: int) -> str:
+    """A candidates folder's name after the drafter's digest: its top-k and, past 0, its context window."""
+    return f"-k{topk}" + (f"-w{check_window(window)}" if window else "")
+
+
 def _load_candidates(path: Path) -> AnchorCandidates:
     saved = torch.load(path)
     return AnchorCandidates(saved["tokens"], saved["probs"])
@@ -151,7 +156,7 @@ def saved_replay(replay_dir: Path, topk: int = 8, window: int = 0) -> tuple[list
     replay --out replay_dir` run left, for policy studies that need no model (scripts/replay_*.py). One drafter's
     cache only: which one is ambiguous else."""
     refs = load_references(replay_dir / "references.jsonl")
-    folders = sorted((replay_dir / "candidates").glob(f"*-k{topk}{f'-w{window}' if window else ''}"))
+    folders = sorted((replay_dir / "candidates").glob("*" + _cache_suffix(topk, window)))
     if len(folders) != 1:
         raise ValueError(f"{replay_dir / 'candidates'}: {len(folders)} caches of top-{topk} candidates, want one "
                          f"(`specpilot drafter replay --tree-width {topk}` writes it)")

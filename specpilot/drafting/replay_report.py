@@ -29,7 +29,7 @@ class PositionBin:
 def position_accuracy(refs: list[Reference], cands: list[AnchorCandidates],
                       bins: tuple[int, ...] = POSITION_BINS) -> list[PositionBin]:
     """The drafter's top-1 candidates against each output, grouped by the anchor's output position (bins: the
-    starts; the last bin runs to the end). Anchors whose whole block lies past the output's end are left out."""
+    starts; the last bin runs to the end). Anchors whose block reaches past the output's end are left out."""
     if list(bins) != sorted(set(bins)) or not bins or bins[0] != 0:
         raise ValueError(f"bins={bins}: want increasing starts from 0")
     hits = [[0, 0, 0] for _ in bins]  # anchors, depth-1 hits, summed chain lengths
