@@ -3,7 +3,8 @@ cross-compiled for sm_90 on the CPU (no GPU needed; Triton ships ptxas).
 
 python3 scripts/attn_registers.py
 Uses tests/test_kernel_codegen.py's compile helper and SmolLM2's launch (H 9, G 3, D 64, BLOCK_M 16, BLOCK_N 64,
-SPLIT 64, PDL on) at num_stages 2 (the default) and 1 (T-neutral: the same dots), so the numbers are those of the code the codegen test checks (notes/h200.md, session 36).
+SPLIT 64, PDL on) at num_stages 2 (the default) and 1 (T-neutral: the same dots), so the numbers are those of the
+code the codegen test checks (notes/h200.md, session 36).
 """
 import collections
 import re

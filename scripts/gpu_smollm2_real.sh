@@ -86,6 +86,8 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   local d=${DRAFTER:-$TB/drafter}
   [ -f "$d/config.json" ] || d=$ROOT/specpilot/drafting/shipped/smollm2-135m
   echo "drafter: $d"
+  local windows=("")  # the LOOKUP_MAX lines' drafter windows: the whole context, and WINDOW's
+  [ -n "${WINDOW:-}" ] && windows+=(", drafter_window: $WINDOW")
   local drafters="  - {kind: block, model: {path: $d}, engine: {verify: chain}}
   - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true}}
   - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
@@ -100,13 +102,11 @@ bench_block() {  # chain and tree, device and host loop, with one drafter (see d
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2}}
   - {kind: block, model: {path: $d}, engine: {$tree, device_tree: per_step, ngram_prefix: true, ngram_min: 2,
                                               device_overlap: true, device_steps: 1}}"
-    [ -n "${GROWN:-}" ] && [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
+    for w in "${windows[@]}"; do
+      [ -n "${GROWN:-}" ] && [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {$tree, tree_width: 8, device_tree: per_step, ngram_prefix: true,
-                                              ngram_min: 2, ngram_max: $LOOKUP_MAX, device_overlap: true, device_steps: 1}}"
-    [ -n "${GROWN:-}" ] && [ -n "${LOOKUP_MAX:-}" ] && [ -n "${WINDOW:-}" ] && drafters="$drafters
-  - {kind: block, model: {path: $d}, engine: {$tree, tree_width: 8, device_tree: per_step, ngram_prefix: true,
-                                              ngram_min: 2, ngram_max: $LOOKUP_MAX, device_overlap: true, device_steps: 1,
-                                              drafter_window: $WINDOW}}"
+                                              ngram_min: 2, ngram_max: $LOOKUP_MAX, device_overlap: true, device_steps: 1$w}}"
+    done
   done
   [ -n "${HOST:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, device_steps: 1}}
@@ -117,14 +117,12 @@ ${EXTRA//@D@/$d}"
     drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
                                               lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k}}"
-    [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
+    for w in "${windows[@]}"; do
+      [ -n "${LOOKUP_MAX:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
                                               lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k,
-                                              ngram_max: $LOOKUP_MAX}}"
-    [ -n "${LOOKUP_MAX:-}" ] && [ -n "${WINDOW:-}" ] && drafters="$drafters
-  - {kind: block, model: {path: $d}, engine: {verify: chain, ngram_prefix: true, lookup_agree_topk: ${GATE_K:-2},
-                                              lookup_doubt_prob: ${GATE_P:-0.7}, device_overlap: true, device_steps: $k,
-                                              ngram_max: $LOOKUP_MAX, drafter_window: $WINDOW}}"
+                                              ngram_max: $LOOKUP_MAX$w}}"
+    done
   done
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
   - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"

@@ -32,6 +32,7 @@ from specpilot.drafting.objective import block_loss, sample_batch
 from specpilot.drafting.sources import TargetBundle, build_prompts
 from specpilot.engines.config import DType
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.llama import LlamaModel
 
 
@@ -94,8 +95,7 @@ class TrainConfig:
                      "eval_tokens", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
-        if self.context_window < 0:
-            raise ValueError(f"context_window={self.context_window}: must be >= 0 (0: the whole context)")
+        check_window(self.context_window, "context_window")
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every}: must be >= 0")
         if self.deadline_s is not None and not self.deadline_s > 0:

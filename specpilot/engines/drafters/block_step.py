@@ -47,10 +47,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None
     torch.add(x * cos, swapped * sin_signed, out=x)
 
 
-def check_window(window: int) -> int:
+def check_window(window: int, name: str = "window") -> int:
     """A drafter context window: > 0 keys of the last `window` context positions only, 0 the whole context."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"window={window!r}: must be an int >= 0 (0: the whole context)")
+        raise ValueError(f"{name}={window!r}: must be an int >= 0 (0: the whole context)")
     return window
 
 
