@@ -234,9 +234,42 @@ def test_a_drafter_context_window_drafts_otherwise_and_still_equals_ar():
             BlockTreeDrafter(drafter, model, TreeShape.from_config(cfg()), 64, "cpu", window=bad)
 
 
-def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):
-    """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led, where the CPU loop runs their
-    torch references."""
+def test_a_lookup_deeper_than_the_block_leads_the_tree_past_its_depth():
+    """lookup_depth: where the lookup's match runs long, the grown tree follows it past the block's depth (3 here) as
+    deep as the budget goes; host loop, device loop and overlapped one-step chunks accept the same, tokens = AR."""
+    deeper = 0
+    for seed in range(2):
+        model = damped("gqa", seed)
+        drafter = quick_drafter(model, seed, 40)
+        p = prompt(model.shape.vocab, 10, seed) * 2  # the output repeats the prompt for a while: long matches
+        want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
+            p, 90).tokens
+        lead = dict(PER_STEP, ngram_prefix=True, ngram_min=2)
+        block_deep = engine(model, drafter, device_steps=1, **lead).generate(p, 90)
+        runs = [engine(model, drafter, lookup_depth=7, **kw, **lead).generate(p, 90)
+                for kw in (dict(device_steps=1), dict(device_steps=4), dict(device_steps=1, device_overlap=True))]
+        end = len(p) + 90 - 8
+        for r in [block_deep] + runs:
+            assert r.tokens == want, seed
+        assert max(s.accepted for s in block_deep.steps) <= 3
+        host = [(s.position, s.accepted) for s in runs[0].steps if s.position <= end]
+        for r in runs[1:]:
+            assert [(s.position, s.accepted) for s in r.steps if s.position <= end] == host, seed
+        deeper += sum(s.accepted > 3 for s in runs[0].steps)
+    assert deeper >= 5
+    for bad, why in ((dict(lookup_depth=7), "ngram_prefix"),
+                     (dict(lookup_depth=7, ngram_prefix=True, verify="chain"), "verify=tree"),
+                     (dict(lookup_depth=7, **dict(TREE, ngram_prefix=True)), "per_step"),
+                     (dict(lookup_depth=2, **lead), "below the block's depth"),
+                     (dict(lookup_depth=64, **lead), "0..63"), (dict(lookup_depth=True, **lead), "lookup_depth")):
+        with pytest.raises(ConfigError, match=why):
+            cfg(**bad)
+
+
+@pytest.mark.parametrize("lookup_depth", [0, 7])
+def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth):
+    """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led (also past the block's depth),
+    where the CPU loop runs their torch references."""
     import specpilot.engines.device_loop as device_loop
 
     monkeypatch.setattr(device_loop, "grow_tree_ref", device_loop.grow_tree)
@@ -247,10 +280,11 @@ def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch):
     p = prompt(model.shape.vocab, 10, 1) * 2
     want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
         p, 40).tokens
-    eng = engine(model, quick_drafter(model, 1, 40), device_steps=4, ngram_prefix=True, **PER_STEP)
+    eng = engine(model, quick_drafter(model, 1, 40), device_steps=4, ngram_prefix=True, lookup_depth=lookup_depth,
+                 **PER_STEP)
     r = eng.generate(p, 40)
     device = [s for s in r.steps if s.draft_s == 0]
-    assert r.tokens == want and device and any(s.accepted >= 2 for s in device)
+    assert r.tokens == want and device and any(s.accepted >= (4 if lookup_depth else 2) for s in device)
 
 
 def test_tree_device_steps_with_the_glue_kernels_equal_ar(monkeypatch):
@@ -279,12 +313,15 @@ def test_warm_up_calibrates_the_static_tree():
     assert eng.device_loop.ready
 
 
-@pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 7), (1, 1, 3), (2, 8, 6)])
-def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
+@pytest.mark.parametrize("nmin,nmax,k,periodic", [(1, 4, 5, False), (2, 3, 7, False), (1, 1, 3, False),
+                                                  (2, 8, 6, False), (1, 4, 12, True), (2, 8, 31, True)])
+def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k, periodic):
     """Over contexts with repeats (and none), the device lookup (kernel and torch reference) proposes NgramDrafter's
-    tokens: as many as it proposes (its proposal can end at the context's end), the rest filler not counted."""
+    tokens: as many as it proposes (its proposal can end at the context's end, or with `periodic` repeat), the rest
+    filler not counted."""
     g = torch.Generator().manual_seed(nmin * 100 + nmax * 10 + k)
-    host, dev = NgramDrafter(k, nmax, nmin), NgramDeviceDrafter(NgramDrafter(k, nmax, nmin), 96, torch.device("cpu"))
+    host = NgramDrafter(k, nmax, nmin, periodic)
+    dev = NgramDeviceDrafter(NgramDrafter(k, nmax, nmin, periodic), 96, torch.device("cpu"))
     seen = 0
     for trial in range(60):
         vocab = int(torch.randint(3, 12, (1,), generator=g))  # small vocabularies: many matches
@@ -298,10 +335,21 @@ def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k):
         draft = dev.draft(state)  # on CPU the torch reference
         tokens, proposed = draft.tokens, draft.proposed
         assert int(proposed) == len(want) and tokens[:len(want), 0].tolist() == want, (trial, context)
-        kernel_tokens, kernel_proposed = ngram_lookup(dev.sequence, state, nmin, nmax, k)  # interpreted here
+        kernel_tokens, kernel_proposed = ngram_lookup(dev.sequence, state, nmin, nmax, k,
+                                                      periodic=periodic)  # interpreted here
         assert torch.equal(kernel_tokens, tokens[:, 0]) and int(kernel_proposed) == int(proposed)
         seen += len(want) > 0
     assert seen > 20
+
+
+def test_a_periodic_lookup_repeats_a_loop_past_the_contexts_end():
+    """A match whose continuation reaches the pending token: the plain lookup proposes what is left, the periodic
+    one the loop's turns again (the text since the occurrence, repeated)."""
+    context = [9, 1, 2, 3, 1, 2, 3]  # "2 3" last occurred 3 tokens back: the continuation is 1 2 3, then the end
+    assert NgramDrafter(7, 2, 2).propose(context, 7).tokens == [1, 2, 3]
+    assert NgramDrafter(7, 2, 2, periodic=True).propose(context, 7).tokens == [1, 2, 3, 1, 2, 3, 1]
+    assert NgramDrafter(2, 2, 2, periodic=True).propose(context, 7).tokens == [1, 2]
+    assert NgramDrafter(7, 2, 2, periodic=True).propose([4, 5, 6, 4], 7).tokens == []  # "6 4" never occurred
 
 
 def test_device_lookup_over_several_scan_blocks_takes_the_longest_suffix_then_the_latest():

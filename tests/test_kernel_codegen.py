@@ -230,7 +230,7 @@ print(json.dumps({
         ("ngram_lookup", dd._ngram_kernel, {"tok_ptr": "*i64", "state_ptr": "*i64", "draft_ptr": "*i64",
                                             "proposed_ptr": "*i64", "gate_tok_ptr": "*i64", "gate_prob_ptr": "*fp32",
                                             "doubt": "fp32"},
-         {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024, "GATE_K": 2, "GKP": 2}, 4),
+         {"NMAX": 3, "NMIN": 1, "K": 15, "KP": 16, "BLOCK": 1024, "GATE_K": 2, "GKP": 2, "PERIODIC": True}, 4),
         ("batch_ngram_lookup", bn._batch_ngram_kernel, {"tok_ptr": "*i64", "row_stride": "i32", "pos_ptr": "*i64",
                                                         "draft_ptr": "*i64", "proposed_ptr": "*i64", "first_ptr": "*i64"},
          {"NMAX": 4, "NMIN": 1, "K": 32, "KP": 32, "BLOCK": 1024}, 4),
@@ -266,7 +266,7 @@ print(json.dumps({
                                                                "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
          | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
          {"D": 15, "K": 8, "WIDTH": 4, "BITS": 2, "R": 64, "W": 64, "HAS_LEAD": True, "HAS_BS": True, "DP": 16,
-          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": 58}, 1),
+          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15}, 1),
         ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
                                              "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32"},
          {"ROWSETS": 180, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},

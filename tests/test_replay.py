@@ -67,6 +67,26 @@ def test_replay_of_a_windowed_drafter_takes_the_engines_steps(setup, shape, step
         assert [s.committed for s in got.steps] == replay(ref, cand, policy), ref.key
 
 
+@pytest.mark.parametrize("steps", [1, 4], ids=["host", "device"])
+@pytest.mark.parametrize("periodic", [False, True], ids=["plain", "periodic"])
+def test_replay_of_a_lookup_deeper_than_the_block_takes_the_engines_steps(setup, steps, periodic):
+    """lookup_depth (and lookup_periodic): the lookup leads the grown tree past the block's depth (7 here) in the
+    replay as in the engine; a periodic lookup drafts a short loop (one output repeats a token) that deep."""
+    model, drafter, refs, cands = setup
+    c = cfg(block_size=8, device_steps=steps, ngram_prefix=True, ngram_min=2, lookup_depth=15,
+            lookup_periodic=periodic, **{**TREE, "device_tree": "per_step", "tree_budget": 15})
+    eng = build_engine(c, model, NO_EOS, "cpu", block_drafter=drafter)
+    policy = LookupPolicy(tree_budget=15, tree_width=c.tree_width, ngram_min=2, lookup_depth=15, periodic=periodic)
+    assert policy.label == "tree15 lookup n>=2 depth15" + " periodic" * periodic
+    committed = []
+    for ref, cand in zip(refs, cands):
+        got = eng.generate(list(ref.prompt), len(ref.output))
+        assert got.tokens == list(ref.output)
+        committed += [s.committed for s in got.steps]
+        assert [s.committed for s in got.steps] == replay(ref, cand, policy), ref.key
+    assert (max(committed) > 8) == periodic  # past the block's 7 depths and the bonus
+
+
 def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
     _, _, refs, cands = setup
     results = replay_all(refs, cands, [LookupPolicy(lookup=False), LookupPolicy()])
@@ -76,6 +96,12 @@ def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
     assert results[1].policy.label == "chain lookup" and results[0].policy.label == "chain block"
     with pytest.raises(ValueError, match="gate gates the lookup"):
         LookupPolicy(lookup=False, gate=LeadGate(1, 0.5))
+    for bad in (dict(lookup_depth=15), dict(lookup_depth=15, tree_budget=15, lookup=False),
+                dict(lookup_depth=-1, tree_budget=15)):
+        with pytest.raises(ValueError, match="lookup_depth"):
+            LookupPolicy(**bad)
+    with pytest.raises(ValueError, match="periodic"):
+        LookupPolicy(lookup=False, periodic=True)
     with pytest.raises(ValueError, match="needs a prompt and an output"):
         Reference("x", "tiny", (1, 2), ())
     one = Reference("one", "tiny", (1, 2), (3,))  # the prefill's token alone: no verify step to replay
@@ -182,3 +208,16 @@ def test_position_accuracy_counts_hand_built_candidates(tmp_path):
     assert plot_position_accuracy({0: bins, 2: bins}, tmp_path / "p.png").stat().st_size > 0
     with pytest.raises(ValueError, match="bins"):
         position_accuracy([ref], [cands], bins=(4, 0))
+
+
+def test_the_replay_commands_policies_cross_lookup_depths_and_periodic_with_trees_only():
+    import argparse
+
+    from specpilot.drafting.cli import replay_policies
+    args = argparse.Namespace(tree_budgets=[0, 6], tree_width=4, ngram_maxes=[4], ngram_mins=[2], lookup_depths=[0, 6],
+                              periodic=True, gates=[(2, 0.5)])
+    lookups = ["lookup n>=2", "lookup gated top2|p<0.5 n>=2"]
+    assert [p.label for p in replay_policies(args)] == (
+        ["chain block"] + [f"chain {p}{x}" for x in ("", " periodic") for p in lookups]
+        + ["tree6 block"] + [f"tree6 {p}{x}" for x in ("", " periodic", " depth6", " depth6 periodic")
+                             for p in lookups])

@@ -16,9 +16,9 @@ from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
 FIELDS = ("node_src", "parents", "tree_anc", "depths", "positions", "anc", "block_slots")
 
 
-def grown(tokens, probs, width, budget, lead=None, lead_depths=None, kernel=False, block_width=None):
+def grown(tokens, probs, width, budget, lead=None, lead_depths=None, kernel=False, block_width=None, ranked=None):
     block = TreeBlock.dead(budget, block_width or budget + 1, True, "cpu")
-    (grow_tree if kernel else grow_tree_ref)(tokens, probs, lead, lead_depths, width, block)
+    (grow_tree if kernel else grow_tree_ref)(tokens, probs, lead, lead_depths, width, block, ranked)
     return block
 
 
@@ -127,6 +127,33 @@ def test_random_candidates_grow_the_host_loops_tree(seed):
     assert torch.equal(want.block_slots, ancestor_slots(torch.tensor(0), want.anc))
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_lookup_running_past_the_blocks_depth_grows_the_host_loops_tree(seed):
+    """EngineConfig.lookup_depth: the candidates past the block's `ranked` depths are padding (probability 0), so
+    there the lookup's token is the only candidate; its rank takes no digit of the kernel's tie key, which lets 31
+    depths at width 8 fit (3 bits a rank for 15 ranked depths). Same tree as the host's, ties included."""
+    ranked, k = [(15, 8), (7, 4)][seed % 2]
+    depth = [31, 16, 24, 40][seed % 4]
+    width, budget = [(8, 31), (4, 63), (2, 15), (8, 47)][seed % 4]
+    width = min(width, k)
+    tokens, probs = candidates(seed, ranked, k, scale=[1.0, 3.0, 8.0][seed % 3])
+    if seed % 3 == 2:
+        probs = torch.round(probs * 8) / 8  # ties, and some ranked depths' top-1 at probability 1, as the lead's
+    tokens = torch.cat([tokens, torch.zeros(depth - ranked, k, dtype=torch.long)])
+    probs = torch.cat([probs, torch.zeros(depth - ranked, k)])
+    g = torch.Generator().manual_seed(seed)
+    lead = torch.randint(0, 40, (depth,), generator=g)
+    lead[:ranked:3] = tokens[:ranked:3, 1]  # the lead duplicates a block candidate at some depths
+    n = torch.tensor([depth, ranked + 5, 3, depth - 1][seed % 4])
+    w = 1 << budget.bit_length()
+    want = host_block(tokens, probs, width, budget, lead, n, block_width=w)
+    if seed % 4 != 2:
+        assert int(want.depths.max()) > ranked  # the tree does go past the block's depth
+    assert_same(grown(tokens, probs, width, budget, lead, n, block_width=w, ranked=ranked), want, "ref")
+    assert_same(grown(tokens, probs, width, budget, lead, n, kernel=True, block_width=w, ranked=ranked), want,
+                "kernel")
+
+
 def test_bad_inputs_are_refused():
     tokens, probs = candidates(0, 3, 4)
     with pytest.raises(ValueError, match="width=5"):
@@ -137,6 +164,9 @@ def test_bad_inputs_are_refused():
         grown(tokens, probs.double(), 2, 7)
     with pytest.raises(ValueError, match="lead and lead_depths"):
         grown(tokens, probs, 2, 7, lead=tokens[:, 0].contiguous())
+    deep, deep_probs = candidates(0, 31, 8)
+    with pytest.raises(ValueError, match="ranked depths x bits"):  # every depth ranked: 31 x 3 bits
+        grown(deep, deep_probs, 8, 31)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")

@@ -7,6 +7,7 @@ only torch, transformers, safetensors and tqdm are installed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -108,12 +109,31 @@ def _gates(text: str) -> list[tuple[int, float]]:
         raise argparse.ArgumentTypeError(f"{text!r}: want AGREE_TOPK:DOUBT_PROB[,...], e.g. 2:0.5,4:0.5") from None
 
 
+def replay_policies(args: argparse.Namespace) -> list:
+    """The replay command's LookupPolicy list: per tree budget the block alone, then each lookup variant (ngram_max
+    x ngram_min x lookup depth (trees) x periodic), ungated and under each gate."""
+    from specpilot.drafting.replay import LookupPolicy
+    from specpilot.engines.drafters.ngram_prefix import LeadGate
+
+    policies = []
+    for budget in args.tree_budgets:
+        kw = {"tree_budget": budget, "tree_width": args.tree_width}
+        policies.append(LookupPolicy(lookup=False, **kw))
+        for n_max, n, depth, periodic in itertools.product(args.ngram_maxes, args.ngram_mins, args.lookup_depths,
+                                                           (False, True) if args.periodic else (False,)):
+            if n > n_max or depth and not budget:
+                continue
+            lookup = {**kw, "ngram_min": n, "ngram_max": n_max, "lookup_depth": depth, "periodic": periodic}
+            policies.append(LookupPolicy(**lookup))
+            policies += [LookupPolicy(gate=LeadGate(k, p), **lookup) for k, p in args.gates]
+    return policies
+
+
 def run_replay(args: argparse.Namespace) -> int:
     from specpilot.bench.session import DeploymentSession
     from specpilot.deployments import load_deployment
-    from specpilot.drafting.replay import LookupPolicy, cached_candidates, record_references, replay_all
+    from specpilot.drafting.replay import cached_candidates, record_references, replay_all
     from specpilot.drafting.replay_report import as_rows, format_table, plot_position_accuracy, position_accuracy
-    from specpilot.engines.drafters.ngram_prefix import LeadGate
     from specpilot.workload import WorkloadSpec
 
     dep = load_deployment(args.deployment)
@@ -134,17 +154,7 @@ def run_replay(args: argparse.Namespace) -> int:
                              [(p.key, p.prompt.benchmark.value, p.ids) for p in prompts],
                              args.out / "references.jsonl", progress=not args.no_progress)
     session.release(ar_cfg)
-    policies = []
-    for budget in args.tree_budgets:
-        kw = {"tree_budget": budget, "tree_width": args.tree_width}
-        policies.append(LookupPolicy(lookup=False, **kw))
-        for n_max in args.ngram_maxes:
-            for n in args.ngram_mins:
-                if n > n_max:
-                    continue
-                policies.append(LookupPolicy(ngram_min=n, ngram_max=n_max, **kw))
-                policies += [LookupPolicy(gate=LeadGate(k, p), ngram_min=n, ngram_max=n_max, **kw)
-                             for k, p in args.gates]
+    policies = replay_policies(args)
     rows, positions = [], {}
     for window in args.drafter_windows:  # the candidates depend on the window, the policies not
         cands = cached_candidates(drafter, session.target, refs, args.out / "candidates",
@@ -224,6 +234,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
                         "e.g. 0,256: the candidates are computed once per window")
     p.add_argument("--ngram-maxes", type=_ints, default=[4],
                    help="the lookup's longest suffix (ngram_max) values to replay, e.g. 4,8")
+    p.add_argument("--lookup-depths", type=_ints, default=[0],
+                   help="trees: how deep the lookup may lead, past the block's depth (EngineConfig.lookup_depth; "
+                        "0: the block's depth), e.g. 0,31")
+    p.add_argument("--periodic", action="store_true",
+                   help="also replay every lookup policy with a periodic lookup (EngineConfig.lookup_periodic)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_guarded(run_replay))
     return parser

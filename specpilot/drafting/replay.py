@@ -64,12 +64,18 @@ class LookupPolicy:
     tree_width: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    lookup_depth: int = 0  # EngineConfig.lookup_depth: the lookup leads a tree this deep (0: the block's depth)
+    periodic: bool = False  # EngineConfig.lookup_periodic
 
     def __post_init__(self) -> None:
         if self.gate is not None and not self.lookup:
             raise ValueError("a gate gates the lookup: lookup=False has none")
         if self.tree_budget < 0 or self.tree_width < 1:
             raise ValueError(f"tree_budget={self.tree_budget} must be >= 0, tree_width={self.tree_width} >= 1")
+        if self.lookup_depth < 0 or self.lookup_depth and not (self.lookup and self.tree_budget):
+            raise ValueError(f"lookup_depth={self.lookup_depth}: >= 0, and past 0 for a lookup-led tree only")
+        if self.periodic and not self.lookup:
+            raise ValueError("periodic shapes the lookup's match: lookup=False has none")
 
     @property
     def label(self) -> str:
@@ -77,7 +83,9 @@ class LookupPolicy:
             f"lookup gated top{self.gate.agree_topk}|p<{self.gate.doubt_prob:.2g}")
         nmin = f" n>={self.ngram_min}" if self.lookup and self.ngram_min != 1 else ""
         nmax = f" n<={self.ngram_max}" if self.lookup and self.ngram_max != 4 else ""
-        return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}{nmax}"
+        deep = f" depth{self.lookup_depth}" if self.lookup_depth else ""
+        deep += " periodic" if self.periodic else ""
+        return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}{nmax}{deep}"
 
 
 @torch.no_grad()
@@ -178,12 +186,13 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     start, end = len(ref.prompt), len(seq) - 1  # the prefill commits seq[start]; steps run while a token is due
     depth = depth or cands.tokens.shape[1]
     all_tokens, all_probs = cands.tokens[:, :depth].tolist(), cands.probs[:, :depth].tolist()
-    lookup = NgramDrafter(depth, policy.ngram_max, policy.ngram_min) if policy.lookup else None
+    deepest = max(depth, min(policy.lookup_depth, policy.tree_budget))  # a lookup leads past the block to here
+    lookup = NgramDrafter(deepest, policy.ngram_max, policy.ngram_min, policy.periodic) if policy.lookup else None
     a, steps = start, []
     while a < end:
-        lead = lookup.propose(seq[:a + 1], depth).tokens if lookup is not None else []
+        lead = lookup.propose(seq[:a + 1], deepest).tokens if lookup is not None else []
         accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, policy,
-                                   seq[a + 1:a + 1 + depth])
+                                   seq[a + 1:a + 1 + deepest])
         step = min(accepted + 1, end - a)
         steps.append(step)
         a += step

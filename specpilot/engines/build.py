@@ -46,7 +46,7 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
     if cfg.drafter is DrafterKind.NONE:
         drafter = None
     elif cfg.drafter is DrafterKind.NGRAM:
-        drafter = NgramDrafter(cfg.draft_len, cfg.ngram_max, cfg.ngram_min)
+        drafter = NgramDrafter(cfg.draft_len, cfg.ngram_max, cfg.ngram_min, cfg.lookup_periodic)
     elif cfg.drafter is DrafterKind.DRAFT_MODEL:
         if draft_model is None:
             raise ConfigError("drafter=draft_model needs a draft model")
@@ -67,7 +67,9 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.ngram_prefix:
-            drafter = NgramPrefixDrafter(drafter, NgramDrafter(drafter.shape.depth, cfg.ngram_max, cfg.ngram_min),
+            lookup = NgramDrafter(max(cfg.lookup_depth, drafter.shape.depth), cfg.ngram_max, cfg.ngram_min,
+                                  cfg.lookup_periodic)
+            drafter = NgramPrefixDrafter(drafter, lookup,
                                          LeadGate.from_config(cfg.lookup_agree_topk, cfg.lookup_doubt_prob))
     else:
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")

@@ -36,6 +36,9 @@ class DeviceDraft:
 
 class DeviceDrafter(Protocol):
     depth: int  # draft depth (rows of candidates a draft returns)
+    # Depths whose candidates are ranked (the block drafter's); past them one candidate a depth at most (prompt
+    # lookup's match running deeper than the block: EngineConfig.lookup_depth)
+    ranked_depth: int
     topk: int  # candidates per depth
     capacity: int  # positions its state can hold: a step must end below it
     needs_features: bool  # commit reads the target's captured features
@@ -68,6 +71,7 @@ class BlockDeviceDrafter:
     def __init__(self, drafter: BlockTreeDrafter):
         self.drafter, self.step = drafter, drafter.step
         self.depth, self.topk, self.capacity = drafter.shape.depth, drafter.topk, drafter.capacity
+        self.ranked_depth = self.depth
         self.use_graph = drafter.use_graph
         # Every depth is a proposal. A device constant: a tensor made from a Python int inside a graph capture
         # would be a pageable host-to-device copy, which capture refuses.
@@ -94,16 +98,20 @@ class BlockDeviceDrafter:
 
 class NgramPrefixDeviceDrafter:
     """NgramPrefixDrafter's device half: the lookup's token leads the block's candidates at the depths it covers (the
-    lookup's gate, if any, reads the block's draft)."""
+    lookup's gate, if any, reads the block's draft). A lookup deeper than the block (EngineConfig.lookup_depth)
+    drafts the depths past the block's alone: there the block's candidates are padding at probability 0."""
     needs_features = True
 
     def __init__(self, block: BlockDeviceDrafter, lookup: "NgramDeviceDrafter"):
-        if lookup.depth != block.depth:
-            raise ValueError(f"the lookup drafts {lookup.depth} tokens, the block {block.depth}: they must agree")
+        if lookup.depth < block.depth:
+            raise ValueError(f"the lookup drafts {lookup.depth} tokens, the block {block.depth}: at least as many")
         self.block, self.lookup = block, lookup
-        self.depth, self.topk = block.depth, block.topk
+        self.depth, self.ranked_depth, self.topk = lookup.depth, block.depth, block.topk
         self.capacity, self.use_graph = min(block.capacity, lookup.capacity), block.use_graph
         self.sequence = lookup.sequence
+        pad = lookup.depth - block.depth
+        self._pad = (torch.zeros(pad, self.topk, dtype=torch.long, device=lookup.sequence.device),
+                     torch.zeros(pad, self.topk, dtype=torch.float32, device=lookup.sequence.device)) if pad else None
 
     def begin(self, seq: list[int], base: int) -> None:
         self.block.begin(seq, base)
@@ -112,7 +120,10 @@ class NgramPrefixDeviceDrafter:
     def draft(self, state) -> DeviceDraft:
         block = self.block.draft(state)
         lookup = self.lookup.draft(state, block)
-        return DeviceDraft(block.tokens, block.probs, block.proposed, lookup.tokens[:, 0], lookup.proposed)
+        tokens, probs = block.tokens, block.probs
+        if self._pad is not None:
+            tokens, probs = torch.cat([tokens, self._pad[0]]), torch.cat([probs, self._pad[1]])
+        return DeviceDraft(tokens, probs, block.proposed, lookup.tokens[:, 0], lookup.proposed)
 
     def commit(self, features, positions) -> None:
         self.block.commit(features, positions)
@@ -134,6 +145,7 @@ class NgramDeviceDrafter:
 
     def __init__(self, drafter: NgramDrafter, capacity: int, device: torch.device, gate: LeadGate | None = None):
         self.depth, self.ngram_max, self.ngram_min = drafter.draft_len, drafter.ngram_max, drafter.ngram_min
+        self.periodic, self.ranked_depth = drafter.periodic, self.depth
         self.gate = gate  # NgramPrefixDrafter's: its draft then needs the block's
         self.capacity = capacity
         # The sequence (prompt + output) by position; the loop writes depth + 1 tokens past the pending one a step.
@@ -154,7 +166,8 @@ class NgramDeviceDrafter:
         lookup = ngram_lookup if self.sequence.is_cuda else ngram_lookup_ref
         gated = {} if self.gate is None else {"gate": self.gate, "candidates": block.tokens[0],
                                               "candidate_probs": block.probs[0]}
-        draft, proposed = lookup(self.sequence, state, self.ngram_min, self.ngram_max, self.depth, **gated)
+        draft, proposed = lookup(self.sequence, state, self.ngram_min, self.ngram_max, self.depth, **gated,
+                                 periodic=self.periodic)
         return DeviceDraft(draft[:, None], self.ones, proposed[0])
 
     def commit(self, features, positions) -> None:
@@ -177,7 +190,7 @@ MATCH_START = tl.constexpr((1 << MATCH_BITS) - 1)  # the low bits: the continuat
 
 @triton.jit
 def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BLOCK: tl.constexpr):
+                KP: tl.constexpr, BLOCK: tl.constexpr, PERIODIC: tl.constexpr):
     """NgramDrafter's proposal for the context tok_ptr[0..length-1] (the pending token last): K tokens from where
     the match continues into draft_ptr -> (where the continuation starts: `length` without a match, how many of the
     K tokens are the proposal).
@@ -199,6 +212,9 @@ def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constex
         best = tl.maximum(best, tl.max(tl.where(m >= NMIN, (m << MATCH_SHIFT) + e, -1), 0))
     first = tl.where(best >= 0, best & MATCH_START, length)
     k = tl.arange(0, KP)
+    if PERIODIC:  # NgramDrafter(periodic): past the context's end the last length - first tokens repeat
+        tl.store(draft_ptr + k, tl.load(tok_ptr + first + k % tl.maximum(length - first, 1), mask=k < K), mask=k < K)
+        return first, tl.where(best >= 0, K, 0)
     tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
     return first, tl.where(best >= 0, tl.minimum(length - first, K), 0)
 
@@ -206,9 +222,9 @@ def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constex
 @triton.jit
 def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gate_prob_ptr, doubt,
                   NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                  GATE_K: tl.constexpr, GKP: tl.constexpr):
+                  GATE_K: tl.constexpr, GKP: tl.constexpr, PERIODIC: tl.constexpr):
     length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
-    first, proposed = lookup_into(tok_ptr, length, draft_ptr, NMAX, NMIN, K, KP, BLOCK)
+    first, proposed = lookup_into(tok_ptr, length, draft_ptr, NMAX, NMIN, K, KP, BLOCK, PERIODIC)
     if GATE_K > 0:  # LeadGate: no proposal where the block's depth-1 candidates contradict the match's first token
         lead = tl.load(tok_ptr + first)  # without a match: filler, and proposed is 0 anyway
         j = tl.arange(0, GKP)
@@ -238,11 +254,13 @@ def _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, cand
 
 def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngram_max: int, k: int,
                  gate: LeadGate | None = None, candidates: torch.Tensor | None = None,
-                 candidate_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 candidate_probs: torch.Tensor | None = None, periodic: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """NgramDrafter's proposal for the context tokens[0..state[1]] (state = (pending token, its slot)), read on the
     device -> (k tokens from where the match continues, [1] how many of them are its proposal). tokens must hold
     state[1] + k + 1 entries (the filler past the context is read, not proposed). With a gate: nothing is proposed
-    where it refuses the match, given the block's candidates at depth 1 (best first) and their probabilities."""
+    where it refuses the match, given the block's candidates at depth 1 (best first) and their probabilities.
+    periodic: NgramDrafter(periodic)'s proposal (a continuation reaching the context's end repeats)."""
     _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs)
     check_launchable(_ngram_kernel, tokens.device)
     draft = torch.empty(k, dtype=torch.long, device=tokens.device)
@@ -251,22 +269,23 @@ def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngra
     _ngram_kernel[(1,)](tokens, state, draft, proposed, tokens if gate is None else candidates,
                         draft if gate is None else candidate_probs, 0.0 if gate is None else gate.doubt_prob,
                         NMAX=ngram_max, NMIN=ngram_min, K=k, KP=triton.next_power_of_2(k), BLOCK=1024,
-                        GATE_K=gate_k, GKP=triton.next_power_of_2(max(gate_k, 1)), num_warps=4)
+                        GATE_K=gate_k, GKP=triton.next_power_of_2(max(gate_k, 1)), PERIODIC=periodic, num_warps=4)
     return draft, proposed
 
 
-def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k, gate=None, candidates=None, candidate_probs=None):
+def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k, gate=None, candidates=None, candidate_probs=None,
+                     periodic=False):
     """Plain torch (fixed-shape ops over the whole buffer, no host sync): ngram_lookup's results."""
     _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs)
-    draft, proposed, _ = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k)
+    draft, proposed, _ = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k, periodic)
     if gate is not None:
         leads = (candidates[:gate.agree_topk] == draft[0, 0]).any() | (candidate_probs[0] < gate.doubt_prob)
         proposed = torch.where(leads, proposed, 0)
     return draft[0], proposed
 
 
-def lookup_rows_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lookup_rows_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: int, ngram_max: int, k: int,
+                    periodic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NgramDrafter's proposal for every row of tokens [rows, width] at once (row r's context 0..positions[r], its
     pending token last) -> (k tokens from where each match continues [rows, k], how many are proposed [rows], where
     the continuation starts [rows] (the context's length without a match));
@@ -286,5 +305,9 @@ def lookup_rows_ref(tokens: torch.Tensor, positions: torch.Tensor, ngram_min: in
         take = (best < 0) & (latest >= 0)
         best, best_n = torch.where(take, latest, best), torch.where(take, n, best_n)
     first = torch.where(best >= 0, best + best_n, length)  # no match: filler from past the context
+    if periodic:
+        proposed = torch.where(best >= 0, k, 0)
+        return tokens.gather(1, first[:, None] + starts[None, :k] % (length - first).clamp(min=1)[:, None]), \
+            proposed, first
     proposed = torch.where(best >= 0, (length - first).clamp(max=k), 0)
     return tokens.gather(1, first[:, None] + starts[None, :k]), proposed, first

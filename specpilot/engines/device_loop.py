@@ -386,7 +386,7 @@ class DeviceLoop:
         drafter, b = self.drafter, self.block
         d = drafter.draft(self.state)
         if self.per_step:
-            glue.grow(d.tokens, d.probs, d.lead, d.lead_depths, self.tree_shape.width, b)
+            glue.grow(d.tokens, d.probs, d.lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth)
         top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(
             d.tokens, d.probs, d.lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
         target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots)

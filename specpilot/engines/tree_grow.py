@@ -30,8 +30,9 @@ from specpilot.kernels._common import check_launchable, check_tensor
 
 # Rows a grown tree may have: ancestor sets are one int64 bit mask a row in the kernel.
 MAX_GROWN_ROWS = MAX_GROWN_NODES + 1
-# The kernel's frontier keys: depth << DEPTH_SHIFT | the ranks' digits (so depth x bits a rank <= DEPTH_SHIFT).
-DEPTH_SHIFT = 58
+# The kernel's frontier keys: depth << DEPTH_SHIFT | the ranks' digits (so ranked depths x bits a rank <= DEPTH_SHIFT;
+# depths up to 2**(63 - DEPTH_SHIFT) - 2).
+DEPTH_SHIFT = 56
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class TreeBlock:
                          device)
 
 
-def _check_grow(tokens, probs, lead, lead_depths, width, block):
+def _check_grow(tokens, probs, lead, lead_depths, width, block, ranked):
     dev, (depth, k) = check_candidates(tokens, probs, lead, lead_depths), tokens.shape
     rows, w = block.rows, block.positions.shape[0]
     if not 2 <= rows <= min(w, MAX_GROWN_ROWS):
@@ -86,20 +87,25 @@ def _check_grow(tokens, probs, lead, lead_depths, width, block):
         check_tensor(name, t, shape, dt, dev)
     if block.block_slots is not None:
         check_tensor("block_slots", block.block_slots, (w, w), torch.int64, dev)
-    if not 1 <= width <= k or depth * _code_bits(width) > DEPTH_SHIFT:
-        raise ValueError(f"width={width}: must be in 1..{k} (the candidates a depth), with depth x bits a rank <= "
-                         f"{DEPTH_SHIFT}")
+    if not 1 <= width <= k or min(depth, ranked) * _code_bits(width) > DEPTH_SHIFT:
+        raise ValueError(f"width={width}: must be in 1..{k} (the candidates a depth), with ranked depths x bits a "
+                         f"rank <= {DEPTH_SHIFT}")
+    if not 1 <= ranked or depth >= (1 << (63 - DEPTH_SHIFT)) - 1:
+        raise ValueError(f"ranked={ranked} must be >= 1 and depth={depth} < {(1 << (63 - DEPTH_SHIFT)) - 1}")
+    return min(depth, ranked)
 
 
 def _code_bits(width: int) -> int:
     return max(1, (width - 1).bit_length())
 
 
-def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock) -> None:
+def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None) -> None:
     """Rewrites `block` with the best-first tree of block.rows - 1 nodes over the step's candidates tokens / probs
     [depth, K] (best first; led by `lead` at depths below lead_depths when given, as assemble leads them), at most
-    `width` ranks a depth. The kernel's frontier in torch ops (no host sync)."""
-    _check_grow(tokens, probs, lead, lead_depths, width, block)
+    `width` ranks a depth. Depths past the first `ranked` (default: all) hold one candidate at most (prompt lookup's
+    match running past the block drafter's depth): their rank, always 0, takes no digit in the tie order. The
+    kernel's frontier in torch ops (no host sync)."""
+    ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0])
     dev, (depth, k), rows = tokens.device, tokens.shape, block.rows
     if lead is not None:
         _, probs = lead_rows(tokens, probs, lead, torch.arange(depth, device=dev) < lead_depths.reshape(()))
@@ -138,7 +144,8 @@ def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock
         new = (f == used) & live & (child >= 0)
         score, pscore = torch.where(new, best * child, score), torch.where(new, best, pscore)
         fdepth, rank = torch.where(new, dmin + 1, fdepth), torch.where(new, 0, rank)
-        code, parent = torch.where(new, cmin << bits, code), torch.where(new, row, parent)
+        code = torch.where(new, torch.where(dmin < ranked, cmin << bits, cmin), code)
+        parent = torch.where(new, row, parent)
         used = used + new.any().long()
     block.node_src.copy_(node_src)
     block.parents.copy_(row_par)
@@ -170,7 +177,8 @@ def _flag(cond):
 @triton.jit
 def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr, tanc_ptr, depth_ptr, pos_ptr,
                       anc_ptr, bs_ptr, D: tl.constexpr, K: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr,
-                      R: tl.constexpr, W: tl.constexpr, HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr,
+                      R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr, HAS_LEAD: tl.constexpr,
+                      HAS_BS: tl.constexpr,
                       DP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, WP: tl.constexpr,
                       CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr):
     NO_KEY: tl.constexpr = (1 << 63) - 1
@@ -202,9 +210,9 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         sel = valid & (dkey == dk)
         ps = tl.sum(tl.where(sel, pscore, 0.0), axis=0)
         pb = tl.sum(tl.where(sel, pbits, 0), axis=0)
-        depth = (dk >> DEPTH_SHIFT).to(tl.int32)  # 31 when the frontier is empty: no candidate there
+        depth = (dk >> DEPTH_SHIFT).to(tl.int32)  # all ones when the frontier is empty: no candidate there
         code = dk & ((1 << DEPTH_SHIFT) - 1)
-        r = (code & ((1 << BITS) - 1)).to(tl.int32)
+        r = tl.where(depth <= RANKED, code & ((1 << BITS) - 1), 0).to(tl.int32)  # past RANKED: rank 0, no digit
         one = tl.full([], 1, tl.int64)
         row_bit = one << (one * 0 + i + 1)  # (the interpreter's loop index is an int)
         node_src = tl.where((f == i) & live, ((depth - 1) * K + r).to(tl.int64), node_src)
@@ -216,7 +224,8 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         has_child = _flag(child >= 0.0) & live
         new = (f == used) & has_child
         score = tl.where(new, best * child, score)
-        dkey = tl.where(new, ((depth + 1).to(tl.int64) << DEPTH_SHIFT) | (code << BITS), dkey)
+        dkey = tl.where(new, ((depth + 1).to(tl.int64) << DEPTH_SHIFT) | tl.where(depth < RANKED, code << BITS, code),
+                        dkey)
         pscore = tl.where(new, best, pscore)
         pbits = tl.where(new, pb | row_bit, pbits)
         used = used + tl.where(has_child, 1, 0)
@@ -250,9 +259,9 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
                      mask=(ri < R) & (e < W) & (e > row_depth[:, None]))
 
 
-def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock) -> None:
+def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None) -> None:
     """grow_tree_ref's writes in one launch (one program)."""
-    _check_grow(tokens, probs, lead, lead_depths, width, block)
+    ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0])
     dev, (depth, k), rows, w = tokens.device, tokens.shape, block.rows, block.positions.shape[0]
     check_launchable(_grow_tree_kernel, dev)
     p2 = triton.next_power_of_2
@@ -261,6 +270,7 @@ def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock) ->
                             block.depths if lead_depths is None else lead_depths, block.node_src, block.parents,
                             block.tree_anc, block.depths, block.positions, block.anc,
                             block.block_slots if has_bs else block.depths, D=depth, K=k, WIDTH=width,
-                            BITS=_code_bits(width), R=rows, W=w, HAS_LEAD=lead is not None, HAS_BS=has_bs,
+                            BITS=_code_bits(width), R=rows, W=w, RANKED=ranked, HAS_LEAD=lead is not None,
+                            HAS_BS=has_bs,
                             DP=p2(depth), KP=p2(k), RP=p2(rows), WP=p2(w), CB=min(16, p2(rows)),
                             DEPTH_SHIFT=DEPTH_SHIFT, num_warps=1)

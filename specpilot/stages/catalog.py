@@ -168,10 +168,13 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
                      "block drafter led by prompt lookup: where the context repeats, the lookup's match is the chain's "
                      "first tokens or the tree's main path, the block's candidates after and beside it; the gate lets "
-                     "a match lead only where the block does not contradict it",
+                     "a match lead only where the block does not contradict it; a grown tree may follow a long match "
+                     "past the block's depth (lookup_depth), a periodic lookup repeating a loop the draft outruns",
                      (Knob("ngram_prefix", _CHOICE, choices=(False, True)), Knob("ngram_min", _INT, 1, 4),
                       Knob("lookup_agree_topk", _INT, 0, 4),
-                      Knob("lookup_doubt_prob", _CHOICE, choices=(0.3, 0.5, 0.7))),
+                      Knob("lookup_doubt_prob", _CHOICE, choices=(0.3, 0.5, 0.7)),
+                      Knob("lookup_depth", _CHOICE, choices=(0, 31, 63)),
+                      Knob("lookup_periodic", _CHOICE, choices=(False, True))),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("drafter_window", MechanismCategory.ALGORITHM,
                      "block drafter sees only the context's last positions: a drafter trained on short sequences "

@@ -20,7 +20,7 @@ from specpilot.engines.batch.device_policy import DevicePolicy
 from specpilot.engines.batch.engine import BatchEngine, RequestResult, RequestSpec, RunResult
 from specpilot.engines.batch.ngram_drafting import BatchNgramDrafter
 from specpilot.engines.batch.runner import BatchRunner
-from specpilot.engines.config import EngineConfig
+from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.llama import LlamaModel
 
@@ -36,6 +36,9 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
     """A runner sized for this one engine, and the engine (share a runner between engines by hand). drafter=block
     takes the drafter's model in block_drafter: the runner then captures its target layers; device_draft gives the
     runner a BatchNgramDrafter (with a DevicePolicy when goodput or the verify budget is on)."""
+    if cfg.lookup_periodic or cfg.lookup_depth:
+        raise ConfigError("lookup_periodic and lookup_depth are single-request lookup knobs: the batched engine's "
+                          "lookup has neither")
     block = (BatchBlockDrafter(block_drafter, model, batch.max_batch, cfg.max_seq_len, device,
                                cuda_graphs=cfg.cuda_graphs, window=cfg.drafter_window)
              if block_drafter is not None else None)

@@ -96,7 +96,7 @@ def _batch_ngram_kernel(tok_ptr, row_stride, pos_ptr, draft_ptr, proposed_ptr, f
     row = tl.program_id(0)
     length = tl.load(pos_ptr + row) + 1  # tokens 0..pos: the context, the pending token last
     first, proposed = lookup_into(tok_ptr + row.to(tl.int64) * row_stride, length, draft_ptr + row * K, NMAX, NMIN,
-                                  K, KP, BLOCK)
+                                  K, KP, BLOCK, False)
     tl.store(proposed_ptr + row, proposed.to(tl.int64))
     tl.store(first_ptr + row, first.to(tl.int64))
 

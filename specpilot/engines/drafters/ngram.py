@@ -8,12 +8,15 @@ from specpilot.engines.drafters.base import DraftTree
 
 class NgramDrafter:
     """Matches the longest suffix (ngram_max down to ngram_min tokens) of the context against earlier text and
-    proposes the tokens that followed its most recent earlier occurrence."""
+    proposes the tokens that followed its most recent earlier occurrence. periodic: a continuation that runs into
+    the context's end goes on as the text did since the occurrence (its last P tokens again and again, P the
+    occurrence's distance): in a loop shorter than the draft, the draft covers several of its turns."""
 
-    def __init__(self, draft_len: int, ngram_max: int, ngram_min: int = 1):
+    def __init__(self, draft_len: int, ngram_max: int, ngram_min: int = 1, periodic: bool = False):
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({ngram_min}) <= ngram_max ({ngram_max})")
         self.draft_len, self.ngram_max, self.ngram_min = draft_len, ngram_max, ngram_min
+        self.periodic = periodic
         self.reset()
 
     def reset(self) -> None:
@@ -47,6 +50,8 @@ class NgramDrafter:
             proposal = context[j + n: j + n + k]
             if not proposal:
                 continue
+            if self.periodic and len(proposal) < k:  # it ran into the end: the last len(proposal) tokens repeat
+                proposal = [proposal[i % len(proposal)] for i in range(k)]
             # Depth-1 candidates weighted by how often each continuation followed this n-gram.
             counts = Counter(context[s + n] for s in starts if s + n < len(context))
             total = sum(counts.values())

@@ -7,6 +7,10 @@ leads the block's candidates (probability 1, the block's own after it, a duplica
 lookup's match then the block's top-1 tokens, a best-first tree grows the match as its main path and spends the
 rest of its budget on the block's alternatives. Nothing the block drafts is lost where lookup has no match.
 
+A lookup drafting deeper than the block (EngineConfig.lookup_depth, trees) leads past the block's depth alone: the
+depths there have the match's token as their only candidate, so in a long repetitive stretch a step commits more
+than a block.
+
 A LeadGate (EngineConfig.lookup_agree_topk) lets the match lead only where the block does not contradict it: most
 matches are 1-grams, and one of those overriding a confident block's right token ends the step's accepted path
 where the block alone would have gone on.
@@ -53,10 +57,13 @@ class LeadGate:
 def led_by_lookup(lookup: list[int], tokens: list[list[int]], probs: list[list[float]], gate: LeadGate | None
                   ) -> tuple[list[list[int]], list[list[float]]]:
     """Per-depth candidates (best first) with the lookup's match leading at the depths it covers, unless the gate
-    refuses the match (the engine's host rule; drafting.replay replays it)."""
+    refuses the match (the engine's host rule; drafting.replay replays it). A match longer than the candidates' depths
+    adds depths holding its token alone."""
     if lookup and gate is not None and not gate.leads(lookup[0], tokens[0], probs[0]):
         lookup = []
     tokens, probs = list(tokens), list(probs)
+    extra = max(0, len(lookup) - len(tokens))
+    tokens, probs = tokens + [[]] * extra, probs + [[]] * extra
     for d, t in enumerate(lookup):
         tokens[d], probs[d] = lead_with(t, tokens[d], probs[d])
     return tokens, probs
@@ -75,5 +82,6 @@ class NgramPrefixDrafter:
         tokens, probs = self.block.candidates(context, max_depth)
         if not tokens:
             return DraftTree()
-        lookup = self.ngram.propose(context, len(tokens)).tokens
+        # a tree may go deeper than the block where the lookup does (ngram.draft_len: EngineConfig.lookup_depth)
+        lookup = self.ngram.propose(context, max_depth if self.block.shape.tree else len(tokens)).tokens
         return self.block.tree_of(*led_by_lookup(lookup, tokens, probs, self.gate))

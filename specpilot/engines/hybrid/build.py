@@ -98,7 +98,7 @@ def build_hybrid_engine(cfg: EngineConfig, hybrid: HybridConfig, target: HybridM
     if cfg.drafter is DrafterKind.NONE:
         return SpecEngine(runner, None, eos, policy=policy)
     if drafter is None and cfg.drafter is DrafterKind.NGRAM:
-        drafter = NgramDrafter(cfg.draft_len, cfg.ngram_max, cfg.ngram_min)
+        drafter = NgramDrafter(cfg.draft_len, cfg.ngram_max, cfg.ngram_min, cfg.lookup_periodic)
     elif drafter is None and cfg.drafter is DrafterKind.DRAFT_MODEL:
         if draft_model is None:
             raise ConfigError("drafter=draft_model needs a draft model")
