@@ -36,7 +36,8 @@
 #                                                             chain and the last tree, TWO_LEVEL=1 two-level,
 #                                                             OVERLAP="1 4" the gated chain with device_overlap at
 #                                                             those device_steps,
-#                                                             EXTRA more drafter lines (@D@: the drafter's path);
+#                                                             EXTRA more drafter lines (@D@: the drafter's path;
+#                                                             ONLY_EXTRA=1: those alone);
 #                                                             with DRAFTER, else c's
 #                                                             (/root/tb/drafter), else the shipped one
 #                                                             (specpilot/drafting/shipped)
@@ -125,7 +126,8 @@ ${EXTRA//@D@/$d}"
     done
   done
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
-  - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
+  - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}
+  [ -n "${ONLY_EXTRA:-}" ] && drafters="${EXTRA//@D@/$d}"  # EXTRA's lines alone"
   python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
     > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt"
 }

@@ -519,7 +519,7 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
                                   "prefix tree overlap", "grown tree", "prefix grown tree overlap",
-                                  "windowed prefix grown tree overlap"])
+                                  "windowed prefix grown tree overlap", "deep periodic prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -530,11 +530,13 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
             "prefix tree": {**TREE, "ngram_prefix": True}, "prefix chain overlap": {"ngram_prefix": True},
             "prefix tree overlap": {**TREE, "ngram_prefix": True}, "grown tree": PER_STEP,
             "prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True},
-            "windowed prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True, "drafter_window": 8}}.get(kind, {})
+            "windowed prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True, "drafter_window": 8},
+            "deep periodic prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True, "lookup_depth": 7,
+                                                        "lookup_periodic": True}}.get(kind, {})
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
-                       device_tree="calibrated")
+                       device_tree="calibrated", lookup_depth=0)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)

@@ -186,3 +186,16 @@ def test_the_compiled_kernel_grows_the_host_loops_tree_on_gpu():
         grow_tree(tokens.cuda(), probs.cuda(), lead.cuda(), n.cuda(), width, block)
         for f in FIELDS:
             assert torch.equal(getattr(block, f).cpu(), getattr(want, f)), (seed, f)
+    for seed in range(8):  # a lookup past the block's 15 ranked depths (lookup_depth), 31 / 63 deep
+        depth, budget = [(31, 31), (63, 63)][seed % 2]
+        tokens, probs = candidates(seed, 15, 8, scale=[1.0, 3.0, 8.0][seed % 3])
+        tokens = torch.cat([tokens, torch.zeros(depth - 15, 8, dtype=torch.long)])
+        probs = torch.cat([probs, torch.zeros(depth - 15, 8)])
+        lead, n = torch.randint(0, 40, (depth,), generator=torch.Generator().manual_seed(seed)), torch.tensor(
+            [depth, 20, 3, 40][seed % 4])
+        w = 1 << budget.bit_length()
+        want = host_block(tokens, probs, 8, budget, lead, n, block_width=w)
+        block = TreeBlock.dead(budget, w, True, "cuda")
+        grow_tree(tokens.cuda(), probs.cuda(), lead.cuda(), n.cuda(), 8, block, 15)
+        for f in FIELDS:
+            assert torch.equal(getattr(block, f).cpu(), getattr(want, f)), ("deep", seed, f)
