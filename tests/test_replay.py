@@ -214,7 +214,7 @@ def test_the_replay_commands_policies_cross_lookup_depths_and_periodic_with_tree
     import argparse
 
     from specpilot.drafting.cli import replay_policies
-    args = argparse.Namespace(tree_budgets=[0, 6], tree_width=4, ngram_maxes=[4], ngram_mins=[2], lookup_depths=[0, 6],
+    args = argparse.Namespace(tree_budgets=[0, 6], tree_width=4, ngram_maxes=[4], ngram_mins=[2], lookup_depths=[0, 6, 9],
                               periodic=True, gates=[(2, 0.5)])
     lookups = ["lookup n>=2", "lookup gated top2|p<0.5 n>=2"]
     assert [p.label for p in replay_policies(args)] == (

@@ -111,7 +111,7 @@ def _gates(text: str) -> list[tuple[int, float]]:
 
 def replay_policies(args: argparse.Namespace) -> list:
     """The replay command's LookupPolicy list: per tree budget the block alone, then each lookup variant (ngram_max
-    x ngram_min x lookup depth (trees) x periodic), ungated and under each gate."""
+    x ngram_min x lookup depth (trees no shallower than it) x periodic), ungated and under each gate."""
     from specpilot.drafting.replay import LookupPolicy
     from specpilot.engines.drafters.ngram_prefix import LeadGate
 
@@ -121,7 +121,7 @@ def replay_policies(args: argparse.Namespace) -> list:
         policies.append(LookupPolicy(lookup=False, **kw))
         for n_max, n, depth, periodic in itertools.product(args.ngram_maxes, args.ngram_mins, args.lookup_depths,
                                                            (False, True) if args.periodic else (False,)):
-            if n > n_max or depth and not budget:
+            if n > n_max or depth and not depth <= budget:  # chains: no lookup depth; deeper than the tree: moot
                 continue
             lookup = {**kw, "ngram_min": n, "ngram_max": n_max, "lookup_depth": depth, "periodic": periodic}
             policies.append(LookupPolicy(**lookup))
