@@ -126,8 +126,8 @@ ${EXTRA//@D@/$d}"
     done
   done
   [ -n "${TWO_LEVEL:-}" ] && drafters="$drafters
-  - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}
-  [ -n "${ONLY_EXTRA:-}" ] && drafters="${EXTRA//@D@/$d}"  # EXTRA's lines alone"
+  - {kind: block, model: {path: $d}, engine: {verify: two_level, tree_budget: 32, level_one_keep: 16, position_ordered_attention: true}}"
+  [ -n "${ONLY_EXTRA:-}" ] && drafters="${EXTRA//@D@/$d}"  # EXTRA's lines alone
   python3 -m specpilot.bench.cli bench --deployment "$(dep block "$drafters")" --out "$OUT/bench_block" \
     > "$OUT/bench_block.txt" 2>&1; echo "bench rc=$?"; tail -30 "$OUT/bench_block.txt"
 }

@@ -234,7 +234,7 @@ def test_windowed_attention_sees_the_last_window_keys_only(T, base, window, spli
     anc = torch.ones(T, T, dtype=torch.bool)  # the drafter's non-causal block
     o = K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), torch.tensor([base], device=DEV), anc.to(DEV),
                     split_keys=split, block_n=bn, window=window)
-    want = K.attention_ref(q, kc.nan_to_num(), vc.nan_to_num(), base, anc, window=window)
+    want = K.attention_ref(q.cpu(), kc.cpu().nan_to_num(), vc.cpu().nan_to_num(), base, anc, window=window)
     assert_close(o.cpu(), want, dtype)
     if window >= base:
         assert torch.equal(o, K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), base, anc.to(DEV), split_keys=split,

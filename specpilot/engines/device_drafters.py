@@ -212,11 +212,13 @@ def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constex
         best = tl.maximum(best, tl.max(tl.where(m >= NMIN, (m << MATCH_SHIFT) + e, -1), 0))
     first = tl.where(best >= 0, best & MATCH_START, length)
     k = tl.arange(0, KP)
+    n = tl.minimum(length - first, K)
     if PERIODIC:  # NgramDrafter(periodic): past the context's end the last length - first tokens repeat
         tl.store(draft_ptr + k, tl.load(tok_ptr + first + k % tl.maximum(length - first, 1), mask=k < K), mask=k < K)
-        return first, tl.where(best >= 0, K, 0)
-    tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
-    return first, tl.where(best >= 0, tl.minimum(length - first, K), 0)
+        n = tl.maximum(n, K)  # (one return, one type: the compiler refuses int32 in one branch, int64 in the other)
+    else:
+        tl.store(draft_ptr + k, tl.load(tok_ptr + first + k, mask=k < K), mask=k < K)
+    return first, tl.where(best >= 0, n, 0)
 
 
 @triton.jit
