@@ -505,11 +505,16 @@ def test_launch_params():
         fields = set(p.as_kwargs())
         assert set(cls.T_NEUTRAL) <= fields and set(cls.SEARCH_SPACE) <= fields
     # block_n/split_keys set the order; row tiles run in turn by one program keep each tile's dots
-    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows"}
+    # (slot_stages: the stages of block_slots launches, whose dots are the same: tests/test_kernel_codegen.py)
+    assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows",
+                                                "slot_stages"}
     with pytest.raises(ValueError, match="tiles_per_program"):
         K.AttentionParams(tiles_per_program=3)
     with pytest.raises(ValueError, match="tile_rows"):
         K.AttentionParams(tile_rows=64)  # 64-row tiles compile to wgmma: other bits
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="slot_stages"):
+            K.AttentionParams(slot_stages=bad)
     with pytest.raises(ValueError, match="num_stages"):
         K.LinearParams(num_stages=0)
     with pytest.raises(ValueError, match="split_keys"):

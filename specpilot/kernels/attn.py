@@ -54,9 +54,16 @@ class AttentionParams(LaunchParams):
     # the same MMA v2 instructions as a 16-row tile's (tests/test_kernel_codegen.py; the paged kernel's 32-row
     # tiles gave the 16-row bits on an H200, session 18): T-neutral. 64 rows would take wgmma: other bits.
     tile_rows: int = BLOCK_M
-    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows")
+    # num_stages of launches with block_slots (position-ordered attention): one 64-key block a split leaves nothing to
+    # pipeline, and one stage compiles to 99 registers a thread against 168 (scripts/attn_registers.py). On the H200
+    # (session 39, real SmolLM2, 40 requests) the 16-row tree's verify step 0.938 -> 0.893 ms, the 32-row one's
+    # 1.126 -> 1.055; launches without block_slots (chains, AR) lose ~2% at one stage and keep num_stages.
+    slot_stages: int = 1
+    T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
+                                            "slot_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
+                                                "slot_stages": (1, 2),
                                                 "tiles_per_program": (1, 2, 4), "tile_rows": ATTENTION_ROW_TILES}
 
     def __post_init__(self) -> None:
@@ -67,6 +74,8 @@ class AttentionParams(LaunchParams):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
         if self.tile_rows not in ATTENTION_ROW_TILES:
             raise ValueError(f"tile_rows={self.tile_rows!r} must be one of {ATTENTION_ROW_TILES}")
+        if isinstance(self.slot_stages, bool) or not isinstance(self.slot_stages, int) or self.slot_stages < 1:
+            raise ValueError(f"slot_stages={self.slot_stages!r} must be a positive int")
 
 
 @triton.jit
@@ -325,7 +334,8 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1
+              ) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -337,7 +347,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     context window), 0 all of them. Not with block_slots.
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
-                             tiles_per_program=tiles_per_program, tile_rows=tile_rows)
+                             tiles_per_program=tiles_per_program, tile_rows=tile_rows, slot_stages=slot_stages)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -373,7 +383,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, WINDOWED=window > 0,
         **NO_FP_FUSION,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(dev))
+        num_warps=num_warps, num_stages=slot_stages if has_slots else num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
         SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION, **pdl_launch(dev))
