@@ -266,6 +266,33 @@ def test_a_lookup_deeper_than_the_block_leads_the_tree_past_its_depth():
             cfg(**bad)
 
 
+def test_a_step_verifies_the_wide_tree_only_where_the_step_two_before_accepted_enough():
+    """narrow_tree_budget: each step's tree budget follows from the step two before it (wide where it accepted >=
+    wide_tree_after draft tokens), so the host loop and overlapped one-step chunks (whose next chunk is queued before
+    the current one is read) verify the same shapes and accept the same; the tokens are AR's."""
+    model = damped("gqa", 1)
+    drafter = quick_drafter(model, 1, 40)
+    p = prompt(model.shape.vocab, 10, 1) * 2
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=16), model, NO_EOS,
+                        "cpu").generate(p, 90).tokens
+    kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, ngram_prefix=True, ngram_min=2,
+              lookup_depth=15, lookup_periodic=True, device_steps=1, token_tile=16)  # one forward: 16 rows
+    host, device = (engine(model, drafter, device_overlap=o, **kw).generate(p, 90) for o in (False, True))
+    assert host.tokens == device.tokens == want
+    end = len(p) + 90 - 16  # the host loop drafts no deeper than the tokens left: compared before
+    shapes = [(s.accepted, s.verify_tokens) for s in host.steps if s.position <= end]
+    assert [(s.accepted, s.verify_tokens) for s in device.steps if s.position <= end] == shapes
+    assert sum(s.draft_s == 0 for s in device.steps) >= len(device.steps) - 2  # on the device
+    for j, (acc, rows) in enumerate(shapes):
+        assert rows == (16 if j >= 2 and shapes[j - 2][0] >= 3 else 8), j
+    assert {rows for _, rows in shapes} == {8, 16} and max(acc for acc, _ in shapes) > 7
+    for bad, why in ((dict(kw, device_steps=4), "device_steps=1"), (dict(kw, narrow_tree_budget=15), "1..tree_budget"),
+                     (dict(kw, device_tree="calibrated"), "per_step"), (dict(kw, wide_tree_after=-1), "wide_tree_after"),
+                     (dict(kw, narrow_tree_budget=True), "narrow_tree_budget")):
+        with pytest.raises(ConfigError, match=why):
+            cfg(**bad)
+
+
 @pytest.mark.parametrize("lookup_depth", [0, 7])
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth):
     """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led (also past the block's depth),
@@ -519,7 +546,8 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (graph capture)")
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
                                   "prefix tree overlap", "grown tree", "prefix grown tree overlap",
-                                  "windowed prefix grown tree overlap", "deep periodic prefix grown tree overlap"])
+                                  "windowed prefix grown tree overlap", "deep periodic prefix grown tree overlap",
+                                  "switched prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -532,17 +560,23 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
             "prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True},
             "windowed prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True, "drafter_window": 8},
             "deep periodic prefix grown tree overlap": {**PER_STEP, "ngram_prefix": True, "lookup_depth": 7,
-                                                        "lookup_periodic": True}}.get(kind, {})
+                                                        "lookup_periodic": True},
+            "switched prefix grown tree overlap": {**PER_STEP, "tree_budget": 15, "narrow_tree_budget": 7,
+                                                   "wide_tree_after": 2, "ngram_prefix": True, "lookup_depth": 15,
+                                                   "lookup_periodic": True}}.get(kind, {})
     overlap = kind.endswith("overlap")
-    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=4, device_overlap=overlap, **over)
+    c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=1 if "switched" in kind else 4,
+            device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
-                       device_tree="calibrated", lookup_depth=0)
+                       device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
     eng.warm_up(p, 2)
     graphs = set(eng.device_loop._graphs)
-    assert graphs == {(k, o) for k in (1, 2, 4) for o in ((0, 1, 2) if overlap else (0,))}
+    budgets = sorted(eng.device_loop._grown) or [0]  # grown trees' budgets (two when switched), else 0
+    assert graphs == {(k, o, b) for k in (1, 2, 4) if k <= c.device_steps for o in ((0, 1, 2) if overlap else (0,))
+                      for b in budgets}
     for _ in range(2):
         r = eng.generate(p, 60)
         assert r.tokens == want and set(eng.device_loop._graphs) == graphs
@@ -557,7 +591,7 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     loop = stopped.device_loop
     assert loop.ctl[2].item() == 0
     if overlap:
-        assert isinstance(loop._graphs[1, 1].graph, GuardedGraph) and r.steps[-1].draft_s == 0
+        assert isinstance(loop._graphs[1, 1, loop.budget].graph, GuardedGraph) and r.steps[-1].draft_s == 0
         assert loop.state[1].item() == r.steps[-1].position + r.steps[-1].accepted
 
 

@@ -11,7 +11,7 @@ from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate, NgramPrefixDrafter
-from specpilot.engines.engine import SpecEngine
+from specpilot.engines.engine import SpecEngine, StepBudgets
 from specpilot.engines.hybrid.build import build_hybrid_engine
 from specpilot.engines.hybrid.config import HybridConfig
 from specpilot.engines.hybrid.model import HybridModel
@@ -75,8 +75,11 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
+    budgets = None
+    if cfg.narrow_tree_budget and isinstance(drafter, (BlockTreeDrafter, NgramPrefixDrafter)):
+        budgets = StepBudgets(cfg.narrow_tree_budget, cfg.tree_budget, cfg.wide_tree_after)
     return SpecEngine(runner, drafter, eos, policy=policy, ar_steps=cfg.ar_steps,
-                      device_loop=device_loop(cfg, runner, drafter))
+                      device_loop=device_loop(cfg, runner, drafter), budgets=budgets)
 
 
 def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop | None:
@@ -97,6 +100,7 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
         return None
     try:
         return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter),
-                          overlap=cfg.device_overlap, per_step=cfg.device_tree is DeviceTree.PER_STEP)
+                          overlap=cfg.device_overlap, per_step=cfg.device_tree is DeviceTree.PER_STEP,
+                          narrow=cfg.narrow_tree_budget)
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

@@ -176,6 +176,13 @@ class EngineConfig(ConfigOps):
     # the text since the occurrence, so a loop shorter than the draft fills it (replayed on SmolLM2's H200 outputs,
     # 32 rows with lookup_depth 31: 6.70 -> 7.70 tokens/step; 16 rows: unchanged).
     lookup_periodic: bool = False
+    # Grown trees, one step a chunk (device_steps 1): a step verifies this narrower tree unless the step two before it
+    # accepted at least wide_tree_after draft tokens; then tree_budget's (0: tree_budget's always). Loops announce
+    # themselves a step ahead, and only there a wide deep tree pays for its costlier verify (replayed with the H200's
+    # step costs: 16 / 32 rows 3.46x / 3.44x, switched 3.77x; scripts/replay_adaptive_rows.py). Two steps back is
+    # what the host knows when it queues an overlapped chunk, so host and device loops take the same steps.
+    narrow_tree_budget: int = 0
+    wide_tree_after: int = 8
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
     kernel_backend: KernelBackend = KernelBackend.TORCH
@@ -255,6 +262,15 @@ class EngineConfig(ConfigOps):
                                       and self.device_tree is DeviceTree.PER_STEP):
             raise ConfigError(f"lookup_depth={self.lookup_depth} lets ngram_prefix's match lead a grown tree past the "
                               "block's depth: it needs ngram_prefix=true, verify=tree and device_tree=per_step")
+        _check(not isinstance(self.narrow_tree_budget, bool) and isinstance(self.narrow_tree_budget, int),
+               f"narrow_tree_budget={self.narrow_tree_budget!r}: must be an int")
+        if self.narrow_tree_budget and not (
+                self.verify is VerifyMode.TREE and self.device_tree is DeviceTree.PER_STEP and self.device_steps == 1
+                and 1 <= self.narrow_tree_budget < self.tree_budget):
+            raise ConfigError(f"narrow_tree_budget={self.narrow_tree_budget}: a grown tree (verify=tree, device_tree="
+                              f"per_step) one step a chunk (device_steps=1), in 1..tree_budget-1 ({self.tree_budget - 1})")
+        _check(not isinstance(self.wide_tree_after, bool) and isinstance(self.wide_tree_after, int)
+               and 0 <= self.wide_tree_after <= 64, f"wide_tree_after={self.wide_tree_after!r}: must be an int in 0..64")
         if self.lookup_depth and self.lookup_depth < (self.tree_depth or self.block_size - 1):
             raise ConfigError(f"lookup_depth={self.lookup_depth}: below the block's depth "
                               f"({self.tree_depth or self.block_size - 1}); 0 means the block's depth")
@@ -278,7 +294,7 @@ class EngineConfig(ConfigOps):
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "device_steps",
         "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
-        "lookup_periodic")
+        "lookup_periodic", "narrow_tree_budget", "wide_tree_after")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

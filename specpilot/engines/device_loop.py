@@ -96,6 +96,8 @@ class LoopSteps:
     topk_probs: np.ndarray
     seconds: float  # wall time of the k steps, host round trip included
     stopped: bool = False  # the device saw the request stop in these steps (with stop_on): steps past it are cut
+    nodes: int = 0  # draft nodes a step verified (the block's rows - 1)
+    max_depth: int = 0  # the deepest a step's path could reach
 
 
 class Glue(NamedTuple):
@@ -124,6 +126,9 @@ class LoopGraph:
 class Chunk:
     """A launched chunk of steps: its graph (None: ran eagerly, `eager` holds its packed outputs)."""
     steps: int
+    depth_rows: int  # the shape it ran: a step's most committed tokens, its draft nodes, its deepest path
+    nodes: int
+    max_depth: int
     graph: LoopGraph | None = None
     eager: torch.Tensor | None = None
 
@@ -137,7 +142,7 @@ class DeviceLoop:
     chunk before reading the current one."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
-                 spine: bool = False, overlap: bool = False, per_step: bool = False):
+                 spine: bool = False, overlap: bool = False, per_step: bool = False, narrow: int = 0):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
@@ -148,11 +153,16 @@ class DeviceLoop:
         self.state, self.ctl = self.loop_state[:2], self.loop_state[2:]
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
-        self._graphs: dict[tuple[int, int], LoopGraph] = {}  # (steps, origin)
+        self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
+        # grown trees: budget -> (block, max depth); two with a narrow budget (EngineConfig.narrow_tree_budget)
+        self._grown: dict[int, tuple[TreeBlock, int]] = {}
+        self.budget = 0  # the grown tree's budget the next chunk runs (0: a static tree or chain)
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
         if self.per_step:
-            self._grow_per_step(tree)
+            self._grow_per_step(tree, narrow)
+        elif narrow:
+            raise ValueError("a narrow tree budget needs trees grown per step")
         elif tree is not None:
             self._check(tree.budget + 1)
         else:
@@ -189,8 +199,9 @@ class DeviceLoop:
     def fits(self, base: int, steps: int) -> bool:
         """Whether `steps` steps from slot `base` stay inside the target's view and the drafter's cache (each step
         advances at most depth + 1 slots and writes a block past its base)."""
-        last = base + (steps - 1) * self.depth_rows
-        return last + self.runner.block_width <= self.runner.view_slots and last + self.width <= self.drafter.capacity
+        rows, width = self._extent()
+        last = base + (steps - 1) * rows
+        return last + self.runner.block_width <= self.runner.view_slots and last + width <= self.drafter.capacity
 
     def chunk_steps(self, remaining: int) -> int:
         """Steps of a chunk with at most `remaining` tokens left: each step commits >= 1 token, so k <= remaining
@@ -207,28 +218,35 @@ class DeviceLoop:
         return self._collect(self._launch(seq, steps, remaining=remaining), base, t0)
 
     @torch.no_grad()
-    def stream(self, seq: list[int], remaining: int) -> Iterator[LoopSteps]:
+    def stream(self, seq: list[int], remaining: int, budget_of: Callable[[int], int] | None = None
+               ) -> Iterator[LoopSteps]:
         """Chunks of steps from seq's last token while at most `remaining` tokens are left, as run() gives them.
         The caller commits each chunk's tokens to seq before taking the next and closes the stream at a stop
         (contextlib.closing). Without overlap: one chunk. With it, each next chunk is queued before the current one
         is read, from an upper bound of where the current one ends; a closed stream waits for the chunk queued
-        behind (its steps are dropped: the stop's cost)."""
+        behind (its steps are dropped: the stop's cost). budget_of(i): the grown tree budget of the stream's i-th
+        chunk, asked when it is queued (one of the loop's budgets; None: the current one)."""
         base = len(seq) - 1
         steps = self.chunk_steps(remaining)
         self._check_fits(base, steps)
         if self.overlap:
             self.capture_all()  # between chunks the device is busy: no capture may run there
         t0 = time.perf_counter()
+        if budget_of is not None:
+            self.use_budget(budget_of(0))
         pending = self._launch(seq, steps, remaining=remaining)
-        queued_steps, upper, parity, queued = steps, base, 0, None
+        queued_steps, upper, parity, queued, chunks = steps, base, 0, None, 1
         ran = 0  # steps run since the chunk from the host (the device's count is cumulative)
         try:
             while True:
-                upper += pending.steps * self.depth_rows  # where `pending` ends at the most
+                upper += pending.steps * pending.depth_rows  # where `pending` ends at the most
                 left = remaining - queued_steps  # each queued step commits >= 1 token
                 queued = None
                 if self.overlap and left > 1 and self.fits(upper, self.chunk_steps(left)):
+                    if budget_of is not None:
+                        self.use_budget(budget_of(chunks))
                     queued = self._launch(None, self.chunk_steps(left), CONTINUING[parity])
+                    chunks += 1
                     queued_steps, parity = queued_steps + queued.steps, 1 - parity
                 res = self._collect(pending, base, t0, ran)
                 t0 = time.perf_counter()
@@ -249,11 +267,23 @@ class DeviceLoop:
         if not self.use_graphs or not self.ready:
             return 0
         origins = (FROM_HOST, *CONTINUING) if self.overlap else (FROM_HOST,)
-        todo = [(k, o) for k in (1 << i for i in range(self.max_steps.bit_length())) if k <= self.max_steps
-                for o in origins if (k, o) not in self._graphs]
-        for k, o in todo:
-            self._capture(k, o)
-        return len(todo)
+        current, todo = self.budget, 0
+        for budget in sorted(self._grown) or [self.budget]:
+            self.use_budget(budget)
+            for k, o in [(k, o) for k in (1 << i for i in range(self.max_steps.bit_length())) if k <= self.max_steps
+                         for o in origins if (k, o, budget) not in self._graphs]:
+                self._capture(k, o)
+                todo += 1
+        self.use_budget(current)
+        return todo
+
+    def use_budget(self, budget: int) -> None:
+        """The grown tree budget (one the loop was built with) the next launched chunk verifies."""
+        if budget != self.budget:
+            if budget not in self._grown:
+                raise ValueError(f"device loop: no grown tree of {budget} nodes (it has {sorted(self._grown)})")
+            self._use(self._grown[budget][0], False, self._grown[budget][1])
+            self.budget = budget
 
     # ---- internals ------------------------------------------------------------------------------------
     def _check_fits(self, base: int, steps: int) -> None:
@@ -273,14 +303,14 @@ class DeviceLoop:
         if not self.use_graphs:
             if origin == FROM_HOST:
                 self.loop_state.copy_(torch.tensor(start))
-            return Chunk(steps, eager=self._steps(steps))
-        g = self._graphs.get((steps, origin)) or self._capture(steps, origin)
+            return Chunk(steps, *self._shape, eager=self._steps(steps))
+        g = self._graphs.get((steps, origin, self.budget)) or self._capture(steps, origin)
         if origin == FROM_HOST:
             g.done.synchronize()  # the previous replay has read host_state
             g.host_state.numpy()[:] = start
         g.graph.replay()
         g.done.record()
-        return Chunk(steps, graph=g)
+        return Chunk(steps, *self._shape, graph=g)
 
     def _wait(self, chunk: Chunk) -> None:
         if chunk.graph is not None:
@@ -294,12 +324,13 @@ class DeviceLoop:
             packed = chunk.graph.host_out.numpy().copy()
         else:
             packed = chunk.eager.cpu().numpy().copy()
-        out, ctl = self._unpack(packed, chunk.steps)
+        out, ctl = self._unpack(packed, chunk.steps, chunk.depth_rows)
         stopped = False
         if self.stop is not None:
             ran = int(ctl[1]) - ran_before
             out, stopped = [a[:ran] for a in out], not ctl[2]
-        res = LoopSteps(*out, seconds=time.perf_counter() - t0, stopped=stopped)
+        res = LoopSteps(*out, seconds=time.perf_counter() - t0, stopped=stopped, nodes=chunk.nodes,
+                        max_depth=chunk.max_depth)
         self.drafter.end(base + int(res.accepted.sum()) + len(res.accepted))
         return res
 
@@ -322,17 +353,20 @@ class DeviceLoop:
         node_src = (np.asarray(lay.depths[1:]) - 1) * self.drafter.topk + np.asarray(tree.ranks)  # flat top-k index
         self._use(TreeBlock.build(node_src, lay.parents, lay.depths, lay.anc, v.width, self._block_slots, r.device),
                   lay.chain, lay.max_depth)
+        self._graphs.clear()
         self.tree = tree
 
-    def _grow_per_step(self, shape: TreeShape) -> None:
+    def _grow_per_step(self, shape: TreeShape, narrow: int = 0) -> None:
         """Trees grown every step from the step's own candidates (tree_grow): the deepest a path can reach is the
-        drafter's depth or the budget."""
-        if shape.width > self.drafter.topk or shape.budget > MAX_GROWN_NODES:
+        drafter's depth or the budget. narrow: a second, smaller budget a chunk may verify instead (use_budget)."""
+        if shape.width > self.drafter.topk or shape.budget > MAX_GROWN_NODES or not 0 <= narrow < shape.budget:
             raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
-                             f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budget {shape.budget}")
-        width = self._check(shape.budget + 1)
-        self._use(TreeBlock.dead(shape.budget, width, self._block_slots, self.runner.device), False,
-                  min(self.drafter.depth, shape.budget))
+                             f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budget {shape.budget} (narrow "
+                             f"{narrow})")
+        for budget in (shape.budget, narrow) if narrow else (shape.budget,):
+            block = TreeBlock.dead(budget, self._check(budget + 1), self._block_slots, self.runner.device)
+            self._grown[budget] = block, min(self.drafter.depth, budget)
+        self.use_budget(shape.budget)
 
     @property
     def _block_slots(self) -> bool:
@@ -346,7 +380,16 @@ class DeviceLoop:
         self.max_depth = max_depth
         self.depth_rows = max_depth + 1  # root + the deepest path: a step's most committed tokens
         self.slots = torch.arange(self.width, device=d)
-        self._graphs.clear()
+
+    @property
+    def _shape(self) -> tuple[int, int, int]:
+        """(depth_rows, draft nodes, max_depth) of the shape the next chunk runs: a Chunk's."""
+        return self.depth_rows, self.block.rows - 1, self.max_depth
+
+    def _extent(self) -> tuple[int, int]:
+        """(most tokens a step commits, block width) over every shape a chunk may run."""
+        shapes = [(d + 1, b.positions.shape[0]) for b, d in self._grown.values()] or [(self.depth_rows, self.width)]
+        return max(r for r, _ in shapes), max(w for _, w in shapes)
 
     def _steps(self, steps: int) -> torch.Tensor:
         """`steps` steps from self.state, all on the device -> their outputs and ctl packed as int32 words in one
@@ -362,17 +405,17 @@ class DeviceLoop:
                  for t in (*path_tokens, *accepted, *proposed, *top_tokens, self.ctl)]
         return torch.cat(words + [t.to(torch.float32).reshape(-1).view(torch.int32) for t in top_probs])
 
-    def _packing(self, steps: int) -> list[tuple[tuple[int, ...], type, int]]:
-        """(shape, dtype, int32 words) of each packed column, in _steps' order."""
+    def _packing(self, steps: int, depth_rows: int | None = None) -> list[tuple[tuple[int, ...], type, int]]:
+        """(shape, dtype, int32 words) of each packed column, in _steps' order (depth_rows: the chunk's shape's)."""
         depth, topk = self.drafter.depth, self.drafter.topk
-        cols = [((steps, self.depth_rows), np.int64), ((steps,), np.int64), ((steps,), np.int64),
+        cols = [((steps, depth_rows or self.depth_rows), np.int64), ((steps,), np.int64), ((steps,), np.int64),
                 ((steps, depth, topk), np.int64), ((3,), np.int64), ((steps, depth, topk), np.float32)]
         return [(shape, dt, int(np.prod(shape)) * np.dtype(dt).itemsize // 4) for shape, dt in cols]
 
-    def _unpack(self, packed: np.ndarray, steps: int) -> tuple[list[np.ndarray], np.ndarray]:
+    def _unpack(self, packed: np.ndarray, steps: int, depth_rows: int) -> tuple[list[np.ndarray], np.ndarray]:
         """_steps' int32 words -> (path tokens, accepted, proposed, top-k tokens, top-k probs), ctl."""
         cols, at = [], 0
-        for shape, dtype, words in self._packing(steps):
+        for shape, dtype, words in self._packing(steps, depth_rows):
             cols.append(packed[at:at + words].view(dtype).reshape(shape))
             at += words
         if at != packed.shape[0]:
@@ -432,7 +475,7 @@ class DeviceLoop:
             graph = graph_if.GuardedGraph(graph, self.ctl[2:])
         for b, copy in zip(buffers, saved):
             b.copy_(copy)
-        g = self._graphs[steps, origin] = LoopGraph(graph, host_state if origin == FROM_HOST else None, host_out,
+        g = self._graphs[steps, origin, self.budget] = LoopGraph(graph, host_state if origin == FROM_HOST else None, host_out,
                                                     torch.cuda.Event())
         g.done.record()
         return g

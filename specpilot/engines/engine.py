@@ -63,13 +63,27 @@ class GenerationResult:
 AR_STEPS_PER_SYNC = 4
 
 
+@dataclass(frozen=True)
+class StepBudgets:
+    """EngineConfig.narrow_tree_budget: step j verifies a tree of `wide` nodes where step j - 2 accepted at least
+    `after` draft tokens, else of `narrow` (two steps back: known to the host when it queues an overlapped chunk)."""
+    narrow: int
+    wide: int
+    after: int
+
+    def budget(self, steps: list[StepTrace], j: int) -> int:
+        return self.wide if j >= 2 and steps[j - 2].accepted >= self.after else self.narrow
+
+
 class SpecEngine:
-    """AR decoding when drafter is None; otherwise speculative decoding with greedy verification."""
+    """AR decoding when drafter is None; otherwise speculative decoding with greedy verification. budgets: a tree
+    budget per step (block drafters' grown trees), else the drafter's own."""
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, eos: frozenset[int], max_depth: int = 64,
                  policy: EnginePolicy = STOCK, ar_steps: int = AR_STEPS_PER_SYNC,
-                 device_loop: DeviceLoop | None = None):
+                 device_loop: DeviceLoop | None = None, budgets: StepBudgets | None = None):
         self.target, self.drafter, self.eos, self.policy = target, drafter, frozenset(eos), policy
+        self.budgets = budgets
         self.max_depth = min(max_depth, target.block_width - 1)
         # Several AR steps per sync need a runner that can chain them, and the stock accept (a policy that
         # rewrites acceptance must see every step).
@@ -148,7 +162,10 @@ class SpecEngine:
                 continue
             loop = self.device_loop
             if loop is not None and loop.ready and remaining > 1 and loop.fits(base, loop.chunk_steps(remaining)):
-                with contextlib.closing(loop.stream(seq, remaining)) as chunks:  # closing: a queued chunk ends
+                first = len(steps)  # the stream's i-th chunk is this request's step first + i (one step a chunk)
+                budget_of = None if self.budgets is None else (
+                    lambda i: self.budgets.budget(steps, first + i))  # noqa: E731
+                with contextlib.closing(loop.stream(seq, remaining, budget_of)) as chunks:  # closing: queued ends
                     for res in chunks:
                         stop = self._commit_loop_steps(res, len(seq) - 1, seq, out, steps, max_new_tokens,
                                                        request_id)
@@ -157,7 +174,9 @@ class SpecEngine:
                 continue
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
-            tree = self.policy.shape_tree(self.drafter.propose(seq, depth)) if self.drafter and depth > 0 else DraftTree()
+            budget = {} if self.budgets is None else {"budget": self.budgets.budget(steps, len(steps))}
+            tree = (self.policy.shape_tree(self.drafter.propose(seq, depth, **budget)) if self.drafter and depth > 0
+                    else DraftTree())
             if loop is not None and not loop.ready and tree.topk_probs:
                 loop.calibrate(tree.topk_probs)  # a tree device loop's static shape, from the host steps' drafts
             tv = time.perf_counter()
@@ -189,14 +208,14 @@ class SpecEngine:
         """Commits a device loop's steps in order up to a stop; their wall time is shared equally (in verify_s:
         draft and verify are not timed apart on the device). Returns the stop reason ("" to go on)."""
         loop = self.device_loop
-        per_step, nodes = res.seconds / len(res.accepted), loop.block.rows - 1
+        per_step, nodes = res.seconds / len(res.accepted), res.nodes
         for i, acc in enumerate(res.accepted.tolist()):
             new, stopped = self.policy.commit(res.path_tokens[i, :acc + 1].tolist(), self.eos,
                                               max_new_tokens - len(out))
             drafted = int(res.proposed[i]) if loop.chain else nodes  # a chain's filler depths are not drafts
             steps.append(StepTrace(
                 request_id=request_id, step=len(steps), position=base + 1, drafted=drafted,
-                depth=drafted if loop.chain else loop.max_depth, accepted=acc, committed=len(new),
+                depth=drafted if loop.chain else res.max_depth, accepted=acc, committed=len(new),
                 verify_tokens=nodes + 1, draft_s=0.0, verify_s=per_step,
                 topk_tokens=res.topk_tokens[i, :drafted].tolist(), topk_probs=res.topk_probs[i, :drafted].tolist()))
             seq.extend(new)

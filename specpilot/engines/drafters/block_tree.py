@@ -194,16 +194,18 @@ class BlockTreeDrafter:
                                 keep=(ints,))
         return self._graph
 
-    def propose(self, context: list[int], max_depth: int) -> DraftTree:
+    def propose(self, context: list[int], max_depth: int, budget: int | None = None) -> DraftTree:
+        """budget: this step's tree budget (EngineConfig.narrow_tree_budget), else the shape's."""
         tokens, probs = self.candidates(context, max_depth)
-        return self.tree_of(tokens, probs) if tokens else DraftTree()
+        return self.tree_of(tokens, probs, budget) if tokens else DraftTree()
 
     def candidates(self, context: list[int], max_depth: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k tokens and probabilities of the depths after the context's last (pending) token."""
         depth = min(self.shape.depth, max_depth)
         return self.distributions(context[-1], len(context) - 1, depth) if depth > 0 else ([], [])
 
-    def tree_of(self, topk_tokens: list[list[int]], topk_probs: list[list[float]]) -> DraftTree:
+    def tree_of(self, topk_tokens: list[list[int]], topk_probs: list[list[float]], budget: int | None = None
+                ) -> DraftTree:
         """The draft of per-depth candidates (best first): the top-1 chain, or the best-first tree in budget."""
         if not self.shape.tree:
             scores, p = [], 1.0
@@ -212,6 +214,6 @@ class BlockTreeDrafter:
                 scores.append(p)
             return DraftTree.chain([t[0] for t in topk_tokens], scores, topk_tokens=topk_tokens, topk_probs=topk_probs)
         w = self.shape.width  # at most `width` candidates per depth = at most `width` children per node
-        tree = best_first_tree([t[:w] for t in topk_tokens], [p[:w] for p in topk_probs], self.shape.budget)
+        tree = best_first_tree([t[:w] for t in topk_tokens], [p[:w] for p in topk_probs], budget or self.shape.budget)
         return DraftTree(list(tree.tokens), list(tree.parents), list(tree.scores), topk_tokens=topk_tokens,
                          topk_probs=topk_probs)
