@@ -57,13 +57,13 @@ class AttentionParams(LaunchParams):
     # num_stages of launches with block_slots (position-ordered attention): one 64-key block a split leaves nothing to
     # pipeline, and one stage compiles to 99 registers a thread against 168 (scripts/attn_registers.py). On the H200
     # (session 39, real SmolLM2, 40 requests) the 16-row tree's verify step 0.938 -> 0.893 ms, the 32-row one's
-    # 1.126 -> 1.055; launches without block_slots (chains, AR) lose ~2% at one stage and keep num_stages.
+    # 1.126 -> 1.055; launches without block_slots (chains, AR) lose ~2% at one stage and keep num_stages. Not in
+    # the search space: the tuner's attention microbench (kernels/bench.py) launches without block_slots.
     slot_stages: int = 1
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
                                             "slot_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
-                                                "slot_stages": (1, 2),
                                                 "tiles_per_program": (1, 2, 4), "tile_rows": ATTENTION_ROW_TILES}
 
     def __post_init__(self) -> None:
