@@ -293,10 +293,10 @@ def test_a_step_verifies_the_wide_tree_only_where_the_step_two_before_accepted_e
             cfg(**bad)
 
 
-@pytest.mark.parametrize("lookup_depth", [0, 7])
+@pytest.mark.parametrize("lookup_depth", [0, 7, "switched"])
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth):
-    """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led (also past the block's depth),
-    where the CPU loop runs their torch references."""
+    """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led (also past the block's depth,
+    and switching between a 16- and an 8-row tree per step), where the CPU loop runs their torch references."""
     import specpilot.engines.device_loop as device_loop
 
     monkeypatch.setattr(device_loop, "grow_tree_ref", device_loop.grow_tree)
@@ -305,13 +305,17 @@ def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth
     monkeypatch.setattr(device_loop, "tree_move_ref", device_loop.tree_move)
     model = damped("gqa", 1)
     p = prompt(model.shape.vocab, 10, 1) * 2
-    want = build_engine(cfg(drafter="none", position_ordered_attention=True), model, NO_EOS, "cpu").generate(
-        p, 40).tokens
-    eng = engine(model, quick_drafter(model, 1, 40), device_steps=4, ngram_prefix=True, lookup_depth=lookup_depth,
-                 **PER_STEP)
+    switched = dict(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, lookup_depth=15, lookup_periodic=True,
+                    device_steps=1, device_overlap=True, token_tile=16)
+    kw = switched if lookup_depth == "switched" else dict(device_steps=4, lookup_depth=lookup_depth)
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=kw.get("token_tile", 8)),
+                        model, NO_EOS, "cpu").generate(p, 40).tokens
+    eng = engine(model, quick_drafter(model, 1, 40), ngram_prefix=True, **{**PER_STEP, **kw})
     r = eng.generate(p, 40)
     device = [s for s in r.steps if s.draft_s == 0]
     assert r.tokens == want and device and any(s.accepted >= (4 if lookup_depth else 2) for s in device)
+    if lookup_depth == "switched":
+        assert {s.verify_tokens for s in device} == {8, 16}
 
 
 def test_tree_device_steps_with_the_glue_kernels_equal_ar(monkeypatch):
