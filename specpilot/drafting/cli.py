@@ -121,7 +121,7 @@ def replay_policies(args: argparse.Namespace) -> list:
         policies.append(LookupPolicy(lookup=False, **kw))
         for n_max, n, depth, periodic in itertools.product(args.ngram_maxes, args.ngram_mins, args.lookup_depths,
                                                            (False, True) if args.periodic else (False,)):
-            if n > n_max or depth and not depth <= budget:  # chains: no lookup depth; deeper than the tree: moot
+            if n > n_max or depth > budget:  # chains (budget 0): no lookup depth; deeper than the tree: moot
                 continue
             lookup = {**kw, "ngram_min": n, "ngram_max": n_max, "lookup_depth": depth, "periodic": periodic}
             policies.append(LookupPolicy(**lookup))
