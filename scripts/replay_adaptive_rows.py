@@ -6,7 +6,7 @@ python3 scripts/replay_adaptive_rows.py R [--window 256] [--ar-ms 0.699 --narrow
 32-row one whose periodic lookup leads up to 31 deep (lookup_depth 31, lookup_periodic). Rule `lag L >= A`: a step is
 wide when the step L before it accepted at least A draft tokens (L = 2: what the host knows when it queues an
 overlapped 1-step chunk); `+ match`: and the step's lookup matches (known on the device only). Speedup per request = AR ms/token x tokens / the steps' summed costs (the
-H200's measured ms a step, session 39), geometric mean over the requests; `narrow` / `wide`: one shape throughout.
+H200's measured ms a step, session 39), geometric mean over the requests; `narrow` / `wide`: one shape throughout; --wide-budget 47 / 63: a 48- / 64-row wide tree.
 """
 import argparse
 import math
@@ -21,12 +21,16 @@ ap.add_argument("--window", type=int, default=256)
 ap.add_argument("--ar-ms", type=float, default=0.699)
 ap.add_argument("--narrow-ms", type=float, default=0.948)
 ap.add_argument("--wide-ms", type=float, default=1.124)
+ap.add_argument("--wide-budget", type=int, default=31, help="the wide tree's nodes (its lookup leads as deep)")
+ap.add_argument("--rules", default="", help="comma-separated rule names to run (default: all)")
 args = ap.parse_args()
 refs, cands = saved_replay(args.replay_dir, window=args.window)
 NARROW = LookupPolicy(tree_budget=15, tree_width=8, ngram_min=2, ngram_max=8)
-WIDE = LookupPolicy(tree_budget=31, tree_width=8, ngram_min=2, ngram_max=8, lookup_depth=31, periodic=True)
+WB = args.wide_budget
+WIDE = LookupPolicy(tree_budget=WB, tree_width=8, ngram_min=2, ngram_max=8, lookup_depth=WB, periodic=True)
 RULES = [("narrow", None), ("wide", None)] + [(f"lag {lag} >= {a}{' + match' * m}", (lag, a, m))
                                                for m in (False, True) for lag in (1, 2) for a in (4, 8, 12)]
+RULES = [r for r in RULES if not args.rules or r[0] in args.rules.split(",")]
 
 
 def run(rule) -> tuple[float, float]:
@@ -36,16 +40,16 @@ def run(rule) -> tuple[float, float]:
         seq = list(ref.prompt) + list(ref.output)
         start, end = len(ref.prompt), len(seq) - 1
         tokens, probs = c.tokens.tolist(), c.probs.tolist()
-        lookup = NgramDrafter(31, 8, 2, periodic=True)
+        lookup = NgramDrafter(WB, 8, 2, periodic=True)
         a, ms, history = start, 0.0, []
         while a < end:
-            lead = lookup.propose(seq[:a + 1], 31).tokens
+            lead = lookup.propose(seq[:a + 1], WB).tokens
             name, r = rule
             wide = name == "wide" or r is not None and len(history) >= r[0] and history[-r[0]] >= r[1] and (
                 bool(lead) or not r[2])
             policy = WIDE if wide else NARROW
             acc = accepted_length(lead if wide else lead[:15], tokens[a - start], probs[a - start], None, policy,
-                                  seq[a + 1:a + 32])
+                                  seq[a + 1:a + WB + 1])
             history.append(acc)
             a += min(acc + 1, end - a)
             ms += args.wide_ms if wide else args.narrow_ms
