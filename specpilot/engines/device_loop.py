@@ -156,6 +156,7 @@ class DeviceLoop:
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
         # grown trees: budget -> (block, max depth); two with a narrow budget (EngineConfig.narrow_tree_budget)
         self._grown: dict[int, tuple[TreeBlock, int]] = {}
+        self._slots: dict[int, torch.Tensor] = {}  # block width -> its slot offsets 0..width-1 (see _use)
         self.budget = 0  # the grown tree's budget the next chunk runs (0: a static tree or chain)
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
@@ -379,7 +380,11 @@ class DeviceLoop:
         self.block, self.chain, self.width = block, chain, block.positions.shape[0]
         self.max_depth = max_depth
         self.depth_rows = max_depth + 1  # root + the deepest path: a step's most committed tokens
-        self.slots = torch.arange(self.width, device=d)
+        # One slots tensor a width, kept for good: captured graphs read it by address, so switching grown trees
+        # (use_budget) must not free the one an earlier budget's graphs read (its memory would be reused).
+        if self.width not in self._slots:
+            self._slots[self.width] = torch.arange(self.width, device=d)
+        self.slots = self._slots[self.width]
 
     @property
     def _shape(self) -> tuple[int, int, int]:
