@@ -19,7 +19,8 @@
 #                                                             trains on a run's saved sequences (no generation;
 #                                                             /root/tb/drafter after a c on this host); WINDOW=N
 #                                                             trains at drafter_window N, GEN_TOKENS=N generates
-#                                                             N tokens a sequence (256)
+#                                                             N tokens a sequence (256); TRAIN_ARGS: more
+#                                                             `specpilot drafter train` flags (--free-prompts N)
 #   d: carry .gpu (+ b's on a fresh host: it converts)      -> block drafter bench on the device loop: chain, and
 #                                                             trees of each budget in BUDGETS (default "15 31"),
 #                                                             calibrated static shapes (device_tree: calibrated),
@@ -150,7 +151,7 @@ case $stage in
     [ -f $TB/hf/config.json ] || convert  # a fresh host: needs b's carry
     timeout 590 python3 -m specpilot.drafting.train --target $TB/hf --out $TB/drafter --device cuda \
       --deadline-s ${DEADLINE:-540} --steps ${STEPS:-100000} ${INIT:+--init $INIT --seed ${SEED:-1}} ${DATA:+--data-from $DATA} \
-      ${LR:+--lr $LR} ${WINDOW:+--context-window $WINDOW} ${GEN_TOKENS:+--gen-tokens $GEN_TOKENS} \
+      ${LR:+--lr $LR} ${WINDOW:+--context-window $WINDOW} ${GEN_TOKENS:+--gen-tokens $GEN_TOKENS} ${TRAIN_ARGS:-} \
       > "$OUT/train.txt" 2>&1; echo "train rc=$?"; tr "\r" "\n" < "$OUT/train.txt" | grep -v "^\s*$" | tail -25  # progress bars: timing even on a timeout
     mkdir -p "$OUT/drafter/sequences" && cp $TB/drafter/*.json $TB/drafter/*.safetensors "$OUT/drafter/" &&
       cp $TB/drafter/sequences/* "$OUT/drafter/sequences/" ;;
