@@ -584,6 +584,9 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)
     eng.warm_up(p, 2)
+    # Fill the allocator's free small blocks with junk: a graph reading a tensor freed after its capture (session
+    # 40: switched shapes' slots) then reads junk, not by chance the same values from a look-alike reallocation.
+    junk = [torch.full((64,), 1 << 40, dtype=torch.long, device="cuda") for _ in range(512)]
     graphs = set(eng.device_loop._graphs)
     budgets = sorted(eng.device_loop._grown) or [0]  # grown trees' budgets (two when switched), else 0
     assert graphs == {(k, o, b) for k in (1, 2, 4) if k <= c.device_steps for o in ((0, 1, 2) if overlap else (0,))
@@ -592,6 +595,7 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         r = eng.generate(p, 60)
         assert r.tokens == want and set(eng.device_loop._graphs) == graphs
         assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
+    del junk
     eos = frozenset({want[40]})
     # With overlap in 1-step chunks, only the chunk queued behind the stop would run past it: it is skipped
     # (engines.graph_if), so the device state is the stop step's (its pending token's slot: base + accepted + 1).
