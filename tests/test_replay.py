@@ -87,6 +87,26 @@ def test_replay_of_a_lookup_deeper_than_the_block_takes_the_engines_steps(setup,
     assert (max(committed) > 8) == periodic  # past the block's 7 depths and the bonus
 
 
+@pytest.mark.parametrize("steps,overlap", [(1, False), (1, True)], ids=["host", "device-overlapped"])
+def test_replay_of_switched_tree_budgets_takes_the_engines_steps(setup, steps, overlap):
+    """narrow_tree_budget: each step's tree budget follows the step two before it, in the replay as in the engine's
+    host loop and its overlapped one-step device chunks; both budgets are used."""
+    model, drafter, refs, cands = setup
+    kw = dict(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, ngram_min=2, lookup_depth=15)
+    c = cfg(block_size=8, device_steps=steps, ngram_prefix=True, lookup_periodic=True, token_tile=16,
+            device_overlap=overlap, **{**TREE, "device_tree": "per_step", **kw})
+    eng = build_engine(c, model, NO_EOS, "cpu", block_drafter=drafter)
+    policy = LookupPolicy(tree_width=c.tree_width, periodic=True, **kw)
+    assert policy.label == "tree15 lookup n>=2 depth15 periodic narrow7>=3"
+    rows = set()
+    for ref, cand in zip(refs, cands):
+        got = eng.generate(list(ref.prompt), len(ref.output))
+        assert got.tokens == list(ref.output)
+        assert [s.committed for s in got.steps] == replay(ref, cand, policy), ref.key
+        rows |= {s.verify_tokens for s in got.steps}
+    assert {8, 16} <= rows  # (fewer rows near the end, where the host loop drafts no deeper than what is left)
+
+
 def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
     _, _, refs, cands = setup
     results = replay_all(refs, cands, [LookupPolicy(lookup=False), LookupPolicy()])
@@ -102,6 +122,10 @@ def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
             LookupPolicy(**bad)
     with pytest.raises(ValueError, match="periodic"):
         LookupPolicy(lookup=False, periodic=True)
+    for bad in (dict(narrow_tree_budget=7), dict(narrow_tree_budget=15, tree_budget=15),
+                dict(narrow_tree_budget=7, tree_budget=15, wide_tree_after=-1)):
+        with pytest.raises(ValueError, match="narrow_tree_budget"):
+            LookupPolicy(**bad)
     with pytest.raises(ValueError, match="needs a prompt and an output"):
         Reference("x", "tiny", (1, 2), ())
     one = Reference("one", "tiny", (1, 2), (3,))  # the prefill's token alone: no verify step to replay

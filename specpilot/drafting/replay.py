@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate, led_by_lookup
+from specpilot.engines.engine import StepBudgets
 from specpilot.engines.llama import LlamaModel
 from specpilot.stats import geomean
 
@@ -66,6 +67,10 @@ class LookupPolicy:
     ngram_max: int = 4
     lookup_depth: int = 0  # EngineConfig.lookup_depth: the lookup leads a tree this deep (0: the block's depth)
     periodic: bool = False  # EngineConfig.lookup_periodic
+    # EngineConfig.narrow_tree_budget / wide_tree_after: a step drafts tree_budget nodes where the step two before
+    # accepted >= wide_tree_after draft tokens, else narrow_tree_budget (0: tree_budget throughout)
+    narrow_tree_budget: int = 0
+    wide_tree_after: int = 8
 
     def __post_init__(self) -> None:
         if self.gate is not None and not self.lookup:
@@ -76,6 +81,15 @@ class LookupPolicy:
             raise ValueError(f"lookup_depth={self.lookup_depth}: >= 0, and past 0 for a lookup-led tree only")
         if self.periodic and not self.lookup:
             raise ValueError("periodic shapes the lookup's match: lookup=False has none")
+        if not 0 <= self.narrow_tree_budget < max(self.tree_budget, 1) or self.wide_tree_after < 0:
+            raise ValueError(f"narrow_tree_budget={self.narrow_tree_budget}: in 0..tree_budget-1 (a tree's), "
+                             f"wide_tree_after={self.wide_tree_after}: >= 0")
+
+    @property
+    def budgets(self) -> StepBudgets | None:
+        """The per-step tree budgets of a switched shape (narrow_tree_budget), as the engine picks them."""
+        return StepBudgets(self.narrow_tree_budget, self.tree_budget, self.wide_tree_after) if (
+            self.narrow_tree_budget) else None
 
     @property
     def label(self) -> str:
@@ -85,6 +99,7 @@ class LookupPolicy:
         nmax = f" n<={self.ngram_max}" if self.lookup and self.ngram_max != 4 else ""
         deep = f" depth{self.lookup_depth}" if self.lookup_depth else ""
         deep += " periodic" if self.periodic else ""
+        deep += f" narrow{self.narrow_tree_budget}>={self.wide_tree_after}" if self.narrow_tree_budget else ""
         return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}{nmax}{deep}"
 
 
@@ -188,10 +203,15 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     all_tokens, all_probs = cands.tokens[:, :depth].tolist(), cands.probs[:, :depth].tolist()
     deepest = max(depth, min(policy.lookup_depth, policy.tree_budget))  # a lookup leads past the block to here
     lookup = NgramDrafter(deepest, policy.ngram_max, policy.ngram_min, policy.periodic) if policy.lookup else None
+    budgets = policy.budgets
     a, steps = start, []
     while a < end:
         lead = lookup.propose(seq[:a + 1], deepest).tokens if lookup is not None else []
-        accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, policy,
+        shape = policy
+        if budgets is not None:  # a narrow tree is never deeper than its budget: the lead past it is moot
+            budget = budgets.following(steps[-2] - 1 if len(steps) >= 2 else -1)
+            shape = replace(policy, tree_budget=budget, narrow_tree_budget=0)
+        accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, shape,
                                    seq[a + 1:a + 1 + deepest])
         step = min(accepted + 1, end - a)
         steps.append(step)

@@ -72,7 +72,11 @@ class StepBudgets:
     after: int
 
     def budget(self, steps: list[StepTrace], j: int) -> int:
-        return self.wide if j >= 2 and steps[j - 2].accepted >= self.after else self.narrow
+        return self.following(steps[j - 2].accepted if j >= 2 else -1)
+
+    def following(self, accepted: int) -> int:
+        """The budget of a step whose step two before accepted `accepted` draft tokens (-1: no such step)."""
+        return self.wide if accepted >= self.after else self.narrow
 
 
 class SpecEngine:
