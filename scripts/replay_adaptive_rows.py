@@ -40,9 +40,7 @@ def run(policy: LookupPolicy) -> tuple[float, float]:
     speedups, per_step = [], []
     for ref, c in zip(refs, cands):
         steps = replay(ref, c, policy)
-        budgets = policy.budgets
-        ms = sum(ms_of[policy.tree_budget if budgets is None else budgets.following(steps[j - 2] - 1 if j >= 2 else -1)]
-                 for j in range(len(steps)))
+        ms = sum(ms_of[policy.budget_at(steps, j)] for j in range(len(steps)))
         speedups.append(sum(steps) * args.ar_ms / ms)
         per_step.append(sum(steps) / len(steps))
     return geomean(speedups), sum(per_step) / len(per_step)

@@ -85,11 +85,13 @@ class LookupPolicy:
             raise ValueError(f"narrow_tree_budget={self.narrow_tree_budget}: in 0..tree_budget-1 (a tree's), "
                              f"wide_tree_after={self.wide_tree_after}: >= 0")
 
-    @property
-    def budgets(self) -> StepBudgets | None:
-        """The per-step tree budgets of a switched shape (narrow_tree_budget), as the engine picks them."""
-        return StepBudgets(self.narrow_tree_budget, self.tree_budget, self.wide_tree_after) if (
-            self.narrow_tree_budget) else None
+    def budget_at(self, committed: list[int], j: int) -> int:
+        """The tree budget of step j after steps that committed `committed` tokens each (accepted + the bonus), as
+        the engine picks it (StepBudgets: switched by narrow_tree_budget, else tree_budget throughout)."""
+        if not self.narrow_tree_budget:
+            return self.tree_budget
+        budgets = StepBudgets(self.narrow_tree_budget, self.tree_budget, self.wide_tree_after)
+        return budgets.following(committed[j - 2] - 1 if j >= 2 else -1)
 
     @property
     def label(self) -> str:
@@ -203,14 +205,12 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     all_tokens, all_probs = cands.tokens[:, :depth].tolist(), cands.probs[:, :depth].tolist()
     deepest = max(depth, min(policy.lookup_depth, policy.tree_budget))  # a lookup leads past the block to here
     lookup = NgramDrafter(deepest, policy.ngram_max, policy.ngram_min, policy.periodic) if policy.lookup else None
-    budgets = policy.budgets
     a, steps = start, []
     while a < end:
         lead = lookup.propose(seq[:a + 1], deepest).tokens if lookup is not None else []
         shape = policy
-        if budgets is not None:  # a narrow tree is never deeper than its budget: the lead past it is moot
-            budget = budgets.following(steps[-2] - 1 if len(steps) >= 2 else -1)
-            shape = replace(policy, tree_budget=budget, narrow_tree_budget=0)
+        if policy.narrow_tree_budget:  # a narrow tree is never deeper than its budget: the lead past it is moot
+            shape = replace(policy, tree_budget=policy.budget_at(steps, len(steps)), narrow_tree_budget=0)
         accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, shape,
                                    seq[a + 1:a + 1 + deepest])
         step = min(accepted + 1, end - a)
