@@ -126,11 +126,15 @@ class LoopGraph:
 class Chunk:
     """A launched chunk of steps: its graph (None: ran eagerly, `eager` holds its packed outputs)."""
     steps: int
-    depth_rows: int  # the shape it ran: a step's most committed tokens, its draft nodes, its deepest path
-    nodes: int
+    nodes: int  # the shape it ran: its draft nodes, its deepest path
     max_depth: int
     graph: LoopGraph | None = None
     eager: torch.Tensor | None = None
+
+    @property
+    def depth_rows(self) -> int:
+        """A step's most committed tokens: the root and the deepest path (DeviceLoop.depth_rows of its shape)."""
+        return self.max_depth + 1
 
 
 class DeviceLoop:
@@ -387,9 +391,9 @@ class DeviceLoop:
         self.slots = self._slots[self.width]
 
     @property
-    def _shape(self) -> tuple[int, int, int]:
-        """(depth_rows, draft nodes, max_depth) of the shape the next chunk runs: a Chunk's."""
-        return self.depth_rows, self.block.rows - 1, self.max_depth
+    def _shape(self) -> tuple[int, int]:
+        """(draft nodes, max_depth) of the shape the next chunk runs: a Chunk's."""
+        return self.block.rows - 1, self.max_depth
 
     def _extent(self) -> tuple[int, int]:
         """(most tokens a step commits, block width) over every shape a chunk may run."""

@@ -74,8 +74,7 @@ class AttentionParams(LaunchParams):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
         if self.tile_rows not in ATTENTION_ROW_TILES:
             raise ValueError(f"tile_rows={self.tile_rows!r} must be one of {ATTENTION_ROW_TILES}")
-        if isinstance(self.slot_stages, bool) or not isinstance(self.slot_stages, int) or self.slot_stages < 1:
-            raise ValueError(f"slot_stages={self.slot_stages!r} must be a positive int")
+        check_int("slot_stages", self.slot_stages, 1)
 
 
 @triton.jit
