@@ -1,5 +1,5 @@
-"""The target a drafter is trained for, and where its training prompts may come from: MBPP's train split and
-free generation. Never test prompts.
+"""The target a drafter is trained for, and where its training prompts may come from: MBPP's train split,
+synthetic task prompts (task_prompts) and free generation. Never test prompts.
 
 MBPP task ids 601-974 are its train split (11-510 test, 511-600 validation, 1-10 few-shot prompts); the
 benchmarks use the test split only, so train prompts can never leak into a measurement. Free generation, with a
@@ -20,7 +20,8 @@ from specpilot.engines.config import DType
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.loader import ModelLoadError, eos_ids, load_model, load_tokenizer, random_model
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M, LlamaShape
-from specpilot.workload import MBPP_TEST_IDS, apply_chat_template, benchmarks_dir
+from specpilot.drafting.task_prompts import TaskKind, task_prompts
+from specpilot.workload import MBPP_TEST_IDS, Benchmark, apply_chat_template, benchmarks_dir, load_prompts
 
 MBPP_TRAIN_IDS = range(601, 975)
 SYNTHETIC_PREFIX = "synthetic:"
@@ -65,12 +66,12 @@ class LeakError(ValueError):
     """A benchmark test prompt was about to be used for drafter training."""
 
 
-def mbpp_train_texts(directory: str | Path | None = None, ids: range = MBPP_TRAIN_IDS) -> list[tuple[int, str]]:
-    """(task_id, prompt text) of MBPP train tasks, formatted as the benchmark formats its prompts."""
+def mbpp_train_tasks(directory: str | Path | None = None, ids: range = MBPP_TRAIN_IDS) -> list[tuple[int, str, str]]:
+    """(task_id, task text, first test) of MBPP train tasks."""
     if any(i in MBPP_TEST_IDS for i in ids):
         raise LeakError(f"MBPP ids {ids} overlap the test split {MBPP_TEST_IDS}")
     path = benchmarks_dir(directory) / "mbpp.jsonl"
-    rows: list[tuple[int, str]] = []
+    rows: list[tuple[int, str, str]] = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
@@ -78,10 +79,30 @@ def mbpp_train_texts(directory: str | Path | None = None, ids: range = MBPP_TRAI
             row = json.loads(line)
             tid = int(row["task_id"])
             if tid in ids:
-                rows.append((tid, f"{row['text']}\nYour code should pass this test:\n{row['test_list'][0]}"))
+                rows.append((tid, row["text"], row["test_list"][0]))
     if not rows:
         raise ValueError(f"{path} holds no MBPP tasks with ids in {ids.start}..{ids.stop - 1}")
     return rows
+
+
+def mbpp_train_texts(directory: str | Path | None = None, ids: range = MBPP_TRAIN_IDS) -> list[tuple[int, str]]:
+    """(task_id, prompt text) of MBPP train tasks, formatted as the benchmark formats its prompts."""
+    return [(tid, f"{text}\nYour code should pass this test:\n{test}")
+            for tid, text, test in mbpp_train_tasks(directory, ids)]
+
+
+def task_texts(n: int, seed: int, exclude_ids: set[int], directory: str | Path | None = None
+               ) -> list[tuple[TaskKind, str]]:
+    """task_prompts' `n` prompts, function stubs from MBPP train tasks outside `exclude_ids` (the held-out ones);
+    LeakError if one equals a benchmark prompt (the templates cannot write one; the check keeps it so)."""
+    mbpp = [(text, test) for tid, text, test in mbpp_train_tasks(directory) if tid not in exclude_ids]
+    texts = task_prompts(n, seed, mbpp)
+    tests = {p.text for b in Benchmark if (benchmarks_dir(directory) / b.filename).is_file()
+             for p in load_prompts(b, directory)}
+    leaked = [t for _, t in texts if t in tests]
+    if leaked:
+        raise LeakError(f"{len(leaked)} task prompts equal benchmark prompts, e.g. {leaked[0][:80]!r}")
+    return texts
 
 
 @dataclass(frozen=True)
@@ -116,10 +137,12 @@ def chat_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None
 
 
 def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_out: int, seed: int,
-                  random_len: int = 8, directory: str | Path | None = None, chat: bool = True) -> PromptSet:
+                  random_len: int = 8, directory: str | Path | None = None, chat: bool = True,
+                  tasks: int = 0) -> PromptSet:
     """MBPP train prompts (when the target has a tokenizer) else random token prefixes, shuffled with `seed`;
-    the last `held_out` of them are kept aside. Plus `free` free-generation starts: the chat frame's (chat=True and
-    a template) or BOS / a random token."""
+    the last `held_out` of them are kept aside. Plus `tasks` synthetic task prompts (task_prompts; trained on,
+    never held out, so the held-out set stays the one earlier runs measured) and `free` free-generation starts: the
+    chat frame's (chat=True and a template) or BOS / a random token."""
     rng = random.Random(seed)
     if tokenizer is not None and mbpp > 0:
         texts = mbpp_train_texts(directory)
@@ -136,6 +159,12 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
         raise ValueError(f"{len(prompts)} prompts cannot leave {held_out} held out and still train")
     frame = chat_frame(tokenizer) if chat else None
     train, held = tuple(prompts[:len(prompts) - held_out]), tuple(prompts[len(prompts) - held_out:])
+    if tasks:
+        if tokenizer is None:
+            raise ValueError("task prompts need the target's tokenizer (this target has none)")
+        texts = task_texts(tasks, seed, set(source.get("held_out_task_ids", ())), directory)
+        train += tuple(tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in texts)
+        source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind}}
     if frame is not None:
         return PromptSet(train, (frame[0],) * free, held, {**source, "free_generations": free,
                                                             "free_start": "chat-user-turn"}, frame[1])

@@ -59,6 +59,9 @@ class TrainConfig:
     # ~225k tokens) train loss 0.003, held-out 8.2, chain 1.61 tokens/step; with 3072 (3410 sequences, 740k tokens,
     # 51 s to generate, ~40 epochs in 400 s) train 0.7, held-out 4.4, chain 2.06. Data is cheap next to training.
     free_prompts: int = 12288
+    # Synthetic task prompts (drafting.task_prompts: word problems, LaTeX problems, function stubs from MBPP train
+    # tasks), answered greedily: the benchmarks' kinds of answer, which free chat generations rarely are.
+    task_prompts: int = 0
     free_sampled: int = 8  # sampled tokens at the start of each free generation (no chat template)
     # With a chat template, free generations are a sampled user turn of at most this many tokens, then the target's
     # greedy answer (chat_free=False: from BOS instead, as before)
@@ -96,6 +99,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         check_window(self.context_window, "context_window")
+        if self.task_prompts < 0:
+            raise ValueError(f"task_prompts={self.task_prompts}: must be >= 0")
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every}: must be >= 0")
         if self.deadline_s is not None and not self.deadline_s > 0:
@@ -130,7 +135,7 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
         return reuse(bundle, cfg, capture)
     t = bundle.model
     ps = build_prompts(bundle.tokenizer, t.shape.vocab, cfg.mbpp_prompts, cfg.free_prompts, cfg.held_out, cfg.seed,
-                       chat=cfg.chat_free)
+                       chat=cfg.chat_free, tasks=cfg.task_prompts)
     store = cfg.device
     total = len(ps.train) + len(ps.free) + len(ps.held_out)
     with tqdm(total=total, desc="generate", unit="seq", disable=not cfg.progress, file=sys.stderr) as bar:

@@ -1,0 +1,113 @@
+"""Synthetic task prompts for drafter training: seeded, the three kinds in turn, function stubs that are Python, never
+a held-out task or a benchmark prompt, and wired through build_prompts, TrainConfig and the command line."""
+from __future__ import annotations
+
+import argparse
+import ast
+
+import pytest
+import torch
+
+from specpilot.drafting import sources
+from specpilot.drafting.cli import register_cli
+from specpilot.drafting.sources import LeakError, TargetBundle, build_prompts, mbpp_train_tasks, task_texts
+from specpilot.drafting.task_prompts import TaskKind, function_stub, task_prompts
+from specpilot.drafting.train import TrainConfig, collect
+from specpilot.workload import load_prompts
+
+
+def stub_function(stub: str) -> ast.FunctionDef:
+    fn = ast.parse(stub + "    pass\n").body[0]
+    assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn)
+    return fn
+
+
+def test_kinds_take_turns_and_a_seed_fixes_the_text():
+    tasks = [("Write a function to add two numbers.", "assert add(1, 2) == 3")]
+    a, b = task_prompts(9, 5, tasks), task_prompts(9, 5, tasks)
+    assert a == b and a != task_prompts(9, 6, tasks) and len(a) == 9
+    kinds = [k for k, _ in a]
+    assert kinds[:3] == [TaskKind.WORD_PROBLEM, TaskKind.LATEX_PROBLEM, TaskKind.FUNCTION_STUB]
+    # one MBPP task: one stub; later stub turns fall back to the other two kinds
+    assert kinds.count(TaskKind.FUNCTION_STUB) == 1 and len({t for _, t in a}) == 9
+    assert all("$" in t for k, t in a if k is TaskKind.LATEX_PROBLEM)
+    assert all(t.rstrip().endswith("?") for k, t in a if k is TaskKind.WORD_PROBLEM)
+    assert task_prompts(0, 1) == []
+    with pytest.raises(ValueError, match="n=-1"):
+        task_prompts(-1, 1)
+
+
+def test_a_stub_is_the_tasks_signature_docstring_and_first_test():
+    stub = function_stub("Write a function to find the max of a list and a bound",
+                         "assert max_below([3, 9, 4], 8) == 4")
+    fn = stub_function(stub)
+    assert fn.name == "max_below" and [a.arg for a in fn.args.args] == ["items", "n"]
+    doc = ast.get_docstring(fn)
+    assert doc.startswith("Write a function to find the max of a list and a bound.")
+    assert ">>> max_below([3, 9, 4], 8)\n4" in doc
+    # repeated literal kinds get distinct names
+    assert [a.arg for a in stub_function(function_stub("t", "assert f('a', 'b') == 'ab'")).args.args] == ["text", "text1"]
+
+
+@pytest.mark.parametrize("test", ["assert f(1) != 2", "assert f(x=1) == 2", "assert obj.f(1) == 2", "x = f(1)",
+                                  "assert f(1) == 2 == 2", "assert (", ""])
+def test_tests_not_of_the_assert_call_equals_form_give_no_stub(test):
+    assert function_stub("Write a function.", test) is None
+
+
+def test_every_mbpp_train_stub_is_python():
+    stubs = [s for _, text, test in mbpp_train_tasks() if (s := function_stub(text, test)) is not None]
+    assert len(stubs) > 300  # of 374 train tasks
+    for s in stubs:
+        stub_function(s)
+
+
+def test_task_texts_skip_held_out_tasks_and_refuse_a_benchmark_prompt(monkeypatch):
+    rows = mbpp_train_tasks()
+    held = {tid for tid, _, _ in rows[:200]}
+    held_stubs = {function_stub(text, test) for tid, text, test in rows if tid in held}
+    texts = task_texts(900, 1, held)
+    stubs = [t for k, t in texts if k is TaskKind.FUNCTION_STUB]
+    assert stubs and not set(stubs) & held_stubs
+    test_prompt = load_prompts("math500")[0].text
+    monkeypatch.setattr(sources, "task_prompts", lambda n, seed, tasks: [(TaskKind.LATEX_PROBLEM, test_prompt)])
+    with pytest.raises(LeakError, match="benchmark prompts"):
+        task_texts(1, 1, set())
+
+
+def test_build_prompts_trains_on_tasks_and_keeps_the_held_out_set():
+    from specpilot.engines.loader import load_tokenizer
+    from specpilot.testbed import fetch_smollm2
+    tok = load_tokenizer(fetch_smollm2())
+    plain = build_prompts(tok, 49152, 20, 3, 4, seed=2)
+    with_tasks = build_prompts(tok, 49152, 20, 3, 4, seed=2, tasks=7)
+    assert with_tasks.held_out == plain.held_out and with_tasks.free == plain.free
+    assert with_tasks.train[:len(plain.train)] == plain.train and len(with_tasks.train) == len(plain.train) + 7
+    assert with_tasks.sources["task_prompts"] == {"word_problem": 3, "latex_problem": 2, "function_stub": 2}
+    assert "<|im_start|>assistant" in tok.decode(list(with_tasks.train[-1]))  # chat-framed as the benchmarks are
+    with pytest.raises(ValueError, match="tokenizer"):
+        build_prompts(None, 100, 4, 0, 1, seed=0, tasks=2)
+
+
+def test_train_config_and_command_line_take_task_prompts(tmp_path):
+    with pytest.raises(ValueError, match="task_prompts"):
+        TrainConfig(task_prompts=-1)
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["drafter", "train", "--target", "t", "--out", str(tmp_path), "--task-prompts", "64"])
+    assert args.task_prompts == 64
+
+
+def test_collect_generates_answers_to_the_task_prompts():
+    from specpilot.engines.loader import load_tokenizer, random_model
+    from specpilot.engines.shapes import LlamaShape
+    from specpilot.testbed import fetch_smollm2
+    tok = load_tokenizer(fetch_smollm2())
+    shape = LlamaShape(vocab=49152, hidden=16, layers=1, heads=2, kv_heads=1, head_dim=8, intermediate=32,
+                       rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+    model = random_model(shape, torch.float32, "cpu", seed=3)
+    c = TrainConfig(mbpp_prompts=4, free_prompts=0, task_prompts=5, held_out=2, gen_tokens=4, block_size=4,
+                    layers=1, progress=False)
+    data, held, _, provenance = collect(TargetBundle("tiny", model, tok, frozenset()), c, (0,))
+    assert len(data) == 4 + 5 and len(held) == 2
+    assert provenance["task_prompts"] == {"word_problem": 2, "latex_problem": 2, "function_stub": 1}
