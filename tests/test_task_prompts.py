@@ -17,7 +17,7 @@ from specpilot.workload import load_prompts
 
 
 def stub_function(stub: str) -> ast.FunctionDef:
-    fn = ast.parse(stub + "    pass\n").body[0]
+    fn = ast.parse(stub + "    pass\n").body[-1]  # after the typing import, where there is one
     assert isinstance(fn, ast.FunctionDef) and ast.get_docstring(fn)
     return fn
 
@@ -40,6 +40,7 @@ def test_kinds_take_turns_and_a_seed_fixes_the_text():
 def test_a_stub_is_the_tasks_signature_docstring_and_first_test():
     stub = function_stub("Write a function to find the max of a list and a bound",
                          "assert max_below([3, 9, 4], 8) == 4")
+    assert stub.startswith("from typing import List\n\n\ndef max_below(items: List[int], n: int) -> int:\n")
     fn = stub_function(stub)
     assert fn.name == "max_below" and [a.arg for a in fn.args.args] == ["items", "n"]
     doc = ast.get_docstring(fn)
@@ -47,6 +48,8 @@ def test_a_stub_is_the_tasks_signature_docstring_and_first_test():
     assert ">>> max_below([3, 9, 4], 8)\n4" in doc
     # repeated literal kinds get distinct names
     assert [a.arg for a in stub_function(function_stub("t", "assert f('a', 'b') == 'ab'")).args.args] == ["text", "text1"]
+    # no obvious hint: a bare name; mixed lists: list
+    assert function_stub("t", "assert g(h(1), [1, 'a']) == None").startswith("def g(arg, items: list):\n")
 
 
 @pytest.mark.parametrize("test", ["assert f(1) != 2", "assert f(x=1) == 2", "assert obj.f(1) == 2", "x = f(1)",
