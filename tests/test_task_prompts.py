@@ -102,15 +102,52 @@ def test_train_config_and_command_line_take_task_prompts(tmp_path):
 
 
 def test_collect_generates_answers_to_the_task_prompts():
+    c = TrainConfig(mbpp_prompts=4, free_prompts=0, task_prompts=5, held_out=2, gen_tokens=4, block_size=4,
+                    layers=1, progress=False)
+    data, held, _, provenance = collect(tiny_chat_bundle(3), c, (0,))
+    assert len(data) == 4 + 5 and len(held) == 2
+    assert provenance["task_prompts"] == {"word_problem": 2, "latex_problem": 2, "function_stub": 1}
+
+def tiny_chat_bundle(seed: int = 4) -> TargetBundle:
     from specpilot.engines.loader import load_tokenizer, random_model
     from specpilot.engines.shapes import LlamaShape
     from specpilot.testbed import fetch_smollm2
     tok = load_tokenizer(fetch_smollm2())
     shape = LlamaShape(vocab=49152, hidden=16, layers=1, heads=2, kv_heads=1, head_dim=8, intermediate=32,
                        rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
-    model = random_model(shape, torch.float32, "cpu", seed=3)
-    c = TrainConfig(mbpp_prompts=4, free_prompts=0, task_prompts=5, held_out=2, gen_tokens=4, block_size=4,
-                    layers=1, progress=False)
-    data, held, _, provenance = collect(TargetBundle("tiny", model, tok, frozenset()), c, (0,))
-    assert len(data) == 4 + 5 and len(held) == 2
-    assert provenance["task_prompts"] == {"word_problem": 2, "latex_problem": 2, "function_stub": 1}
+    return TargetBundle("tiny-chat", random_model(shape, torch.float32, "cpu", seed=seed), tok,
+                        frozenset({tok.eos_token_id}))
+
+
+def test_steered_generations_open_the_user_turn_with_each_start_in_turn():
+    """A steered free generation: the chat frame, one of TURN_STARTS, the target's sampled rest of the turn, the
+    frame's close; the starts share the count evenly, the first ones taking the remainder."""
+    from specpilot.drafting.task_prompts import TURN_STARTS
+    from specpilot.drafting.train import steered_prompts
+    bundle = tiny_chat_bundle()
+    tok = bundle.tokenizer
+    n = 5  # fewer than the starts: the first five take one each
+    c = TrainConfig(mbpp_prompts=4, free_prompts=0, steered_prompts=n, held_out=2, user_tokens=5, gen_tokens=4,
+                    block_size=4, layers=1, progress=False)
+    ps = build_prompts(tok, 49152, 4, 0, 2, seed=0)
+    prompts = steered_prompts(bundle, ps, c)
+    assert 0 < len(prompts) <= n  # turns the target ended at once are dropped
+    head, tail = list(ps.user_turn_start), list(ps.user_turn_end)
+    starts = [head + tok.encode(s, add_special_tokens=False) for s in TURN_STARTS]
+    opened = [next(i for i, s in enumerate(starts) if p[:len(s)] == s) for p in prompts]
+    assert opened == sorted(opened) and max(opened) < n  # start by start, in order
+    assert all(p[-len(tail):] == tail and tail[0] not in p[len(starts[i]):-len(tail)] for p, i in zip(prompts, opened))
+    assert steered_prompts(bundle, ps, c) == prompts  # seeded
+    data, _, _, provenance = collect(bundle, c, (0,))
+    assert provenance["steered_generations"] == len(prompts) and provenance["turn_starts"] == len(TURN_STARTS)
+    assert len(data) == 4 + len(prompts)
+
+
+def test_steered_generations_need_a_chat_frame():
+    from specpilot.drafting.train import steered_prompts
+    bundle = tiny_chat_bundle()
+    ps = build_prompts(bundle.tokenizer, 49152, 4, 0, 2, seed=0, chat=False)
+    with pytest.raises(ValueError, match="chat template"):
+        steered_prompts(bundle, ps, TrainConfig(steered_prompts=3))
+    with pytest.raises(ValueError, match="steered_prompts"):
+        TrainConfig(steered_prompts=-2)

@@ -18,7 +18,8 @@ from specpilot.engines.config import DType, VerifyMode
 # Every TrainConfig field the command line can set (as --kebab-case), besides --lr and --target-layers.
 _INT_KNOBS = ("steps", "block_size", "layers", "intermediate", "batch_seqs", "anchors", "mbpp_prompts",
               "free_prompts", "free_sampled", "gen_tokens", "gen_batch", "held_out", "eval_tokens", "ckpt_every",
-              "warmup", "seed", "eval_every", "user_tokens", "context_window", "task_prompts")
+              "warmup", "seed", "eval_every", "user_tokens", "context_window", "task_prompts",
+              "steered_prompts")
 
 
 def _dtype(args: argparse.Namespace) -> DType:

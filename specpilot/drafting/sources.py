@@ -115,6 +115,7 @@ class PromptSet:
     held_out: tuple[tuple[int, ...], ...]
     sources: dict[str, Any]
     user_turn_end: tuple[int, ...] = ()  # chat frame: ids closing a sampled user turn and opening the answer
+    user_turn_start: tuple[int, ...] = ()  # chat frame: ids up to a user turn's text
 
 
 def chat_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -167,7 +168,8 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
         source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind}}
     if frame is not None:
         return PromptSet(train, (frame[0],) * free, held, {**source, "free_generations": free,
-                                                            "free_start": "chat-user-turn"}, frame[1])
+                                                            "free_start": "chat-user-turn"},
+                         user_turn_end=frame[1], user_turn_start=frame[0])
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     starts = tuple((bos,) if bos is not None else (rng.randrange(3, vocab),) for _ in range(free))
     return PromptSet(train, starts, held,

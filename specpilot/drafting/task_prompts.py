@@ -23,6 +23,20 @@ ITEMS = ("apples", "stickers", "marbles", "books", "cupcakes", "pencils", "ticke
          "baseball cards", "plants", "eggs", "candles", "bracelets")
 
 
+# Openings of user turns in the benchmarks' styles (none taken from a benchmark prompt): a steered free generation
+# (TrainConfig.steered_prompts) has the target write the rest of the turn after one of them, then answer it, so
+# the questions are as varied as the target's own text and still of the kinds the benchmarks ask.
+TURN_STARTS = (
+    "Solve for $x$:", "Compute $", "Find all real numbers", "What is the value of $", "Simplify", "Let $",
+    "If $f(x)", "How many positive integers", "What is the probability that", "In triangle $ABC$,",
+    "Find the remainder when", "Evaluate", "A store sells", "There are", "A train travels", "A baker makes",
+    "A farmer has", "Write a python function to", "Write a function to", "Write a Python function that takes a list",
+    "Implement a function", "from typing import List\n\n\ndef", "def ", "Write a persuasive essay",
+    "Compose an email", "Explain the difference between", "Describe", "Imagine you are", "Draft a",
+    "Given the following",
+)
+
+
 class TaskKind(str, Enum):
     WORD_PROBLEM = "word_problem"
     LATEX_PROBLEM = "latex_problem"

@@ -29,7 +29,8 @@ from specpilot.drafting.data import (DraftData, concat, generate_batched, load_s
                                      save_sequences)
 from specpilot.drafting.evaluate import as_dicts, measure_acceptance, teacher_forced
 from specpilot.drafting.objective import block_loss, sample_batch
-from specpilot.drafting.sources import TargetBundle, build_prompts
+from specpilot.drafting.sources import PromptSet, TargetBundle, build_prompts
+from specpilot.drafting.task_prompts import TURN_STARTS
 from specpilot.engines.config import DType
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, lm_head_weight
 from specpilot.engines.drafters.block_step import check_window
@@ -62,6 +63,9 @@ class TrainConfig:
     # Synthetic task prompts (drafting.task_prompts: word problems, LaTeX problems, function stubs from MBPP train
     # tasks), answered greedily: the benchmarks' kinds of answer, which free chat generations rarely are.
     task_prompts: int = 0
+    # Free generations whose user turn opens with one of task_prompts.TURN_STARTS (the target writes the rest of the
+    # question, then answers it): needs a chat template
+    steered_prompts: int = 0
     free_sampled: int = 8  # sampled tokens at the start of each free generation (no chat template)
     # With a chat template, free generations are a sampled user turn of at most this many tokens, then the target's
     # greedy answer (chat_free=False: from BOS instead, as before)
@@ -99,8 +103,9 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         check_window(self.context_window, "context_window")
-        if self.task_prompts < 0:
-            raise ValueError(f"task_prompts={self.task_prompts}: must be >= 0")
+        for name in ("task_prompts", "steered_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.eval_every < 0:
             raise ValueError(f"eval_every={self.eval_every}: must be >= 0")
         if self.deadline_s is not None and not self.deadline_s > 0:
@@ -137,7 +142,8 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
     ps = build_prompts(bundle.tokenizer, t.shape.vocab, cfg.mbpp_prompts, cfg.free_prompts, cfg.held_out, cfg.seed,
                        chat=cfg.chat_free, tasks=cfg.task_prompts)
     store = cfg.device
-    total = len(ps.train) + len(ps.free) + len(ps.held_out)
+    steered = steered_prompts(bundle, ps, cfg) if cfg.steered_prompts else []  # fails before any generation
+    total = len(ps.train) + len(ps.free) + len(steered) + len(ps.held_out)
     with tqdm(total=total, desc="generate", unit="seq", disable=not cfg.progress, file=sys.stderr) as bar:
         gen = dict(capture=capture, eos=bundle.eos, batch=cfg.gen_batch, store=store, progress=bar.update)
         parts = [generate_batched(t, [list(p) for p in ps.train], cfg.gen_tokens, seed=cfg.seed, **gen)]
@@ -149,10 +155,32 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
         elif ps.free:
             parts.append(generate_batched(t, [list(p) for p in ps.free], cfg.free_sampled + cfg.gen_tokens,
                                           sampled=cfg.free_sampled, seed=cfg.seed + 7919, **gen))
+        if steered:
+            parts.append(generate_batched(t, steered, cfg.gen_tokens, seed=cfg.seed + 104729, **gen))
         held = generate_batched(t, [list(p) for p in ps.held_out], cfg.gen_tokens, seed=cfg.seed, **gen)
     train = concat(parts)
-    return train, held, [list(p) for p in ps.held_out], {**ps.sources, "train_sequences": len(train),
+    steer = {"steered_generations": len(steered), "turn_starts": len(TURN_STARTS)} if cfg.steered_prompts else {}
+    return train, held, [list(p) for p in ps.held_out], {**ps.sources, **steer, "train_sequences": len(train),
                                                         "train_target_tokens": train.target_tokens}
+
+
+def steered_prompts(bundle: TargetBundle, ps: PromptSet, cfg: TrainConfig) -> list[list[int]]:
+    """cfg.steered_prompts chat-framed user turns, shared evenly among TURN_STARTS, each start's rest sampled by the
+    target (turns that end at once are dropped), closed by the frame for the answer."""
+    if not ps.user_turn_end:
+        raise ValueError("steered prompts need a chat template whose user turn ends in a special token "
+                         "(this target has none)")
+    stop = frozenset({ps.user_turn_end[0]}) | bundle.eos
+    share, extra = divmod(cfg.steered_prompts, len(TURN_STARTS))
+    prompts: list[list[int]] = []
+    for i, start in enumerate(TURN_STARTS):
+        if share + (i < extra) == 0:
+            break
+        head = list(ps.user_turn_start) + bundle.tokenizer.encode(start, add_special_tokens=False)
+        users = sample_turns(bundle.model, head, share + (i < extra), cfg.user_tokens, stop, cfg.seed + 104729 + i,
+                             cfg.gen_batch)
+        prompts += [head + u + list(ps.user_turn_end) for u in users]
+    return prompts
 
 
 # In a subfolder of the out dir: a checkpoint directory's own *.safetensors are the drafter's weights.
