@@ -1,6 +1,7 @@
 """Train a block drafter for any Llama-family target on data the target generates itself.
 
-Pipeline: allowed prompts (MBPP train split, free generation; never test prompts) -> the target's greedy
+Pipeline: allowed prompts (MBPP train split, synthetic task prompts, free generation, free generation steered by a
+benchmark-style opening; never test prompts) -> the target's greedy
 continuations and features -> AdamW with a cosine schedule on the position-decayed block loss (tqdm bar,
 periodic checkpoints) -> a report: loss curve, teacher-forced per-slot accuracy on held-out generations,
 and mean accepted per step in chain, tree and two-level mode measured with the real engine (before and
