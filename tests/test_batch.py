@@ -720,10 +720,10 @@ def test_gpu_batch_bench_script_runs_tiny(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_batch_bench", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    from specpilot.drafting.checkpoint import save_drafter
+    from specpilot.drafting.checkpoint import WeightStorage, save_drafter
     from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
     drafter = BlockDrafterModel(BlockDrafterConfig.for_target(script.MICRO, layers=1, block_size=4)).init_weights(0)
-    save_drafter(drafter, tmp_path / "drafter", script.micro_model(0), dtype=torch.float32)
+    save_drafter(drafter, tmp_path / "drafter", script.micro_model(0), storage=WeightStorage.FP32)
     out = tmp_path / "bench.json"
     assert script.main(["--tiny", str(out), "--arrival", "all", "--mechanisms", "goodput_draft,all",
                         "--max-new-tokens", "5", "--engine", '{"max_seq_len": 256}',

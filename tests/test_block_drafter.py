@@ -13,7 +13,8 @@ import torch
 from _tiny import prompt, tiny_model
 
 from specpilot.costmodel.acceptance import best_first_tree
-from specpilot.drafting.checkpoint import DrafterCheckpointError, load_drafter, save_dflash, save_drafter
+from specpilot.drafting.checkpoint import (DrafterCheckpointError, WeightStorage, load_drafter, save_dflash,
+                                           save_drafter)
 from specpilot.drafting.cli import register_cli
 from specpilot.drafting.data import generate
 from specpilot.drafting.objective import Batch, block_logits
@@ -340,7 +341,7 @@ def test_our_checkpoint_round_trips(tmp_path):
     drafter = quick_drafter(model, 5)
     with torch.no_grad():
         drafter.mask_embed.add_(0.5)  # make sure the learned mask inputs travel
-    save_drafter(drafter, tmp_path / "d", model, {"note": "test"}, dtype=torch.float32)
+    save_drafter(drafter, tmp_path / "d", model, {"note": "test"}, storage=WeightStorage.FP32)
     loaded = load_drafter(tmp_path / "d", model)
     assert loaded.config == drafter.config
     for (k, v), (k2, v2) in zip(drafter.state_dict().items(), loaded.state_dict().items()):

@@ -8,7 +8,10 @@ Ours: a directory with
                       "target": {"layers", "hidden", "vocab", "model_type"}  (the target it was trained for),
                       "training": free-form provenance (optional)}
   model.safetensors  BlockDrafterModel.state_dict(): the DFlash tensor names below plus `mask_embed`
-                     [block_size-1, hidden] (the learned mask inputs).
+                     [block_size-1, hidden] (the learned mask inputs), in bf16; or, with config.json's
+                     "storage": "int8-rows" (a drafter too large for the 16 MB a shipped one may take), each
+                     projection weight as int8 plus `<name>.row_scale` float32 [rows] (weight = int8 x its row's
+                     scale), everything else bf16.
 
 DFlash (z-lab/dflash `DFlashDraftModel`, as SGLang loads it): a Hugging Face directory with
   config.json   hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim (default
@@ -34,6 +37,7 @@ The mask inputs are the target's embedding of mask_token_id, so loading a DFlash
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +56,61 @@ class DrafterCheckpointError(ValueError):
     """A drafter checkpoint is missing, malformed, or does not fit the target."""
 
 
+class WeightStorage(str, Enum):
+    BF16 = "bf16"
+    FP32 = "fp32"  # exact (tests, round trips)
+    INT8_ROWS = "int8-rows"  # projection weights as int8 with a float32 scale per output row
+
+
+ROW_SCALE = ".row_scale"
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name != "mask_embed"  # the projections (fc and every layer's)
+
+
+def stored_tensors(state: dict[str, torch.Tensor], storage: WeightStorage) -> dict[str, torch.Tensor]:
+    """A state dict as the checkpoint holds it (CPU, contiguous)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach().float().cpu()
+        if storage is WeightStorage.INT8_ROWS and _quantized(name, t):
+            scale = t.abs().amax(dim=1).clamp_min(1e-30) / 127.0
+            out[name] = torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            out[name + ROW_SCALE] = scale.contiguous()
+        else:
+            out[name] = (t if storage is WeightStorage.FP32 else t.to(torch.bfloat16)).contiguous()
+    return out
+
+
+def loaded_tensors(stored: dict[str, torch.Tensor], storage: WeightStorage, where: Path) -> dict[str, torch.Tensor]:
+    """stored_tensors' inverse (float32)."""
+    if storage is not WeightStorage.INT8_ROWS:
+        return {k: v.float() for k, v in stored.items()}
+    out = {}
+    for name, t in stored.items():
+        if name.endswith(ROW_SCALE):
+            continue
+        if t.dtype == torch.int8:
+            scale = stored.get(name + ROW_SCALE)
+            if scale is None or scale.shape != (t.shape[0],):
+                raise DrafterCheckpointError(f"{where}: {name} is int8 without a [{t.shape[0]}] {name + ROW_SCALE}")
+            out[name] = t.float() * scale.float()[:, None]
+        else:
+            out[name] = t.float()
+    return out
+
+
+def as_stored(model: BlockDrafterModel, storage: WeightStorage) -> BlockDrafterModel:
+    """`model` with the weights a checkpoint of `storage` gives back (rounded to bf16 or int8 rows), in place: what
+    a trainer measures before it saves is then what the checkpoint holds."""
+    state = loaded_tensors(stored_tensors(model.state_dict(), storage), storage, Path("<memory>"))
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})
+    return model
+
+
 def save_drafter(model: BlockDrafterModel, out_dir: str | Path, target: LlamaModel,
-                 training: dict[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+                 training: dict[str, Any] | None = None, storage: WeightStorage = WeightStorage.BF16) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -62,8 +119,9 @@ def save_drafter(model: BlockDrafterModel, out_dir: str | Path, target: LlamaMod
     meta = {"format": FORMAT, "version": VERSION, "drafter": model.config.to_dict(),
             "target": {"layers": sh.layers, "hidden": sh.hidden, "vocab": sh.vocab, "model_type": sh.model_type},
             "training": training or {}}
-    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in model.state_dict().items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    if storage is not WeightStorage.BF16:
+        meta["storage"] = storage.value
+    save_file(stored_tensors(model.state_dict(), storage), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(meta, indent=2))
     return out
 
@@ -128,9 +186,10 @@ def _load_ours(path: Path, cfg: dict[str, Any], target: LlamaModel) -> BlockDraf
                                      f"{target.shape.layers}")
     try:
         config = BlockDrafterConfig.from_dict(cfg["drafter"])
+        storage = WeightStorage(cfg.get("storage", WeightStorage.BF16.value))
     except (KeyError, TypeError, ValueError) as e:
         raise DrafterCheckpointError(f"{path}: bad drafter config: {e}") from None
-    return _build(config, _tensors(path), target, path)
+    return _build(config, loaded_tensors(_tensors(path), storage, path), target, path)
 
 
 def load_dflash(path: str | Path, target: LlamaModel, mask_token_id: int | None = None) -> BlockDrafterModel:

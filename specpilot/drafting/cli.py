@@ -19,7 +19,7 @@ from specpilot.engines.config import DType, VerifyMode
 _INT_KNOBS = ("steps", "block_size", "layers", "intermediate", "batch_seqs", "anchors", "mbpp_prompts",
               "free_prompts", "free_sampled", "gen_tokens", "gen_batch", "held_out", "eval_tokens", "ckpt_every",
               "warmup", "seed", "eval_every", "user_tokens", "context_window", "task_prompts",
-              "steered_prompts")
+              "steered_prompts", "grow_layers")
 
 
 def _dtype(args: argparse.Namespace) -> DType:
@@ -27,6 +27,7 @@ def _dtype(args: argparse.Namespace) -> DType:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.checkpoint import WeightStorage
     from specpilot.drafting.train import TrainConfig
 
     defaults = TrainConfig()
@@ -37,8 +38,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     for name in _INT_KNOBS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--target-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+    layer_list = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    p.add_argument("--target-layers", type=layer_list, default=None,
                    help="comma-separated target layers the drafter reads (default: 3 spread layers)")
+    p.add_argument("--grow-target-layers", type=layer_list, default=(),
+                   help="with --init: features from these target layers added (fc columns zero at first)")
+    p.add_argument("--checkpoint-storage", default=defaults.checkpoint_storage.value,
+                   choices=[s.value for s in WeightStorage], help="int8-rows: projections as int8 with row scales")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="wall budget of the whole run: training stops in time to evaluate and save")
     p.add_argument("--no-chat-free", dest="chat_free", action="store_false",
@@ -56,7 +62,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     bundle = load_target(args.target, args.device, _dtype(args))
     knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s", "chat_free", "init",
-                                              "data_from")}
+                                              "data_from", "grow_target_layers", "checkpoint_storage")}
     cfg = replace(TrainConfig(), **knobs, device=args.device, progress=not args.no_progress)
     result = train_drafter(bundle, cfg, args.out)
     base = {r["mode"]: r for r in result.report["untrained"]["engine"]}

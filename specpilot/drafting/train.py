@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specpilot.drafting.checkpoint import load_drafter, save_drafter
+from specpilot.drafting.checkpoint import WeightStorage, as_stored, load_drafter, save_drafter
 from specpilot.drafting.data import (DraftData, concat, generate_batched, load_sequences, recompute, sample_turns,
                                      save_sequences)
 from specpilot.drafting.evaluate import as_dicts, measure_acceptance, teacher_forced
+from specpilot.drafting.grow import grow_drafter
 from specpilot.drafting.objective import block_loss, sample_batch
 from specpilot.drafting.sources import PromptSet, TargetBundle, build_prompts
 from specpilot.drafting.task_prompts import TURN_STARTS
@@ -93,6 +94,13 @@ class TrainConfig:
     # over layers / block_size / intermediate / target_layers. A GPU call has a hard limit, so a long training run
     # is several calls, each resuming the last one's drafter; give each a new seed, or it regenerates the same data.
     init: str | None = None
+    # Grow the init drafter first (drafting.grow: the same outputs, room to learn more): this many layers appended,
+    # features from these target layers added
+    grow_layers: int = 0
+    grow_target_layers: tuple[int, ...] = ()
+    # How the checkpoint holds the weights (int8 rows: a drafter over the 16 MB a shipped one may take in bf16); the
+    # final evaluation measures the weights as stored
+    checkpoint_storage: WeightStorage = WeightStorage.BF16
     # A training run's out dir whose saved sequences (its sequences/ folder) to train on
     # instead of generating: the features are recomputed in one forward per batch, so nearly the whole call trains.
     # The prompt knobs (mbpp_prompts, free_prompts, ...) are then unused.
@@ -104,7 +112,11 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         check_window(self.context_window, "context_window")
-        for name in ("task_prompts", "steered_prompts"):
+        object.__setattr__(self, "checkpoint_storage", WeightStorage(self.checkpoint_storage))
+        object.__setattr__(self, "grow_target_layers", tuple(self.grow_target_layers))
+        if (self.grow_layers or self.grow_target_layers) and self.init is None:
+            raise ValueError("grow_layers / grow_target_layers grow a saved drafter: set init")
+        for name in ("task_prompts", "steered_prompts", "grow_layers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.eval_every < 0:
@@ -207,7 +219,11 @@ def reuse(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) -> C
 
 def new_drafter(bundle: TargetBundle, cfg: TrainConfig) -> BlockDrafterModel:
     if cfg.init is not None:  # continue a saved drafter (its checks: the same target shape, intact weights)
-        return load_drafter(cfg.init, bundle.model).train().to(cfg.device)
+        model = load_drafter(cfg.init, bundle.model).train()
+        if cfg.grow_layers or cfg.grow_target_layers:
+            model = grow_drafter(model, cfg.grow_layers, cfg.grow_target_layers, seed=cfg.seed)
+            model.config.check_target(bundle.model.shape)
+        return model.to(cfg.device)
     config = BlockDrafterConfig.for_target(bundle.model.shape, cfg.layers, cfg.block_size, cfg.intermediate,
                                            cfg.target_layers)
     model = BlockDrafterModel(config).init_weights(cfg.seed)
@@ -276,7 +292,8 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
             curve.append(row)
             bar.set_postfix(loss=row["loss"], acc_len=row["accepted_tf"])
         if out is not None and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-            save_drafter(model, out / "checkpoints" / f"step-{step + 1:06d}", target, {"step": step + 1})
+            save_drafter(model, out / "checkpoints" / f"step-{step + 1:06d}", target, {"step": step + 1},
+                         cfg.checkpoint_storage)
         trained = step + 1
     bar.close()
     if best is not None:
@@ -322,7 +339,7 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
         seconds = max(1.0, cfg.deadline_s - (t1 - t0) - 1.5 * t_eval - 20.0)
     curve = fit(model, bundle.model, data, cfg, out, seconds, held, keep_start=cfg.init is not None)
     t_train = time.perf_counter() - t1
-    model.eval()
+    as_stored(model, cfg.checkpoint_storage).eval()
     after = evaluate_all(model, bundle, cfg, held, prompts)
     report = {"target": bundle.name, "config": _jsonable(asdict(cfg)), "drafter": model.config.to_dict(),
               "data": provenance, "loss_curve": [r for r in curve if "held_out" not in r and "kept_step" not in r],
@@ -336,7 +353,7 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
         trained = max([r["step"] + 1 for r in curve if "loss" in r] + [r["step"] for r in curve if "stopped" in r])
         meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name, "init": cfg.init,
                 "context_window": cfg.context_window}
-        result.checkpoint = save_drafter(model, out, bundle.model, meta)
+        result.checkpoint = save_drafter(model, out, bundle.model, meta, cfg.checkpoint_storage)
         report["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / TRAIN_SEQUENCES).parent.mkdir(exist_ok=True)
