@@ -130,3 +130,16 @@ def test_trainer_grows_its_init_and_saves_int8_rows(tmp_path):
     assert all(torch.equal(v, saved.state_dict()[k]) for k, v in result.model.state_dict().items())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["storage"] == "int8-rows"
     assert result.report["config"]["checkpoint_storage"] == "int8-rows"
+
+
+def test_command_line_grows_and_stores_int8_rows(tmp_path):
+    import argparse
+
+    from specpilot.drafting.cli import register_cli
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["drafter", "train", "--target", "t", "--out", str(tmp_path), "--init", "d",
+                              "--grow-layers", "2", "--grow-target-layers", "5,9", "--checkpoint-storage", "int8-rows"])
+    assert (args.grow_layers, args.grow_target_layers, args.checkpoint_storage) == (2, (5, 9), "int8-rows")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["drafter", "train", "--target", "t", "--out", "o", "--checkpoint-storage", "int4"])
