@@ -186,7 +186,7 @@ def steered_prompts(bundle: TargetBundle, ps: PromptSet, cfg: TrainConfig) -> li
     stop = frozenset({ps.user_turn_end[0]}) | bundle.eos
     share, extra = divmod(cfg.steered_prompts, len(TURN_STARTS))
     prompts: list[list[int]] = []
-    for i, start in enumerate(TURN_STARTS):
+    for i, start in enumerate(tqdm(TURN_STARTS, desc="steered turns", disable=not cfg.progress, file=sys.stderr)):
         if share + (i < extra) == 0:
             break
         head = list(ps.user_turn_start) + bundle.tokenizer.encode(start, add_special_tokens=False)
