@@ -104,8 +104,9 @@ def loaded_tensors(stored: dict[str, torch.Tensor], storage: WeightStorage, wher
 def as_stored(model: BlockDrafterModel, storage: WeightStorage) -> BlockDrafterModel:
     """`model` with the weights a checkpoint of `storage` gives back (rounded to bf16 or int8 rows), in place: what
     a trainer measures before it saves is then what the checkpoint holds."""
-    state = loaded_tensors(stored_tensors(model.state_dict(), storage), storage, Path("<memory>"))
-    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()})
+    current = model.state_dict()
+    state = loaded_tensors(stored_tensors(current, storage), storage, Path("<memory>"))
+    model.load_state_dict({k: v.to(current[k].dtype) for k, v in state.items()})
     return model
 
 

@@ -16,7 +16,7 @@ import torch
 
 from specpilot.engines.drafters.block import BlockDrafterModel
 
-ZERO_IN_NEW_LAYERS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
+ZERO_IN_NEW_LAYERS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # (init_weights zeroes every bias)
 
 
 def grow_drafter(model: BlockDrafterModel, add_layers: int = 0, add_target_layers: tuple[int, ...] = (),
