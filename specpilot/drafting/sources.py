@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specpilot.drafting.task_prompts import TaskKind, task_prompts
 from specpilot.engines.config import DType
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.loader import ModelLoadError, eos_ids, load_model, load_tokenizer, random_model
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M, LlamaShape
-from specpilot.drafting.task_prompts import TaskKind, task_prompts
 from specpilot.workload import MBPP_TEST_IDS, Benchmark, apply_chat_template, benchmarks_dir, load_prompts
 
 MBPP_TRAIN_IDS = range(601, 975)

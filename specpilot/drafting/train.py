@@ -161,9 +161,9 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
         gen = dict(capture=capture, eos=bundle.eos, batch=cfg.gen_batch, store=store, progress=bar.update)
         parts = [generate_batched(t, [list(p) for p in ps.train], cfg.gen_tokens, seed=cfg.seed, **gen)]
         if ps.free and ps.user_turn_end:  # the target writes a user turn, then answers it
-            users = sample_turns(t, list(ps.free[0]), len(ps.free), cfg.user_tokens,
+            users = sample_turns(t, list(ps.user_turn_start), len(ps.free), cfg.user_tokens,
                                  frozenset({ps.user_turn_end[0]}) | bundle.eos, cfg.seed + 7919, cfg.gen_batch)
-            parts.append(generate_batched(t, [list(ps.free[0]) + u + list(ps.user_turn_end) for u in users],
+            parts.append(generate_batched(t, [list(ps.user_turn_start) + u + list(ps.user_turn_end) for u in users],
                                           cfg.gen_tokens, seed=cfg.seed + 7919, **gen))
         elif ps.free:
             parts.append(generate_batched(t, [list(p) for p in ps.free], cfg.free_sampled + cfg.gen_tokens,
