@@ -143,3 +143,19 @@ def test_command_line_grows_and_stores_int8_rows(tmp_path):
     assert (args.grow_layers, args.grow_target_layers, args.checkpoint_storage) == (2, (5, 9), "int8-rows")
     with pytest.raises(SystemExit):
         parser.parse_args(["drafter", "train", "--target", "t", "--out", "o", "--checkpoint-storage", "int4"])
+
+
+def test_a_four_layer_smollm2_drafter_fits_the_shipping_cap_in_int8_rows(tmp_path):
+    """The 16 MB a shipped drafter may take: SmolLM2-135M's 2-layer drafter fits in bf16, a 4-layer one only as int8
+    rows."""
+    from specpilot.engines.loader import random_model
+    from specpilot.engines.shapes import SMOLLM2_135M
+    target = random_model(SMOLLM2_135M, torch.float32, "cpu", seed=0)
+    sizes = {}
+    for layers, storage in ((2, WeightStorage.BF16), (4, WeightStorage.BF16), (4, WeightStorage.INT8_ROWS)):
+        d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=layers)).init_weights(0)
+        save_drafter(d, tmp_path / f"{layers}-{storage.value}", target, storage=storage)
+        sizes[layers, storage] = (tmp_path / f"{layers}-{storage.value}" / "model.safetensors").stat().st_size
+    cap = 16 * 10**6
+    assert sizes[2, WeightStorage.BF16] < cap < sizes[4, WeightStorage.BF16]
+    assert sizes[4, WeightStorage.INT8_ROWS] < cap and sizes[4, WeightStorage.INT8_ROWS] < 0.55 * sizes[4, WeightStorage.BF16]
