@@ -152,11 +152,10 @@ def test_candidates_are_kept_per_drafter_and_reference(setup, tmp_path, monkeypa
     assert computed == ["r2", "r0", "r0"] and len(list(tmp_path.iterdir())) == 2
 
 
-def test_drafter_replay_command_records_references_once_and_writes_its_table(tmp_path, capsys):
-    import json
-
+def tiny_block_deployment(tmp_path):
+    """A tiny random target (SmolLM2's tokenizer), a 1-layer drafter for it in tmp_path/drafter, and a deployment
+    YAML of the two: (yaml path, target)."""
     import torch
-    from specpilot.cli import main as cli_main
     from specpilot.drafting.checkpoint import save_drafter
     from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
     from specpilot.engines.loader import load_model
@@ -174,6 +173,14 @@ device: {{kind: cpu}}
 workload: {{benchmarks: [gsm8k, mbpp], prompts_per_benchmark: 1, max_new_tokens: 12, seed: 0}}
 engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
 """)
+    return yaml, target
+
+
+def test_drafter_replay_command_records_references_once_and_writes_its_table(tmp_path, capsys):
+    import json
+
+    from specpilot.cli import main as cli_main
+    yaml, _ = tiny_block_deployment(tmp_path)
     argv = ["drafter", "replay", "--deployment", str(yaml), "--out", str(tmp_path / "r"), "--gates", "2:0.5",
             "--tree-budgets", "0,6", "--ngram-maxes", "4,8", "--drafter-windows", "0,5", "--no-progress"]
     assert cli_main(argv) == 0
@@ -206,6 +213,31 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 512, token_tile: 8}}
     with pytest.raises(SystemExit):  # argparse's refusal
         cli_main(argv[:-3] + ["--drafter-windows", "0,-5", "--no-progress"])
     assert "integers >= 0" in capsys.readouterr().err
+
+
+def test_drafter_replay_judges_a_checkpoint_given_by_path(tmp_path, capsys):
+    """--drafter DIR: the deployment's target and references, another drafter's candidates (cached under its own
+    digest); the deployment's own drafter given by path replays as the deployment does."""
+    import json
+
+    from specpilot.cli import main as cli_main
+    from specpilot.drafting.checkpoint import save_drafter
+    from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+    yaml, target = tiny_block_deployment(tmp_path)
+    save_drafter(BlockDrafterModel(BlockDrafterConfig.for_target(target.shape, layers=1, block_size=4)).init_weights(7),
+                 tmp_path / "other", target)
+    base = ["drafter", "replay", "--deployment", str(yaml), "--gates", "2:0.5", "--tree-budgets", "0,6", "--no-progress"]
+    got = {}
+    for name, extra in (("deployed", []), ("same", ["--drafter", str(tmp_path / "drafter")]),
+                        ("other", ["--drafter", str(tmp_path / "other")])):
+        assert cli_main(base + ["--out", str(tmp_path / name)] + extra) == 0
+        got[name] = json.loads((tmp_path / name / "replay.json").read_text())["policies"]
+        got[name + " cache"] = [f.name for f in (tmp_path / name / "candidates").iterdir()]
+    assert got["same"] == got["deployed"] and got["same cache"] == got["deployed cache"]
+    assert got["other cache"] != got["deployed cache"]
+    capsys.readouterr()
+    assert cli_main(base + ["--out", str(tmp_path / "x"), "--drafter", str(tmp_path / "missing")]) != 0
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_position_accuracy_counts_hand_built_candidates(tmp_path):

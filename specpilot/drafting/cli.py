@@ -148,9 +148,13 @@ def run_replay(args: argparse.Namespace) -> int:
                                    ("max_new_tokens", args.max_new_tokens)) if v}
     wl = WorkloadSpec(**{**dep.workload.__dict__, **overrides})
     session = DeploymentSession(dep, device=args.device)
-    drafter = session.block_drafter(args.drafter_label)
+    if args.drafter is not None:  # a checkpoint to judge against the deployment's target and references
+        from specpilot.drafting.checkpoint import load_drafter
+        drafter = load_drafter(args.drafter, session.target)
+    else:
+        drafter = session.block_drafter(args.drafter_label)
     if drafter is None:
-        raise ValueError(f"deployment {dep.name} has no block drafter to replay")
+        raise ValueError(f"deployment {dep.name} has no block drafter to replay (or pass --drafter DIR)")
     split = wl.select(args.benchmarks_dir)
     prompts = session.tokenize(list(split.validate if args.split == "validate" else split.tune))
     ar_cfg = dep.ar_config()
@@ -222,6 +226,8 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p = sub.add_parser("replay", help="tokens per step of lookup/gate/tree policies, replayed on recorded AR outputs")
     p.add_argument("--deployment", required=True, help="a deployment with a block drafter (YAML path or name)")
     p.add_argument("--drafter-label", default=None, help="which block drafter (default: the first)")
+    p.add_argument("--drafter", default=None, help="a drafter checkpoint directory to replay instead of the "
+                                                   "deployment's (e.g. a training run's out dir)")
     p.add_argument("--out", required=True, type=Path,
                    help="directory: references.jsonl (resumed), candidates/ (kept per drafter) and replay.json")
     p.add_argument("--device", default=None, help="default: the deployment's")
