@@ -33,9 +33,8 @@ def grow_drafter(model: BlockDrafterModel, add_layers: int = 0, add_target_layer
     grown = BlockDrafterModel(dataclasses.replace(c, layers=c.layers + add_layers, target_layers=targets))
     grown.init_weights(seed)
     old = {k: v.detach().float() for k, v in model.state_dict().items()}
-    state = grown.state_dict()
-    with torch.no_grad():
-        for name, t in state.items():
+    with torch.no_grad():  # state_dict()'s tensors share the parameters' storage: written in place
+        for name, t in grown.state_dict().items():
             if name == "fc.weight":
                 t.zero_()
                 h = c.hidden
@@ -46,5 +45,4 @@ def grow_drafter(model: BlockDrafterModel, add_layers: int = 0, add_target_layer
                 t.copy_(old[name])
             elif name.endswith(ZERO_IN_NEW_LAYERS):
                 t.zero_()
-    grown.load_state_dict(state)
     return grown.float().train(model.training)
