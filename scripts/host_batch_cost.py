@@ -15,7 +15,7 @@ wasted and none is missed that the lookup had: what any draft-length or verify-b
 could reach at most.
 
 Usage:
-  python scripts/host_batch_cost.py [--outputs FILE.json] [--requests 48] [--concurrency 16] [--profile 25]
+  python scripts/host_batch_cost.py [--outputs FILE.json[.gz]] [--requests 48] [--concurrency 16] [--profile 25]
 FILE.json: {key: {"prompt": [ids], "out": [ids]}} (e.g. greedy outputs of SmolLM2 on the benchmark prompts);
 without it, synthetic sequences that mix repeated phrases with fresh tokens (seeded).
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import gzip
 import json
 import pstats
 import random
@@ -161,7 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--oracle", action="store_true", help="add the oracle-cut lookup bound (see above)")
     a = ap.parse_args(argv)
     count, length = (int(x) for x in a.synthetic.split("x"))
-    data = json.loads(a.outputs.read_text()) if a.outputs else synthetic(count, length)
+    # .json.gz as notes/ keeps them (the checkout travels to the GPU host, so it stays small)
+    data = (json.loads(gzip.decompress(a.outputs.read_bytes()) if a.outputs.suffix == ".gz" else a.outputs.read_text())
+            if a.outputs else synthetic(count, length))
     items = list(data.values())
     sequences = {tuple(v["prompt"]): list(v["prompt"]) + list(v["out"]) for v in items}
     longest = max(len(s) for s in sequences.values())

@@ -172,6 +172,8 @@ def test_report_names_a_stalled_request():
     ("ngram{draft_len=3}", "ngram\n{draft_len=3}"),
     ("draft_model:smollm2-135m-l6", "draft_model:smollm2-135m-l6"),  # a testbed name, no path
     ("ar", "ar"),
+    ("block:d{device_overlap=True,device_steps=1,device_tree=per_step,drafter_window=256,wide_tree_after=8}",
+     "block:d\n{device_overlap=True,device_steps=1,\ndevice_tree=per_step,drafter_window=256,\nwide_tree_after=8}"),
 ])
 def test_the_picture_names_a_variant_by_its_model_folder(variant, label):
     from specpilot.bench.plot import short_label

@@ -10,7 +10,7 @@ import torch
 
 from specpilot.drafting import sources
 from specpilot.drafting.cli import register_cli
-from specpilot.drafting.sources import LeakError, TargetBundle, build_prompts, mbpp_train_tasks, task_texts
+from specpilot.drafting.sources import TargetBundle, build_prompts, mbpp_train_tasks, task_texts
 from specpilot.drafting.task_prompts import TaskKind, function_stub, task_prompts
 from specpilot.drafting.train import TrainConfig, collect
 from specpilot.workload import load_prompts
@@ -65,17 +65,25 @@ def test_every_mbpp_train_stub_is_python():
         stub_function(s)
 
 
-def test_task_texts_skip_held_out_tasks_and_refuse_a_benchmark_prompt(monkeypatch):
+def test_task_texts_skip_held_out_tasks_and_drop_benchmark_prompts(monkeypatch):
     rows = mbpp_train_tasks()
     held = {tid for tid, _, _ in rows[:200]}
     held_stubs = {function_stub(text, test) for tid, text, test in rows if tid in held}
-    texts = task_texts(900, 1, held)
+    texts, _ = task_texts(900, 1, held)
     stubs = [t for k, t in texts if k is TaskKind.FUNCTION_STUB]
     assert stubs and not set(stubs) & held_stubs
     test_prompt = load_prompts("math500")[0].text
-    monkeypatch.setattr(sources, "task_prompts", lambda n, seed, tasks: [(TaskKind.LATEX_PROBLEM, test_prompt)])
-    with pytest.raises(LeakError, match="benchmark prompts"):
-        task_texts(1, 1, set())
+    mine = (TaskKind.LATEX_PROBLEM, "Simplify $\\sqrt{2}$ once more.")
+    monkeypatch.setattr(sources, "task_prompts",
+                        lambda n, seed, tasks: [(TaskKind.LATEX_PROBLEM, test_prompt), mine])
+    assert task_texts(2, 1, set()) == ([mine], 1)
+
+
+def test_the_templates_can_write_a_math500_prompt_and_it_is_dropped():
+    # session 42's training call stopped on this one: seed 5, 4096 task prompts
+    texts, dropped = task_texts(4096, 5, set())
+    assert dropped >= 1
+    assert "Simplify $\\sqrt{242}$." not in {t for _, t in texts}
 
 
 def test_build_prompts_trains_on_tasks_and_keeps_the_held_out_set():

@@ -6,14 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def short_label(variant: str) -> str:
+def short_label(variant: str, width: int = 48) -> str:
     """A variant's name for the picture: a model path cut to its last component (the bench table keeps the whole
-    name), the knobs on a line of their own."""
+    name), the knobs below it, wrapped at their commas to `width` characters (a tree's dozen knobs on one line
+    squeezed the bars to a sliver)."""
     name, brace, knobs = variant.partition("{")
     kind, colon, model = name.partition(":")
     if "/" in model:
         model = model.rstrip("/").rsplit("/", 1)[-1]
-    return kind + colon + model + ("\n{" + knobs if brace else "")
+    lines = [kind + colon + model]
+    if brace:
+        lines.append("{")
+        for knob in knobs.split(","):
+            if len(lines) > 1 and len(lines[-1]) + len(knob) + 1 > width and lines[-1] != "{":
+                lines[-1] += ","
+                lines.append(knob)
+            else:
+                lines[-1] += ("" if lines[-1] == "{" else ",") + knob
+    return "\n".join(lines)
 
 
 def plot_speedups(report: dict, path: str | Path) -> Path | None:
@@ -28,7 +38,8 @@ def plot_speedups(report: dict, path: str | Path) -> Path | None:
     if not rows:
         return None
     benchmarks = sorted({b for s in rows.values() for b in s["per_benchmark"]}) + ["overall"]
-    fig = Figure(figsize=(10, 1.2 + 0.9 * len(rows)))
+    label_lines = max(short_label(v).count("\n") + 2 for v in rows)  # + the tokens/step line
+    fig = Figure(figsize=(10, 1.2 + max(0.9, 0.14 * label_lines) * len(rows)))
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     height = 0.8 / len(benchmarks)

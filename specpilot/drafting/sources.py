@@ -92,17 +92,16 @@ def mbpp_train_texts(directory: str | Path | None = None, ids: range = MBPP_TRAI
 
 
 def task_texts(n: int, seed: int, exclude_ids: set[int], directory: str | Path | None = None
-               ) -> list[tuple[TaskKind, str]]:
-    """task_prompts' `n` prompts, function stubs from MBPP train tasks outside `exclude_ids` (the held-out ones);
-    LeakError if one equals a benchmark prompt (the templates cannot write one; the check keeps it so)."""
+               ) -> tuple[list[tuple[TaskKind, str]], int]:
+    """task_prompts' `n` prompts, function stubs from MBPP train tasks outside `exclude_ids` (the held-out ones),
+    less any that equal a benchmark prompt, and how many were dropped so. A template can write one by chance
+    (session 42: "Simplify $\\sqrt{242}$." is math500's), so each is checked, not assumed impossible."""
     mbpp = [(text, test) for tid, text, test in mbpp_train_tasks(directory) if tid not in exclude_ids]
     texts = task_prompts(n, seed, mbpp)
     tests = {p.text for b in Benchmark if (benchmarks_dir(directory) / b.filename).is_file()
              for p in load_prompts(b, directory)}
-    leaked = [t for _, t in texts if t in tests]
-    if leaked:
-        raise LeakError(f"{len(leaked)} task prompts equal benchmark prompts, e.g. {leaked[0][:80]!r}")
-    return texts
+    kept = [(kind, t) for kind, t in texts if t not in tests]
+    return kept, len(texts) - len(kept)
 
 
 @dataclass(frozen=True)
@@ -163,9 +162,10 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
     if tasks:
         if tokenizer is None:
             raise ValueError("task prompts need the target's tokenizer (this target has none)")
-        texts = task_texts(tasks, seed, set(source.get("held_out_task_ids", ())), directory)
+        texts, dropped = task_texts(tasks, seed, set(source.get("held_out_task_ids", ())), directory)
         train += tuple(tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in texts)
-        source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind}}
+        source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind},
+                  "task_prompts_dropped_as_benchmark_prompts": dropped}
     if frame is not None:
         return PromptSet(train, (frame[0],) * free, held, {**source, "free_generations": free,
                                                             "free_start": "chat-user-turn"},
