@@ -54,6 +54,29 @@ def test_a_grown_drafter_proposes_what_it_proposed():
         assert b.scores == pytest.approx(a.scores, rel=1e-5, abs=1e-7)
 
 
+def test_a_widened_drafter_proposes_what_it_proposed_and_its_new_channels_learn():
+    model = tiny_model("mha_tied", 2)
+    small = drafter_for(model, layers=2, seed=3)
+    with torch.no_grad():
+        small.mask_embed.normal_(0, 0.3)
+    wide = grow_drafter(small, intermediate=3 * small.config.intermediate, seed=5)
+    n = small.config.intermediate
+    assert wide.config.intermediate == 3 * n and wide.config.layers == 2
+    for old, new in zip(small.layers, wide.layers):
+        assert torch.equal(new.mlp.gate_proj.weight[:n], old.mlp.gate_proj.weight)
+        assert torch.equal(new.mlp.down_proj.weight[:, :n], old.mlp.down_proj.weight)
+        assert not new.mlp.down_proj.weight[:, n:].any() and new.mlp.up_proj.weight[n:].abs().sum() > 0
+    for ctx in (prompt(model.shape.vocab, 12, 7), prompt(model.shape.vocab, 20, 8)):
+        a, b = proposal(model, small, ctx), proposal(model, wide, ctx)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents)
+        assert b.scores == pytest.approx(a.scores, rel=1e-5, abs=1e-7)
+    wide.train()
+    feats = torch.randn(1, 6, wide.config.feature_dim)
+    x = wide.block_inputs(model.embed_tokens.weight[:1].float())
+    wide(x, torch.arange(6, 10)[None], wide.context_kv(feats, torch.arange(6)[None])).square().sum().backward()
+    assert wide.layers[0].mlp.down_proj.weight.grad[:, n:].abs().sum() > 0
+
+
 def test_the_new_layers_get_gradients():
     model = tiny_model("mha_tied", 2)
     grown = grow_drafter(drafter_for(model), add_layers=1).train()
@@ -74,8 +97,12 @@ def test_growth_refuses_what_it_cannot_do():
         grow_drafter(d, add_target_layers=(1, 1))
     with pytest.raises(ValueError, match="add_layers"):
         grow_drafter(d, add_layers=-1)
+    with pytest.raises(ValueError, match="cannot narrow"):
+        grow_drafter(d, intermediate=d.config.intermediate - 1)
     with pytest.raises(ValueError, match="set init"):
         TrainConfig(grow_layers=1)
+    with pytest.raises(ValueError, match="set init"):
+        TrainConfig(grow_intermediate=64)
 
 
 def test_int8_rows_round_trip_and_as_stored_is_what_loads(tmp_path):
@@ -139,8 +166,10 @@ def test_command_line_grows_and_stores_int8_rows(tmp_path):
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["drafter", "train", "--target", "t", "--out", str(tmp_path), "--init", "d",
-                              "--grow-layers", "2", "--grow-target-layers", "5,9", "--checkpoint-storage", "int8-rows"])
+                              "--grow-layers", "2", "--grow-target-layers", "5,9", "--checkpoint-storage", "int8-rows",
+                              "--grow-intermediate", "3072"])
     assert (args.grow_layers, args.grow_target_layers, args.checkpoint_storage) == (2, (5, 9), "int8-rows")
+    assert args.grow_intermediate == 3072
     with pytest.raises(SystemExit):
         parser.parse_args(["drafter", "train", "--target", "t", "--out", "o", "--checkpoint-storage", "int4"])
 
@@ -159,3 +188,7 @@ def test_a_four_layer_smollm2_drafter_fits_the_shipping_cap_in_int8_rows(tmp_pat
     cap = 16 * 10**6
     assert sizes[2, WeightStorage.BF16] < cap < sizes[4, WeightStorage.BF16]
     assert sizes[4, WeightStorage.INT8_ROWS] < cap and sizes[4, WeightStorage.INT8_ROWS] < 0.55 * sizes[4, WeightStorage.BF16]
+    # 2 layers with the target's MLP width (3072, 5.3x hidden instead of 2x) fit too, as int8 rows only
+    d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, intermediate=3072)).init_weights(0)
+    save_drafter(d, tmp_path / "wide", target, storage=WeightStorage.INT8_ROWS)
+    assert (tmp_path / "wide" / "model.safetensors").stat().st_size < cap

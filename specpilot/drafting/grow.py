@@ -7,6 +7,9 @@ behind the shipped one).
   through; its other projections are drawn as a fresh drafter's, so gradients reach them once the zero ones move.
 - More target layers: the fc projection's columns for the new layers' features are zero, the trained layers'
   columns move to where their layer now sits in target_layers (sorted).
+- A wider MLP (intermediate): the trained channels keep their rows of gate / up and their columns of down; the new
+  channels' gate / up rows are drawn fresh and their down columns are zero, so they add nothing until down moves.
+  Width, unlike depth, adds no launches to the drafter's step (its projections are launch-bound at 16 rows).
 """
 from __future__ import annotations
 
@@ -20,17 +23,21 @@ ZERO_IN_NEW_LAYERS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")  # (ini
 
 
 def grow_drafter(model: BlockDrafterModel, add_layers: int = 0, add_target_layers: tuple[int, ...] = (),
-                 seed: int = 0) -> BlockDrafterModel:
-    """`model` with `add_layers` more layers and features from `add_target_layers` more target layers (float32, its
-    outputs unchanged)."""
+                 seed: int = 0, intermediate: int | None = None) -> BlockDrafterModel:
+    """`model` with `add_layers` more layers, features from `add_target_layers` more target layers and MLPs
+    `intermediate` wide (None: as they are), float32, its outputs unchanged."""
     c = model.config
     if add_layers < 0:
         raise ValueError(f"add_layers={add_layers}: must be >= 0")
+    width = c.intermediate if intermediate is None else intermediate
+    if width < c.intermediate:
+        raise ValueError(f"intermediate={width}: the drafter's MLPs are {c.intermediate} wide; growing cannot narrow")
     again = sorted(set(add_target_layers) & set(c.target_layers))
     if again or len(set(add_target_layers)) != len(add_target_layers):
         raise ValueError(f"target layers {again or list(add_target_layers)} are already read or listed twice")
     targets = tuple(sorted(c.target_layers + tuple(add_target_layers)))
-    grown = BlockDrafterModel(dataclasses.replace(c, layers=c.layers + add_layers, target_layers=targets))
+    grown = BlockDrafterModel(dataclasses.replace(c, layers=c.layers + add_layers, target_layers=targets,
+                                                  intermediate=width))
     grown.init_weights(seed)
     old = {k: v.detach().float() for k, v in model.state_dict().items()}
     with torch.no_grad():  # state_dict()'s tensors share the parameters' storage: written in place
@@ -41,8 +48,14 @@ def grow_drafter(model: BlockDrafterModel, add_layers: int = 0, add_target_layer
                 for i, layer in enumerate(c.target_layers):
                     j = targets.index(layer)
                     t[:, j * h:(j + 1) * h] = old[name][:, i * h:(i + 1) * h]
-            elif name in old:
-                t.copy_(old[name])
-            elif name.endswith(ZERO_IN_NEW_LAYERS):
+            elif name not in old:  # a new layer's: drawn, its output projections zero
+                if name.endswith(ZERO_IN_NEW_LAYERS):
+                    t.zero_()
+            elif name.endswith("mlp.down_proj.weight"):  # [hidden, intermediate]: the new channels' columns zero
                 t.zero_()
+                t[:, :c.intermediate] = old[name]
+            elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):  # [intermediate, hidden]
+                t[:c.intermediate] = old[name]  # the new channels' rows stay as drawn
+            else:
+                t.copy_(old[name])
     return grown.float().train(model.training)

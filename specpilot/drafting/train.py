@@ -95,9 +95,10 @@ class TrainConfig:
     # is several calls, each resuming the last one's drafter; give each a new seed, or it regenerates the same data.
     init: str | None = None
     # Grow the init drafter first (drafting.grow: the same outputs, room to learn more): this many layers appended,
-    # features from these target layers added
+    # features from these target layers added, MLPs widened to this many channels (0: as they are)
     grow_layers: int = 0
     grow_target_layers: tuple[int, ...] = ()
+    grow_intermediate: int = 0
     # How the checkpoint holds the weights (int8 rows: a drafter over the 16 MB a shipped one may take in bf16); the
     # final evaluation measures the weights as stored
     checkpoint_storage: WeightStorage = WeightStorage.BF16
@@ -114,9 +115,9 @@ class TrainConfig:
         check_window(self.context_window, "context_window")
         object.__setattr__(self, "checkpoint_storage", WeightStorage(self.checkpoint_storage))
         object.__setattr__(self, "grow_target_layers", tuple(self.grow_target_layers))
-        if (self.grow_layers or self.grow_target_layers) and self.init is None:
-            raise ValueError("grow_layers / grow_target_layers grow a saved drafter: set init")
-        for name in ("task_prompts", "steered_prompts", "grow_layers"):
+        if self.grows and self.init is None:
+            raise ValueError("grow_layers / grow_target_layers / grow_intermediate grow a saved drafter: set init")
+        for name in ("task_prompts", "steered_prompts", "grow_layers", "grow_intermediate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.eval_every < 0:
@@ -125,6 +126,10 @@ class TrainConfig:
             raise ValueError(f"deadline_s={self.deadline_s}: must be > 0 (or None)")
         if self.block_size < 2:
             raise ValueError("block_size must be >= 2 (the pending token plus at least one draft)")
+
+    @property
+    def grows(self) -> bool:
+        return bool(self.grow_layers or self.grow_target_layers or self.grow_intermediate)
 
 
 @dataclass
@@ -220,8 +225,9 @@ def reuse(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) -> C
 def new_drafter(bundle: TargetBundle, cfg: TrainConfig) -> BlockDrafterModel:
     if cfg.init is not None:  # continue a saved drafter (its checks: the same target shape, intact weights)
         model = load_drafter(cfg.init, bundle.model).train()
-        if cfg.grow_layers or cfg.grow_target_layers:
-            model = grow_drafter(model, cfg.grow_layers, cfg.grow_target_layers, seed=cfg.seed)
+        if cfg.grows:
+            model = grow_drafter(model, cfg.grow_layers, cfg.grow_target_layers, seed=cfg.seed,
+                                 intermediate=cfg.grow_intermediate or None)
             model.config.check_target(bundle.model.shape)
         return model.to(cfg.device)
     config = BlockDrafterConfig.for_target(bundle.model.shape, cfg.layers, cfg.block_size, cfg.intermediate,
