@@ -19,7 +19,7 @@ from specpilot.engines.config import DType, VerifyMode
 _INT_KNOBS = ("steps", "block_size", "layers", "intermediate", "batch_seqs", "anchors", "mbpp_prompts",
               "free_prompts", "free_sampled", "gen_tokens", "gen_batch", "held_out", "eval_tokens", "ckpt_every",
               "warmup", "seed", "eval_every", "user_tokens", "context_window", "task_prompts",
-              "steered_prompts", "grow_layers", "grow_intermediate")
+              "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk")
 
 
 def _dtype(args: argparse.Namespace) -> DType:
@@ -38,6 +38,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     for name in _INT_KNOBS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--soft-weight", type=float, default=defaults.soft_weight,
+                   help="with --soft-topk K: the weight of the target's top-K distribution in the loss (0-1)")
     layer_list = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     p.add_argument("--target-layers", type=layer_list, default=None,
                    help="comma-separated target layers the drafter reads (default: 3 spread layers)")
@@ -61,8 +63,8 @@ def run_train(args: argparse.Namespace) -> int:
     from specpilot.drafting.train import TrainConfig, train_drafter
 
     bundle = load_target(args.target, args.device, _dtype(args))
-    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "target_layers", "deadline_s", "chat_free", "init",
-                                              "data_from", "grow_target_layers", "checkpoint_storage")}
+    knobs = {k: getattr(args, k) for k in (*_INT_KNOBS, "lr", "soft_weight", "target_layers", "deadline_s", "chat_free",
+                                              "init", "data_from", "grow_target_layers", "checkpoint_storage")}
     cfg = replace(TrainConfig(), **knobs, device=args.device, progress=not args.no_progress)
     result = train_drafter(bundle, cfg, args.out)
     base = {r["mode"]: r for r in result.report["untrained"]["engine"]}

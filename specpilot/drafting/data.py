@@ -9,7 +9,7 @@ left-padded prompts, with a plain per-batch KV cache, so data generation costs s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,11 @@ class DraftData:
     features: torch.Tensor  # [N, T, feature_dim]
     prompt_len: torch.Tensor  # [N] long: tokens that are context only
     length: torch.Tensor  # [N] long
+    # The target's K likeliest tokens for each generated position t and their logits (from its step at t - 1;
+    # greedy, so soft_ids[n, t, 0] == tokens[n, t]); zero elsewhere. Soft labels for the drafter (generate's
+    # soft_topk); None where not recorded.
+    soft_ids: torch.Tensor | None = None  # [N, T, K] int32
+    soft_logits: torch.Tensor | None = None  # [N, T, K] float16
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -39,8 +44,10 @@ class DraftData:
         return int((self.length - self.prompt_len).clamp(min=0).sum())
 
     def to(self, device: torch.device | str) -> "DraftData":
+        soft = {} if self.soft_ids is None else {"soft_ids": self.soft_ids.to(device),
+                                                  "soft_logits": self.soft_logits.to(device)}
         return DraftData(self.tokens.to(device), self.features.to(device), self.prompt_len.to(device),
-                         self.length.to(device))
+                         self.length.to(device), **soft)
 
 
 def _rotary(model: LlamaModel, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +99,10 @@ def _forward(model: LlamaModel, ids, positions, kv, start: int, visible, capture
 @torch.no_grad()
 def generate(model: LlamaModel, prompts: list[list[int]], new_tokens: int, capture: tuple[int, ...],
              eos: frozenset[int], sampled: int = 0, temperature: float = 1.0, seed: int = 0,
-             store: torch.device | str = "cpu") -> DraftData:
+             store: torch.device | str = "cpu", soft_topk: int = 0) -> DraftData:
     """Continue every prompt by `new_tokens` tokens: the first `sampled` drawn at `temperature` (free generation:
-    diverse starts, kept as context), the rest greedy. Sequences end at their first greedy EOS (inclusive)."""
+    diverse starts, kept as context), the rest greedy. Sequences end at their first greedy EOS (inclusive).
+    soft_topk > 0: each step's K likeliest tokens and logits are kept too (DraftData.soft_ids / soft_logits)."""
     if not prompts or min(len(p) for p in prompts) < 1 or new_tokens < 2:
         raise ValueError("generate needs non-empty prompts and new_tokens >= 2")
     dev = model.embed_tokens.weight.device
@@ -115,8 +123,11 @@ def generate(model: LlamaModel, prompts: list[list[int]], new_tokens: int, captu
     logits, feats = _forward(model, ids, positions[:, :p_max], kv, 0, visible, capture)
     feature_rows = [feats]
     gen = torch.zeros(n, new_tokens, dtype=torch.long, device=dev)
+    top = [] if soft_topk else None
     g = torch.Generator(device=dev).manual_seed(seed)
     for s in range(new_tokens):
+        if top is not None:
+            top.append(logits.topk(soft_topk, dim=-1))
         if s < sampled:
             tok = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=g)[:, 0]
         else:
@@ -128,7 +139,8 @@ def generate(model: LlamaModel, prompts: list[list[int]], new_tokens: int, captu
         logits, feats = _forward(model, tok[:, None], positions[:, at:at + 1], kv, at, valid[:, None, :at + 1], capture)
         feature_rows.append(feats)
     features = torch.cat(feature_rows, dim=1)  # [N, S-1, F]
-    return _assemble(prompts, gen.cpu().tolist(), features, pad.cpu().tolist(), sampled, eos, store)
+    soft = None if top is None else (torch.stack([t.indices for t in top], 1), torch.stack([t.values for t in top], 1))
+    return _assemble(prompts, gen.cpu().tolist(), features, pad.cpu().tolist(), sampled, eos, store, soft)
 
 
 @torch.no_grad()
@@ -164,8 +176,9 @@ def sample_turns(model: LlamaModel, prefix: list[int], count: int, max_tokens: i
     return out
 
 
-def _assemble(prompts, gen, features, pad, sampled, eos, store) -> DraftData:
-    seqs, rows, plens = [], [], []
+def _assemble(prompts, gen, features, pad, sampled, eos, store, soft=None) -> DraftData:
+    """soft: (ids, logits) [N, new_tokens, K] of the generated tokens, or None."""
+    seqs, rows, plens, kept = [], [], [], []
     for i, (p, g) in enumerate(zip(prompts, gen)):
         if any(t in eos for t in g[:sampled]):
             continue  # a sampled start that already ended: nothing greedy to learn from
@@ -174,6 +187,7 @@ def _assemble(prompts, gen, features, pad, sampled, eos, store) -> DraftData:
         if end - sampled < 2:
             continue
         seqs.append(seq)
+        kept.append(i)
         plens.append(len(p) + sampled)
         rows.append(features[i, pad[i]:pad[i] + len(seq) - 1])
     if not seqs:
@@ -184,19 +198,31 @@ def _assemble(prompts, gen, features, pad, sampled, eos, store) -> DraftData:
     for i, (s, r) in enumerate(zip(seqs, rows)):
         tokens[i, :len(s)] = torch.tensor(s)
         feats[i, :r.shape[0]] = r.to(store)
-    return DraftData(tokens.to(store), feats, torch.tensor(plens, device=store),
+    data = DraftData(tokens.to(store), feats, torch.tensor(plens, device=store),
                      torch.tensor([len(s) for s in seqs], device=store))
+    if soft is None:
+        return data
+    ids, logits = soft
+    k = ids.shape[-1]
+    soft_ids = torch.zeros(len(seqs), t_max, k, dtype=torch.int32, device=store)
+    soft_logits = torch.zeros(len(seqs), t_max, k, dtype=torch.float16, device=store)
+    for row, (i, s) in enumerate(zip(kept, seqs)):
+        start = len(prompts[i])  # generated token j sits at position start + j
+        soft_ids[row, start:len(s)] = ids[i, :len(s) - start].to(store, torch.int32)
+        soft_logits[row, start:len(s)] = logits[i, :len(s) - start].to(store, torch.float16)
+    return replace(data, soft_ids=soft_ids, soft_logits=soft_logits)
 
 
 def generate_batched(model: LlamaModel, prompts: list[list[int]], new_tokens: int, capture: tuple[int, ...],
                      eos: frozenset[int], batch: int, sampled: int = 0, seed: int = 0, store="cpu",
-                     progress=None) -> DraftData:
+                     progress=None, soft_topk: int = 0) -> DraftData:
     """`generate` over batches of similar-length prompts (little padding), concatenated."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     parts = []
     for b, s in enumerate(range(0, len(order), batch)):
         chunk = [prompts[i] for i in order[s:s + batch]]
-        parts.append(generate(model, chunk, new_tokens, capture, eos, sampled, seed=seed + b, store=store))
+        parts.append(generate(model, chunk, new_tokens, capture, eos, sampled, seed=seed + b, store=store,
+                              soft_topk=soft_topk))
         if progress is not None:
             progress(len(chunk))
     return concat(parts)
@@ -204,9 +230,17 @@ def generate_batched(model: LlamaModel, prompts: list[list[int]], new_tokens: in
 
 def concat(parts: list[DraftData]) -> DraftData:
     t_max = max(p.tokens.shape[1] for p in parts)
-    return DraftData(torch.cat([F.pad(p.tokens, (0, t_max - p.tokens.shape[1])) for p in parts]),
-                     torch.cat([F.pad(p.features, (0, 0, 0, t_max - p.features.shape[1])) for p in parts]),
+    pad_t = lambda x: F.pad(x, (0, 0, 0, t_max - x.shape[1]))  # noqa: E731  [N, T, *] to T = t_max
+    data = DraftData(torch.cat([F.pad(p.tokens, (0, t_max - p.tokens.shape[1])) for p in parts]),
+                     torch.cat([pad_t(p.features) for p in parts]),
                      torch.cat([p.prompt_len for p in parts]), torch.cat([p.length for p in parts]))
+    with_soft = {p.soft_ids is not None for p in parts}
+    if with_soft == {False}:
+        return data
+    if len(with_soft) > 1 or len({p.soft_ids.shape[-1] for p in parts}) > 1:
+        raise ValueError("concat: every part needs soft labels of one K, or none has them")
+    return replace(data, soft_ids=torch.cat([pad_t(p.soft_ids) for p in parts]),
+                   soft_logits=torch.cat([pad_t(p.soft_logits) for p in parts]))
 
 
 # The token side of DraftData, saved with a trained drafter so a later training call can skip generation (half of

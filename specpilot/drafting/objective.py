@@ -24,6 +24,8 @@ class Batch:
     anchors: torch.Tensor  # [N, K] positions of the pending tokens
     targets: torch.Tensor  # [N, K, B-1] the target's tokens at anchor + 1..B-1
     weight: torch.Tensor  # [N, K, B-1] float: 0 where the target lies past the sequence or the anchor is void
+    soft_ids: torch.Tensor | None = None  # [N, K, B-1, S] the target's S likeliest tokens there (DraftData's)
+    soft_logits: torch.Tensor | None = None  # [N, K, B-1, S] and their logits
 
 
 def sample_batch(data: DraftData, rows: torch.Tensor, anchors: int, block_size: int, gen: torch.Generator) -> Batch:
@@ -37,8 +39,13 @@ def sample_batch(data: DraftData, rows: torch.Tensor, anchors: int, block_size: 
     offsets = torch.arange(1, block_size, device=dev)
     pos = a[..., None] + offsets  # [N, K, B-1]
     inside = (pos < length[:, None, None]) & (span[:, None, None] > 0)
-    targets = torch.gather(tokens, 1, pos.clamp(max=tokens.shape[1] - 1).flatten(1)).view_as(pos)
-    return Batch(tokens, data.features[rows], a, targets, inside.float())
+    at = pos.clamp(max=tokens.shape[1] - 1).flatten(1)
+    targets = torch.gather(tokens, 1, at).view_as(pos)
+    if data.soft_ids is None:
+        return Batch(tokens, data.features[rows], a, targets, inside.float())
+    pick = lambda x: torch.gather(x[rows], 1, at[..., None].expand(-1, -1, x.shape[-1])).view(*pos.shape, -1)  # noqa: E731
+    return Batch(tokens, data.features[rows], a, targets, inside.float(), pick(data.soft_ids).long(),
+                 pick(data.soft_logits))
 
 
 def block_logits(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
@@ -82,9 +89,21 @@ class BlockMetrics:
 
 
 def block_loss(model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
-               decay: float, window: int = 0) -> BlockMetrics:
+               decay: float, window: int = 0, soft_weight: float = 0.0) -> BlockMetrics:
+    """Position-decayed cross-entropy on the target's greedy tokens; soft_weight > 0 mixes in the cross-entropy
+    against the target's own distribution over its likeliest tokens (the batch's soft labels, softmaxed), as
+    EAGLE-style drafters are distilled: (1 - w) * hard + w * soft per slot."""
     logits = block_logits(model, embed, head, batch, window)
-    ce = F.cross_entropy(logits.float().flatten(0, 2), batch.targets.flatten(), reduction="none").view_as(batch.weight)
+    if soft_weight:
+        if batch.soft_ids is None:
+            raise ValueError("soft_weight > 0 needs soft labels: data generated with soft_topk > 0")
+        logp = logits.float().log_softmax(-1)
+        hard = -logp.gather(-1, batch.targets[..., None])[..., 0]
+        q = batch.soft_logits.float().softmax(-1)
+        soft = -(q * logp.gather(-1, batch.soft_ids)).sum(-1)
+        ce = (1 - soft_weight) * hard + soft_weight * soft
+    else:
+        ce = F.cross_entropy(logits.float().flatten(0, 2), batch.targets.flatten(), reduction="none").view_as(batch.weight)
     w = batch.weight * slot_weights(model.config.block_size, decay, ce.device)
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():

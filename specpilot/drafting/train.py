@@ -53,6 +53,11 @@ class TrainConfig:
     batch_seqs: int = 16  # sequences per step
     anchors: int = 64  # anchors (blocks) per sequence per step
     decay: float = 7.0  # slot j's loss weight: exp(-(j-1)/decay)
+    # Soft labels: the target's soft_topk likeliest tokens at every generated position are recorded while it
+    # generates, and the loss mixes their cross-entropy in with weight soft_weight (objective.block_loss); 0: the
+    # greedy tokens alone
+    soft_topk: int = 0
+    soft_weight: float = 0.5
     # Train (and evaluate) with the drafter's attention on the context's last context_window positions (0: all),
     # the EngineConfig.drafter_window the drafter will run at.
     context_window: int = 0
@@ -117,7 +122,12 @@ class TrainConfig:
         object.__setattr__(self, "grow_target_layers", tuple(self.grow_target_layers))
         if self.grows and self.init is None:
             raise ValueError("grow_layers / grow_target_layers / grow_intermediate grow a saved drafter: set init")
-        for name in ("task_prompts", "steered_prompts", "grow_layers", "grow_intermediate"):
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ValueError(f"soft_weight={self.soft_weight}: must be in [0, 1]")
+        if self.soft_topk and self.data_from is not None:
+            raise ValueError("soft_topk needs the target's distributions, recorded while it generates; saved "
+                             "sequences (data_from) carry none")
+        for name in ("task_prompts", "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.eval_every < 0:
@@ -163,7 +173,8 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
     steered = steered_prompts(bundle, ps, cfg) if cfg.steered_prompts else []  # fails before any generation
     total = len(ps.train) + len(ps.free) + len(steered) + len(ps.held_out)
     with tqdm(total=total, desc="generate", unit="seq", disable=not cfg.progress, file=sys.stderr) as bar:
-        gen = dict(capture=capture, eos=bundle.eos, batch=cfg.gen_batch, store=store, progress=bar.update)
+        gen = dict(capture=capture, eos=bundle.eos, batch=cfg.gen_batch, store=store, progress=bar.update,
+                   soft_topk=cfg.soft_topk)
         parts = [generate_batched(t, [list(p) for p in ps.train], cfg.gen_tokens, seed=cfg.seed, **gen)]
         if ps.free and ps.user_turn_end:  # the target writes a user turn, then answers it
             users = sample_turns(t, list(ps.user_turn_start), len(ps.free), cfg.user_tokens,
@@ -288,7 +299,8 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
         rows = torch.randint(len(data), (cfg.batch_seqs,), generator=gen)
         batch = sample_batch(data, rows, cfg.anchors, model.config.block_size, gen)
         with autocast:
-            m = block_loss(model, embed, head, batch, cfg.decay, cfg.context_window)
+            m = block_loss(model, embed, head, batch, cfg.decay, cfg.context_window,
+                           cfg.soft_weight if cfg.soft_topk else 0.0)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -1,0 +1,139 @@
+"""Soft labels for the block drafter: the target's top-K distribution recorded while it generates, and the loss
+that mixes it with the greedy tokens' cross-entropy."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _tiny import prompt, tiny_model
+
+from specpilot.drafting.data import concat, generate
+from specpilot.drafting.objective import block_logits, block_loss, sample_batch
+from specpilot.drafting.sources import TargetBundle
+from specpilot.drafting.train import TrainConfig, new_drafter, train_drafter
+from specpilot.engines.drafters.block import lm_head_weight
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NO_EOS: frozenset[int] = frozenset()
+QUICK = dict(block_size=4, layers=1, batch_seqs=4, anchors=8, mbpp_prompts=24, free_prompts=8, free_sampled=3,
+             gen_tokens=20, gen_batch=64, held_out=2, eval_tokens=12, eval_anchors=8, warmup=2, progress=False)
+
+
+def data_with_soft(model, k: int, sampled: int = 0, eos: frozenset[int] = NO_EOS, seed: int = 0):
+    prompts = [prompt(model.shape.vocab, 5 + i % 4, 100 * seed + i) for i in range(6)]
+    return prompts, generate(model, prompts, 16, (0, 1), eos, sampled=sampled, seed=seed, soft_topk=k)
+
+
+@pytest.mark.parametrize("sampled", [0, 3])
+def test_the_recorded_top1_is_the_greedy_token_and_nothing_outside_the_generation_is_labelled(sampled):
+    model = tiny_model("gqa", 1)
+    prompts, d = data_with_soft(model, 4, sampled)
+    assert d.soft_ids.shape == (*d.tokens.shape, 4) and d.soft_logits.dtype == torch.float16
+    for n in range(len(d)):
+        p, length, plen = len(prompts[n]), int(d.length[n]), int(d.prompt_len[n])
+        assert plen == p + sampled
+        # greedy positions: the target's likeliest token is the one it wrote, the logits run downwards
+        assert torch.equal(d.soft_ids[n, plen:length, 0].long(), d.tokens[n, plen:length])
+        assert (d.soft_logits[n, plen:length, :-1] >= d.soft_logits[n, plen:length, 1:]).all()
+        assert not d.soft_ids[n, :p].any() and not d.soft_ids[n, length:].any()
+
+
+def test_soft_labels_follow_the_kept_rows_when_sequences_are_dropped_or_cut():
+    model = tiny_model("gqa", 2)
+    _, free = data_with_soft(model, 2, seed=3)
+    eos = frozenset({int(free.tokens[0, int(free.prompt_len[0]) + 2])})  # one row ends early at this token
+    prompts, d = data_with_soft(model, 2, eos=eos, seed=3)
+    assert int(d.length.min()) < int(d.length.max())
+    for n in range(len(d)):
+        plen, length = int(d.prompt_len[n]), int(d.length[n])
+        assert torch.equal(d.soft_ids[n, plen:length, 0].long(), d.tokens[n, plen:length])
+        assert not d.soft_ids[n, length:].any()
+
+
+def test_concat_keeps_soft_labels_and_refuses_a_mix():
+    model = tiny_model("gqa", 1)
+    _, a = data_with_soft(model, 3, seed=1)
+    _, b = data_with_soft(model, 3, seed=2)
+    both = concat([a, b])
+    assert torch.equal(both.soft_ids[:len(a), :a.tokens.shape[1]], a.soft_ids)
+    assert torch.equal(both.soft_logits[len(a):, :b.tokens.shape[1]], b.soft_logits)
+    plain = generate(model, [prompt(model.shape.vocab, 6, 9)], 8, (0, 1), NO_EOS)
+    assert plain.soft_ids is None and concat([plain, plain]).soft_ids is None
+    with pytest.raises(ValueError, match="soft labels"):
+        concat([a, plain])
+
+
+def _loss_inputs(k: int):
+    model = tiny_model("gqa", 4)
+    drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), TrainConfig(**QUICK)).float()
+    _, d = data_with_soft(model, k, seed=5)
+    batch = sample_batch(d, torch.arange(len(d)), 6, 4, torch.Generator().manual_seed(0))
+    return model, drafter, batch
+
+
+def test_a_batch_carries_the_soft_labels_of_its_target_slots():
+    _, _, batch = _loss_inputs(3)
+    assert batch.soft_ids.shape == (*batch.targets.shape, 3)
+    valid = batch.weight > 0
+    assert torch.equal(batch.soft_ids[..., 0][valid], batch.targets[valid])
+
+
+def test_top1_soft_labels_are_the_hard_loss_and_more_of_them_are_their_cross_entropy():
+    model, drafter, batch = _loss_inputs(1)
+    embed, head = model.embed_tokens.weight, lm_head_weight(model)
+    hard = block_loss(drafter, embed, head, batch, 7.0)
+    assert float(block_loss(drafter, embed, head, batch, 7.0, soft_weight=1.0).loss.detach()) == pytest.approx(
+        float(hard.loss), rel=1e-5)
+    model, drafter, batch = _loss_inputs(4)
+    hard = block_loss(drafter, embed, head, batch, 7.0)
+    mixed = block_loss(drafter, embed, head, batch, 7.0, soft_weight=0.5)
+    # by hand: q = softmax of the recorded logits, the slot's loss -sum q log p, mixed half and half, decayed
+    logp = block_logits(drafter, embed, head, batch).float().log_softmax(-1)
+    soft = -(batch.soft_logits.float().softmax(-1) * logp.gather(-1, batch.soft_ids)).sum(-1)
+    hard_slots = -logp.gather(-1, batch.targets[..., None])[..., 0]
+    w = batch.weight * torch.exp(-torch.arange(3.0) / 7.0)
+    want = (((hard_slots + soft) / 2) * w).sum() / w.sum()
+    assert float(mixed.loss) == pytest.approx(float(want), rel=1e-5)
+    assert float(mixed.loss) != pytest.approx(float(hard.loss), rel=1e-3)
+    assert mixed.accepted == hard.accepted  # the metrics are the greedy tokens' either way
+    mixed.loss.backward()
+    assert drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_soft_weight_without_soft_labels_is_refused():
+    model = tiny_model("gqa", 4)
+    drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), TrainConfig(**QUICK)).float()
+    d = generate(model, [prompt(model.shape.vocab, 6, 1)] * 2, 10, (0, 1), NO_EOS)
+    batch = sample_batch(d, torch.arange(2), 4, 4, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="soft labels"):
+        block_loss(drafter, model.embed_tokens.weight, lm_head_weight(model), batch, 7.0, soft_weight=0.3)
+
+
+def test_config_checks_the_soft_knobs():
+    with pytest.raises(ValueError, match="soft_weight"):
+        TrainConfig(soft_topk=4, soft_weight=1.5)
+    with pytest.raises(ValueError, match="data_from"):
+        TrainConfig(soft_topk=4, data_from="somewhere")
+    with pytest.raises(ValueError, match="soft_topk"):
+        TrainConfig(soft_topk=-1)
+
+
+def test_training_with_soft_labels_runs_end_to_end_and_says_so(tmp_path):
+    model = tiny_model("gqa", 6)
+    result = train_drafter(TargetBundle("tiny", model, None, NO_EOS),
+                           TrainConfig(**QUICK, steps=4, soft_topk=4, soft_weight=0.7), tmp_path / "out")
+    assert result.report["config"]["soft_topk"] == 4 and result.report["config"]["soft_weight"] == 0.7
+    assert all(r["equal_to_ar"] for r in result.report["trained"]["engine"])
+    assert all(math.isfinite(r["loss"]) for r in result.report["loss_curve"] if "loss" in r)
+
+
+def test_command_line_takes_the_soft_knobs(tmp_path):
+    import argparse
+
+    from specpilot.drafting.cli import register_cli
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["drafter", "train", "--target", "t", "--out", str(tmp_path), "--soft-topk", "8",
+                              "--soft-weight", "0.25"])
+    assert (args.soft_topk, args.soft_weight) == (8, 0.25)
