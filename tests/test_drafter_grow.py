@@ -188,7 +188,7 @@ def test_a_four_layer_smollm2_drafter_fits_the_shipping_cap_in_int8_rows(tmp_pat
     cap = 16 * 10**6
     assert sizes[2, WeightStorage.BF16] < cap < sizes[4, WeightStorage.BF16]
     assert sizes[4, WeightStorage.INT8_ROWS] < cap and sizes[4, WeightStorage.INT8_ROWS] < 0.55 * sizes[4, WeightStorage.BF16]
-    # 2 layers with the target's MLP width (3072, 5.3x hidden instead of 2x) fit too, as int8 rows only
+    # 2 layers with MLPs 3072 wide (5.3x hidden instead of 2x; the target's own are 1536) fit too, as int8 rows only
     d = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, intermediate=3072)).init_weights(0)
     save_drafter(d, tmp_path / "wide", target, storage=WeightStorage.INT8_ROWS)
     assert (tmp_path / "wide" / "model.safetensors").stat().st_size < cap

@@ -117,6 +117,12 @@ def test_config_checks_the_soft_knobs():
         TrainConfig(soft_topk=4, data_from="somewhere")
     with pytest.raises(ValueError, match="soft_topk"):
         TrainConfig(soft_topk=-1)
+    with pytest.raises(ValueError, match="set soft_topk"):
+        TrainConfig(soft_weight=0.3)
+    model = tiny_model("gqa", 1)
+    with pytest.raises(ValueError, match="more than the target"):
+        train_drafter(TargetBundle("tiny", model, None, NO_EOS),
+                      TrainConfig(**QUICK, steps=1, soft_topk=model.shape.vocab + 1))
 
 
 def test_training_with_soft_labels_runs_end_to_end_and_says_so(tmp_path):

@@ -31,7 +31,8 @@ class DraftData:
     prompt_len: torch.Tensor  # [N] long: tokens that are context only
     length: torch.Tensor  # [N] long
     # The target's K likeliest tokens for each generated position t and their logits (from its step at t - 1;
-    # greedy, so soft_ids[n, t, 0] == tokens[n, t]); zero elsewhere. Soft labels for the drafter (generate's
+    # greedy, so soft_ids[n, t, 0] == tokens[n, t] but for exact ties, which topk may order unlike argmax: tied
+    # tokens weigh the same in the soft loss); zero elsewhere. Soft labels for the drafter (generate's
     # soft_topk); None where not recorded.
     soft_ids: torch.Tensor | None = None  # [N, T, K] int32
     soft_logits: torch.Tensor | None = None  # [N, T, K] float16

@@ -124,6 +124,8 @@ class TrainConfig:
             raise ValueError("grow_layers / grow_target_layers / grow_intermediate grow a saved drafter: set init")
         if not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"soft_weight={self.soft_weight}: must be in [0, 1]")
+        if self.soft_weight != TrainConfig.soft_weight and not self.soft_topk:
+            raise ValueError(f"soft_weight={self.soft_weight} weighs soft labels: set soft_topk too")
         if self.soft_topk and self.data_from is not None:
             raise ValueError("soft_topk needs the target's distributions, recorded while it generates; saved "
                              "sequences (data_from) carry none")
@@ -167,6 +169,8 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
     if cfg.data_from is not None:
         return reuse(bundle, cfg, capture)
     t = bundle.model
+    if cfg.soft_topk > t.shape.vocab:  # before minutes of generation, not inside it
+        raise ValueError(f"soft_topk={cfg.soft_topk}: more than the target's {t.shape.vocab} tokens")
     ps = build_prompts(bundle.tokenizer, t.shape.vocab, cfg.mbpp_prompts, cfg.free_prompts, cfg.held_out, cfg.seed,
                        chat=cfg.chat_free, tasks=cfg.task_prompts)
     store = cfg.device
