@@ -217,6 +217,24 @@ def test_the_overall_interval_resamples_within_each_benchmark():
         wide.geomean_interval("s", level=1.0)
 
 
+def test_the_report_splits_each_variant_by_how_its_requests_stopped():
+    import dataclasses
+
+    from specpilot.bench.harness import BenchReport, format_report
+    short = _requests("spec", {"gsm8k": [2.0, 8.0], "mbpp": [4.0]})
+    long = [dataclasses.replace(r, stop_reason="max_tokens", tokens_per_step=12.0)
+            for r in _requests("spec", {"gsm8k": [10.0, 10.0]})]
+    report = BenchReport("dep", "cuda", 256, ["spec"], short + long)
+    groups = report.by_stop("spec")
+    assert groups["eos"] == {"requests": 3, "geomean_speedup": pytest.approx(4.0), "tokens_per_step": 2.5}
+    assert groups["max_tokens"]["requests"] == 2 and groups["max_tokens"]["geomean_speedup"] == pytest.approx(10.0)
+    assert report.to_dict()["summary"]["spec"]["by_stop"] == groups
+    assert ("spec by stop: eos 3 requests 4.00x, 2.50 tokens/step; max_tokens 2 requests 10.00x, 12.00 tokens/step"
+            in format_report(report))
+    one_group = BenchReport("dep", "cuda", 256, ["spec"], short)
+    assert "by stop" not in format_report(one_group)
+
+
 def test_the_table_and_the_picture_show_the_interval(tmp_path):
     """The table's overall cell carries the interval (a variant without requests gets dashes), the saved summary holds
     it, and the picture draws it, also

@@ -112,12 +112,24 @@ class BenchReport:
     def benchmarks(self) -> list[str]:
         return sorted({r.benchmark for r in self.requests})
 
+    def by_stop(self, variant: str) -> dict[str, dict]:
+        """A variant's requests grouped by how they ended (eos, max_tokens, ...): count, geometric-mean speedup and
+        mean tokens per step of each group. Requests that stop early and requests that loop to the token limit sit
+        at very different speedups; the overall mean hides which group holds a variant back."""
+        groups = defaultdict(list)
+        for r in self.requests:
+            if r.variant == variant and r.speedup:
+                groups[r.stop_reason].append(r)
+        return {k: {"requests": len(rs), "geomean_speedup": geomean([r.speedup for r in rs]),
+                    "tokens_per_step": _mean([r.tokens_per_step for r in rs])} for k, rs in sorted(groups.items())}
+
     def to_dict(self) -> dict:
         summary = {v: {"geomean_speedup": self.geomean(v), "geomean_interval": self.geomean_interval(v),
                        "interval_level": CI_LEVEL, "all_match_ar": self.all_match(v),
                        "per_benchmark": {b: self.geomean(v, b) for b in self.benchmarks()},
                        "tokens_per_step": self.mean(v, "tokens_per_step"), "tpot_ms": self.mean(v, "tpot_ms"),
-                       "draft_ms_per_step": self.mean(v, "draft_ms"), "verify_ms_per_step": self.mean(v, "verify_ms")}
+                       "draft_ms_per_step": self.mean(v, "draft_ms"), "verify_ms_per_step": self.mean(v, "verify_ms"),
+                       "by_stop": self.by_stop(v)}
                    for v in self.variants}
         return {"deployment": self.deployment, "device": self.device, "max_new_tokens": self.max_new_tokens,
                 "summary": summary, "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.requests]}
@@ -251,6 +263,12 @@ def format_report(report: BenchReport) -> str:
         numbers += ["-" if x is None else f"{x:.3f}" for x in split]
         lines.append(f"| {v} | " + " | ".join([*cells, overall_cell, *numbers])
                      + f" | {'yes' if report.all_match(v) else 'NO'} |")
+    for v in report.variants:
+        groups = report.by_stop(v)
+        if len(groups) > 1:  # one group is the overall row again
+            lines.append(f"{v} by stop: " + "; ".join(
+                f"{k} {g['requests']} requests {g['geomean_speedup']:.2f}x, {g['tokens_per_step']:.2f} tokens/step"
+                for k, g in groups.items()))
     for ref in sorted({r.reference for r in report.requests} - {AR_LABEL}):
         users = sorted({r.variant for r in report.requests if r.reference == ref})
         lines.append(f"{', '.join(users)}: checked against {ref}, the AR with the numerics these variants change")
