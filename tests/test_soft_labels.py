@@ -51,7 +51,7 @@ def test_soft_labels_follow_the_kept_rows_when_sequences_are_dropped_or_cut():
         assert not d.soft_ids[n, length:].any()
 
 
-def test_concat_keeps_soft_labels_and_refuses_a_mix():
+def test_concat_and_to_keep_soft_labels_and_concat_refuses_a_mix():
     model = tiny_model("gqa", 1)
     _, a = data_with_soft(model, 3, seed=1)
     _, b = data_with_soft(model, 3, seed=2)
@@ -60,6 +60,9 @@ def test_concat_keeps_soft_labels_and_refuses_a_mix():
     assert torch.equal(both.soft_logits[len(a):, :b.tokens.shape[1]], b.soft_logits)
     plain = generate(model, [prompt(model.shape.vocab, 6, 9)], 8, (0, 1), NO_EOS)
     assert plain.soft_ids is None and concat([plain, plain]).soft_ids is None
+    moved = both.to("cpu")  # .to keeps every field, the absent ones absent
+    assert torch.equal(moved.soft_logits, both.soft_logits) and torch.equal(moved.features, both.features)
+    assert plain.to("cpu").soft_ids is None
     with pytest.raises(ValueError, match="soft labels"):
         concat([a, plain])
 

@@ -16,13 +16,14 @@ def short_label(variant: str, width: int = 48) -> str:
         model = model.rstrip("/").rsplit("/", 1)[-1]
     lines = [kind + colon + model]
     if brace:
-        lines.append("{")
-        for knob in knobs.split(","):
-            if len(lines) > 1 and len(lines[-1]) + len(knob) + 1 > width and lines[-1] != "{":
+        first, *rest = knobs.split(",")
+        lines.append("{" + first)
+        for knob in rest:
+            if len(lines[-1]) + len(knob) + 1 > width:
                 lines[-1] += ","
                 lines.append(knob)
             else:
-                lines[-1] += ("" if lines[-1] == "{" else ",") + knob
+                lines[-1] += "," + knob
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ left-padded prompts, with a plain per-batch KV cache, so data generation costs s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -45,10 +45,7 @@ class DraftData:
         return int((self.length - self.prompt_len).clamp(min=0).sum())
 
     def to(self, device: torch.device | str) -> "DraftData":
-        soft = {} if self.soft_ids is None else {"soft_ids": self.soft_ids.to(device),
-                                                  "soft_logits": self.soft_logits.to(device)}
-        return DraftData(self.tokens.to(device), self.features.to(device), self.prompt_len.to(device),
-                         self.length.to(device), **soft)
+        return DraftData(*(None if t is None else t.to(device) for t in (getattr(self, f.name) for f in fields(self))))
 
 
 def _rotary(model: LlamaModel, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
