@@ -105,8 +105,9 @@ def test_train_config_and_command_line_take_task_prompts(tmp_path):
         TrainConfig(task_prompts=-1)
     parser = argparse.ArgumentParser()
     register_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["drafter", "train", "--target", "t", "--out", str(tmp_path), "--task-prompts", "64"])
-    assert args.task_prompts == 64
+    args = parser.parse_args(["drafter", "train", "--target", "t", "--out", str(tmp_path), "--task-prompts", "64",
+                              "--held-out-each", "8"])
+    assert (args.task_prompts, args.held_out_each) == (64, 8)
 
 
 def test_collect_generates_answers_to_the_task_prompts():
@@ -159,3 +160,31 @@ def test_steered_generations_need_a_chat_frame():
         steered_prompts(bundle, ps, TrainConfig(steered_prompts=3))
     with pytest.raises(ValueError, match="steered_prompts"):
         TrainConfig(steered_prompts=-2)
+
+
+def test_split_off_spaces_the_held_share_through_the_list():
+    from specpilot.drafting.sources import split_off
+    rest, held = split_off(list(range(12)), 4, seed=3)
+    assert len(held) == 4 and sorted(rest + held) == list(range(12)) and held == sorted(held) and rest == sorted(rest)
+    assert split_off(list(range(12)), 4, seed=3) == (rest, held) != split_off(list(range(12)), 4, seed=4)
+    assert split_off([1, 2], 5, 0) == ([], [1, 2]) and split_off([1, 2], 0, 0) == ([1, 2], [])
+
+
+def test_held_out_each_holds_out_every_source_it_trains_on():
+    """held_out_each: task prompts (each kind), steered turns and free chat turns join the MBPP held-out prompts, so
+    the held-out measurement (and the step it keeps) covers the training mix; the rest still trains."""
+    base = dict(mbpp_prompts=4, free_prompts=4, task_prompts=6, steered_prompts=4, held_out=2, user_tokens=5,
+                gen_tokens=4, block_size=4, layers=1, progress=False)
+    bundle = tiny_chat_bundle(5)
+    data0, held0, prompts0, prov0 = collect(bundle, TrainConfig(**base), (0,))
+    data, held, prompts, prov = collect(bundle, TrainConfig(**base, held_out_each=2), (0,))
+    assert len(prompts0) == 2 and prov0["held_out_prompts"] == 2 and "held_out_task_prompts" not in prov0
+    assert sum(prov["held_out_task_prompts"].values()) == 2
+    assert sum(prov["task_prompts"].values()) == 4  # 6 written, 2 of them held out
+    assert prompts[:2] == prompts0  # the MBPP ones first, as before
+    assert len(prompts) == prov["held_out_prompts"] == 2 + 2 + 2 + 2  # + tasks, steered turns, chat turns
+    assert len(held) == len(prompts) and len(data) == len(data0) - 6
+    trained = {tuple(data.tokens[i, :int(data.prompt_len[i])].tolist()) for i in range(len(data))}
+    assert not trained & {tuple(p) for p in prompts}  # nothing held out is trained on
+    with pytest.raises(ValueError, match="held_out_each"):
+        TrainConfig(held_out_each=-1)

@@ -136,13 +136,21 @@ def chat_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None
     return head_ids, tail_ids
 
 
+def split_off(items: list, n: int, seed: int) -> tuple[list, list]:
+    """(the rest, n items drawn from anywhere in `items`, seeded), both in list order: a held-out share of a list
+    made in order (task kinds in turn, steered turns start by start); evenly spaced picks would alias with the
+    order's period."""
+    picked = set(random.Random(seed).sample(range(len(items)), min(max(n, 0), len(items))))
+    return [x for i, x in enumerate(items) if i not in picked], [x for i, x in enumerate(items) if i in picked]
+
+
 def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_out: int, seed: int,
                   random_len: int = 8, directory: str | Path | None = None, chat: bool = True,
-                  tasks: int = 0) -> PromptSet:
+                  tasks: int = 0, tasks_held: int = 0) -> PromptSet:
     """MBPP train prompts (when the target has a tokenizer) else random token prefixes, shuffled with `seed`;
-    the last `held_out` of them are kept aside. Plus `tasks` synthetic task prompts (task_prompts; trained on,
-    never held out, so the held-out set stays the one earlier runs measured) and `free` free-generation starts: the
-    chat frame's (chat=True and a template) or BOS / a random token."""
+    the last `held_out` of them are kept aside. Plus `tasks` synthetic task prompts (task_prompts), `tasks_held` of
+    them held out (default none, so the held-out set stays the one earlier runs measured), and
+    `free` free-generation starts: the chat frame's (chat=True and a template) or BOS / a random token."""
     rng = random.Random(seed)
     if tokenizer is not None and mbpp > 0:
         texts = mbpp_train_texts(directory)
@@ -163,9 +171,13 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
         if tokenizer is None:
             raise ValueError("task prompts need the target's tokenizer (this target has none)")
         texts, dropped = task_texts(tasks, seed, set(source.get("held_out_task_ids", ())), directory)
-        train += tuple(tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in texts)
+        texts, aside = split_off(texts, tasks_held, seed)
+        chat_ids = lambda ts: tuple(tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in ts)  # noqa: E731
+        train, held = train + chat_ids(texts), held + chat_ids(aside)
         source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind},
                   "task_prompts_dropped_as_benchmark_prompts": dropped}
+        if aside:
+            source["held_out_task_prompts"] = {k.value: sum(kind is k for kind, _ in aside) for k in TaskKind}
     if frame is not None:
         return PromptSet(train, (frame[0],) * free, held, {**source, "free_generations": free,
                                                             "free_start": "chat-user-turn"},

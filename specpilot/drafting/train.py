@@ -31,7 +31,7 @@ from specpilot.drafting.data import (DraftData, concat, generate_batched, load_s
 from specpilot.drafting.evaluate import as_dicts, measure_acceptance, teacher_forced
 from specpilot.drafting.grow import grow_drafter
 from specpilot.drafting.objective import block_loss, sample_batch
-from specpilot.drafting.sources import PromptSet, TargetBundle, build_prompts
+from specpilot.drafting.sources import PromptSet, TargetBundle, build_prompts, split_off
 from specpilot.drafting.task_prompts import TURN_STARTS
 from specpilot.engines.config import DType
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, lm_head_weight
@@ -81,6 +81,10 @@ class TrainConfig:
     gen_tokens: int = 256  # greedy tokens generated per prompt
     gen_batch: int = 1536  # sequences decoded together (GPU: launch-bound, so wide batches are nearly free)
     held_out: int = 8  # prompts kept aside for the acceptance measurement
+    # And this many of each other source (task prompts, steered turns, free chat turns) held out beside them, so the
+    # held-out numbers and the step kept by them cover what the drafter trains on, not MBPP alone (0: MBPP only,
+    # the set earlier runs measured)
+    held_out_each: int = 0
     eval_tokens: int = 128
     eval_anchors: int = 32
     ckpt_every: int = 1000
@@ -129,7 +133,8 @@ class TrainConfig:
         if self.soft_topk and self.data_from is not None:
             raise ValueError("soft_topk needs the target's distributions, recorded while it generates; saved "
                              "sequences (data_from) carry none")
-        for name in ("task_prompts", "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk"):
+        for name in ("task_prompts", "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk",
+                     "held_out_each"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.eval_every < 0:
@@ -172,10 +177,12 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
     if cfg.soft_topk > t.shape.vocab:  # before minutes of generation, not inside it
         raise ValueError(f"soft_topk={cfg.soft_topk}: more than the target's {t.shape.vocab} tokens")
     ps = build_prompts(bundle.tokenizer, t.shape.vocab, cfg.mbpp_prompts, cfg.free_prompts, cfg.held_out, cfg.seed,
-                       chat=cfg.chat_free, tasks=cfg.task_prompts)
+                       chat=cfg.chat_free, tasks=cfg.task_prompts, tasks_held=cfg.held_out_each)
     store = cfg.device
     steered = steered_prompts(bundle, ps, cfg) if cfg.steered_prompts else []  # fails before any generation
-    total = len(ps.train) + len(ps.free) + len(steered) + len(ps.held_out)
+    steered, held_prompts = split_off(steered, cfg.held_out_each, cfg.seed)
+    held_prompts = [list(p) for p in ps.held_out] + held_prompts
+    total = len(ps.train) + len(ps.free) + len(steered) + len(held_prompts)
     with tqdm(total=total, desc="generate", unit="seq", disable=not cfg.progress, file=sys.stderr) as bar:
         gen = dict(capture=capture, eos=bundle.eos, batch=cfg.gen_batch, store=store, progress=bar.update,
                    soft_topk=cfg.soft_topk)
@@ -183,18 +190,20 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
         if ps.free and ps.user_turn_end:  # the target writes a user turn, then answers it
             users = sample_turns(t, list(ps.user_turn_start), len(ps.free), cfg.user_tokens,
                                  frozenset({ps.user_turn_end[0]}) | bundle.eos, cfg.seed + 7919, cfg.gen_batch)
-            parts.append(generate_batched(t, [list(ps.user_turn_start) + u + list(ps.user_turn_end) for u in users],
-                                          cfg.gen_tokens, seed=cfg.seed + 7919, **gen))
+            turns, aside = split_off([list(ps.user_turn_start) + u + list(ps.user_turn_end) for u in users],
+                                     cfg.held_out_each, cfg.seed)
+            held_prompts += aside
+            parts.append(generate_batched(t, turns, cfg.gen_tokens, seed=cfg.seed + 7919, **gen))
         elif ps.free:
             parts.append(generate_batched(t, [list(p) for p in ps.free], cfg.free_sampled + cfg.gen_tokens,
                                           sampled=cfg.free_sampled, seed=cfg.seed + 7919, **gen))
         if steered:
             parts.append(generate_batched(t, steered, cfg.gen_tokens, seed=cfg.seed + 104729, **gen))
-        held = generate_batched(t, [list(p) for p in ps.held_out], cfg.gen_tokens, seed=cfg.seed, **gen)
+        held = generate_batched(t, held_prompts, cfg.gen_tokens, seed=cfg.seed, **gen)
     train = concat(parts)
     steer = {"steered_generations": len(steered), "turn_starts": len(TURN_STARTS)} if cfg.steered_prompts else {}
-    return train, held, [list(p) for p in ps.held_out], {**ps.sources, **steer, "train_sequences": len(train),
-                                                        "train_target_tokens": train.target_tokens}
+    return train, held, held_prompts, {**ps.sources, **steer, "held_out_prompts": len(held_prompts),
+                                       "train_sequences": len(train), "train_target_tokens": train.target_tokens}
 
 
 def steered_prompts(bundle: TargetBundle, ps: PromptSet, cfg: TrainConfig) -> list[list[int]]:
