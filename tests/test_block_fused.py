@@ -59,7 +59,8 @@ def test_qk_norm_rope_refuses_bad_inputs():
 
 @pytest.mark.parametrize("over,window", [({}, 0), ({"qk_norm": False}, 0),
                                          ({"input_scale": 1.7, "logit_scale": 0.8, "logit_softcap": 5.0}, 0),
-                                         ({}, 6)])
+                                         ({}, 6),
+                                         ({"intermediate": 336}, 0)])  # a widened MLP (grow_drafter), 5.25x hidden
 def test_fused_step_gives_the_reference_steps_distributions(over, window):
     """float32, under the interpreter: the same context caches up to rounding and the same top-1 tokens and
     probabilities (to 1e-4) as the reference step with the same Triton attention, over contexts of several lengths
