@@ -199,7 +199,8 @@ def collect(bundle: TargetBundle, cfg: TrainConfig, capture: tuple[int, ...]) ->
                                           sampled=cfg.free_sampled, seed=cfg.seed + 7919, **gen))
         if steered:
             parts.append(generate_batched(t, steered, cfg.gen_tokens, seed=cfg.seed + 104729, **gen))
-        held = generate_batched(t, held_prompts, cfg.gen_tokens, seed=cfg.seed, **gen)
+        # scored on the greedy tokens only (teacher_forced, the engine check): no soft labels to record
+        held = generate_batched(t, held_prompts, cfg.gen_tokens, seed=cfg.seed, **{**gen, "soft_topk": 0})
     train = concat(parts)
     steer = {"steered_generations": len(steered), "turn_starts": len(TURN_STARTS)} if cfg.steered_prompts else {}
     return train, held, held_prompts, {**ps.sources, **steer, "held_out_prompts": len(held_prompts),
