@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Real SmolLM2-135M-Instruct on an air-gapped H200, in back-to-back warm calls (the host is released after 30 s
-# idle, and at most 64 MiB travels per call, checkout included (the shipped drafter is 13 MB of it), so the 98 MB
+# idle, and at most 64 MiB travels per call, checkout included (the shipped drafter is 14 MB of it), so the 98 MB
 # GGUF goes in three parts, from scripts/gpu_prepare.sh; see notes/h200.md):
 #   a: carry .tb/gguf.part.aa, then .tb/gguf.part.ab      -> parks the parts carried in /root/tb (two calls)
 #   b: carry .gpu + .tb/gguf.part.ac + tok + benchmarks    -> convert; AR speed (engine vs transformers);
