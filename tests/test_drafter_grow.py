@@ -34,9 +34,10 @@ def proposal(model, drafter, ctx):
     return d.propose(ctx, 9)
 
 
-def test_a_grown_drafter_proposes_what_it_proposed():
+@pytest.mark.parametrize("listed", [(0, 2), (2, 0)])  # features arrive in layer order, however they are listed
+def test_a_grown_drafter_proposes_what_it_proposed(listed):
     model = tiny_model("mha_tied", 2)
-    small = drafter_for(model, seed=3)
+    small = drafter_for(model, target_layers=listed, seed=3)
     with torch.no_grad():
         small.mask_embed.normal_(0, 0.3)
     grown = grow_drafter(small, add_layers=2, add_target_layers=(1,), seed=5)

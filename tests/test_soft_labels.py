@@ -121,8 +121,10 @@ def test_config_checks_the_soft_knobs():
         TrainConfig(soft_topk=4, data_from="somewhere")
     with pytest.raises(ValueError, match="soft_topk"):
         TrainConfig(soft_topk=-1)
-    with pytest.raises(ValueError, match="set soft_topk"):
-        TrainConfig(soft_weight=0.3)
+    for w in (0.3, 0.5):  # the default's value too: set without soft labels, it would weigh nothing
+        with pytest.raises(ValueError, match="set soft_topk"):
+            TrainConfig(soft_weight=w)
+    assert TrainConfig(soft_topk=4).soft_weight == 0.5 and TrainConfig().soft_weight is None
     model = tiny_model("gqa", 1)
     with pytest.raises(ValueError, match="more than the target"):
         train_drafter(TargetBundle("tiny", model, None, NO_EOS),

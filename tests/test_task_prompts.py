@@ -10,7 +10,8 @@ import torch
 
 from specpilot.drafting import sources
 from specpilot.drafting.cli import register_cli
-from specpilot.drafting.sources import TargetBundle, build_prompts, mbpp_train_tasks, task_texts
+from specpilot.drafting.sources import (TargetBundle, build_prompts, hold_out_tasks, mbpp_train_tasks,
+                                        task_texts)
 from specpilot.drafting.task_prompts import TaskKind, function_stub, task_prompts
 from specpilot.drafting.train import TrainConfig, collect
 from specpilot.workload import load_prompts
@@ -160,6 +161,8 @@ def test_steered_generations_need_a_chat_frame():
         steered_prompts(bundle, ps, TrainConfig(steered_prompts=3))
     with pytest.raises(ValueError, match="steered_prompts"):
         TrainConfig(steered_prompts=-2)
+    with pytest.raises(ValueError, match="no-chat-free"):  # a frame the target has, switched off
+        TrainConfig(steered_prompts=3, chat_free=False)
 
 
 def test_split_off_spaces_the_held_share_through_the_list():
@@ -168,6 +171,37 @@ def test_split_off_spaces_the_held_share_through_the_list():
     assert len(held) == 4 and sorted(rest + held) == list(range(12)) and held == sorted(held) and rest == sorted(rest)
     assert split_off(list(range(12)), 4, seed=3) == (rest, held) != split_off(list(range(12)), 4, seed=4)
     assert split_off([1, 2], 5, 0) == ([], [1, 2]) and split_off([1, 2], 0, 0) == ([1, 2], [])
+
+
+def test_a_held_out_task_text_trains_in_no_copy_and_held_out_stubs_are_held_out_tasks():
+    W, L, F = TaskKind.WORD_PROBLEM, TaskKind.LATEX_PROBLEM, TaskKind.FUNCTION_STUB
+    texts = [(W, "a?"), (L, "$b$"), (F, "def f():"), (W, "a?"), (L, "$c$"), (F, "def g():"), (W, "a?"), (L, "$b$")]
+    for seed in range(8):
+        rest, aside = hold_out_tasks(texts, 3, seed, ["def held():"])
+        assert len(aside) == 3 and (F, "def held():") in aside  # a third of the share: the held-out task's stub
+        assert not {t for _, t in rest} & {t for _, t in aside}  # every copy of a held-out text left training
+        assert len(rest) == len(texts) - sum(t == h for _, t in texts for _, h in aside)
+        assert [x for x in texts if x in rest] == rest  # the rest keeps its order (kinds in turn)
+    assert hold_out_tasks(texts, 2, 0, ["def held():"])[1][-1][0] is not F  # 2 // 3: no stub
+    assert hold_out_tasks(texts, 0, 0, ["def held():"]) == (texts, [])
+    assert hold_out_tasks(texts, 9, 0, [])[1].__len__() == 3  # no more than the distinct non-stub texts
+
+
+def test_held_out_task_prompts_share_nothing_with_training_at_session_scale():
+    """Session 43's data (4096 task prompts, 8 held out of each source): templates repeat their texts, so a held-out
+    draw used to sit in training too (17 of 80 in a review's run), and a stub of a trained MBPP task was held out."""
+    from specpilot.engines.loader import load_tokenizer
+    from specpilot.testbed import fetch_smollm2
+    tok = load_tokenizer(fetch_smollm2())
+    for held in (8, 240):  # 240: a share large enough that the old draw put 36 held-out prompts in training too
+        ps = build_prompts(tok, 49152, 366, 0, 8, seed=7, tasks=4096, tasks_held=held)
+        assert len(ps.held_out) == 8 + held and not set(ps.held_out) & set(ps.train)
+        n_stubs = ps.sources["held_out_task_prompts"]["function_stub"]
+        assert n_stubs == min(held // 3, 8)  # at most the 8 held-out MBPP tasks' stubs
+        held_ids = set(ps.sources["held_out_task_ids"])
+        stubs = {function_stub(text, test) for tid, text, test in mbpp_train_tasks() if tid in held_ids}
+        held_text = [tok.decode(list(p)) for p in ps.held_out]
+        assert sum(any(s in h for h in held_text) for s in stubs if s) == n_stubs
 
 
 def test_held_out_each_holds_out_every_source_it_trains_on():

@@ -39,7 +39,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--soft-weight", type=float, default=defaults.soft_weight,
-                   help="with --soft-topk K: the weight of the target's top-K distribution in the loss (0-1)")
+                   help="with --soft-topk K: the weight of the target's top-K distribution in the loss (0-1, "
+                        "default 0.5)")
     layer_list = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     p.add_argument("--target-layers", type=layer_list, default=None,
                    help="comma-separated target layers the drafter reads (default: 3 spread layers)")

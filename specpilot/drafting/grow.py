@@ -45,7 +45,8 @@ def grow_drafter(model: BlockDrafterModel, add_layers: int = 0, add_target_layer
             if name == "fc.weight":
                 t.zero_()
                 h = c.hidden
-                for i, layer in enumerate(c.target_layers):
+                # the target hands its features over in layer order, whatever order the config lists them in
+                for i, layer in enumerate(sorted(c.target_layers)):
                     j = targets.index(layer)
                     t[:, j * h:(j + 1) * h] = old[name][:, i * h:(i + 1) * h]
             elif name not in old:  # a new layer's: drawn, its output projections zero

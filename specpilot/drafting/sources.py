@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specpilot.drafting.task_prompts import TaskKind, task_prompts
+from specpilot.drafting.task_prompts import TaskKind, function_stub, task_prompts
 from specpilot.engines.config import DType
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.loader import ModelLoadError, eos_ids, load_model, load_tokenizer, random_model
@@ -104,6 +104,26 @@ def task_texts(n: int, seed: int, exclude_ids: set[int], directory: str | Path |
     return kept, len(texts) - len(kept)
 
 
+def hold_out_tasks(texts: list[tuple[TaskKind, str]], n: int, seed: int, held_stubs: list[str]
+                   ) -> tuple[list[tuple[TaskKind, str]], list[tuple[TaskKind, str]]]:
+    """(the task prompts that train, n held out), with nothing held out also trained on: a template repeats its
+    texts (4096 drawn hold ~3400 distinct), so a held-out text leaves training in every copy; and a trained MBPP
+    task's stub is the same task reworded, so the held-out stubs are `held_stubs` (those of the held-out MBPP
+    tasks, trained in no form), a third of the share at most, the rest drawn from the distinct template texts."""
+    n_stubs = min(len(held_stubs), max(n, 0) // 3)
+    kind_of = {t: k for k, t in texts if k is not TaskKind.FUNCTION_STUB}
+    _, drawn = split_off(list(kind_of), n - n_stubs, seed)
+    aside = set(drawn)
+    return ([(k, t) for k, t in texts if t not in aside],
+            [(kind_of[t], t) for t in drawn] + [(TaskKind.FUNCTION_STUB, s) for s in held_stubs[:n_stubs]])
+
+
+def held_out_stubs(task_ids: set[int], directory: str | Path | None = None) -> list[str]:
+    """The function stubs of the held-out MBPP train tasks (`task_ids`), in task order."""
+    stubs = (function_stub(text, test) for tid, text, test in mbpp_train_tasks(directory) if tid in task_ids)
+    return [s for s in stubs if s is not None]
+
+
 @dataclass(frozen=True)
 class PromptSet:
     """Tokenized training prompts plus held-out ones (for the acceptance measurement), and how many tokens of
@@ -170,8 +190,9 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
     if tasks:
         if tokenizer is None:
             raise ValueError("task prompts need the target's tokenizer (this target has none)")
-        texts, dropped = task_texts(tasks, seed, set(source.get("held_out_task_ids", ())), directory)
-        texts, aside = split_off(texts, tasks_held, seed)
+        held_ids = set(source.get("held_out_task_ids", ()))
+        texts, dropped = task_texts(tasks, seed, held_ids, directory)
+        texts, aside = hold_out_tasks(texts, tasks_held, seed, held_out_stubs(held_ids, directory) if tasks_held else [])
         chat_ids = lambda ts: tuple(tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in ts)  # noqa: E731
         train, held = train + chat_ids(texts), held + chat_ids(aside)
         source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind},

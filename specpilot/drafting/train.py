@@ -55,9 +55,9 @@ class TrainConfig:
     decay: float = 7.0  # slot j's loss weight: exp(-(j-1)/decay)
     # Soft labels: the target's soft_topk likeliest tokens at every generated position are recorded while it
     # generates, and the loss mixes their cross-entropy in with weight soft_weight (objective.block_loss); 0: the
-    # greedy tokens alone
+    # greedy tokens alone. soft_weight None: 0.5 with soft_topk (a value set without soft_topk is refused)
     soft_topk: int = 0
-    soft_weight: float = 0.5
+    soft_weight: float | None = None
     # Train (and evaluate) with the drafter's attention on the context's last context_window positions (0: all),
     # the EngineConfig.drafter_window the drafter will run at.
     context_window: int = 0
@@ -126,10 +126,14 @@ class TrainConfig:
         object.__setattr__(self, "grow_target_layers", tuple(self.grow_target_layers))
         if self.grows and self.init is None:
             raise ValueError("grow_layers / grow_target_layers / grow_intermediate grow a saved drafter: set init")
-        if not 0.0 <= self.soft_weight <= 1.0:
-            raise ValueError(f"soft_weight={self.soft_weight}: must be in [0, 1]")
-        if self.soft_weight != TrainConfig.soft_weight and not self.soft_topk:
+        if self.soft_weight is not None and not self.soft_topk:
             raise ValueError(f"soft_weight={self.soft_weight} weighs soft labels: set soft_topk too")
+        if self.soft_topk and self.soft_weight is None:
+            object.__setattr__(self, "soft_weight", 0.5)
+        if self.soft_weight is not None and not 0.0 <= self.soft_weight <= 1.0:
+            raise ValueError(f"soft_weight={self.soft_weight}: must be in [0, 1]")
+        if self.steered_prompts and not self.chat_free:
+            raise ValueError("steered_prompts are chat-framed user turns: they need chat_free (drop --no-chat-free)")
         if self.soft_topk and self.data_from is not None:
             raise ValueError("soft_topk needs the target's distributions, recorded while it generates; saved "
                              "sequences (data_from) carry none")
@@ -314,7 +318,7 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
         batch = sample_batch(data, rows, cfg.anchors, model.config.block_size, gen)
         with autocast:
             m = block_loss(model, embed, head, batch, cfg.decay, cfg.context_window,
-                           cfg.soft_weight if cfg.soft_topk else 0.0)
+                           cfg.soft_weight or 0.0)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
