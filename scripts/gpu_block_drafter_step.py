@@ -1,4 +1,4 @@
-"""Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter).
+"""Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter or --drafter's).
 
 python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R] [--tree-budget B]
     [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE] [--only NAME,..]
@@ -23,6 +23,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specpilot.drafting.checkpoint import load_drafter
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
@@ -46,11 +47,15 @@ ap.add_argument("--sections", default="steps,engine,loop",
 ap.add_argument("--only", default="", help="engine section: only the engines whose name holds one of these "
                                           "comma-separated strings")
 ap.add_argument("--kernel-table", default="", help="launch every engine with this kernel table (kernels.table)")
+ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
+                                              "of a random default-shaped one: its shape's costs (its MLP width, "
+                                              "the target layers it reads); acceptance stays meaningless")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 dev, cuda = args.device, args.device.startswith("cuda")
 target = random_model(SMOLLM2_135M, torch.bfloat16, dev, seed=0)
-drafter = BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0)
+drafter = (load_drafter(args.drafter, target) if args.drafter else
+           BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0))
 cfg = EngineConfig(drafter=DrafterKind.BLOCK, block_size=16, max_seq_len=4096, cuda_graphs=cuda,
                    kernel_backend="triton" if cuda else "torch",
                    kernel_table=read_pairs(args.kernel_table) if args.kernel_table else ())
