@@ -192,7 +192,8 @@ def build_prompts(tokenizer: Any | None, vocab: int, mbpp: int, free: int, held_
             raise ValueError("task prompts need the target's tokenizer (this target has none)")
         held_ids = set(source.get("held_out_task_ids", ()))
         texts, dropped = task_texts(tasks, seed, held_ids, directory)
-        texts, aside = hold_out_tasks(texts, tasks_held, seed, held_out_stubs(held_ids, directory) if tasks_held else [])
+        stubs = held_out_stubs(held_ids, directory) if tasks_held else []
+        texts, aside = hold_out_tasks(texts, tasks_held, seed, stubs)
         chat_ids = lambda ts: tuple(tuple(apply_chat_template(tokenizer, t, require_template=False)) for _, t in ts)  # noqa: E731
         train, held = train + chat_ids(texts), held + chat_ids(aside)
         source = {**source, "task_prompts": {k.value: sum(kind is k for kind, _ in texts) for k in TaskKind},
