@@ -4,6 +4,8 @@
 # PPB validate prompts x 2048 tokens. After `gpu_smollm2_real.sh a` twice and a `c` run (its drafter in
 # /root/tb/drafter), with d's carry:
 #   OUT=... bash .gpu/src/scripts/gpu_drafter_ab.sh [DRAFTER_DIR ...]   (default: /root/tb/drafter and the shipped one)
+# ALSO="knob: value, ...": each drafter a second time with those engine knobs added to the line (e.g. the lookup gate:
+# ALSO="lookup_agree_topk: 2, lookup_doubt_prob: 0.7"), so a knob's A/B shares the call's AR too.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 drafters=("$@")
@@ -18,5 +20,7 @@ for d in "${drafters[@]}"; do
   [ -f "$d/config.json" ] || { echo "no drafter at $d"; exit 2; }
   EXTRA="$EXTRA${EXTRA:+
 }  - {kind: block, model: {path: $d}, engine: {$L}}"
+  [ -z "${ALSO:-}" ] || EXTRA="$EXTRA
+  - {kind: block, model: {path: $d}, engine: {$L, $ALSO}}"
 done
 ONLY_EXTRA=1 EXTRA="$EXTRA" PPB=${PPB:-8} bash "$SRC/scripts/gpu_smollm2_real.sh" d

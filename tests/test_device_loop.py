@@ -266,17 +266,19 @@ def test_a_lookup_deeper_than_the_block_leads_the_tree_past_its_depth():
             cfg(**bad)
 
 
-def test_a_step_verifies_the_wide_tree_only_where_the_step_two_before_accepted_enough():
+@pytest.mark.parametrize("gate", [{}, {"lookup_agree_topk": 2, "lookup_doubt_prob": 0.14}], ids=["lookup", "gated"])
+def test_a_step_verifies_the_wide_tree_only_where_the_step_two_before_accepted_enough(gate):
     """narrow_tree_budget: each step's tree budget follows from the step two before it (wide where it accepted >=
     wide_tree_after draft tokens), so the host loop and overlapped one-step chunks (whose next chunk is queued before
-    the current one is read) verify the same shapes and accept the same; the tokens are AR's."""
+    the current one is read) verify the same shapes and accept the same; the tokens are AR's. Also with the lookup
+    gated by the block (the quick drafter's top-1: p 0.07-0.18)."""
     model = damped("gqa", 1)
     drafter = quick_drafter(model, 1, 40)
     p = prompt(model.shape.vocab, 10, 1) * 2
     want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=16), model, NO_EOS,
                         "cpu").generate(p, 90).tokens
     kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, ngram_prefix=True, ngram_min=2,
-              lookup_depth=15, lookup_periodic=True, device_steps=1, token_tile=16)  # one forward: 16 rows
+              lookup_depth=15, lookup_periodic=True, device_steps=1, token_tile=16, **gate)  # one forward: 16 rows
     overlapped = engine(model, drafter, device_overlap=True, **kw)
     host, device = engine(model, drafter, **kw).generate(p, 90), overlapped.generate(p, 90)
     assert host.tokens == device.tokens == want
