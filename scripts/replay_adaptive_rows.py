@@ -1,6 +1,7 @@
 """Replay: a verify shape chosen per step, a wide deep tree where the text runs in loops, the narrow tree elsewhere.
 
 python3 scripts/replay_adaptive_rows.py R [--window 256] [--ar-ms 0.699 --narrow-ms 0.948 --wide-ms 1.124]
+    [--gates 2:0.7]
 (R: a `specpilot drafter replay --out R` directory whose candidates/ hold the drafter's top-8 candidates of drafter_window
 `--window`; notes/h200.md, sessions 39-40.) Narrow: the 16-row grown tree led by lookup (width 8, n 2..8). Wide: the
 32-row one whose periodic lookup leads up to 31 deep (lookup_depth 31, lookup_periodic); --wide-budget 47 / 63: a
@@ -14,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specpilot.drafting.replay import LookupPolicy, replay, saved_replay
+from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.stats import geomean
 
 ap = argparse.ArgumentParser()
@@ -24,6 +26,9 @@ ap.add_argument("--narrow-ms", type=float, default=0.948)
 ap.add_argument("--wide-ms", type=float, default=1.124)
 ap.add_argument("--wide-budget", type=int, default=31, help="the wide tree's nodes (its lookup leads as deep)")
 ap.add_argument("--after", default="4,8,12", help="comma-separated wide_tree_after values to replay")
+ap.add_argument("--gates", default="", help="AGREE_TOPK:DOUBT_PROB pairs, e.g. 2:0.7,1:0.5: each `>= A` rule again "
+                                            "with the lookup gated so (EngineConfig.lookup_agree_topk, "
+                                            "lookup_doubt_prob)")
 args = ap.parse_args()
 refs, cands = saved_replay(args.replay_dir, window=args.window)
 WB = args.wide_budget
@@ -32,6 +37,9 @@ WIDE = LookupPolicy(tree_budget=WB, tree_width=8, ngram_min=2, ngram_max=8, look
 NARROW = replace(WIDE, tree_budget=15, lookup_depth=15)
 RULES = [("narrow", NARROW), ("wide", WIDE)] + [(f">= {a}", replace(WIDE, narrow_tree_budget=15, wide_tree_after=a))
                                                for a in map(int, args.after.split(","))]
+GATES = [LeadGate(int(k), float(p)) for k, p in (g.split(":") for g in args.gates.split(",") if g)]
+RULES += [(f"{name}, gated top{g.agree_topk}|p<{g.doubt_prob:.2g}", replace(policy, gate=g))
+          for g in GATES for name, policy in RULES if name.startswith(">=")]
 
 
 def run(policy: LookupPolicy) -> tuple[float, float]:
