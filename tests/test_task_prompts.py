@@ -222,3 +222,6 @@ def test_held_out_each_holds_out_every_source_it_trains_on():
     assert not trained & {tuple(p) for p in prompts}  # nothing held out is trained on
     with pytest.raises(ValueError, match="held_out_each"):
         TrainConfig(held_out_each=-1)
+    for name in ("free_prompts", "task_prompts", "steered_prompts"):  # a source held out whole trains nothing
+        with pytest.raises(ValueError, match=f"{name}=3 with held_out_each=3 holds all"):
+            TrainConfig(**{name: 3}, held_out_each=3)

@@ -132,6 +132,10 @@ class TrainConfig:
             object.__setattr__(self, "soft_weight", 0.5)
         if self.soft_weight is not None and not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"soft_weight={self.soft_weight}: must be in [0, 1]")
+        for name in ("free_prompts", "task_prompts", "steered_prompts"):
+            if 0 < getattr(self, name) <= self.held_out_each:
+                raise ValueError(f"{name}={getattr(self, name)} with held_out_each={self.held_out_each} holds all of "
+                                 "them out: none would train")
         if self.steered_prompts and not self.chat_free:
             raise ValueError("steered_prompts are chat-framed user turns: they need chat_free (drop --no-chat-free)")
         if self.soft_topk and self.data_from is not None:
