@@ -225,3 +225,4 @@ def test_held_out_each_holds_out_every_source_it_trains_on():
     for name in ("free_prompts", "task_prompts", "steered_prompts"):  # a source held out whole trains nothing
         with pytest.raises(ValueError, match=f"{name}=3 with held_out_each=3 holds all"):
             TrainConfig(**{name: 3}, held_out_each=3)
+    assert TrainConfig(free_prompts=3, held_out_each=3, chat_free=False).free_prompts == 3  # from BOS: none held

@@ -132,7 +132,8 @@ class TrainConfig:
             object.__setattr__(self, "soft_weight", 0.5)
         if self.soft_weight is not None and not 0.0 <= self.soft_weight <= 1.0:
             raise ValueError(f"soft_weight={self.soft_weight}: must be in [0, 1]")
-        for name in ("free_prompts", "task_prompts", "steered_prompts"):
+        # (free generations from BOS, chat_free False, are never held out)
+        for name in ("free_prompts",) * self.chat_free + ("task_prompts", "steered_prompts"):
             if 0 < getattr(self, name) <= self.held_out_each:
                 raise ValueError(f"{name}={getattr(self, name)} with held_out_each={self.held_out_each} holds all of "
                                  "them out: none would train")
