@@ -4,23 +4,28 @@
 # PPB validate prompts x 2048 tokens. After `gpu_smollm2_real.sh a` twice and a `c` run (its drafter in
 # /root/tb/drafter), with d's carry:
 #   OUT=... bash .gpu/src/scripts/gpu_drafter_ab.sh [DRAFTER_DIR ...]   (default: /root/tb/drafter and the shipped one)
-# ALSO="knob: value, ...": each drafter a second time with those engine knobs added to the line (e.g. the lookup gate:
-# ALSO="lookup_agree_topk: 2, lookup_doubt_prob: 0.7"), so a knob's A/B shares the call's AR too.
+# ALSO="knob: value, ...": each drafter a second time with those engine knobs added to (or replacing) the line's
+# (e.g. ALSO="wide_tree_after: 10"; session 44 measured the lookup gate this way), so a knob's A/B shares the call's
+# AR too.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 drafters=("$@")
 [ ${#drafters[@]} -gt 0 ] || drafters=(/root/tb/drafter "$SRC/specpilot/drafting/shipped/smollm2-135m")
 # The tree's settings from the deployment itself (its switched line), so the A/B runs what smollm2-135m-h200 ships.
-L=$(python3 -c "import json, yaml
+line() {  # the switched line's engine knobs as a flow mapping's body, with $1 ("knob: value, ...") merged over them
+  python3 -c "import json, sys, yaml
 d = yaml.safe_load(open('$SRC/specpilot/deployments/smollm2-135m-h200.yaml'))
-print(json.dumps([x['engine'] for x in d['drafters'] if x.get('engine', {}).get('narrow_tree_budget')][0])[1:-1])") ||
-  { echo "no switched tree in smollm2-135m-h200.yaml"; exit 2; }
+e = [x['engine'] for x in d['drafters'] if x.get('engine', {}).get('narrow_tree_budget')][0]
+print(json.dumps({**e, **(yaml.safe_load('{' + sys.argv[1] + '}') or {})})[1:-1])" "$1"
+}
+L=$(line "") || { echo "no switched tree in smollm2-135m-h200.yaml"; exit 2; }
+[ -z "${ALSO:-}" ] || LA=$(line "$ALSO") || { echo "ALSO is not a flow mapping's body: $ALSO"; exit 2; }
 EXTRA=""
 for d in "${drafters[@]}"; do
   [ -f "$d/config.json" ] || { echo "no drafter at $d"; exit 2; }
   EXTRA="$EXTRA${EXTRA:+
 }  - {kind: block, model: {path: $d}, engine: {$L}}"
   [ -z "${ALSO:-}" ] || EXTRA="$EXTRA
-  - {kind: block, model: {path: $d}, engine: {$L, $ALSO}}"
+  - {kind: block, model: {path: $d}, engine: {$LA}}"
 done
 ONLY_EXTRA=1 EXTRA="$EXTRA" PPB=${PPB:-8} bash "$SRC/scripts/gpu_smollm2_real.sh" d

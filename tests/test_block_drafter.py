@@ -211,6 +211,19 @@ def test_training_against_the_clock_stops_in_time_and_decays_over_it():
         TrainConfig(deadline_s=0)
 
 
+def test_a_deadline_that_leaves_no_training_time_says_so(capsys):
+    """A deadline spent by generation and evaluation trains ~1 s: the run warns with the numbers and records the
+    training budget it had, instead of returning an untrained drafter silently (session 44's H100 call)."""
+    model = damped("gqa", 6)
+    result = train_drafter(TargetBundle("tiny", model, None, NO_EOS),
+                           TrainConfig(**{**QUICK, "steps": 10**6, "seed": 6, "deadline_s": 5.0}))
+    err = capsys.readouterr().err
+    assert "deadline_s=5 leaves 1 s to train" in err and "raise the deadline" in err
+    assert result.report["seconds"]["train_budget"] == 1.0
+    roomy = train_drafter(TargetBundle("tiny", model, None, NO_EOS), TrainConfig(**{**QUICK, "steps": 3, "seed": 6}))
+    assert "warning: deadline" not in capsys.readouterr().err and roomy.report["seconds"]["train_budget"] is None
+
+
 def test_training_keeps_the_state_with_the_best_held_out_acceptance():
     """fit(held=...) scores held-out data every eval_every steps and at the end, and leaves the model in the best
     scoring state: re-scoring the returned model gives the kept step's number."""

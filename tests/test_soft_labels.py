@@ -67,6 +67,23 @@ def test_concat_and_to_keep_soft_labels_and_concat_refuses_a_mix():
         concat([a, plain])
 
 
+def test_concat_pads_each_part_in_order_and_releases_the_parts_it_copied():
+    model = tiny_model("gqa", 1)
+    parts = [generate(model, [prompt(model.shape.vocab, n, s) for s in range(k)], new, (0, 1), NO_EOS)
+             for n, k, new in ((5, 2, 4), (9, 3, 7), (3, 1, 2))]  # unequal widths, the widest in the middle
+    t_max = max(p.tokens.shape[1] for p in parts)
+    want = [torch.cat([torch.nn.functional.pad(getattr(p, f), pad(p)) for p in parts])
+            for f, pad in (("tokens", lambda p: (0, t_max - p.tokens.shape[1])),
+                           ("features", lambda p: (0, 0, 0, t_max - p.tokens.shape[1])))]
+    lens = [torch.cat([getattr(p, f) for p in parts]) for f in ("prompt_len", "length")]
+    queue = list(parts)
+    got = concat(queue)
+    assert queue == []  # copied parts are dropped as it goes: peak memory = result + one part
+    assert torch.equal(got.tokens, want[0]) and torch.equal(got.features, want[1])
+    assert torch.equal(got.prompt_len, lens[0]) and torch.equal(got.length, lens[1])
+    assert got.tokens.dtype == parts[0].tokens.dtype and got.features.dtype == parts[0].features.dtype
+
+
 def _loss_inputs(k: int):
     model = tiny_model("gqa", 4)
     drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), TrainConfig(**QUICK)).float()

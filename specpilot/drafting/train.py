@@ -378,6 +378,11 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     seconds = None
     if cfg.deadline_s is not None:  # leave the final evaluation (as long as the first, plus margin) and the save
         seconds = max(1.0, cfg.deadline_s - (t1 - t0) - 1.5 * t_eval - 20.0)
+        if seconds < max(30.0, 0.1 * cfg.deadline_s):  # session 44: 270 s on an H100 left 1 s, 16 steps, silently
+            print(f"warning: deadline_s={cfg.deadline_s:g} leaves {seconds:.0f} s to train: generating took "
+                  f"{t_data:.0f} s, evaluating {t_eval:.0f} s, and the final evaluation and save keep "
+                  f"{1.5 * t_eval + 20:.0f} s; raise the deadline (or reuse this data: --data-from)",
+                  file=sys.stderr)
     curve = fit(model, bundle.model, data, cfg, out, seconds, held, keep_start=cfg.init is not None)
     t_train = time.perf_counter() - t1
     as_stored(model, cfg.checkpoint_storage).eval()
@@ -388,6 +393,7 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
               "kept_step": next((r["kept_step"] for r in curve if "kept_step" in r), None),
               "untrained": before, "trained": after,
               "seconds": {"data": round(t_data, 2), "eval": round(t_eval, 2), "train": round(t_train, 2),
+                          "train_budget": None if seconds is None else round(seconds, 2),
                           "total": round(time.perf_counter() - t0, 2)}}
     result = TrainResult(model, report)
     if out is not None:
