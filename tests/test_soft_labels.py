@@ -78,7 +78,7 @@ def test_concat_pads_each_part_in_order_and_releases_the_parts_it_copied():
     lens = [torch.cat([getattr(p, f) for p in parts]) for f in ("prompt_len", "length")]
     queue = list(parts)
     got = concat(queue)
-    assert queue == []  # copied parts are dropped as it goes: peak memory = result + one part
+    assert queue == []  # each part is dropped once copied: no padded copies beside the parts and the result
     assert torch.equal(got.tokens, want[0]) and torch.equal(got.features, want[1])
     assert torch.equal(got.prompt_len, lens[0]) and torch.equal(got.length, lens[1])
     assert got.tokens.dtype == parts[0].tokens.dtype and got.features.dtype == parts[0].features.dtype

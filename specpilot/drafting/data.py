@@ -227,9 +227,10 @@ def generate_batched(model: LlamaModel, prompts: list[list[int]], new_tokens: in
 
 
 def concat(parts: list[DraftData]) -> DraftData:
-    """The parts' sequences in order, right-padded to the longest. Empties `parts` as it copies them into tensors
-    allocated once, so the peak memory is the result plus one part: torch.cat of padded copies held twice the data
-    (3 x 4096 prompts with features of 5 target layers asked for 2 x 32 GiB and ran out on an H100, session 44)."""
+    """The parts' sequences in order, right-padded to the longest. Copies them into tensors allocated once and
+    empties `parts` as it goes (each part freed once copied), so the peak is the data twice (the parts and the
+    result); torch.cat of padded copies held it three times (3 x 4096 prompts with features of 5 target layers: ~27
+    GiB of parts, as much of padded copies, then 32 GiB for the result ran out on an H100, session 44)."""
     with_soft = {p.soft_ids is not None for p in parts}
     if len(with_soft) > 1 or (with_soft == {True} and len({p.soft_ids.shape[-1] for p in parts}) > 1):
         raise ValueError("concat: every part needs soft labels of one K, or none has them")
