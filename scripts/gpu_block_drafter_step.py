@@ -7,7 +7,7 @@ Triton kernels) the draft graph, one replay + sync (BlockTreeDrafter.distributio
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
 beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the cost of a speculative
-step against AR's ms/token). loop: the kernels per step of a chain and the trees + ngram_prefix on the device loop.
+step against AR's ms/token). loop: the kernels per step of AR, a chain and the trees + ngram_prefix on the device loop.
 ar: AR at 1..16 steps a graph. --grid-dependency off: kernels in plain stream order, so that the profiled times are
 each kernel's own, not its wait for the one before (PDL). --kernel-table: every engine launches its kernels with that
 table (a tuner's summary.json or [key, params JSON] pairs, kernels.table), e.g. an A/B of one launch field. On CPU
@@ -181,7 +181,9 @@ def measure() -> dict:
         ar = {f"ar, {k} steps a graph": engine_costs(cfg.replace(drafter=DrafterKind.NONE, ar_steps=k), reps=5)
               for k in (1, 2, 4, 8, 16)}
     if "loop" in sections:
-        loop = {"chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
+        # AR's kernels a token beside them: a step's premium over AR, kernel by kernel, is the difference of the two
+        loop = {"ar": guarded(loop_kernels, cfg.replace(drafter=DrafterKind.NONE)),
+                "chain + ngram_prefix, device loop x4": loop_kernels(cfg.replace(device_steps=4, ngram_prefix=True)),
                 f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
                 f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True),
                                                                       256)}
