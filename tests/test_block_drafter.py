@@ -224,6 +224,47 @@ def test_a_deadline_that_leaves_no_training_time_says_so(capsys):
     assert "warning: deadline" not in capsys.readouterr().err and roomy.report["seconds"]["train_budget"] is None
 
 
+def test_training_saves_its_data_before_training_and_its_drafter_before_the_final_evaluation(tmp_path, monkeypatch):
+    """No lost work when a GPU call's hard limit (or a crash) lands late: the generated sequences are on disk before
+    training starts, the trained drafter before its final evaluation; report.json only once everything ran."""
+    import specpilot.drafting.train as train_mod
+    from specpilot.drafting.checkpoint import load_drafter
+    from specpilot.drafting.data import load_sequences
+    model = damped("gqa", 6)
+    bundle = TargetBundle("tiny", model, None, NO_EOS)
+
+    def fit_fails(*a, **kw):
+        raise RuntimeError("killed while training")
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "fit", fit_fails)
+        with pytest.raises(RuntimeError, match="killed while training"):
+            train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 3, "seed": 6}), tmp_path / "a")
+    seqs, plens = load_sequences(tmp_path / "a" / train_mod.TRAIN_SEQUENCES, model.shape.vocab)
+    assert len(seqs) > 0 and all(len(q) > p for q, p in zip(seqs, plens))
+    assert not (tmp_path / "a" / "config.json").exists() and not (tmp_path / "a" / "report.json").exists()
+
+    evaluations = []
+    real = train_mod.evaluate_all
+
+    def final_fails(*a, **kw):
+        evaluations.append(1)
+        if len(evaluations) == 2:
+            raise RuntimeError("killed while evaluating")
+        return real(*a, **kw)
+    monkeypatch.setattr(train_mod, "evaluate_all", final_fails)
+    with pytest.raises(RuntimeError, match="killed while evaluating"):
+        train_drafter(bundle, TrainConfig(**{**QUICK, "steps": 3, "seed": 6}), tmp_path / "b")
+    saved = load_drafter(tmp_path / "b", model)
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["training"]["steps"] == 3
+    assert saved.config.block_size == QUICK["block_size"] and not (tmp_path / "b" / "report.json").exists()
+
+
+def test_the_final_evaluation_keeps_half_the_first_on_a_gpu_and_all_of_it_on_the_cpu():
+    from specpilot.drafting.train import final_eval_reserve
+    assert final_eval_reserve(60.0, "cuda") == 50.0 and final_eval_reserve(60.0, "cuda:1") == 50.0
+    assert final_eval_reserve(60.0, "cpu") == 92.0
+
+
 def test_training_keeps_the_state_with_the_best_held_out_acceptance():
     """fit(held=...) scores held-out data every eval_every steps and at the end, and leaves the model in the best
     scoring state: re-scoring the returned model gives the kept step's number."""

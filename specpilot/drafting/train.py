@@ -364,6 +364,14 @@ class _HeldOutBest:
         return self.step
 
 
+def final_eval_reserve(first_eval_s: float, device: str) -> float:
+    """Seconds a deadline keeps for the final evaluation and the save. On a GPU the first evaluation compiles the
+    engine's kernels and captures its graphs (57-61 s on the H100 / H200 in a fresh host, sessions 43-44) and the
+    final one reuses them (18-21 s): half the first plus 20 s (1.5x, as reserved before, left 33-86 s of each call's
+    deadline unused). On the CPU nothing is compiled: as long as the first, with a margin."""
+    return (0.5 if str(device).startswith("cuda") else 1.2) * first_eval_s + 20.0
+
+
 def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | None = None) -> TrainResult:
     """Generate data, train, evaluate, and (with out_dir) write checkpoints, the final drafter and report.json."""
     torch.manual_seed(cfg.seed)
@@ -371,41 +379,45 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     model = new_drafter(bundle, cfg)
     data, held, prompts, provenance = collect(bundle, cfg, model.config.target_layers)
     t_data = time.perf_counter() - t0
-    before = evaluate_all(model, bundle, cfg, held, prompts)
-    t_eval = time.perf_counter() - t0 - t_data
     out = Path(out_dir) if out_dir is not None else None
+    if out is not None:  # minutes of generation, kept before anything else can fail (a later run: cfg.data_from)
+        (out / TRAIN_SEQUENCES).parent.mkdir(parents=True, exist_ok=True)
+        save_sequences(data, out / TRAIN_SEQUENCES)
+        save_sequences(held, out / HELD_OUT_SEQUENCES)
+    t_eval0 = time.perf_counter()
+    before = evaluate_all(model, bundle, cfg, held, prompts)
+    t_eval = time.perf_counter() - t_eval0
     t1 = time.perf_counter()
-    seconds = None
-    if cfg.deadline_s is not None:  # leave the final evaluation (as long as the first, plus margin) and the save
-        seconds = max(1.0, cfg.deadline_s - (t1 - t0) - 1.5 * t_eval - 20.0)
+    seconds, reserve = None, final_eval_reserve(t_eval, cfg.device)
+    if cfg.deadline_s is not None:  # leave the final evaluation and the save their time
+        seconds = max(1.0, cfg.deadline_s - (t1 - t0) - reserve)
         if seconds < max(30.0, 0.1 * cfg.deadline_s):  # session 44: 270 s on an H100 left 1 s, 16 steps, silently
             print(f"warning: deadline_s={cfg.deadline_s:g} leaves {seconds:.0f} s to train: generating took "
                   f"{t_data:.0f} s, evaluating {t_eval:.0f} s, and the final evaluation and save keep "
-                  f"{1.5 * t_eval + 20:.0f} s; raise the deadline (or reuse this data: --data-from)",
-                  file=sys.stderr)
+                  f"{reserve:.0f} s; raise the deadline (or reuse this data: --data-from)", file=sys.stderr)
     curve = fit(model, bundle.model, data, cfg, out, seconds, held, keep_start=cfg.init is not None)
     t_train = time.perf_counter() - t1
     as_stored(model, cfg.checkpoint_storage).eval()
+    kept_step = next((r["kept_step"] for r in curve if "kept_step" in r), None)
+    checkpoint = None
+    if out is not None:  # the drafter before its final evaluation: a call killed during it keeps the training
+        trained = max([r["step"] + 1 for r in curve if "loss" in r] + [r["step"] for r in curve if "stopped" in r])
+        meta = {"steps": trained, "kept_step": kept_step, "target": bundle.name, "init": cfg.init,
+                "context_window": cfg.context_window}
+        checkpoint = save_drafter(model, out, bundle.model, meta, cfg.checkpoint_storage)
     after = evaluate_all(model, bundle, cfg, held, prompts)
     report = {"target": bundle.name, "config": _jsonable(asdict(cfg)), "drafter": model.config.to_dict(),
               "data": provenance, "loss_curve": [r for r in curve if "held_out" not in r and "kept_step" not in r],
               "held_out_curve": [r for r in curve if "held_out" in r],
-              "kept_step": next((r["kept_step"] for r in curve if "kept_step" in r), None),
-              "untrained": before, "trained": after,
+              "kept_step": kept_step, "untrained": before, "trained": after,
               "seconds": {"data": round(t_data, 2), "eval": round(t_eval, 2), "train": round(t_train, 2),
                           "train_budget": None if seconds is None else round(seconds, 2),
                           "total": round(time.perf_counter() - t0, 2)}}
     result = TrainResult(model, report)
     if out is not None:
-        trained = max([r["step"] + 1 for r in curve if "loss" in r] + [r["step"] for r in curve if "stopped" in r])
-        meta = {"steps": trained, "kept_step": report["kept_step"], "target": bundle.name, "init": cfg.init,
-                "context_window": cfg.context_window}
-        result.checkpoint = save_drafter(model, out, bundle.model, meta, cfg.checkpoint_storage)
+        result.checkpoint = checkpoint
         report["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        (out / TRAIN_SEQUENCES).parent.mkdir(exist_ok=True)
-        save_sequences(data, out / TRAIN_SEQUENCES)  # a later run may train on them again (cfg.data_from)
-        save_sequences(held, out / HELD_OUT_SEQUENCES)
     return result
 
 
