@@ -249,7 +249,6 @@ def concat(parts: list[DraftData]) -> DraftData:
                 dst[rows, :src.shape[1]] = src
         prompt_len[rows], length[rows] = p.prompt_len, p.length
         row += len(p)
-        del p
     return DraftData(out["tokens"], out["features"], prompt_len, length, out["soft_ids"], out["soft_logits"])
 
 
