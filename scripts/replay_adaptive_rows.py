@@ -14,9 +14,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from specpilot.drafting.replay import LookupPolicy, replay, saved_replay
+from specpilot.drafting.replay import LookupPolicy, replay_speedup, saved_replay
 from specpilot.engines.drafters.ngram_prefix import LeadGate
-from specpilot.stats import geomean
 
 ap = argparse.ArgumentParser()
 ap.add_argument("replay_dir", type=Path)
@@ -44,14 +43,7 @@ RULES += [(f"{name}, gated top{g.agree_topk}|p<{g.doubt_prob:.2g}", replace(poli
 
 def run(policy: LookupPolicy) -> tuple[float, float]:
     """(geometric-mean speedup, mean tokens/step) of one policy over the requests."""
-    ms_of = {15: args.narrow_ms, WB: args.wide_ms}
-    speedups, per_step = [], []
-    for ref, c in zip(refs, cands):
-        steps = replay(ref, c, policy)
-        ms = sum(ms_of[policy.budget_at(steps, j)] for j in range(len(steps)))
-        speedups.append(sum(steps) * args.ar_ms / ms)
-        per_step.append(sum(steps) / len(steps))
-    return geomean(speedups), sum(per_step) / len(per_step)
+    return replay_speedup(refs, cands, policy, args.ar_ms, {15: args.narrow_ms, WB: args.wide_ms})
 
 
 print("| rule | speedup (geomean) | tokens/step (mean) |\n|---|---|---|")

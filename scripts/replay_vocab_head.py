@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specpilot.drafting.replay import AnchorCandidates, LookupPolicy, replay, saved_replay
+from specpilot.drafting.replay import AnchorCandidates, LookupPolicy, replay_speedup, saved_replay
 from specpilot.engines.drafters.ngram_prefix import LeadGate
-from specpilot.stats import geomean
 
 ap = argparse.ArgumentParser()
 ap.add_argument("replay_dir", type=Path)
@@ -37,16 +36,10 @@ by_frequency = torch.bincount(generated, minlength=vocab).argsort(descending=Tru
 outputs = torch.cat([torch.tensor(r.output) for r in refs])
 WIDE = LookupPolicy(tree_budget=31, tree_width=8, ngram_min=2, ngram_max=8, lookup_depth=31, periodic=True)
 POLICY = replace(WIDE, narrow_tree_budget=15, wide_tree_after=8, gate=LeadGate(2, 0.7))
-MS = {15: args.narrow_ms, 31: args.wide_ms}
 
 
 def run(cs: list[AnchorCandidates]) -> tuple[float, float]:
-    speedups, per_step = [], []
-    for ref, c in zip(refs, cs):
-        steps = replay(ref, c, POLICY)
-        speedups.append(sum(steps) * args.ar_ms / sum(MS[POLICY.budget_at(steps, j)] for j in range(len(steps))))
-        per_step.append(sum(steps) / len(steps))
-    return geomean(speedups), sum(per_step) / len(per_step)
+    return replay_speedup(refs, cs, POLICY, args.ar_ms, {15: args.narrow_ms, 31: args.wide_ms})
 
 
 def restricted(c: AnchorCandidates, keep: torch.Tensor) -> AnchorCandidates:

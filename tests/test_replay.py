@@ -2,6 +2,8 @@
 (chain: host and device loop; the host loop's best-first tree), with and without the gate, on a tiny model."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _tiny import prompt
@@ -9,7 +11,7 @@ from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
 from test_device_loop import TREE
 
 from specpilot.drafting.replay import (LookupPolicy, Reference, anchor_candidates, cached_candidates, drafter_digest,
-                                       replay, replay_all)
+                                       replay, replay_all, replay_speedup)
 from specpilot.engines.build import build_engine
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 
@@ -105,6 +107,23 @@ def test_replay_of_switched_tree_budgets_takes_the_engines_steps(setup, steps, o
         assert [s.committed for s in got.steps] == replay(ref, cand, policy), ref.key
         rows |= {s.verify_tokens for s in got.steps}
     assert {8, 16} <= rows  # (fewer rows near the end, where the host loop drafts no deeper than what is left)
+
+
+def test_replay_speedup_prices_each_step_by_its_budget(setup):
+    """At one cost for every step and AR's the same, the speedup is the geometric mean of tokens a step; a switched
+    tree pays its wide steps' price only where it ran them."""
+    _, _, refs, cands = setup
+    plain = LookupPolicy(tree_budget=15, tree_width=4)
+    speedup, mean = replay_speedup(refs, cands, plain, 1.0, {15: 1.0})
+    per = replay_all(refs, cands, [plain])[0]
+    assert speedup == pytest.approx(per.overall()) and mean == pytest.approx(per.mean())
+    switched = LookupPolicy(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, tree_width=4, lookup_depth=15)
+    steps = [replay(r, c, switched) for r, c in zip(refs, cands)]
+    wide = [sum(switched.budget_at(s, j) == 15 for j in range(len(s))) for s in steps]
+    assert 0 < sum(wide) < sum(map(len, steps))  # both budgets run
+    got, _ = replay_speedup(refs, cands, switched, 0.5, {7: 1.0, 15: 2.0})
+    want = [sum(s) * 0.5 / (len(s) + w) for s, w in zip(steps, wide)]
+    assert got == pytest.approx(math.exp(sum(map(math.log, want)) / len(want)))
 
 
 def test_replay_all_ranks_policies_and_refuses_nonsense(setup):

@@ -255,6 +255,20 @@ def replay_all(refs: list[Reference], cands: list[AnchorCandidates], policies: l
     return out
 
 
+def replay_speedup(refs: list[Reference], cands: list[AnchorCandidates], policy: LookupPolicy, ar_ms: float,
+                   step_ms: dict[int, float]) -> tuple[float, float]:
+    """(geometric-mean speedup, mean tokens a step) of `policy` over the references at fixed step costs: per request
+    AR's ms/token x its tokens / its steps' summed costs, each step priced by its tree budget (step_ms[budget]; a
+    chain's budget is 0), as scripts/replay_*.py price a switched tree with a device's measured step times."""
+    speedups, per_step = [], []
+    for ref, c in zip(refs, cands):
+        steps = replay(ref, c, policy)
+        if steps:
+            speedups.append(sum(steps) * ar_ms / sum(step_ms[policy.budget_at(steps, j)] for j in range(len(steps))))
+            per_step.append(sum(steps) / len(steps))
+    return geomean(speedups, empty=float("nan")), sum(per_step) / len(per_step) if per_step else float("nan")
+
+
 def load_references(path: Path) -> list[Reference]:
     if not path.is_file():
         return []

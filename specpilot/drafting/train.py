@@ -386,8 +386,8 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
         save_sequences(held, out / HELD_OUT_SEQUENCES)
     t_eval0 = time.perf_counter()
     before = evaluate_all(model, bundle, cfg, held, prompts)
-    t_eval = time.perf_counter() - t_eval0
     t1 = time.perf_counter()
+    t_eval = t1 - t_eval0
     seconds, reserve = None, final_eval_reserve(t_eval, cfg.device)
     if cfg.deadline_s is not None:  # leave the final evaluation and the save their time
         seconds = max(1.0, cfg.deadline_s - (t1 - t0) - reserve)
@@ -413,12 +413,10 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
               "seconds": {"data": round(t_data, 2), "eval": round(t_eval, 2), "train": round(t_train, 2),
                           "train_budget": None if seconds is None else round(seconds, 2),
                           "total": round(time.perf_counter() - t0, 2)}}
-    result = TrainResult(model, report)
     if out is not None:
-        result.checkpoint = checkpoint
         report["checkpoint_bytes"] = (out / "model.safetensors").stat().st_size
         (out / "report.json").write_text(json.dumps(report, indent=2))
-    return result
+    return TrainResult(model, report, checkpoint)
 
 
 def _jsonable(d: dict) -> dict:
