@@ -257,6 +257,10 @@ def test_training_saves_its_data_before_training_and_its_drafter_before_the_fina
     saved = load_drafter(tmp_path / "b", model)
     assert json.loads((tmp_path / "b" / "config.json").read_text())["training"]["steps"] == 3
     assert saved.config.block_size == QUICK["block_size"] and not (tmp_path / "b" / "report.json").exists()
+    # with it the ranking of the tokens the target generated (EngineConfig.drafter_head_rows reads it)
+    from specpilot.drafting.token_ranking import generated_counts, ranking_of
+    counts = generated_counts([tmp_path / "b" / train_mod.TRAIN_SEQUENCES], model.shape.vocab)
+    assert saved.token_ranking.tolist() == ranking_of(counts) and counts.sum() > 0
 
 
 def test_the_final_evaluation_keeps_half_the_first_on_a_gpu_and_all_of_it_on_the_cpu():

@@ -56,3 +56,17 @@ def test_all_negative_rows():
 def test_bad_input_is_refused(logits, k, match):
     with pytest.raises(ValueError, match=match):
         topk_probs(logits.to(DEV), k)
+
+
+def test_a_token_map_names_the_columns():
+    """A head restricted to some vocabulary rows: column j is token token_map[j]; ties keep the lower column."""
+    x = (torch.randn(3, 1300, generator=torch.Generator().manual_seed(5)) * 5).to(DEV)
+    x[1, [10, 700]] = 40.0  # a tie: column 10 first
+    token_map = torch.randperm(49152, generator=torch.Generator().manual_seed(6))[:1300].sort().values.to(DEV)
+    tokens, probs = topk_probs(x, 6, token_map)
+    want_tokens, want_probs = topk_probs_ref(x, 6, token_map)
+    assert torch.equal(tokens, want_tokens)
+    assert tokens[1, :2].tolist() == token_map[[10, 700]].tolist()
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="token_map"):
+        topk_probs(x, 6, token_map[:-1])

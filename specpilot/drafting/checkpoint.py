@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from specpilot.drafting.token_ranking import TokenRankingError, load_token_ranking
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, default_target_layers
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.shapes import UnsupportedModelError
@@ -190,7 +191,12 @@ def _load_ours(path: Path, cfg: dict[str, Any], target: LlamaModel) -> BlockDraf
         storage = WeightStorage(cfg.get("storage", WeightStorage.BF16.value))
     except (KeyError, TypeError, ValueError) as e:
         raise DrafterCheckpointError(f"{path}: bad drafter config: {e}") from None
-    return _build(config, loaded_tensors(_tensors(path), storage, path), target, path)
+    model = _build(config, loaded_tensors(_tensors(path), storage, path), target, path)
+    try:
+        model.token_ranking = load_token_ranking(path, config.vocab)
+    except TokenRankingError as e:
+        raise DrafterCheckpointError(str(e)) from None
+    return model
 
 
 def load_dflash(path: str | Path, target: LlamaModel, mask_token_id: int | None = None) -> BlockDrafterModel:

@@ -196,6 +196,23 @@ def run_replay(args: argparse.Namespace) -> int:
 _guarded = guarded("drafter", "drafter_command", (ValueError, OSError), exit_code=True)
 
 
+def run_rank_tokens(args: argparse.Namespace) -> int:
+    from specpilot.drafting.checkpoint import _read_config
+    from specpilot.drafting.token_ranking import generated_counts, load_token_ranking, save_token_ranking
+
+    vocab = _read_config(args.drafter).get("drafter", {}).get("vocab")
+    if not isinstance(vocab, int):
+        raise ValueError(f"{args.drafter}/config.json names no drafter vocab: not a SpecPilot drafter checkpoint")
+    counts = generated_counts(args.sequences, vocab)
+    path = save_token_ranking(args.drafter, counts, ", ".join(map(str, args.sequences)))
+    ranking = load_token_ranking(args.drafter, vocab)
+    print(f"wrote {path}: {ranking.numel()} distinct tokens ranked from {int(counts.sum())} generated")
+    for rows in (4096, 8192, 16384):
+        if rows < ranking.numel():
+            print(f"  the first {rows} rows hold {counts[ranking[:rows]].sum() / counts.sum():.2%} of them")
+    return 0
+
+
 def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from specpilot.drafting.train import TrainConfig
 
@@ -257,4 +274,11 @@ def register_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
                    help="also replay every lookup policy with a periodic lookup (EngineConfig.lookup_periodic)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_guarded(run_replay))
+
+    p = sub.add_parser("rank-tokens", help="rank the tokens a target generated (training sequences) beside a drafter: "
+                                           "what EngineConfig.drafter_head_rows keeps")
+    p.add_argument("--drafter", required=True, type=Path, help="the drafter's checkpoint directory (written into)")
+    p.add_argument("sequences", nargs="+", type=Path,
+                   help="saved training sequences (a training run's sequences/train.safetensors)")
+    p.set_defaults(func=_guarded(run_rank_tokens))
     return parser

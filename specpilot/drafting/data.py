@@ -272,6 +272,12 @@ def save_sequences(data: DraftData, path: str | Path) -> Path:
 
 def load_sequences(path: str | Path, vocab: int) -> tuple[list[list[int]], list[int]]:
     """(sequences, context lengths) saved by save_sequences; every token must be < vocab (the target's)."""
+    flat, length, plen = load_sequence_tensors(path, vocab)
+    return [s.tolist() for s in flat.split(length.tolist())], plen.tolist()
+
+
+def load_sequence_tensors(path: str | Path, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """save_sequences' file as (flat tokens, lengths, context lengths), int64 and checked."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no saved training sequences (a training run's out dir has them)")
@@ -283,7 +289,7 @@ def load_sequences(path: str | Path, vocab: int) -> tuple[list[list[int]], list[
         raise ValueError(f"{path}: lengths do not add up to its {flat.numel()} tokens")
     if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < vocab:
         raise ValueError(f"{path}: token ids outside the target's vocabulary of {vocab} (another target's data?)")
-    return [s.tolist() for s in flat.split(length.tolist())], plen.tolist()
+    return flat, length, plen
 
 
 @torch.no_grad()

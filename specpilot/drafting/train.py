@@ -33,6 +33,7 @@ from specpilot.drafting.grow import grow_drafter
 from specpilot.drafting.objective import block_loss, sample_batch
 from specpilot.drafting.sources import PromptSet, TargetBundle, build_prompts, split_off
 from specpilot.drafting.task_prompts import TURN_STARTS
+from specpilot.drafting.token_ranking import generated_counts, save_token_ranking
 from specpilot.engines.config import DType
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, lm_head_weight
 from specpilot.engines.drafters.block_step import check_window
@@ -405,6 +406,8 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
         meta = {"steps": trained, "kept_step": kept_step, "target": bundle.name, "init": cfg.init,
                 "context_window": cfg.context_window}
         checkpoint = save_drafter(model, out, bundle.model, meta, cfg.checkpoint_storage)
+        save_token_ranking(out, generated_counts([out / TRAIN_SEQUENCES], bundle.model.shape.vocab),
+                           f"{TRAIN_SEQUENCES} of this training call")
     after = evaluate_all(model, bundle, cfg, held, prompts)
     report = {"target": bundle.name, "config": _jsonable(asdict(cfg)), "drafter": model.config.to_dict(),
               "data": provenance, "loss_curve": [r for r in curve if "held_out" not in r and "kept_step" not in r],

@@ -63,7 +63,7 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
             drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device,
                                        cuda_graphs=cfg.cuda_graphs,
                                        fused=cfg.kernel_backend is KernelBackend.TRITON,
-                                       window=cfg.drafter_window)
+                                       window=cfg.drafter_window, head_rows=cfg.drafter_head_rows)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.ngram_prefix:

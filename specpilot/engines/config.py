@@ -141,6 +141,10 @@ class EngineConfig(ConfigOps):
     # all). A drafter trained on short sequences loses its way over long contexts: the shipped SmolLM2 one (trained
     # on ~350-token sequences) drafts past position 1024 with half its accuracy at 256 (replayed, drafting.replay).
     drafter_window: int = 0
+    # Block drafter: its LM head keeps the rows of the drafter_head_rows tokens the target generated most often
+    # (the drafter's token_ranking.json; 0: every row). A head a third as large is a third of the head's bytes and
+    # top-k work a draft; the target's outputs outside it cannot be proposed by the block (lookup still can).
+    drafter_head_rows: int = 0
     # Block drafter (chain or tree) and n-gram (chain): up to this many speculative steps run on the device (one
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
@@ -232,6 +236,9 @@ class EngineConfig(ConfigOps):
         _check(1 <= self.block_size <= 64, f"block_size={self.block_size}: must be in 1..64")
         _check(_is_int(self.drafter_window) and 0 <= self.drafter_window <= 1 << 20,
                f"drafter_window={self.drafter_window!r}: must be an int >= 0 (0: the whole context)")
+        rows = self.drafter_head_rows
+        _check(_is_int(rows) and (rows == 0 or 16 <= rows <= 1 << 24),
+               f"drafter_head_rows={self.drafter_head_rows!r}: must be 0 (the whole head) or an int >= 16")
         for name in ("device_steps", "ar_steps"):
             value = getattr(self, name)
             _check(_is_int(value) and 1 <= value <= 16, f"{name}={value!r}: must be an int in 1..16")
@@ -287,7 +294,8 @@ class EngineConfig(ConfigOps):
     # Fields that only shape what is drafted and verified, never how a row is computed.
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
-        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "device_steps",
+        "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
+        "device_steps",
         "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
         "lookup_periodic", "narrow_tree_budget", "wide_tree_after")
 

@@ -40,7 +40,8 @@ def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BL
 
 
 @triton.jit
-def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, tok_ptr, prob_ptr, V, G, K, KP: tl.constexpr, GP: tl.constexpr):
+def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, map_ptr, tok_ptr, prob_ptr, V, G, K, KP: tl.constexpr,
+                       GP: tl.constexpr, MAPPED: tl.constexpr):
     row = tl.program_id(0)
     j = tl.arange(0, GP * KP)
     keys = tl.load(keys_ptr + row * G * KP + j, mask=j < G * KP, other=-9223372036854775807 - 1)
@@ -55,15 +56,22 @@ def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, tok_ptr, prob_ptr, V, G, K, KP: t
     value = tl.where(s32 >= 0, s32, s32 ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
     token = V - 1 - (top - (hi << 32))
     k = tl.arange(0, KP)
+    if MAPPED:  # column -> token id (a head restricted to some vocabulary rows)
+        token = tl.load(map_ptr + token, mask=k < K, other=0)
     tl.store(tok_ptr + row * K + k, token, mask=k < K)
     tl.store(prob_ptr + row * K + k, tl.exp(value - lse), mask=k < K)
 
 
-def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] float32 -> (top-k token ids [R, k] int64, best first; their softmax probabilities [R, k])."""
+def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] float32 -> (top-k token ids [R, k] int64, best first; their softmax probabilities [R, k]).
+    token_map [V] int64: column j holds the logit of token token_map[j] (returned ids are mapped; ties go to the
+    lower column, so an ascending map keeps torch's order)."""
     check_tensor("logits", logits, (None, None), torch.float32)
     R, V = logits.shape
     check_int("k", k, 1, min(V, MAX_K))
+    if token_map is not None:
+        check_tensor("token_map", token_map, (V,), torch.int64, logits.device)
     check_launchable(_topk_chunk_kernel, logits.device)
     kp, block = next_pow2(k, 2), min(BLOCK, next_pow2(V, 16))  # tl.topk needs k >= 2
     G = triton.cdiv(V, block)
@@ -72,11 +80,14 @@ def topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     _topk_chunk_kernel[(R, G)](logits, keys, m, s, V, G, KP=kp, BLOCK=block, num_warps=4)
     tokens = torch.empty(R, k, dtype=torch.int64, device=logits.device)
     probs = torch.empty(R, k, dtype=torch.float32, device=logits.device)
-    _topk_merge_kernel[(R,)](keys, m, s, tokens, probs, V, G, k, KP=kp, GP=next_pow2(G, 2), num_warps=4)
+    _topk_merge_kernel[(R,)](keys, m, s, tokens if token_map is None else token_map, tokens, probs, V, G, k, KP=kp,
+                             GP=next_pow2(G, 2), MAPPED=token_map is not None, num_warps=4)
     return tokens, probs
 
 
-def topk_probs_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_probs_ref(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_probs in plain torch (ties in torch.topk's order)."""
     top = torch.topk(logits, k, dim=-1)
-    return top.indices, torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+    tokens = top.indices if token_map is None else token_map[top.indices]
+    return tokens, torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))

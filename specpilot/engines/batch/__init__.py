@@ -40,7 +40,8 @@ def build_batch_engine(model: LlamaModel, cfg: EngineConfig, batch: BatchConfig,
         raise ConfigError("lookup_periodic and lookup_depth are single-request lookup knobs: the batched engine's "
                           "lookup has neither")
     block = (BatchBlockDrafter(block_drafter, model, batch.max_batch, cfg.max_seq_len, device,
-                               cuda_graphs=cfg.cuda_graphs, window=cfg.drafter_window)
+                               cuda_graphs=cfg.cuda_graphs, window=cfg.drafter_window,
+                               head_rows=cfg.drafter_head_rows)
              if block_drafter is not None else None)
     lookup = None
     if batch.device_draft and cfg.speculative:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight, runtime_copy
+from specpilot.engines.drafters.block import BlockDrafterModel, head_tokens, lm_head_weight, runtime_copy
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.llama import LlamaModel, rotate_half
 from specpilot.kernels._common import capture_graph
@@ -37,13 +37,18 @@ FUSED_HEAD_MAX_SLOTS = 32  # draft slots (rows x depth) up to which the fused no
 class BatchBlockDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, rows: int, capacity: int,
                  device: str | torch.device, cuda_graphs: bool = True, triton_head: bool | None = None,
-                 window: int = 0):
+                 window: int = 0, head_rows: int = 0):
         c = model.config
         self.window = check_window(window)
         c.check_target(target.shape)
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}: both must be >= 1")
         self.embed, self.head = target.embed_tokens.weight, lm_head_weight(target)
+        # head_rows: the head restricted to the target's most generated tokens (EngineConfig.drafter_head_rows)
+        self.token_map = head_tokens(model, head_rows)
+        if self.token_map is not None:
+            self.token_map = self.token_map.to(self.head.device)
+            self.head = self.head.index_select(0, self.token_map)
         if self.embed.device.type != torch.device(device).type:
             raise ValueError(f"the target is on {self.embed.device}, the drafter on {device}")
         self.device = dev = self.embed.device  # "cuda" -> the target's own "cuda:0"
@@ -173,5 +178,7 @@ class BatchBlockDrafter:
             from specpilot.kernels import rmsnorm_linear
             flat = x[:, 1:].reshape(rows * (width - 1), -1)  # a copy: the kernel takes contiguous rows
             _, top = rmsnorm_linear(flat, m.norm.weight, self.head, c.rms_eps, argmax=True, store_y=False)
-            return top.view(rows, width - 1)
-        return m.logits(m.norm(x[:, 1:]), self.head).argmax(-1)  # [rows, B - 1]
+        else:
+            top = m.logits(m.norm(x[:, 1:]), self.head).argmax(-1)  # [rows, B - 1]
+        top = top.view(rows, width - 1)
+        return top if self.token_map is None else self.token_map[top]

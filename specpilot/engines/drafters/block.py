@@ -183,6 +183,9 @@ class BlockDrafterModel(nn.Module):
         self.norm = RMSNorm(c.hidden, c.rms_eps)
         self.mask_embed = nn.Parameter(torch.zeros(c.block_size - 1, c.hidden))
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # The target's generated tokens, most frequent first (drafting.token_ranking; a checkpoint's, else None):
+        # where EngineConfig.drafter_head_rows restricts the LM head to the first N of them.
+        self.token_ranking: torch.Tensor | None = None
 
     def _inv_freq(self) -> torch.Tensor:
         c = self.config
@@ -248,3 +251,20 @@ def runtime_copy(model: BlockDrafterModel, device: torch.device, dtype: torch.dt
 def lm_head_weight(target: nn.Module) -> torch.Tensor:
     """The target's output projection (the embedding when tied)."""
     return target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+
+
+def head_tokens(model: BlockDrafterModel, rows: int) -> torch.Tensor | None:
+    """The token ids (ascending, int64, CPU) the drafter's LM head keeps at drafter_head_rows = rows: the first
+    `rows` of its token ranking, topped up with the lowest unranked ids; None for rows = 0 (the whole head)."""
+    vocab = model.config.vocab
+    if rows == 0 or rows >= vocab:
+        return None
+    if model.token_ranking is None:
+        raise ValueError(f"drafter_head_rows={rows} needs the drafter's token ranking (token_ranking.json beside its "
+                         "weights: written by `specpilot drafter train`, or `specpilot drafter rank-tokens`)")
+    kept = torch.zeros(vocab, dtype=torch.bool)
+    kept[model.token_ranking[:rows]] = True
+    short = rows - int(kept.sum())
+    if short > 0:  # fewer tokens ranked than rows: the lowest unranked ids (BPE's earliest merges: frequent ones)
+        kept[torch.nonzero(~kept).flatten()[:short]] = True
+    return torch.nonzero(kept).flatten()

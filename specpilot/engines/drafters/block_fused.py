@@ -130,12 +130,12 @@ class FusedBlockStep:
     """BlockStep's interface and cache ([layers, k/v, kv_heads, capacity + block_size, D]) on fused kernels."""
 
     def __init__(self, model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, capacity: int,
-                 block_size: int, topk: int, window: int = 0):
+                 block_size: int, topk: int, window: int = 0, token_map: torch.Tensor | None = None):
         if not fusable(model):
             raise ValueError("the fused drafter step needs a drafter without attention biases and a power-of-two "
                              "head size of at least 16")
         c = self.config = model.config
-        self.model, self.embed, self.head, self.topk = model, embed, head, topk
+        self.model, self.embed, self.head, self.topk, self.token_map = model, embed, head, topk, token_map
         self.capacity, self.width, self.window = capacity, block_size, check_window(window)
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
@@ -190,4 +190,4 @@ class FusedBlockStep:
             logits = logits * c.logit_scale
         if c.logit_softcap > 0:
             logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
-        return topk_probs(logits, self.topk)  # two launches where torch.topk + logsumexp took ~25
+        return topk_probs(logits, self.topk, self.token_map)  # two launches where torch.topk + logsumexp took ~25

@@ -63,9 +63,12 @@ class BlockStep:
     context keys/values, `draft` runs one block forward and returns top-k tokens and probabilities."""
 
     def __init__(self, model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, capacity: int,
-                 block_size: int, topk: int, triton_attention: bool | None = None, window: int = 0):
+                 block_size: int, topk: int, triton_attention: bool | None = None, window: int = 0,
+                 token_map: torch.Tensor | None = None):
+        """head: the LM head's rows the drafter ranks; token_map [rows] int64: the token id of each (None: the
+        whole head, row i = token i)."""
         c = self.config = model.config
-        self.model, self.embed, self.head, self.topk = model, embed, head, topk
+        self.model, self.embed, self.head, self.topk, self.token_map = model, embed, head, topk, token_map
         self.window = check_window(window)
         self.capacity, self.width = capacity, block_size
         dev, dtype = embed.device, embed.dtype
@@ -142,7 +145,7 @@ class BlockStep:
         if c.logit_softcap > 0:
             logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
         top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.topk, dim=-1)
-        return top.indices, top.values.exp()
+        return top.indices if self.token_map is None else self.token_map[top.indices], top.values.exp()
 
     def _attention(self, x, layer, cache, cos, sin, mask, position) -> torch.Tensor:
         c, a, width, qh = self.config, layer.self_attn, self.width, self.config.heads

@@ -19,7 +19,7 @@ import torch
 from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
-from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight, runtime_copy
+from specpilot.engines.drafters.block import BlockDrafterModel, head_tokens, lm_head_weight, runtime_copy
 from specpilot.engines.drafters.block_fused import FusedBlockStep, fusable
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.llama import LlamaModel
@@ -74,7 +74,8 @@ class DrafterGraph:
 
 class BlockTreeDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, shape: TreeShape, max_len: int,
-                 device: str | torch.device, cuda_graphs: bool = False, fused: bool = False, window: int = 0):
+                 device: str | torch.device, cuda_graphs: bool = False, fused: bool = False, window: int = 0,
+                 head_rows: int = 0):
         c = model.config
         c.check_target(target.shape)
         if shape.block_size > c.block_size:
@@ -84,12 +85,18 @@ class BlockTreeDrafter:
         runtime = runtime_copy(model, self.device, dtype)
         self.shape, self.capture = shape, c.target_layers
         self.capacity = max_len
-        self.topk = min(c.vocab, max(shape.width, TRACE_TOPK))
+        # head_rows: the LM head restricted to the target's most generated tokens (EngineConfig.drafter_head_rows)
+        kept = head_tokens(model, head_rows)
+        head = lm_head_weight(target)
+        if kept is not None:
+            kept = kept.to(head.device)
+            head = head.index_select(0, kept)
+        self.topk = min(head.shape[0], max(shape.width, TRACE_TOPK))
         # fused: the engine's Triton kernels, ~20 launches a draft instead of ~108 (other low bits than the
         # trainer's reference: proposals only); drafters the kernels cannot run keep the reference step.
         step = FusedBlockStep if fused and fusable(runtime) else BlockStep
-        self.step = step(runtime, target.embed_tokens.weight, lm_head_weight(target), max_len, shape.block_size,
-                         self.topk, window=window)
+        self.step = step(runtime, target.embed_tokens.weight, head, max_len, shape.block_size, self.topk,
+                         window=window, token_map=kept)
         self._graph: DrafterGraph | None = None
         self._observe_graphs: dict[int, DrafterGraph] = {}  # per observed count n <= block_size
         self.use_graph = cuda_graphs and self.device.type == "cuda"
