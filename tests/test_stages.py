@@ -242,6 +242,19 @@ def test_the_drafter_window_is_a_tree_shape_knob_of_block_drafters_only():
     assert not any("drafter_window" in {m.name for m in ms} for ms in space.mechanisms.values())
 
 
+def test_the_drafter_head_rows_are_a_knob_of_block_drafters_only():
+    """Every setting is a valid engine; a drafter without a token ranking fails its build with a ConfigError, which
+    the quick bench records as not buildable."""
+    dep = load_deployment("smollm2-135m-block-cpu")
+    space = catalog.search_space(dep, catalog.stock_candidate(dep), DirectionName.KERNELS, min_settings=2)
+    assert all("drafter_head_rows" in {m.name for m in ms} for ms in space.mechanisms.values())
+    for value in catalog.BY_NAME["drafter_head_rows"].knobs[0].choices:
+        EngineConfig(drafter="block", drafter_head_rows=value)
+    cpu = load_deployment("smollm2-135m-cpu")
+    space = catalog.search_space(cpu, catalog.stock_candidate(cpu), DirectionName.KERNELS, min_settings=2)
+    assert not any("drafter_head_rows" in {m.name for m in ms} for ms in space.mechanisms.values())
+
+
 def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
     """The loop can choose the 12-bit weights where they pay (issue #6): a KERNELS mechanism of a CUDA build that
     runs the Triton kernels in bf16 (W12 decodes inside them, to bf16), offered by the search, turned by its delta."""

@@ -183,6 +183,13 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      "keeps its accuracy over long outputs",
                      (Knob("drafter_window", _CHOICE, choices=(0, 128, 256, 512)),),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
+    CatalogMechanism("drafter_head_rows", MechanismCategory.ALGORITHM,
+                     "block drafter's LM head on the tokens the target generates most (the drafter's token ranking): "
+                     "a fraction of the head's bytes and top-k work a draft, for the few target tokens it cannot "
+                     "propose (lookup still can)",
+                     (Knob("drafter_head_rows", _CHOICE, choices=(0, 4096, 8192, 16384)),),
+                     frozenset({DirectionName.TREE_SHAPE, DirectionName.KERNELS}), frozenset({DrafterKind.BLOCK}),
+                     families=_LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,
                      "speculative steps per host round trip: draft, verify, accept and commit on the device, several "
