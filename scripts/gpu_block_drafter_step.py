@@ -2,6 +2,7 @@
 
 python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R] [--tree-budget B]
     [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE] [--only NAME,..]
+    [--window W --position P]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
 Triton kernels) the draft graph, one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
@@ -26,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from specpilot.drafting.checkpoint import load_drafter
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
+from specpilot.engines.drafters import block_fused
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
@@ -50,6 +52,10 @@ ap.add_argument("--kernel-table", default="", help="launch every engine with thi
 ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
+ap.add_argument("--window", type=int, default=0,
+                help="steps section: the drafter's context window (EngineConfig.drafter_window); above 0 the fused step "
+                     "is also timed with its attention split and combined (as before the one-pass window kernel)")
+ap.add_argument("--position", type=int, default=200, help="steps section: the pending position the draft runs at")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
 dev, cuda = args.device, args.device.startswith("cuda")
@@ -93,11 +99,12 @@ def kernels(fn) -> dict:
             "by_kernel": {k: [seen[k], round(us[k], 1)] for k, _ in us.most_common()}}
 
 
-def step_costs(fused: bool) -> dict:
+def step_costs(fused: bool, single_pass: bool = True) -> dict:
+    block_fused.SINGLE_PASS_WINDOW = 512 if single_pass else 0  # read when the draft graph is captured
     blocks = BlockTreeDrafter(drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, dev, cuda_graphs=cuda,
-                              fused=fused)
+                              fused=fused, window=args.window)
     blocks.capture_all()
-    position = 200
+    position = args.position
     blocks.observe(0, torch.randn(position, blocks.step.config.feature_dim, dtype=torch.bfloat16, device=dev))
     features = torch.randn(16, blocks.step.config.feature_dim, dtype=torch.bfloat16, device=dev)
     draft = lambda: blocks.distributions(prompt[0], position, 15)  # noqa: E731
@@ -188,6 +195,8 @@ def measure() -> dict:
                 f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True),
                                                                       256)}
     steps = {name: step_costs(name == "fused") for name in ("reference", "fused")} if "steps" in sections else {}
+    if steps and args.window:
+        steps["fused, attention split"] = step_costs(True, single_pass=False)
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}
 
