@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpilot.engines.drafters.block import BlockDrafterModel, head_tokens, lm_head_weight, runtime_copy
+from specpilot.engines.drafters.block import BlockDrafterModel, drafter_head, runtime_copy
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.llama import LlamaModel, rotate_half
 from specpilot.kernels._common import capture_graph
@@ -43,12 +43,9 @@ class BatchBlockDrafter:
         c.check_target(target.shape)
         if rows < 1 or capacity < 1:
             raise ValueError(f"rows={rows}, capacity={capacity}: both must be >= 1")
-        self.embed, self.head = target.embed_tokens.weight, lm_head_weight(target)
+        self.embed = target.embed_tokens.weight
         # head_rows: the head restricted to the target's most generated tokens (EngineConfig.drafter_head_rows)
-        self.token_map = head_tokens(model, head_rows)
-        if self.token_map is not None:
-            self.token_map = self.token_map.to(self.head.device)
-            self.head = self.head.index_select(0, self.token_map)
+        self.head, self.token_map = drafter_head(model, target, head_rows)
         if self.embed.device.type != torch.device(device).type:
             raise ValueError(f"the target is on {self.embed.device}, the drafter on {device}")
         self.device = dev = self.embed.device  # "cuda" -> the target's own "cuda:0"

@@ -268,3 +268,14 @@ def head_tokens(model: BlockDrafterModel, rows: int) -> torch.Tensor | None:
     if short > 0:  # fewer tokens ranked than rows: the lowest unranked ids (BPE's earliest merges: frequent ones)
         kept[torch.nonzero(~kept).flatten()[:short]] = True
     return torch.nonzero(kept).flatten()
+
+
+def drafter_head(model: BlockDrafterModel, target: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head rows the drafter ranks at drafter_head_rows = rows and the token id of each (on the head's
+    device); (the whole head, None) for rows = 0."""
+    head = lm_head_weight(target)
+    kept = head_tokens(model, rows)
+    if kept is None:
+        return head, None
+    kept = kept.to(head.device)
+    return head.index_select(0, kept), kept

@@ -19,7 +19,7 @@ import torch
 from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
-from specpilot.engines.drafters.block import BlockDrafterModel, head_tokens, lm_head_weight, runtime_copy
+from specpilot.engines.drafters.block import BlockDrafterModel, drafter_head, runtime_copy
 from specpilot.engines.drafters.block_fused import FusedBlockStep, fusable
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.llama import LlamaModel
@@ -86,11 +86,7 @@ class BlockTreeDrafter:
         self.shape, self.capture = shape, c.target_layers
         self.capacity = max_len
         # head_rows: the LM head restricted to the target's most generated tokens (EngineConfig.drafter_head_rows)
-        kept = head_tokens(model, head_rows)
-        head = lm_head_weight(target)
-        if kept is not None:
-            kept = kept.to(head.device)
-            head = head.index_select(0, kept)
+        head, kept = drafter_head(model, target, head_rows)
         self.topk = min(head.shape[0], max(shape.width, TRACE_TOPK))
         # fused: the engine's Triton kernels, ~20 launches a draft instead of ~108 (other low bits than the
         # trainer's reference: proposals only); drafters the kernels cannot run keep the reference step.
