@@ -179,3 +179,28 @@ def test_rank_tokens_writes_the_ranking_beside_a_drafter(tmp_path, capsys):
     assert load_drafter(tmp_path / "d", target).token_ranking.tolist() == [1, 3, 5]
     assert main(["drafter", "rank-tokens", "--drafter", str(tmp_path / "none"), str(f)]) != 0
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_the_concurrency_bench_shares_one_drafter_with_its_variants_head_rows():
+    """The batched bench's block variants share one drafter: it drafts with their drafter_head_rows (every request
+    still equal to its single-request AR output), and variants that disagree on it are refused."""
+    from test_batch import MICRO, block_model, ecfg, micro
+
+    from specpilot.bench.batched import Arrival, BatchVariant, block_variants, run_concurrency_bench
+    from specpilot.engines.batch import BatchConfig
+    model, drafter = micro("mha", 0), block_model("mha", 1)
+    drafter.token_ranking = torch.randperm(MICRO["mha"].vocab, generator=torch.Generator().manual_seed(3))
+    prompts = [(f"p{i}", prompt(MICRO["mha"].vocab, 9, 40 + i)) for i in range(2)]
+    block = block_variants(ecfg(), 5, BatchConfig(max_batch=2))[1]  # led by lookup
+    rows = BatchVariant("block+lookup head24", block.engine.replace(drafter_head_rows=24), block.batch)
+    report = run_concurrency_bench(model, NO_EOS, prompts, 6, [2], [Arrival.ALL],
+                                   [BatchVariant("ar", ecfg(), block.batch), rows], "cpu", block_drafter=drafter,
+                                   cost_repeats=1)
+    assert report.all_match()
+    ar = BatchVariant("ar", ecfg(), block.batch)
+    with pytest.raises(ValueError, match="drafter_head_rows"):
+        run_concurrency_bench(model, NO_EOS, prompts, 6, [2], [Arrival.ALL], [ar, block, rows], "cpu",
+                              block_drafter=drafter)
+    drafter.token_ranking = None  # the rows reach the shared drafter: without a ranking it cannot keep them
+    with pytest.raises(ValueError, match="token ranking"):
+        run_concurrency_bench(model, NO_EOS, prompts, 6, [2], [Arrival.ALL], [ar, rows], "cpu", block_drafter=drafter)

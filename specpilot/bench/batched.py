@@ -180,12 +180,16 @@ def run_concurrency_bench(model: LlamaModel, eos: frozenset[int], prompts: Seque
     uses_block = any(v.engine.drafter is DrafterKind.BLOCK for v in variants)
     if uses_block and block_drafter is None:
         raise ValueError("drafter=block variants need the drafter's model (block_drafter)")
-    windows = {v.engine.drafter_window for v in variants if v.engine.drafter is DrafterKind.BLOCK}
-    if len(windows) > 1:
-        raise ValueError(f"block variants differ in drafter_window ({sorted(windows)}): they share one drafter here")
+    shapes = {(v.engine.drafter_window, v.engine.drafter_head_rows) for v in variants
+              if v.engine.drafter is DrafterKind.BLOCK}
+    if len(shapes) > 1:
+        raise ValueError(f"block variants differ in (drafter_window, drafter_head_rows) ({sorted(shapes)}): they share "
+                         "one drafter here")
     sizing = variants[0].batch.replace(max_batch=max(concurrencies))
+    window, head_rows = shapes.pop() if uses_block else (0, 0)
     blocks = (BatchBlockDrafter(block_drafter, model, sizing.max_batch, base.max_seq_len, device,
-                                cuda_graphs=base.cuda_graphs, window=windows.pop()) if uses_block else None)
+                                cuda_graphs=base.cuda_graphs, window=window, head_rows=head_rows)
+              if uses_block else None)
     lookups = _shared_lookups(variants, model, sizing.max_batch, device)
     runner = BatchRunner(model, base, sizing, device, max(block_width(v.engine, v.batch) for v in variants),
                          emulate_graphs=emulate_graphs, drafters=[d for d in (blocks, *lookups) if d is not None])
