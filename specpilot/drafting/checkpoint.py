@@ -130,13 +130,14 @@ def save_drafter(model: BlockDrafterModel, out_dir: str | Path, target: LlamaMod
 
 def load_drafter(path: str | Path, target: LlamaModel, mask_token_id: int | None = None) -> BlockDrafterModel:
     """Loads either format (told apart by config.json's "format"), checked against the target; float32."""
-    cfg = _read_config(Path(path))
+    cfg = read_config(Path(path))
     if cfg.get("format") == FORMAT:
         return _load_ours(Path(path), cfg, target)
     return load_dflash(path, target, mask_token_id)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
+    """A drafter directory's config.json (either format), or DrafterCheckpointError."""
     f = path / "config.json"
     if not f.is_file():
         raise DrafterCheckpointError(f"{path} has no config.json: not a drafter checkpoint directory")
@@ -201,7 +202,7 @@ def _load_ours(path: Path, cfg: dict[str, Any], target: LlamaModel) -> BlockDraf
 
 def load_dflash(path: str | Path, target: LlamaModel, mask_token_id: int | None = None) -> BlockDrafterModel:
     path = Path(path)
-    cfg = _read_config(path)
+    cfg = read_config(path)
     dfc = cfg.get("dflash_config") or {}
     if "DFlash2DraftModel" in (cfg.get("architectures") or []) or cfg.get("is_causal") or cfg.get("use_sliding_window"):
         raise UnsupportedModelError(f"{path}: DFlash2 / causal / sliding-window drafters are not supported")

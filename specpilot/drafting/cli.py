@@ -197,10 +197,10 @@ _guarded = guarded("drafter", "drafter_command", (ValueError, OSError), exit_cod
 
 
 def run_rank_tokens(args: argparse.Namespace) -> int:
-    from specpilot.drafting.checkpoint import _read_config
+    from specpilot.drafting.checkpoint import read_config
     from specpilot.drafting.token_ranking import generated_counts, load_token_ranking, save_token_ranking
 
-    vocab = _read_config(args.drafter).get("drafter", {}).get("vocab")
+    vocab = read_config(args.drafter).get("drafter", {}).get("vocab")
     if not isinstance(vocab, int):
         raise ValueError(f"{args.drafter}/config.json names no drafter vocab: not a SpecPilot drafter checkpoint")
     counts = generated_counts(args.sequences, vocab)
