@@ -27,7 +27,6 @@ from torch.profiler import ProfilerActivity, profile
 from specpilot.drafting.checkpoint import load_drafter
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
-from specpilot.engines.drafters import block_fused
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
@@ -99,8 +98,7 @@ def kernels(fn) -> dict:
             "by_kernel": {k: [seen[k], round(us[k], 1)] for k, _ in us.most_common()}}
 
 
-def step_costs(fused: bool, single_pass: bool = True) -> dict:
-    block_fused.SINGLE_PASS_WINDOW = 512 if single_pass else 0  # read when the draft graph is captured
+def step_costs(fused: bool) -> dict:
     blocks = BlockTreeDrafter(drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, dev, cuda_graphs=cuda,
                               fused=fused, window=args.window)
     blocks.capture_all()
@@ -195,8 +193,6 @@ def measure() -> dict:
                 f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True),
                                                                       256)}
     steps = {name: step_costs(name == "fused") for name in ("reference", "fused")} if "steps" in sections else {}
-    if steps and args.window:
-        steps["fused, attention split"] = step_costs(True, single_pass=False)
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}
 

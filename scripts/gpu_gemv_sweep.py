@@ -1,7 +1,7 @@
 """Launch-parameter sweep of the projection kernels at one model's shapes, timed inside CUDA graphs (a Python
 launch costs more than these kernels run, so timing outside a graph measures the launcher).
 
-python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b] [--tokens 1,16] [--kernels qkv,o] [--split-k 1,2]
+python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b|smollm2-drafter] [--tokens 1,16] [--kernels qkv,o] [--split-k 1,2]
 
 For each projection (qkv, o, gate_up, down, head; qkv_linear, gate_up_linear: those matrices through a plain
 projection; qkv_norm / qkv_norm_stat: QKV's normed projection without its epilogue, by a row pass / on producer
@@ -15,6 +15,7 @@ QKV with its rotary + cache-write epilogue, gate_up with its SwiGLU epilogue, do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -26,7 +27,10 @@ from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
 from specpilot.kernels.bench import time_graph
 from specpilot.kernels.rmsnorm import row_sumsq_ref, scaled_rows_ref
 
-SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}
+# The shipped SmolLM2 block drafter's launches (engines/drafters/block_fused.py): its 3072-wide MLP, its 8192-row
+# head (drafter_head_rows), at its block of 16 rows; qkv_norm, o, gate_up, down, head_logits are its calls
+SMOLLM2_DRAFTER = dataclasses.replace(SMOLLM2_135M, vocab=8192, layers=2, intermediate=3072)
+SHAPES = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B, "smollm2-drafter": SMOLLM2_DRAFTER}
 
 
 def graph_us(fns, launches: int = 20, reps: int = 30) -> float:
@@ -50,7 +54,7 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
     cos, sin = (torch.rand(S, D // 2, generator=g, device=dev) for _ in range(2))
     kc, vc = (torch.zeros(sh.kv_heads, S, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
     shapes = {"qkv": (qkv_n, H), "o": (H, sh.heads * sh.head_dim), "gate_up": (2 * I, H), "down": (H, I),
-              "head": (V, H)}
+              "head": (V, H), "head_logits": (V, H)}
     shapes.update(qkv_linear=shapes["qkv"], gate_up_linear=shapes["gate_up"], qkv_norm=shapes["qkv"],
                   qkv_norm_stat=shapes["qkv"], qkv_stat=shapes["qkv"], gate_up_stat=shapes["gate_up"],
                   qkv_post=shapes["qkv"], gate_up_post=shapes["gate_up"], head_post=shapes["head"])
@@ -78,6 +82,7 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
         "gate_up_post": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, **post, **p),
         "head_post": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True,
                                                    store_y=False, **post, **p),
+        "head_logits": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, **p),  # a drafter's
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),
     }

@@ -9,11 +9,10 @@ from test_block_drafter import NO_EOS, cfg, damped, quick_drafter
 from test_block_step import drafter_for
 
 from specpilot.engines.build import build_engine
-from specpilot.engines.drafters.block_fused import (FusedBlockStep, qk_norm_rope, qk_norm_rope_ref, window_attention,
-                                                    window_attention_ref)
+from specpilot.engines.drafters.block_fused import FusedBlockStep, qk_norm_rope, qk_norm_rope_ref
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
-from specpilot.kernels import attention, rope_tables
+from specpilot.kernels import rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,38 +55,6 @@ def test_qk_norm_rope_refuses_bad_inputs():
         qk_norm_rope(x, 2, 2, pos, pos, cos, sin, torch.zeros(2, 8, 12), torch.zeros(2, 8, 12))
     with pytest.raises(ValueError, match="positions"):
         qk_norm_rope(x, 2, 2, pos.int(), pos, cos, sin, k, v)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,heads,kv_heads,base,window", [(8, 4, 2, 40, 6), (5, 3, 3, 3, 16), (16, 9, 3, 150, 100),
-                                                          (4, 2, 1, 0, 512), (16, 6, 2, 200, 64)])
-def test_window_attention_matches_its_reference_and_the_split_kernel(dtype, T, heads, kv_heads, base, window):
-    """One pass over the window and the block's own keys: equal to plain torch and to kernels.attention's split
-    and combine with the same window (all block keys visible), to rounding; slots outside are never read."""
-    g = torch.Generator().manual_seed(T * 100 + base)
-    D, S = 16, 256 + 16
-    q = torch.randn(T, heads, D, generator=g).to(dtype)
-    k, v = (torch.randn(kv_heads, S, D, generator=g).to(dtype) for _ in range(2))
-    lo = max(base - window, 0)
-    k[:, :lo], v[:, :lo] = float("nan"), float("nan")  # outside the window: must not reach the result
-    k[:, base + T:], v[:, base + T:] = float("nan"), float("nan")
-    got = window_attention(q, k, v, torch.tensor([base]), window)
-    want = window_attention_ref(q, k, v, base, window)
-    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got, want, **tol)
-    split = attention(q, torch.nan_to_num(k), torch.nan_to_num(v), torch.tensor([base]),
-                      torch.ones(T, T, dtype=torch.bool), window=window)
-    torch.testing.assert_close(got, split, **tol)
-
-
-def test_window_attention_refuses_bad_inputs():
-    q, k = torch.zeros(4, 2, 16), torch.zeros(1, 64, 16)
-    with pytest.raises(ValueError, match="window"):
-        window_attention(q, k, k, torch.tensor([3]), 0)
-    with pytest.raises(ValueError, match="window"):
-        window_attention(q, k, k, torch.tensor([3]), 1024)
-    with pytest.raises(ValueError, match="base"):
-        window_attention(q, k, k, torch.tensor([3], dtype=torch.int32), 8)
 
 
 @pytest.mark.parametrize("over,window", [({}, 0), ({"qk_norm": False}, 0),

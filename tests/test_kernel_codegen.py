@@ -246,10 +246,6 @@ print(json.dumps({
            {"keys_ptr": "*i64", "m_ptr": "*fp32", "s_ptr": "*fp32", "map_ptr": "*i64", "tok_ptr": "*i64",
             "prob_ptr": "*fp32", "V": "i32", "G": "i32", "K": "i32"},
            {"KP": 8, "GP": 64, "MAPPED": mapped}, 4) for mapped in (False, True)),
-        ("window_attention", bf._window_attention_kernel, {"q_ptr": P, "k_ptr": P, "v_ptr": P, "o_ptr": P,
-                                                           "base_ptr": "*i64", "S": "i32", "window": "i32",
-                                                           "qk_scale": "fp32"},
-         {"T": 16, "H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64}, 4),
         ("assemble", lk._assemble_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "state_ptr",
                                                                  "src_ptr", "rpos_ptr", "rslot_ptr", "rbs_ptr",
                                                                  "out_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr",
@@ -419,6 +415,5 @@ def test_post_scale_compiles_the_projection_dots(compiled):
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
-                                "topk_chunk": True, "topk_merge": True, "topk_merge_mapped": True,
-                                "window_attention": True, "assemble": True, "chain_commit": True,
+                                "topk_chunk": True, "topk_merge": True, "topk_merge_mapped": True, "assemble": True, "chain_commit": True,
                                 "tree_commit": True, "grow_tree": True, "tree_move": True}

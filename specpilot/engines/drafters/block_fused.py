@@ -10,8 +10,6 @@ Same cache layout, inputs and outputs as BlockStep, so the drafter and the devic
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -19,10 +17,7 @@ import triton.language as tl
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
-from specpilot.kernels._common import (ACT_DTYPES, check_int, check_launchable, check_out, check_tensor,
-                                       dot_precision)
-from specpilot.kernels.attn import LOG2E, check_qkv, online_softmax_block
-from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
+from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.topk import topk_probs
 
@@ -125,71 +120,6 @@ def qk_norm_rope_ref(x, heads, kv_heads, positions, slots, cos, sin, k_cache, v_
     return rot[:, :heads] if heads else None
 
 
-# Context windows up to this many keys attend in one pass (below); longer ones (and the whole context) split the keys.
-SINGLE_PASS_WINDOW = 512
-
-
-@triton.jit
-def _window_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, base_ptr, S, window, qk_scale, T: tl.constexpr,
-                             H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DOT_PREC: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = 0):
-    wait_for_predecessor(PDL)
-    kvh = tl.program_id(1)
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = r < T * G
-    t, h = r // G, kvh * G + r % G
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + (t * H + h).to(tl.int64)[:, None] * D + dd[None, :], mask=row_ok[:, None], other=0.0)
-    base = tl.load(base_ptr).to(tl.int32)
-    lo = tl.maximum(base - window, 0)
-    end = tl.minimum(base + T, S)  # the clamp only guards memory against a bad base
-    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(q_ptr.dtype.element_ty)
-    kv_base = kvh.to(tl.int64) * S * D
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for k0 in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
-        kk = k0 + tl.arange(0, BLOCK_N)
-        k_ok = (kk >= lo) & (kk < end)
-        kt = tl.load(k_ptr + kv_base + kk.to(tl.int64)[None, :] * D + dd[:, None], mask=k_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + kv_base + kk.to(tl.int64)[:, None] * D + dd[None, :], mask=k_ok[:, None], other=0.0)
-        m, l, acc = online_softmax_block(q, kt, v, row_ok[:, None] & k_ok[None, :], ones, m, l, acc, qk_scale,
-                                         DOT_PREC)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(o_ptr + (t * H + h).to(tl.int64)[:, None] * D + dd[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    release_successor(PDL)
-
-
-def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: torch.Tensor,
-                     window: int) -> torch.Tensor:
-    """The drafter block's attention in one launch: o [T, heads * D] for q [T, heads, D] over the cache slots
-    max(base - window, 0) .. base + T - 1 (the context window and the block's own keys, all visible; caches
-    [kv_heads, S, D], base a one-element int64 tensor read on the device). kernels.attention splits the keys and
-    combines the splits in a second launch, over every split of the cache: at a window of a few hundred keys one
-    program per (16 rows, kv head) walking them is one launch instead of two (other low bits: proposals only)."""
-    T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
-    check_tensor("base", base, (1,), torch.int64, q.device)
-    check_int("window", window, 1, SINGLE_PASS_WINDOW)
-    check_launchable(_window_attention_kernel, q.device)
-    out = check_out("out", None, (T, H * D), q.dtype, q.device)
-    G = H // KVH
-    _window_attention_kernel[(triton.cdiv(T * G, 16), KVH)](
-        q, k_cache, v_cache, out, base, S, window, LOG2E / math.sqrt(D), T=T, H=H, G=G, D=D,
-        DOT_PREC=dot_precision(q.dtype), BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=2, **pdl_launch(q.device))
-    return out
-
-
-def window_attention_ref(q, k_cache, v_cache, base: int, window: int) -> torch.Tensor:
-    """window_attention in plain torch (float32 softmax)."""
-    T, H, D = q.shape
-    lo = max(base - window, 0)
-    group = H // k_cache.shape[0]
-    k, v = (c[:, lo:base + T].float().repeat_interleave(group, dim=0) for c in (k_cache, v_cache))
-    p = torch.softmax(torch.einsum("thd,hnd->htn", q.float(), k) / math.sqrt(D), dim=-1)
-    return torch.einsum("htn,hnd->thd", p, v).reshape(T, H * D).to(q.dtype)
-
-
 def fusable(model: BlockDrafterModel) -> bool:
     """Whether FusedBlockStep runs this drafter: no attention biases, a power-of-two head size (the kernels')."""
     c = model.config
@@ -251,10 +181,7 @@ class FusedBlockStep:
         for i, layer in enumerate(m.layers):
             q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps), c.heads, i,
                          positions, positions)
-            if 0 < self.window <= SINGLE_PASS_WINDOW:
-                o = window_attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.window)
-            else:
-                o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
+            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps)
             x = linear(act, layer.mlp.down_proj.weight, residual=x)
