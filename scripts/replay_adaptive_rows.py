@@ -1,14 +1,14 @@
 """Replay: a verify shape chosen per step, a wide deep tree where the text runs in loops, the narrow tree elsewhere.
 
-python3 scripts/replay_adaptive_rows.py R [--window 256] [--ar-ms 0.699 --narrow-ms 0.948 --wide-ms 1.124]
-    [--gates 2:0.7]
-(R: a `specpilot drafter replay --out R` directory whose candidates/ hold the drafter's top-8 candidates of drafter_window
-`--window`; notes/h200.md, sessions 39-40.) Narrow: the 16-row grown tree led by lookup (width 8, n 2..8). Wide: the
-32-row one whose periodic lookup leads up to 31 deep (lookup_depth 31, lookup_periodic); --wide-budget 47 / 63: a
-48- / 64-row wide tree. Rule `>= A`: the engine's narrow_tree_budget with wide_tree_after A (a step is wide where the
-step two before accepted at least A draft tokens: what the host knows when it queues an overlapped 1-step chunk;
-drafting.replay.replay takes the engine's steps). Speedup per request = AR ms/token x tokens / the steps' summed costs
-(the H200's measured ms a step), geometric mean over the requests; `narrow` / `wide`: one shape throughout.
+python3 scripts/replay_adaptive_rows.py R [--window 256] [--ar-ms 0.699 --narrow-ms 0.948 --wide-ms 1.124] [--gates
+2:0.7] (R: a `specpilot drafter replay --out R` directory whose candidates/ hold the drafter's top-8 candidates of
+drafter_window `--window`; notes/h200.md, sessions 39-40.) Narrow: the 16-row grown tree led by lookup (width 8, n
+2..8). Wide: the 32-row one whose periodic lookup leads up to 31 deep (lookup_depth 31, lookup_periodic); --wide-budget
+47 / 63: a 48- / 64-row wide tree; --deep-budget 63: each rule also with a third, 64-row deep tree (deep_tree_budget).
+Rule `>= A`: the engine's narrow_tree_budget with wide_tree_after A (a step is wide where the step two before accepted
+at least A draft tokens: what the host knows when it queues an overlapped 1-step chunk; drafting.replay.replay takes
+the engine's steps). Speedup per request = AR ms/token x tokens / the steps' summed costs (the H200's measured ms a
+step), geometric mean over the requests; `narrow` / `wide`: one shape throughout.
 """
 import argparse
 from dataclasses import replace
@@ -28,6 +28,10 @@ ap.add_argument("--after", default="4,8,12", help="comma-separated wide_tree_aft
 ap.add_argument("--gates", default="", help="AGREE_TOPK:DOUBT_PROB pairs, e.g. 2:0.7,1:0.5: each `>= A` rule again "
                                             "with the lookup gated so (EngineConfig.lookup_agree_topk, "
                                             "lookup_doubt_prob)")
+ap.add_argument("--deep-budget", type=int, default=0, help="a third, deep tree's nodes (EngineConfig.deep_tree_budget; "
+                                                         "its lookup leads as deep): each `>= A` rule again with it")
+ap.add_argument("--deep-ms", type=float, default=1.5, help="the deep tree's step cost")
+ap.add_argument("--deep-after", default="16", help="comma-separated deep_tree_after values to replay")
 args = ap.parse_args()
 refs, cands = saved_replay(args.replay_dir, window=args.window)
 WB = args.wide_budget
@@ -36,6 +40,9 @@ WIDE = LookupPolicy(tree_budget=WB, tree_width=8, ngram_min=2, ngram_max=8, look
 NARROW = replace(WIDE, tree_budget=15, lookup_depth=15)
 RULES = [("narrow", NARROW), ("wide", WIDE)] + [(f">= {a}", replace(WIDE, narrow_tree_budget=15, wide_tree_after=a))
                                                for a in map(int, args.after.split(","))]
+DB = args.deep_budget
+RULES += [(f"{name}, deep {DB} >= {d}", replace(policy, deep_tree_budget=DB, deep_tree_after=d, lookup_depth=DB))
+          for d in map(int, args.deep_after.split(",")) if DB for name, policy in RULES if name.startswith(">=")]
 GATES = [LeadGate(int(k), float(p)) for k, p in (g.split(":") for g in args.gates.split(",") if g)]
 RULES += [(f"{name}, gated top{g.agree_topk}|p<{g.doubt_prob:.2g}", replace(policy, gate=g))
           for g in GATES for name, policy in RULES if name.startswith(">=")]
@@ -43,7 +50,7 @@ RULES += [(f"{name}, gated top{g.agree_topk}|p<{g.doubt_prob:.2g}", replace(poli
 
 def run(policy: LookupPolicy) -> tuple[float, float]:
     """(geometric-mean speedup, mean tokens/step) of one policy over the requests."""
-    return replay_speedup(refs, cands, policy, args.ar_ms, {15: args.narrow_ms, WB: args.wide_ms})
+    return replay_speedup(refs, cands, policy, args.ar_ms, {15: args.narrow_ms, WB: args.wide_ms, DB: args.deep_ms})
 
 
 print("| rule | speedup (geomean) | tokens/step (mean) |\n|---|---|---|")

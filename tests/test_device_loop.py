@@ -13,6 +13,7 @@ from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.engines.device_drafters import NgramDeviceDrafter, ngram_lookup, ngram_lookup_ref
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.engines.device_loop import CALIBRATION_STEPS, StaticTree
+from specpilot.engines.engine import StepBudgets
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.graph_if import GuardedGraph, unsupported_reason
@@ -300,6 +301,44 @@ def test_a_step_verifies_the_wide_tree_only_where_the_step_two_before_accepted_e
             cfg(**bad)
 
 
+def test_step_budgets_follow_the_step_two_before():
+    """engine.StepBudgets: deep where the step two before accepted >= deep_after, else wide where >= after, else
+    narrow (0: wide); the first two steps have no such step (-1)."""
+    three = StepBudgets(7, 15, 3, deep=31, deep_after=10)
+    assert [three.following(a) for a in (-1, 0, 2, 3, 9, 10, 31)] == [7, 7, 7, 15, 15, 31, 31]
+    assert [StepBudgets(0, 15, 3, 31, 10).following(a) for a in (-1, 3, 10)] == [15, 15, 31]
+    assert StepBudgets(7, 15, 3).following(40) == 15 and three.extra == (7, 31)
+
+
+def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more():
+    """deep_tree_budget: a third budget, 32 rows (two 16-row tiles) where the step two before accepted >=
+    deep_tree_after draft tokens; the host loop and overlapped one-step chunks take the same steps, the tokens are
+    AR's, and every budget runs."""
+    model = damped("gqa", 2)  # its greedy text settles into a loop the periodic lookup predicts 31 deep
+    drafter = quick_drafter(model, 1, 40)
+    p = prompt(model.shape.vocab, 10, 1) * 2
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=16), model, NO_EOS,
+                        "cpu").generate(p, 90).tokens
+    kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, deep_tree_budget=31,
+              deep_tree_after=8, ngram_prefix=True, ngram_min=2, lookup_depth=31, lookup_periodic=True, device_steps=1,
+              token_tile=16)
+    host, device = (engine(model, drafter, **kw, **o).generate(p, 90) for o in ({}, {"device_overlap": True}))
+    assert host.tokens == device.tokens == want
+    end = len(p) + 90 - 32  # the host loop drafts no deeper than the tokens left: compared before
+    shapes = [(s.accepted, s.verify_tokens) for s in host.steps if s.position <= end]
+    assert [(s.accepted, s.verify_tokens) for s in device.steps if s.position <= end] == shapes
+    for j, (acc, rows) in enumerate(shapes):
+        before = shapes[j - 2][0] if j >= 2 else -1
+        assert rows == (32 if before >= 8 else 16 if before >= 3 else 8), j
+    assert {rows for _, rows in shapes} == {8, 16, 32} and max(acc for acc, rows in shapes if rows == 32) > 15
+    for bad, why in ((dict(kw, deep_tree_budget=15), "above tree_budget"), (dict(kw, deep_tree_budget=64), "deep"),
+                     (dict(kw, device_tree="calibrated"), "per_step"),
+                     (dict(kw, deep_tree_after=65), "deep_tree_after"),
+                     (dict(kw, deep_tree_budget=31.0), "deep_tree_budget")):
+        with pytest.raises(ConfigError, match=why):
+            cfg(**bad)
+
+
 @pytest.mark.parametrize("lookup_depth", [0, 7, "switched"])
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth):
     """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led (also past the block's depth,
@@ -560,7 +599,7 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
                                   "prefix tree overlap", "grown tree", "prefix grown tree overlap",
                                   "windowed prefix grown tree overlap", "deep periodic prefix grown tree overlap",
-                                  "switched prefix grown tree overlap"])
+                                  "switched prefix grown tree overlap", "deep switched prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -576,12 +615,16 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
                                                         "lookup_periodic": True},
             "switched prefix grown tree overlap": {**PER_STEP, "tree_budget": 15, "narrow_tree_budget": 7,
                                                    "wide_tree_after": 2, "ngram_prefix": True, "lookup_depth": 15,
-                                                   "lookup_periodic": True}}.get(kind, {})
+                                                   "lookup_periodic": True},
+            "deep switched prefix grown tree overlap": {**PER_STEP, "tree_budget": 15, "narrow_tree_budget": 7,
+                                                        "wide_tree_after": 2, "deep_tree_budget": 31,
+                                                        "deep_tree_after": 6, "ngram_prefix": True,
+                                                        "lookup_depth": 31, "lookup_periodic": True}}.get(kind, {})
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=1 if "switched" in kind else 4,
             device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
-                       device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0)
+                       device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0, deep_tree_budget=0)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)

@@ -89,24 +89,30 @@ def test_replay_of_a_lookup_deeper_than_the_block_takes_the_engines_steps(setup,
     assert (max(committed) > 8) == periodic  # past the block's 7 depths and the bonus
 
 
+SWITCHED = dict(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, ngram_min=2, lookup_depth=15)
+DEEP = dict(SWITCHED, deep_tree_budget=31, deep_tree_after=6, lookup_depth=31)
+
+
 @pytest.mark.parametrize("steps,overlap", [(1, False), (1, True)], ids=["host", "device-overlapped"])
-def test_replay_of_switched_tree_budgets_takes_the_engines_steps(setup, steps, overlap):
-    """narrow_tree_budget: each step's tree budget follows the step two before it, in the replay as in the engine's
-    host loop and its overlapped one-step device chunks; both budgets are used."""
+@pytest.mark.parametrize("kw,label,want_rows", [
+    (SWITCHED, "tree15 lookup n>=2 depth15 periodic narrow7>=3", {8, 16}),
+    (DEEP, "tree15 lookup n>=2 depth31 periodic narrow7>=3 deep31>=6", {8, 16, 32})], ids=["switched", "deep"])
+def test_replay_of_switched_tree_budgets_takes_the_engines_steps(setup, steps, overlap, kw, label, want_rows):
+    """narrow_tree_budget (and deep_tree_budget): each step's tree budget follows the step two before it, in the
+    replay as in the engine's host loop and its overlapped one-step device chunks; every budget is used."""
     model, drafter, refs, cands = setup
-    kw = dict(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, ngram_min=2, lookup_depth=15)
     c = cfg(block_size=8, device_steps=steps, ngram_prefix=True, lookup_periodic=True, token_tile=16,
             device_overlap=overlap, **{**TREE, "device_tree": "per_step", **kw})
     eng = build_engine(c, model, NO_EOS, "cpu", block_drafter=drafter)
     policy = LookupPolicy(tree_width=c.tree_width, periodic=True, **kw)
-    assert policy.label == "tree15 lookup n>=2 depth15 periodic narrow7>=3"
+    assert policy.label == label
     rows = set()
     for ref, cand in zip(refs, cands):
         got = eng.generate(list(ref.prompt), len(ref.output))
         assert got.tokens == list(ref.output)
         assert [s.committed for s in got.steps] == replay(ref, cand, policy), ref.key
         rows |= {s.verify_tokens for s in got.steps}
-    assert {8, 16} <= rows  # (fewer rows near the end, where the host loop drafts no deeper than what is left)
+    assert want_rows <= rows  # (fewer rows near the end, where the host loop drafts no deeper than what is left)
 
 
 def test_replay_speedup_prices_each_step_by_its_budget(setup):
@@ -144,6 +150,10 @@ def test_replay_all_ranks_policies_and_refuses_nonsense(setup):
     for bad in (dict(narrow_tree_budget=7), dict(narrow_tree_budget=15, tree_budget=15),
                 dict(narrow_tree_budget=7, tree_budget=15, wide_tree_after=-1)):
         with pytest.raises(ValueError, match="narrow_tree_budget"):
+            LookupPolicy(**bad)
+    for bad in (dict(deep_tree_budget=15, tree_budget=15),
+                dict(deep_tree_budget=31, tree_budget=15, deep_tree_after=-1)):
+        with pytest.raises(ValueError, match="deep_tree_budget"):
             LookupPolicy(**bad)
     with pytest.raises(ValueError, match="needs a prompt and an output"):
         Reference("x", "tiny", (1, 2), ())

@@ -71,6 +71,9 @@ class LookupPolicy:
     # accepted >= wide_tree_after draft tokens, else narrow_tree_budget (0: tree_budget throughout)
     narrow_tree_budget: int = 0
     wide_tree_after: int = 8
+    # EngineConfig.deep_tree_budget / deep_tree_after: a deeper tree where the step two before accepted >= deep_after
+    deep_tree_budget: int = 0
+    deep_tree_after: int = 16
 
     def __post_init__(self) -> None:
         if self.gate is not None and not self.lookup:
@@ -84,13 +87,18 @@ class LookupPolicy:
         if not 0 <= self.narrow_tree_budget < max(self.tree_budget, 1) or self.wide_tree_after < 0:
             raise ValueError(f"narrow_tree_budget={self.narrow_tree_budget}: in 0..tree_budget-1 (a tree's), "
                              f"wide_tree_after={self.wide_tree_after}: >= 0")
+        if self.deep_tree_budget and not self.tree_budget < self.deep_tree_budget or self.deep_tree_after < 0:
+            raise ValueError(f"deep_tree_budget={self.deep_tree_budget}: 0 or above tree_budget={self.tree_budget}, "
+                             f"deep_tree_after={self.deep_tree_after}: >= 0")
 
     def budget_at(self, committed: list[int], j: int) -> int:
         """The tree budget of step j after steps that committed `committed` tokens each (accepted + the bonus), as
-        the engine picks it (StepBudgets: switched by narrow_tree_budget, else tree_budget throughout)."""
-        if not self.narrow_tree_budget:
+        the engine picks it (StepBudgets: switched by narrow_tree_budget / deep_tree_budget, else tree_budget
+        throughout)."""
+        if not (self.narrow_tree_budget or self.deep_tree_budget):
             return self.tree_budget
-        budgets = StepBudgets(self.narrow_tree_budget, self.tree_budget, self.wide_tree_after)
+        budgets = StepBudgets(self.narrow_tree_budget, self.tree_budget, self.wide_tree_after, self.deep_tree_budget,
+                              self.deep_tree_after)
         return budgets.following(committed[j - 2] - 1 if j >= 2 else -1)
 
     @property
@@ -102,6 +110,7 @@ class LookupPolicy:
         deep = f" depth{self.lookup_depth}" if self.lookup_depth else ""
         deep += " periodic" if self.periodic else ""
         deep += f" narrow{self.narrow_tree_budget}>={self.wide_tree_after}" if self.narrow_tree_budget else ""
+        deep += f" deep{self.deep_tree_budget}>={self.deep_tree_after}" if self.deep_tree_budget else ""
         return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}{nmax}{deep}"
 
 
@@ -203,14 +212,16 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
     start, end = len(ref.prompt), len(seq) - 1  # the prefill commits seq[start]; steps run while a token is due
     depth = depth or cands.tokens.shape[1]
     all_tokens, all_probs = cands.tokens[:, :depth].tolist(), cands.probs[:, :depth].tolist()
-    deepest = max(depth, min(policy.lookup_depth, policy.tree_budget))  # a lookup leads past the block to here
+    # a lookup leads past the block to here
+    deepest = max(depth, min(policy.lookup_depth, max(policy.tree_budget, policy.deep_tree_budget)))
     lookup = NgramDrafter(deepest, policy.ngram_max, policy.ngram_min, policy.periodic) if policy.lookup else None
     a, steps = start, []
     while a < end:
         lead = lookup.propose(seq[:a + 1], deepest).tokens if lookup is not None else []
         shape = policy
-        if policy.narrow_tree_budget:  # a narrow tree is never deeper than its budget: the lead past it is moot
-            shape = replace(policy, tree_budget=policy.budget_at(steps, len(steps)), narrow_tree_budget=0)
+        if policy.narrow_tree_budget or policy.deep_tree_budget:  # a tree is never deeper than its budget
+            shape = replace(policy, tree_budget=policy.budget_at(steps, len(steps)), narrow_tree_budget=0,
+                            deep_tree_budget=0)
         accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, shape,
                                    seq[a + 1:a + 1 + deepest])
         step = min(accepted + 1, end - a)

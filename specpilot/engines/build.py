@@ -24,7 +24,7 @@ from specpilot.engines.two_level import LevelOne, LevelOneConfig, TwoLevelDrafte
 def block_width(cfg: EngineConfig) -> int:
     """Widest verify block the config can produce (root + draft nodes), rounded up to the token tile."""
     nodes = {DrafterKind.NONE: 0, DrafterKind.NGRAM: cfg.draft_len, DrafterKind.DRAFT_MODEL: cfg.draft_len,
-             DrafterKind.BLOCK: TreeShape.from_config(cfg).max_nodes}[cfg.drafter]
+             DrafterKind.BLOCK: max(TreeShape.from_config(cfg).max_nodes, cfg.deep_tree_budget)}[cfg.drafter]
     width = max(nodes + 1, cfg.token_tile if cfg.batch_invariant else 1)
     tile = cfg.token_tile if cfg.batch_invariant else 1
     return -(-width // tile) * tile
@@ -76,8 +76,9 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
     budgets = None
-    if cfg.narrow_tree_budget and isinstance(drafter, (BlockTreeDrafter, NgramPrefixDrafter)):
-        budgets = StepBudgets(cfg.narrow_tree_budget, cfg.tree_budget, cfg.wide_tree_after)
+    if (cfg.narrow_tree_budget or cfg.deep_tree_budget) and isinstance(drafter, (BlockTreeDrafter, NgramPrefixDrafter)):
+        budgets = StepBudgets(cfg.narrow_tree_budget, cfg.tree_budget, cfg.wide_tree_after, cfg.deep_tree_budget,
+                              cfg.deep_tree_after)
     return SpecEngine(runner, drafter, eos, policy=policy, ar_steps=cfg.ar_steps,
                       device_loop=device_loop(cfg, runner, drafter), budgets=budgets)
 
@@ -101,6 +102,6 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
     try:
         return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter),
                           overlap=cfg.device_overlap, per_step=cfg.device_tree is DeviceTree.PER_STEP,
-                          narrow=cfg.narrow_tree_budget)
+                          budgets=tuple(b for b in (cfg.narrow_tree_budget, cfg.deep_tree_budget) if b))
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

@@ -187,6 +187,11 @@ class EngineConfig(ConfigOps):
     # what the host knows when it queues an overlapped chunk, so host and device loops take the same steps.
     narrow_tree_budget: int = 0
     wide_tree_after: int = 8
+    # ... and a deeper tree of deep_tree_budget nodes (0: none) where the step two before accepted at least
+    # deep_tree_after draft tokens: a loop the periodic lookup predicts past tree_budget's depth runs at 64 rows
+    # (replayed on the H200's 40 outputs at 1.5 ms a 64-row step: switched 15/31 4.145x -> 4.321x with 63 after 16).
+    deep_tree_budget: int = 0
+    deep_tree_after: int = 16
     dtype: DType = DType.BF16
     weight_format: WeightFormat = WeightFormat.NATIVE
     kernel_backend: KernelBackend = KernelBackend.TORCH
@@ -273,6 +278,15 @@ class EngineConfig(ConfigOps):
                               f"({self.tree_budget - 1})")
         _check(_is_int(self.wide_tree_after) and 0 <= self.wide_tree_after <= 64,
                f"wide_tree_after={self.wide_tree_after!r}: must be an int in 0..64")
+        _check(_is_int(self.deep_tree_budget), f"deep_tree_budget={self.deep_tree_budget!r}: must be an int")
+        if self.deep_tree_budget and not (
+                self.verify is VerifyMode.TREE and self.device_tree is DeviceTree.PER_STEP and self.device_steps == 1
+                and self.tree_budget < self.deep_tree_budget <= MAX_GROWN_NODES):
+            raise ConfigError(f"deep_tree_budget={self.deep_tree_budget}: a grown tree (verify=tree, device_tree="
+                              f"per_step) one step a chunk (device_steps=1), in {self.tree_budget + 1}.."
+                              f"{MAX_GROWN_NODES} (above tree_budget)")
+        _check(_is_int(self.deep_tree_after) and 0 <= self.deep_tree_after <= 64,
+               f"deep_tree_after={self.deep_tree_after!r}: must be an int in 0..64")
         if self.lookup_depth and self.lookup_depth < (self.tree_depth or self.block_size - 1):
             raise ConfigError(f"lookup_depth={self.lookup_depth}: below the block's depth "
                               f"({self.tree_depth or self.block_size - 1}); 0 means the block's depth")
@@ -297,7 +311,7 @@ class EngineConfig(ConfigOps):
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
         "device_steps",
         "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
-        "lookup_periodic", "narrow_tree_budget", "wide_tree_after")
+        "lookup_periodic", "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

@@ -146,7 +146,7 @@ class DeviceLoop:
     chunk before reading the current one."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
-                 spine: bool = False, overlap: bool = False, per_step: bool = False, narrow: int = 0):
+                 spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = ()):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
@@ -158,16 +158,16 @@ class DeviceLoop:
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
-        # grown trees: budget -> (block, max depth); two with a narrow budget (EngineConfig.narrow_tree_budget)
+        # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets)
         self._grown: dict[int, tuple[TreeBlock, int]] = {}
         self._slots: dict[int, torch.Tensor] = {}  # block width -> its slot offsets 0..width-1 (see _use)
         self.budget = 0  # the grown tree's budget the next chunk runs (0: a static tree or chain)
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
         if self.per_step:
-            self._grow_per_step(tree, narrow)
-        elif narrow:
-            raise ValueError("a narrow tree budget needs trees grown per step")
+            self._grow_per_step(tree, budgets)
+        elif budgets:
+            raise ValueError("switched tree budgets need trees grown per step")
         elif tree is not None:
             self._check(tree.budget + 1)
         else:
@@ -361,14 +361,15 @@ class DeviceLoop:
         self._graphs.clear()
         self.tree = tree
 
-    def _grow_per_step(self, shape: TreeShape, narrow: int = 0) -> None:
+    def _grow_per_step(self, shape: TreeShape, budgets: tuple[int, ...] = ()) -> None:
         """Trees grown every step from the step's own candidates (tree_grow): the deepest a path can reach is the
-        drafter's depth or the budget. narrow: a second, smaller budget a chunk may verify instead (use_budget)."""
-        if shape.width > self.drafter.topk or shape.budget > MAX_GROWN_NODES or not 0 <= narrow < shape.budget:
+        drafter's depth or the budget. budgets: other budgets a chunk may verify instead (use_budget)."""
+        every = (shape.budget, *budgets)
+        if (shape.width > self.drafter.topk or not all(1 <= b <= MAX_GROWN_NODES for b in every)
+                or len(set(every)) < len(every)):
             raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
-                             f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budget {shape.budget} (narrow "
-                             f"{narrow})")
-        for budget in (shape.budget, narrow) if narrow else (shape.budget,):
+                             f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budgets {every} (distinct)")
+        for budget in every:
             block = TreeBlock.dead(budget, self._check(budget + 1), self._block_slots, self.runner.device)
             self._grown[budget] = block, min(self.drafter.depth, budget)
         self.use_budget(shape.budget)

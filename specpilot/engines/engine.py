@@ -65,18 +65,28 @@ AR_STEPS_PER_SYNC = 4
 
 @dataclass(frozen=True)
 class StepBudgets:
-    """EngineConfig.narrow_tree_budget: step j verifies a tree of `wide` nodes where step j - 2 accepted at least
-    `after` draft tokens, else of `narrow` (two steps back: known to the host when it queues an overlapped chunk)."""
+    """EngineConfig.narrow_tree_budget / deep_tree_budget: step j verifies a tree of `deep` nodes where step j - 2
+    accepted at least `deep_after` draft tokens (deep 0: never), else of `wide` nodes where it accepted at least
+    `after`, else of `narrow` (0: wide's). Two steps back: known to the host when it queues an overlapped chunk."""
     narrow: int
     wide: int
     after: int
+    deep: int = 0
+    deep_after: int = 0
 
     def budget(self, steps: list[StepTrace], j: int) -> int:
         return self.following(steps[j - 2].accepted if j >= 2 else -1)
 
     def following(self, accepted: int) -> int:
         """The budget of a step whose step two before accepted `accepted` draft tokens (-1: no such step)."""
-        return self.wide if accepted >= self.after else self.narrow
+        if self.deep and accepted >= self.deep_after:
+            return self.deep
+        return self.wide if accepted >= self.after or not self.narrow else self.narrow
+
+    @property
+    def extra(self) -> tuple[int, ...]:
+        """The budgets besides `wide` (the device loop holds a grown tree for each)."""
+        return tuple(b for b in (self.narrow, self.deep) if b)
 
 
 class SpecEngine:
