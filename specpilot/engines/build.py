@@ -75,10 +75,7 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         raise ConfigError(f"drafter={cfg.drafter.value} is not available in this build")
     if cfg.verify is VerifyMode.TWO_LEVEL and drafter is not None:
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
-    budgets = None
-    if (cfg.narrow_tree_budget or cfg.deep_tree_budget) and isinstance(drafter, (BlockTreeDrafter, NgramPrefixDrafter)):
-        budgets = StepBudgets(cfg.narrow_tree_budget, cfg.tree_budget, cfg.wide_tree_after, cfg.deep_tree_budget,
-                              cfg.deep_tree_after)
+    budgets = StepBudgets.from_config(cfg) if isinstance(drafter, (BlockTreeDrafter, NgramPrefixDrafter)) else None
     return SpecEngine(runner, drafter, eos, policy=policy, ar_steps=cfg.ar_steps,
                       device_loop=device_loop(cfg, runner, drafter), budgets=budgets)
 
@@ -102,6 +99,6 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
     try:
         return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter),
                           overlap=cfg.device_overlap, per_step=cfg.device_tree is DeviceTree.PER_STEP,
-                          budgets=tuple(b for b in (cfg.narrow_tree_budget, cfg.deep_tree_budget) if b))
+                          budgets=switched.extra if (switched := StepBudgets.from_config(cfg)) else ())
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from specpilot.collector import collector_paused
+from specpilot.engines.config import EngineConfig
 from specpilot.engines.device_loop import CALIBRATION_STEPS, DeviceLoop, LoopSteps
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy
@@ -73,6 +74,14 @@ class StepBudgets:
     after: int
     deep: int = 0
     deep_after: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> StepBudgets | None:
+        """cfg's switched budgets, or None where it verifies tree_budget's tree every step."""
+        if not (cfg.narrow_tree_budget or cfg.deep_tree_budget):
+            return None
+        return cls(cfg.narrow_tree_budget, cfg.tree_budget, cfg.wide_tree_after, cfg.deep_tree_budget,
+                   cfg.deep_tree_after)
 
     def budget(self, steps: list[StepTrace], j: int) -> int:
         return self.following(steps[j - 2].accepted if j >= 2 else -1)
