@@ -52,8 +52,7 @@ ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/d
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
 ap.add_argument("--window", type=int, default=0,
-                help="steps section: the drafter's context window (EngineConfig.drafter_window); above 0 the fused step "
-                     "is also timed with its attention split and combined (as before the one-pass window kernel)")
+                help="steps section: the drafter's context window (EngineConfig.drafter_window; 0: the whole context)")
 ap.add_argument("--position", type=int, default=200, help="steps section: the pending position the draft runs at")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)

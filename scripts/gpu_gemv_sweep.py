@@ -1,7 +1,8 @@
 """Launch-parameter sweep of the projection kernels at one model's shapes, timed inside CUDA graphs (a Python
 launch costs more than these kernels run, so timing outside a graph measures the launcher).
 
-python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b|smollm2-drafter] [--tokens 1,16] [--kernels qkv,o] [--split-k 1,2]
+python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b|smollm2-drafter] [--tokens 1,16] [--kernels qkv,o]
+    [--split-k 1,2]
 
 For each projection (qkv, o, gate_up, down, head; qkv_linear, gate_up_linear: those matrices through a plain
 projection; qkv_norm / qkv_norm_stat: QKV's normed projection without its epilogue, by a row pass / on producer
@@ -82,7 +83,8 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
         "gate_up_post": lambda w, **p: rmsnorm_glu(x, nw, w, 1e-5, **post, **p),
         "head_post": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True,
                                                    store_y=False, **post, **p),
-        "head_logits": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, **p),  # a drafter's
+        # the block drafter's head: its logits in fp32 for the top-k (no argmax, stored)
+        "head_logits": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, **p),
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),
     }

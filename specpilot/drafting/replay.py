@@ -95,11 +95,8 @@ class LookupPolicy:
         """The tree budget of step j after steps that committed `committed` tokens each (accepted + the bonus), as
         the engine picks it (StepBudgets: switched by narrow_tree_budget / deep_tree_budget, else tree_budget
         throughout)."""
-        if not (self.narrow_tree_budget or self.deep_tree_budget):
-            return self.tree_budget
-        budgets = StepBudgets(self.narrow_tree_budget, self.tree_budget, self.wide_tree_after, self.deep_tree_budget,
-                              self.deep_tree_after)
-        return budgets.following(committed[j - 2] - 1 if j >= 2 else -1)
+        budgets = StepBudgets.from_config(self)
+        return self.tree_budget if budgets is None else budgets.following(committed[j - 2] - 1 if j >= 2 else -1)
 
     @property
     def label(self) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specpilot.collector import collector_paused
-from specpilot.engines.config import EngineConfig
 from specpilot.engines.device_loop import CALIBRATION_STEPS, DeviceLoop, LoopSteps
 from specpilot.engines.drafters.base import DraftTree, Drafter
 from specpilot.engines.policy import STOCK, EnginePolicy
@@ -64,6 +64,15 @@ class GenerationResult:
 AR_STEPS_PER_SYNC = 4
 
 
+class SwitchedBudgetFields(Protocol):
+    """The fields StepBudgets reads: an EngineConfig's, and the replay's LookupPolicy's (the same names)."""
+    narrow_tree_budget: int
+    tree_budget: int
+    wide_tree_after: int
+    deep_tree_budget: int
+    deep_tree_after: int
+
+
 @dataclass(frozen=True)
 class StepBudgets:
     """EngineConfig.narrow_tree_budget / deep_tree_budget: step j verifies a tree of `deep` nodes where step j - 2
@@ -76,7 +85,7 @@ class StepBudgets:
     deep_after: int = 0
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> StepBudgets | None:
+    def from_config(cls, cfg: SwitchedBudgetFields) -> StepBudgets | None:
         """cfg's switched budgets, or None where it verifies tree_budget's tree every step."""
         if not (cfg.narrow_tree_budget or cfg.deep_tree_budget):
             return None
