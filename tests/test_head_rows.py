@@ -7,14 +7,18 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _tiny import prompt, tiny_model
-from test_block_drafter import NO_EOS, ar, cfg, damped, quick_drafter
+from test_block_drafter import NO_EOS, QUICK, ar, cfg, damped, quick_drafter
 from test_block_step import drafter_for
 
 from specpilot.drafting.checkpoint import DrafterCheckpointError, load_drafter, save_drafter
 from specpilot.drafting.data import DraftData, save_sequences
+from specpilot.drafting.objective import LossHead, block_logits, block_loss, sample_batch
+from specpilot.drafting.sources import TargetBundle
 from specpilot.drafting.token_ranking import (RANKING_FILE, TokenRankingError, generated_counts, load_token_ranking,
-                                              ranking_of, save_token_ranking)
+                                              padded_counts, ranking_of, save_token_ranking)
+from specpilot.drafting.train import TrainConfig, train_drafter
 from specpilot.engines.batch.block_drafting import BatchBlockDrafter
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import ConfigError
@@ -204,3 +208,71 @@ def test_the_concurrency_bench_shares_one_drafter_with_its_variants_head_rows():
     drafter.token_ranking = None  # the rows reach the shared drafter: without a ranking it cannot keep them
     with pytest.raises(ValueError, match="token ranking"):
         run_concurrency_bench(model, NO_EOS, prompts, 6, [2], [Arrival.ALL], [ar, rows], "cpu", block_drafter=drafter)
+
+
+def test_the_loss_head_scores_the_kept_rows_and_drops_targets_outside_them():
+    """LossHead at N rows: the drafter's restricted head (drafter_head), targets mapped to its rows, a target outside
+    them weighted 0; block_loss over it is the cross-entropy of a softmax over those rows alone."""
+    target = tiny_model("gqa", 2, torch.float32)
+    model = drafter_for(target, 2, 4)
+    model.token_ranking = torch.randperm(target.shape.vocab, generator=torch.Generator().manual_seed(5))
+    whole = LossHead.of(model, target)
+    assert whole.row_of is None and whole.head is target.lm_head.weight
+    scored = LossHead.of(model, target, 30)
+    kept = head_tokens(model, 30)
+    assert torch.equal(scored.head, target.lm_head.weight[kept])
+    g = torch.Generator().manual_seed(6)
+    n, t, k = 2, 20, 3
+    tokens = torch.randint(0, target.shape.vocab, (n, t), generator=g)
+    data = DraftData(tokens, torch.randn(n, t, model.config.feature_dim, generator=g), torch.tensor([4, 6]),
+                     torch.tensor([20, 17]))
+    batch = sample_batch(data, torch.arange(n), k, model.config.block_size, g)
+    assert whole.batch(batch) is batch
+    mapped = scored.batch(batch)
+    inside = torch.isin(batch.targets, kept)
+    assert bool(inside.any()) and bool((~inside).any())
+    assert torch.equal(kept[mapped.targets][inside], batch.targets[inside])
+    assert torch.equal(mapped.weight, batch.weight * inside)
+    m = block_loss(model, target.embed_tokens.weight, scored.head, mapped, 0.0)
+    logits = block_logits(model, target.embed_tokens.weight, target.lm_head.weight, batch)[..., kept]
+    ce = F.cross_entropy(logits.flatten(0, 2), mapped.targets.flatten(), reduction="none").view_as(mapped.weight)
+    torch.testing.assert_close(m.loss, (ce * mapped.weight).sum() / mapped.weight.sum(), rtol=1e-5, atol=1e-6)
+    soft = DraftData(tokens, data.features, data.prompt_len, data.length, torch.zeros(n, t, 2, dtype=torch.int32),
+                     torch.zeros(n, t, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="soft labels over a restricted LM head"):
+        scored.batch(sample_batch(soft, torch.arange(n), k, model.config.block_size, g))
+
+
+def test_counts_of_padded_sequences_equal_the_saved_files(tmp_path):
+    rows, plens = [[9, 9, 9, 1, 5, 5], [7, 3, 3, 1]], [3, 1]
+    f = sequences(tmp_path, rows, plens)
+    T = max(map(len, rows))
+    tokens = torch.tensor([r + [4] * (T - len(r)) for r in rows])  # padding never counts
+    assert torch.equal(padded_counts(tokens, torch.tensor(plens), torch.tensor([6, 4]), 10), generated_counts([f], 10))
+
+
+def test_training_on_the_head_rows_ranks_its_data_and_drafts_from_them(tmp_path):
+    """`head_rows`: the drafter trains and is judged on the rows of its data's most generated tokens, saves that
+    ranking, and its report's engines draft with drafter_head_rows (equal to AR), accepting more than untrained."""
+    model = damped("gqa", 0)
+    c = TrainConfig(**{**QUICK, "steps": 300, "head_rows": 24})
+    result = train_drafter(TargetBundle("tiny-gqa", model, None, NO_EOS), c, tmp_path / "out")
+    rep = result.report
+    before = {r["mode"]: r for r in rep["untrained"]["engine"]}
+    for r in rep["trained"]["engine"]:
+        assert r["equal_to_ar"] and r["committed_per_step"] > before[r["mode"]]["committed_per_step"] + 0.2, r
+    saved = load_drafter(tmp_path / "out", model)
+    assert torch.equal(saved.token_ranking, result.model.token_ranking)
+    counts = generated_counts([tmp_path / "out" / "sequences" / "train.safetensors"], model.shape.vocab)
+    assert saved.token_ranking.tolist() == ranking_of(counts)
+    assert rep["trained"]["teacher_forced"]["accepted"] > rep["untrained"]["teacher_forced"]["accepted"] + 0.3
+
+
+def test_head_rows_config_refusals():
+    for bad, match in (({"head_rows": 8}, "head_rows=8"), ({"head_rows": -16}, "head_rows=-16"),
+                       ({"head_rows": 32, "soft_topk": 4}, "soft labels")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad)
+    with pytest.raises(ValueError, match="below the target's vocabulary"):
+        train_drafter(TargetBundle("tiny-gqa", damped("gqa", 0), None, NO_EOS),
+                      TrainConfig(**{**QUICK, "steps": 1, "head_rows": 101}))

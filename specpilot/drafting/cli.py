@@ -19,7 +19,7 @@ from specpilot.engines.config import DType, VerifyMode
 _INT_KNOBS = ("steps", "block_size", "layers", "intermediate", "batch_seqs", "anchors", "mbpp_prompts",
               "free_prompts", "free_sampled", "gen_tokens", "gen_batch", "held_out", "eval_tokens", "ckpt_every",
               "warmup", "seed", "eval_every", "user_tokens", "context_window", "task_prompts",
-              "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk", "held_out_each")
+              "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk", "held_out_each", "head_rows")
 
 
 def _dtype(args: argparse.Namespace) -> DType:

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specpilot.drafting.data import DraftData
-from specpilot.drafting.objective import block_loss, sample_batch
+from specpilot.drafting.objective import LossHead, block_loss, sample_batch
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, DType, EngineConfig, KernelBackend, VerifyMode
-from specpilot.engines.drafters.block import BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.llama import LlamaModel
 
 
@@ -75,18 +75,18 @@ def measure_acceptance(target: LlamaModel, drafter: BlockDrafterModel, prompts: 
 
 @torch.no_grad()
 def teacher_forced(model: BlockDrafterModel, target: LlamaModel, data: DraftData, anchors: int, decay: float,
-                   seed: int, batch_seqs: int = 16, window: int = 0) -> dict:
+                   seed: int, batch_seqs: int = 16, window: int = 0, head_rows: int = 0) -> dict:
     """Per-slot top-1 accuracy, loss and teacher-forced accepted length on held-out generated data (window: the
-    drafter's context window)."""
+    drafter's context window; head_rows: its LM head's rows, objective.LossHead)."""
     gen = torch.Generator().manual_seed(seed)
-    embed, head = target.embed_tokens.weight, lm_head_weight(target)
+    embed, scored = target.embed_tokens.weight, LossHead.of(model, target, head_rows)
     was_training = model.training
     model.eval()
     losses, accs, accepted = [], [], []
     for s in range(0, len(data), batch_seqs):
         rows = torch.arange(s, min(s + batch_seqs, len(data)))
-        batch = sample_batch(data, rows, anchors, model.config.block_size, gen)
-        m = block_loss(model, embed, head, batch, decay, window)
+        batch = scored.batch(sample_batch(data, rows, anchors, model.config.block_size, gen))
+        m = block_loss(model, embed, scored.head, batch, decay, window)
         losses.append(float(m.loss))
         accs.append(m.slot_accuracy)
         accepted.append(m.accepted)

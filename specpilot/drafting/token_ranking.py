@@ -35,6 +35,13 @@ def generated_counts(sequence_files: list[str | Path], vocab: int) -> torch.Tens
     return counts
 
 
+def padded_counts(tokens: torch.Tensor, prompt_len: torch.Tensor, length: torch.Tensor, vocab: int) -> torch.Tensor:
+    """generated_counts of right-padded sequences in memory (DraftData's tokens [N, T], prompt_len, length)."""
+    t = torch.arange(tokens.shape[1], device=tokens.device)
+    generated = (t >= prompt_len[:, None]) & (t < length[:, None])
+    return torch.bincount(tokens[generated].long().cpu(), minlength=vocab)
+
+
 def ranking_of(counts: torch.Tensor) -> list[int]:
     """Token ids that occur, most frequent first (ties: the lower id first)."""
     seen = torch.nonzero(counts > 0).flatten()

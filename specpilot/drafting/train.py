@@ -30,12 +30,12 @@ from specpilot.drafting.data import (DraftData, concat, generate_batched, load_s
                                      save_sequences)
 from specpilot.drafting.evaluate import as_dicts, measure_acceptance, teacher_forced
 from specpilot.drafting.grow import grow_drafter
-from specpilot.drafting.objective import block_loss, sample_batch
+from specpilot.drafting.objective import LossHead, block_loss, sample_batch
 from specpilot.drafting.sources import PromptSet, TargetBundle, build_prompts, split_off
 from specpilot.drafting.task_prompts import TURN_STARTS
-from specpilot.drafting.token_ranking import generated_counts, save_token_ranking
+from specpilot.drafting.token_ranking import generated_counts, padded_counts, ranking_of, save_token_ranking
 from specpilot.engines.config import DType
-from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel, lm_head_weight
+from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.engines.llama import LlamaModel
 
@@ -112,6 +112,10 @@ class TrainConfig:
     # How the checkpoint holds the weights (int8 rows: a drafter over the 16 MB a shipped one may take in bf16); the
     # final evaluation measures the weights as stored
     checkpoint_storage: WeightStorage = WeightStorage.BF16
+    # Train and evaluate the drafter's softmax over the LM head rows it drafts from at EngineConfig.drafter_head_rows
+    # = head_rows (objective.LossHead): the tokens this call's data generates most (its token_ranking.json); 0: the
+    # whole head. Run the engine with drafter_head_rows at most this: rows beyond it never trained against the rest.
+    head_rows: int = 0
     # A training run's out dir whose saved sequences (its sequences/ folder) to train on
     # instead of generating: the features are recomputed in one forward per batch, so nearly the whole call trains.
     # The prompt knobs (mbpp_prompts, free_prompts, ...) are then unused.
@@ -143,8 +147,13 @@ class TrainConfig:
         if self.soft_topk and self.data_from is not None:
             raise ValueError("soft_topk needs the target's distributions, recorded while it generates; saved "
                              "sequences (data_from) carry none")
+        if self.head_rows and self.head_rows < 16:  # EngineConfig.drafter_head_rows's floor: what the engine runs
+            raise ValueError(f"head_rows={self.head_rows}: must be 0 (the whole head) or >= 16")
+        if self.head_rows and self.soft_topk:
+            raise ValueError("head_rows restricts the loss to the drafter's head rows; soft labels (soft_topk) cover "
+                             "the whole vocabulary: set one of them")
         for name in ("task_prompts", "steered_prompts", "grow_layers", "grow_intermediate", "soft_topk",
-                     "held_out_each"):
+                     "held_out_each", "head_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.eval_every < 0:
@@ -278,9 +287,10 @@ def new_drafter(bundle: TargetBundle, cfg: TrainConfig) -> BlockDrafterModel:
 def evaluate_all(model, bundle: TargetBundle, cfg: TrainConfig, held: DraftData, prompts: list[list[int]]) -> dict:
     dtype = DType(str(bundle.model.embed_tokens.weight.dtype).removeprefix("torch."))
     return {"teacher_forced": teacher_forced(model, bundle.model, held, cfg.eval_anchors, cfg.decay, cfg.seed,
-                                             window=cfg.context_window),
+                                             window=cfg.context_window, head_rows=cfg.head_rows),
             "engine": as_dicts(measure_acceptance(bundle.model, model, prompts, cfg.eval_tokens, bundle.eos,
-                                                  cfg.device, dtype, drafter_window=cfg.context_window))}
+                                                  cfg.device, dtype, drafter_window=cfg.context_window,
+                                                  drafter_head_rows=cfg.head_rows))}
 
 
 def train_autocast(device: str, target_dtype: torch.dtype) -> torch.autocast:
@@ -300,7 +310,7 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
     state (curve rows with "held_out"; the last row names the step kept). keep_start: the state before the first
     step competes too (a continuation of a trained drafter: on an H200 one at lr 1e-3 fell from 4.32 to 3.55
     held-out and would otherwise have replaced its better start, notes/h200.md session 15)."""
-    embed, head = target.embed_tokens.weight, lm_head_weight(target)
+    embed, scored = target.embed_tokens.weight, LossHead.of(model, target, cfg.head_rows)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(cfg.seed)
     autocast = train_autocast(cfg.device, embed.dtype)
@@ -321,9 +331,9 @@ def fit(model: BlockDrafterModel, target: LlamaModel, data: DraftData, cfg: Trai
         for group in opt.param_groups:
             group["lr"] = lr
         rows = torch.randint(len(data), (cfg.batch_seqs,), generator=gen)
-        batch = sample_batch(data, rows, cfg.anchors, model.config.block_size, gen)
+        batch = scored.batch(sample_batch(data, rows, cfg.anchors, model.config.block_size, gen))
         with autocast:
-            m = block_loss(model, embed, head, batch, cfg.decay, cfg.context_window,
+            m = block_loss(model, embed, scored.head, batch, cfg.decay, cfg.context_window,
                            cfg.soft_weight or 0.0)
         opt.zero_grad(set_to_none=True)
         m.loss.backward()
@@ -353,7 +363,7 @@ class _HeldOutBest:
 
     def score(self, step: int) -> dict:
         tf = teacher_forced(self.model, self.target, self.held, self.cfg.eval_anchors, self.cfg.decay, self.cfg.seed,
-                            window=self.cfg.context_window)
+                            window=self.cfg.context_window, head_rows=self.cfg.head_rows)
         if tf["accepted"] > self.best:
             self.best, self.step = tf["accepted"], step
             self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -380,6 +390,12 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     model = new_drafter(bundle, cfg)
     data, held, prompts, provenance = collect(bundle, cfg, model.config.target_layers)
     t_data = time.perf_counter() - t0
+    vocab = bundle.model.shape.vocab
+    if cfg.head_rows:  # the rows this call trains: its data's ranking, which it saves beside the drafter
+        if cfg.head_rows >= vocab:
+            raise ValueError(f"head_rows={cfg.head_rows}: must be below the target's vocabulary ({vocab}), or 0")
+        model.token_ranking = torch.tensor(ranking_of(padded_counts(data.tokens, data.prompt_len, data.length, vocab)),
+                                           dtype=torch.long)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:  # minutes of generation, kept before anything else can fail (a later run: cfg.data_from)
         (out / TRAIN_SEQUENCES).parent.mkdir(parents=True, exist_ok=True)
