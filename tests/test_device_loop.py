@@ -310,28 +310,32 @@ def test_step_budgets_follow_the_step_two_before():
     assert StepBudgets(7, 15, 3).following(40) == 15 and three.extra == (7, 31)
 
 
-def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more():
+@pytest.mark.parametrize("deep", [31, 127])
+def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(deep):
     """deep_tree_budget: a third budget, 32 rows (two 16-row tiles) where the step two before accepted >=
     deep_tree_after draft tokens; the host loop and overlapped one-step chunks take the same steps, the tokens are
-    AR's, and every budget runs."""
+    AR's, and every budget runs. 127: a 128-row tree led by the lookup 127 deep (rows past 64: the grow kernel's
+    second ancestor word on the GPU) accepting more than a 64-row tree could."""
     model = damped("gqa", 2)  # its greedy text settles into a loop the periodic lookup predicts 31 deep
     drafter = quick_drafter(model, 1, 40)
     p = prompt(model.shape.vocab, 10, 1) * 2
-    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=16), model, NO_EOS,
-                        "cpu").generate(p, 90).tokens
-    kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, deep_tree_budget=31,
-              deep_tree_after=8, ngram_prefix=True, ngram_min=2, lookup_depth=31, lookup_periodic=True, device_steps=1,
-              token_tile=16)
-    host, device = (engine(model, drafter, **kw, **o).generate(p, 90) for o in ({}, {"device_overlap": True}))
+    n = 90 if deep == 31 else 400
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=16, max_seq_len=512), model,
+                        NO_EOS, "cpu").generate(p, n).tokens
+    kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, deep_tree_budget=deep,
+              deep_tree_after=8, ngram_prefix=True, ngram_min=2, lookup_depth=deep, lookup_periodic=True, device_steps=1,
+              token_tile=16, max_seq_len=512)
+    host, device = (engine(model, drafter, **kw, **o).generate(p, n) for o in ({}, {"device_overlap": True}))
     assert host.tokens == device.tokens == want
-    end = len(p) + 90 - 32  # the host loop drafts no deeper than the tokens left: compared before
+    end = len(p) + n - deep - 1  # the host loop drafts no deeper than the tokens left: compared before
     shapes = [(s.accepted, s.verify_tokens) for s in host.steps if s.position <= end]
     assert [(s.accepted, s.verify_tokens) for s in device.steps if s.position <= end] == shapes
     for j, (acc, rows) in enumerate(shapes):
         before = shapes[j - 2][0] if j >= 2 else -1
-        assert rows == (32 if before >= 8 else 16 if before >= 3 else 8), j
-    assert {rows for _, rows in shapes} == {8, 16, 32} and max(acc for acc, rows in shapes if rows == 32) > 15
-    for bad, why in ((dict(kw, deep_tree_budget=15), "above tree_budget"), (dict(kw, deep_tree_budget=64), "deep"),
+        assert rows == (deep + 1 if before >= 8 else 16 if before >= 3 else 8), j
+    assert {rows for _, rows in shapes} == {8, 16, deep + 1}
+    assert max(acc for acc, rows in shapes if rows == deep + 1) > (deep + 1) // 2 - 1
+    for bad, why in ((dict(kw, deep_tree_budget=15), "above tree_budget"), (dict(kw, deep_tree_budget=128), "deep"),
                      (dict(kw, device_tree="calibrated"), "per_step"),
                      (dict(kw, deep_tree_after=65), "deep_tree_after"),
                      (dict(kw, deep_tree_budget=31.0), "deep_tree_budget")):
@@ -599,7 +603,8 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
 @pytest.mark.parametrize("kind", ["block chain", "block tree", "ngram", "prefix tree", "prefix chain overlap",
                                   "prefix tree overlap", "grown tree", "prefix grown tree overlap",
                                   "windowed prefix grown tree overlap", "deep periodic prefix grown tree overlap",
-                                  "switched prefix grown tree overlap", "deep switched prefix grown tree overlap"])
+                                  "switched prefix grown tree overlap", "deep switched prefix grown tree overlap",
+                                  "deeper switched prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -619,7 +624,12 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
             "deep switched prefix grown tree overlap": {**PER_STEP, "tree_budget": 15, "narrow_tree_budget": 7,
                                                         "wide_tree_after": 2, "deep_tree_budget": 31,
                                                         "deep_tree_after": 6, "ngram_prefix": True,
-                                                        "lookup_depth": 31, "lookup_periodic": True}}.get(kind, {})
+                                                        "lookup_depth": 31, "lookup_periodic": True},
+            "deeper switched prefix grown tree overlap": {**PER_STEP, "tree_budget": 15, "narrow_tree_budget": 7,
+                                                          "wide_tree_after": 2, "deep_tree_budget": 127,
+                                                          "deep_tree_after": 6, "ngram_prefix": True,
+                                                          "lookup_depth": 127, "lookup_periodic": True,
+                                                          "max_seq_len": 512}}.get(kind, {})
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=1 if "switched" in kind else 4,
             device_overlap=overlap, **over)

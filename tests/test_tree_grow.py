@@ -127,14 +127,15 @@ def test_random_candidates_grow_the_host_loops_tree(seed):
     assert torch.equal(want.block_slots, ancestor_slots(torch.tensor(0), want.anc))
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(10))
 def test_a_lookup_running_past_the_blocks_depth_grows_the_host_loops_tree(seed):
     """EngineConfig.lookup_depth: the candidates past the block's `ranked` depths are padding (probability 0), so
     there the lookup's token is the only candidate; its rank takes no digit of the kernel's tie key, which lets 31
-    depths at width 8 fit (3 bits a rank for 15 ranked depths). Same tree as the host's, ties included."""
+    depths at width 8 fit (3 bits a rank for 15 ranked depths). Same tree as the host's, ties included; seeds 8-9:
+    a 127-node tree over a lookup 127 deep (rows past 64 in the kernel's second ancestor word)."""
     ranked, k = [(15, 8), (7, 4)][seed % 2]
-    depth = [31, 16, 24, 40][seed % 4]
-    width, budget = [(8, 31), (4, 63), (2, 15), (8, 47)][seed % 4]
+    depth = [31, 16, 24, 40][seed % 4] if seed < 8 else 127
+    width, budget = [(8, 31), (4, 63), (2, 15), (8, 47)][seed % 4] if seed < 8 else (4, 127)
     width = min(width, k)
     tokens, probs = candidates(seed, ranked, k, scale=[1.0, 3.0, 8.0][seed % 3])
     if seed % 3 == 2:
@@ -144,11 +145,13 @@ def test_a_lookup_running_past_the_blocks_depth_grows_the_host_loops_tree(seed):
     g = torch.Generator().manual_seed(seed)
     lead = torch.randint(0, 40, (depth,), generator=g)
     lead[:ranked:3] = tokens[:ranked:3, 1]  # the lead duplicates a block candidate at some depths
-    n = torch.tensor([depth, ranked + 5, 3, depth - 1][seed % 4])
+    n = torch.tensor([depth, ranked + 5, 3, depth - 1][seed % 4] if seed < 8 else [depth, 90][seed % 2])
     w = 1 << budget.bit_length()
     want = host_block(tokens, probs, width, budget, lead, n, block_width=w)
-    if seed % 4 != 2:
+    if seed % 4 != 2 and seed < 8:
         assert int(want.depths.max()) > ranked  # the tree does go past the block's depth
+    if seed >= 8:  # live rows in the second word: a bushy tree (seed 8's ties) and one 127 deep (seed 9)
+        assert int(want.depths[64:].min()) > 0 and int(want.depths.max()) > (64 if seed == 9 else 0)
     assert_same(grown(tokens, probs, width, budget, lead, n, block_width=w, ranked=ranked), want, "ref")
     assert_same(grown(tokens, probs, width, budget, lead, n, kernel=True, block_width=w, ranked=ranked), want,
                 "kernel")
@@ -158,8 +161,8 @@ def test_bad_inputs_are_refused():
     tokens, probs = candidates(0, 3, 4)
     with pytest.raises(ValueError, match="width=5"):
         grown(tokens, probs, 5, 7)
-    with pytest.raises(ValueError, match="grown tree has 1..63 nodes"):
-        grow_tree_ref(tokens, probs, None, None, 2, TreeBlock.dead(64, 128, False, "cpu"))
+    with pytest.raises(ValueError, match="grown tree has 1..127 nodes"):
+        grow_tree_ref(tokens, probs, None, None, 2, TreeBlock.dead(128, 256, False, "cpu"))
     with pytest.raises(ValueError, match="probs must have dtype"):
         grown(tokens, probs.double(), 2, 7)
     with pytest.raises(ValueError, match="lead and lead_depths"):
@@ -186,8 +189,8 @@ def test_the_compiled_kernel_grows_the_host_loops_tree_on_gpu():
         grow_tree(tokens.cuda(), probs.cuda(), lead.cuda(), n.cuda(), width, block)
         for f in FIELDS:
             assert torch.equal(getattr(block, f).cpu(), getattr(want, f)), (seed, f)
-    for seed in range(8):  # a lookup past the block's 15 ranked depths (lookup_depth), 31 / 63 deep
-        depth, budget = [(31, 31), (63, 63)][seed % 2]
+    for seed in range(12):  # a lookup past the block's 15 ranked depths (lookup_depth), 31 / 63 / 127 deep
+        depth, budget = [(31, 31), (63, 63), (127, 127)][seed % 3]
         tokens, probs = candidates(seed, 15, 8, scale=[1.0, 3.0, 8.0][seed % 3])
         tokens = torch.cat([tokens, torch.zeros(depth - 15, 8, dtype=torch.long)])
         probs = torch.cat([probs, torch.zeros(depth - 15, 8)])

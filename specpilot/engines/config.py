@@ -35,8 +35,8 @@ class LevelOneRule(str, Enum):
     SHALLOW = "shallow"  # the target's first layers vote on one path; costs a fraction of a target forward
 
 
-# The most nodes a tree grown on the device holds (engines.tree_grow: a row's ancestors are one 64-bit mask).
-MAX_GROWN_NODES = 63
+# The most nodes a tree grown on the device holds (engines.tree_grow: a row's ancestors are two 64-bit masks).
+MAX_GROWN_NODES = 127
 
 
 class DeviceTree(str, Enum):

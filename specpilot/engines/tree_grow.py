@@ -28,11 +28,12 @@ from specpilot.engines.llama import ancestor_slots
 from specpilot.engines.loop_kernels import _led_source, check_candidates, lead_rows
 from specpilot.kernels._common import check_launchable, check_tensor
 
-# Rows a grown tree may have: ancestor sets are one int64 bit mask a row in the kernel.
+# Rows a grown tree may have: ancestor sets are two int64 bit masks a row in the kernel (the second one only in
+# trees of more than 64 rows: a constexpr branch, so smaller trees compile as before).
 MAX_GROWN_ROWS = MAX_GROWN_NODES + 1
 # The kernel's frontier keys: depth << DEPTH_SHIFT | the ranks' digits (so ranked depths x bits a rank <= DEPTH_SHIFT;
-# depths up to 2**(63 - DEPTH_SHIFT) - 2).
-DEPTH_SHIFT = 56
+# depths up to 2**(63 - DEPTH_SHIFT) - 2: a lookup leading 127 deep).
+DEPTH_SHIFT = 54
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
                       R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr, HAS_LEAD: tl.constexpr,
                       HAS_BS: tl.constexpr,
                       DP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, WP: tl.constexpr,
-                      CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr):
+                      CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr, HI: tl.constexpr):
     NO_KEY: tl.constexpr = (1 << 63) - 1
     d2 = tl.arange(0, DP)[:, None]
     j2 = tl.arange(0, KP)[None, :]
@@ -194,13 +195,18 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
     # The frontier: R entries (each pop adds one at most). An entry's key is its score, then depth << DEPTH_SHIFT |
     # its ranks as base-2^BITS digits (one integer: the heap's tie order); it keeps its parent's score and ancestor
     # bits (bit j: row j), so that a pop reads four reductions. Rows' ancestor bits give parents and depths at the end.
+    # HI (trees of more than 64 rows): rows 64.. in a second word, `_hi` beside each (ancestor sets are
+    # prefix-closed by depth, not by row, so both words are live in any row).
     f = tl.arange(0, RP)
     score = tl.where(f == 0, _prob_at(prob, d2, j2, 0, 0), -1.0)  # < 0: no entry
     dkey = tl.where(f == 0, 1 << DEPTH_SHIFT, 0).to(tl.int64)
     pscore = tl.where(f == 0, 1.0, 0.0).to(tl.float64)
     pbits = tl.where(f == 0, 1, 0).to(tl.int64)
     used = 1
-    anc_bits = tl.full([RP], 1, tl.int64) << f.to(tl.int64)  # dead rows: themselves
+    f64 = f.to(tl.int64)
+    anc_bits = tl.where(f < 64, tl.full([RP], 1, tl.int64) << (f64 & 63), 0)  # dead rows: themselves
+    pbits_hi = tl.zeros([RP], dtype=tl.int64)
+    anc_hi = tl.where(f >= 64, tl.full([RP], 1, tl.int64) << (f64 & 63), 0)
     node_src = tl.zeros([RP], dtype=tl.int64)  # node i at entry i
     for i in range(R - 1):
         valid = score >= 0.0
@@ -210,13 +216,19 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         sel = valid & (dkey == dk)
         ps = tl.sum(tl.where(sel, pscore, 0.0), axis=0)
         pb = tl.sum(tl.where(sel, pbits, 0), axis=0)
+        if HI:
+            pb_hi = tl.sum(tl.where(sel, pbits_hi, 0), axis=0)
         depth = (dk >> DEPTH_SHIFT).to(tl.int32)  # all ones when the frontier is empty: no candidate there
         code = dk & ((1 << DEPTH_SHIFT) - 1)
         r = tl.where(depth <= RANKED, code & ((1 << BITS) - 1), 0).to(tl.int32)  # past RANKED: rank 0, no digit
         one = tl.full([], 1, tl.int64)
-        row_bit = one << (one * 0 + i + 1)  # (the interpreter's loop index is an int)
+        row = one * 0 + i + 1  # (the interpreter's loop index is an int)
+        row_bit = tl.where(row < 64, one << (row & 63), 0)
         node_src = tl.where((f == i) & live, ((depth - 1) * K + r).to(tl.int64), node_src)
         anc_bits = tl.where((f == i + 1) & live, pb | row_bit, anc_bits)
+        if HI:
+            row_bit_hi = tl.where(row >= 64, one << (row & 63), 0)
+            anc_hi = tl.where((f == i + 1) & live, pb_hi | row_bit_hi, anc_hi)
         sib = _prob_at(prob, d2, j2, depth - 1, r + 1)
         score = tl.where(sel, tl.where(_flag(sib >= 0.0), ps * sib, -1.0), score)
         dkey = tl.where(sel, dk + 1, dkey)
@@ -228,6 +240,8 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
                         dkey)
         pscore = tl.where(new, best, pscore)
         pbits = tl.where(new, pb | row_bit, pbits)
+        if HI:
+            pbits_hi = tl.where(new, pb_hi | row_bit_hi, pbits_hi)
         used = used + tl.where(has_child, 1, 0)
     # Rows' depths (ancestors - 1) and parents (the last proper ancestor) from their bits, 16 columns at a time
     # (a [64, 64] int64 tile at once took all 255 registers of the warp's threads).
@@ -237,7 +251,7 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
     row_par = tl.full([RP], -1, tl.int32)
     for c in tl.static_range(0, RP, CB):
         rj = c + tl.arange(0, CB)[None, :]
-        is_anc = ((anc_bits[:, None] >> rj.to(tl.int64)) & 1) != 0
+        is_anc = (((anc_hi if c >= 64 else anc_bits)[:, None] >> (rj.to(tl.int64) & 63)) & 1) != 0
         row_depth += tl.sum(is_anc.to(tl.int32), axis=1)
         row_par = tl.maximum(row_par, tl.max(tl.where(is_anc & (rj != ri), rj, -1), axis=1))
         tl.store(tanc_ptr + ri * R + rj, is_anc.to(tl.uint8), mask=(ri < R) & (rj < R))
@@ -250,7 +264,7 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         # Row i's ancestor at depth e is the one ancestor of that depth; entries past its depth are -1.
         for c in tl.static_range(0, RP, CB):
             rj = c + tl.arange(0, CB)[None, :]
-            is_anc = ((anc_bits[:, None] >> rj.to(tl.int64)) & 1) != 0
+            is_anc = (((anc_hi if c >= 64 else anc_bits)[:, None] >> (rj.to(tl.int64) & 63)) & 1) != 0
             col_depth = tl.sum(tl.where(f[:, None] == rj, row_depth[:, None], 0), axis=0)[None, :]
             tl.store(bs_ptr + ri * W + col_depth.to(tl.int64), rj.to(tl.int64), mask=(ri < R) & is_anc)
         for c in tl.static_range(0, WP, CB):
@@ -273,4 +287,4 @@ def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ra
                             BITS=_code_bits(width), R=rows, W=w, RANKED=ranked, HAS_LEAD=lead is not None,
                             HAS_BS=has_bs,
                             DP=p2(depth), KP=p2(k), RP=p2(rows), WP=p2(w), CB=min(16, p2(rows)),
-                            DEPTH_SHIFT=DEPTH_SHIFT, num_warps=1)
+                            DEPTH_SHIFT=DEPTH_SHIFT, HI=p2(rows) > 64, num_warps=1)
