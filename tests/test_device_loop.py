@@ -262,7 +262,7 @@ def test_a_lookup_deeper_than_the_block_leads_the_tree_past_its_depth():
                      (dict(lookup_depth=7, ngram_prefix=True, verify="chain"), "verify=tree"),
                      (dict(lookup_depth=7, **dict(TREE, ngram_prefix=True)), "per_step"),
                      (dict(lookup_depth=2, **lead), "below the block's depth"),
-                     (dict(lookup_depth=64, **lead), "0..63"), (dict(lookup_depth=True, **lead), "lookup_depth")):
+                     (dict(lookup_depth=128, **lead), "0..127"), (dict(lookup_depth=True, **lead), "lookup_depth")):
         with pytest.raises(ConfigError, match=why):
             cfg(**bad)
 
@@ -569,17 +569,17 @@ def test_device_steps_is_validated(bad):
 
 
 def test_device_tree_is_validated():
-    assert EngineConfig(verify="tree", tree_budget=63).device_tree.value == "per_step"  # the default
-    with pytest.raises(ConfigError, match="at most 63 nodes"):
-        EngineConfig(verify="tree", tree_budget=64, device_steps=4)
-    with pytest.raises(ConfigError, match="at most 63 nodes"):
-        EngineConfig(verify="tree", tree_budget=64, device_overlap=True)
+    assert EngineConfig(verify="tree", tree_budget=127).device_tree.value == "per_step"  # the default
+    with pytest.raises(ConfigError, match="at most 127 nodes"):
+        EngineConfig(verify="tree", tree_budget=128, device_steps=4)
+    with pytest.raises(ConfigError, match="at most 127 nodes"):
+        EngineConfig(verify="tree", tree_budget=128, device_overlap=True)
     with pytest.raises(ConfigError, match="device_tree='grown'"):
         EngineConfig(device_tree="grown")
     # no limit for the static shape, the host loop (device_steps 1), nor a two-level verify (no device loop)
     for ok in (dict(verify="tree", device_tree="calibrated", device_steps=4), dict(verify="tree", device_steps=1),
                dict(verify="two_level", device_steps=4)):
-        assert EngineConfig(tree_budget=64, **ok).tree_budget == 64
+        assert EngineConfig(tree_budget=128, **ok).tree_budget == 128
 
 
 @pytest.mark.parametrize("glue", ["torch", "kernels"])

@@ -92,7 +92,7 @@ class LoopSteps:
     path_tokens: np.ndarray  # [k, max_depth + 1]: commit path_tokens[i, :accepted[i] + 1] (drafts, then the bonus)
     accepted: np.ndarray  # [k] draft tokens accepted per step
     proposed: np.ndarray  # [k] depths the drafter really proposed (n-gram: up to its match's length; block: all)
-    topk_tokens: np.ndarray  # [k, depth, K] the drafter's candidates per depth (traces: exact replay)
+    topk_tokens: np.ndarray  # [k, max_depth, K] the drafter's candidates per depth of the shape (traces: exact replay)
     topk_probs: np.ndarray
     seconds: float  # wall time of the k steps, host round trip included
     stopped: bool = False  # the device saw the request stop in these steps (with stop_on): steps past it are cut
@@ -416,9 +416,11 @@ class DeviceLoop:
         return torch.cat(words + [t.to(torch.float32).reshape(-1).view(torch.int32) for t in top_probs])
 
     def _packing(self, steps: int, depth_rows: int | None = None) -> list[tuple[tuple[int, ...], type, int]]:
-        """(shape, dtype, int32 words) of each packed column, in _steps' order (depth_rows: the chunk's shape's)."""
-        depth, topk = self.drafter.depth, self.drafter.topk
-        cols = [((steps, depth_rows or self.depth_rows), np.int64), ((steps,), np.int64), ((steps,), np.int64),
+        """(shape, dtype, int32 words) of each packed column, in _steps' order (depth_rows: the chunk's shape's;
+        the candidates of its depths: max_depth = depth_rows - 1)."""
+        depth_rows = depth_rows or self.depth_rows
+        depth, topk = depth_rows - 1, self.drafter.topk
+        cols = [((steps, depth_rows), np.int64), ((steps,), np.int64), ((steps,), np.int64),
                 ((steps, depth, topk), np.int64), ((3,), np.int64), ((steps, depth, topk), np.float32)]
         return [(shape, dt, int(np.prod(shape)) * np.dtype(dt).itemsize // 4) for shape, dt in cols]
 
@@ -438,10 +440,14 @@ class DeviceLoop:
         base = self.state[1]  # a view: read it before the state moves on
         drafter, b = self.drafter, self.block
         d = drafter.draft(self.state)
+        # The shape's depths only: a 16-row tree beside a 128-row one (deep_tree_budget) grows and assembles over
+        # its 15 depths, not the lookup's 127 (session 47: 9 us a narrow step on the H100)
+        md = self.max_depth
+        tokens, probs, lead = d.tokens[:md], d.probs[:md], None if d.lead is None else d.lead[:md]
         if self.per_step:
-            glue.grow(d.tokens, d.probs, d.lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth)
+            glue.grow(tokens, probs, lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth)
         top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(
-            d.tokens, d.probs, d.lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
+            tokens, probs, lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
         target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots)
         argmax, features = target[0][:b.rows], target[4]
         if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
