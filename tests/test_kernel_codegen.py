@@ -266,12 +266,14 @@ print(json.dumps({
                                                                "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
          | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
          {"D": 15, "K": 8, "WIDTH": 4, "BITS": 2, "R": 64, "W": 64, "HAS_LEAD": True, "HAS_BS": True, "DP": 16,
-          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15, "HI": False}, 1),
+          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15, "HI": False,
+          "RDP": 16, "TAIL": False}, 1),
         ("grow_tree_128", tg._grow_tree_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "src_ptr",
                                                                    "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
          | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
          {"D": 127, "K": 8, "WIDTH": 8, "BITS": 3, "R": 128, "W": 128, "HAS_LEAD": True, "HAS_BS": True, "DP": 128,
-          "KP": 8, "RP": 128, "WP": 128, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15, "HI": True}, 1),
+          "KP": 8, "RP": 128, "WP": 128, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15, "HI": True,
+          "RDP": 16, "TAIL": True}, 1),
         ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
                                              "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32"},
          {"ROWSETS": 180, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},

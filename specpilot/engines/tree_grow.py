@@ -164,9 +164,29 @@ def _at(t: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _prob_at(prob, d2, j2, d, r):
-    """prob [DP, KP] at (d, r); -1 (no candidate) outside."""
-    return tl.max(tl.max(tl.where((d2 == d) & (j2 == r), prob, -1.0), axis=1), axis=0)
+def _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, d, j, D: tl.constexpr, K: tl.constexpr, WIDTH: tl.constexpr,
+             KP: tl.constexpr, HAS_LEAD: tl.constexpr):
+    """The led candidates' probabilities (float64) at depths d and ranks j (broadcastable grids); -1: no candidate
+    (past the lattice or the width, or probability 0)."""
+    ok = (d < D) & (j < K)
+    if HAS_LEAD:
+        _, flat = _led_source(tok_ptr, lead_ptr, tl.load(lead_n_ptr), d, j, d < D, K, KP)
+        prob = tl.where(flat < 0, 1.0, tl.load(prob_ptr + tl.maximum(flat, 0), mask=ok, other=0.0))
+    else:
+        prob = tl.load(prob_ptr + d * K + j, mask=ok, other=0.0)
+    return tl.where(ok & (j < WIDTH) & (prob > 0), prob.to(tl.float64), -1.0)
+
+
+@triton.jit
+def _prob_at(prob, dr, j2, col, dc, d, r, RANKED: tl.constexpr, TAIL: tl.constexpr):
+    """The candidate's probability at (d, r), -1 where none: the ranked lattice prob [RDP, KP]'s, or past RANKED
+    (TAIL) the rank-0 column col [DP, 1]'s, the only candidate there. A pop reads two, so a lookup 127 deep costs
+    a [128] column, not a [128, 8] lattice."""
+    p = tl.max(tl.max(tl.where((dr == d) & (j2 == r), prob, -1.0), axis=1), axis=0)
+    if TAIL:
+        c = tl.max(tl.max(tl.where((dc == d) & ((dc * 0 + r) == 0), col, -1.0), axis=1), axis=0)
+        p = tl.where(d < RANKED, p, c)
+    return p
 
 
 @triton.jit
@@ -181,24 +201,25 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
                       R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr, HAS_LEAD: tl.constexpr,
                       HAS_BS: tl.constexpr,
                       DP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, WP: tl.constexpr,
-                      CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr, HI: tl.constexpr):
+                      CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr, HI: tl.constexpr, RDP: tl.constexpr,
+                      TAIL: tl.constexpr):
     NO_KEY: tl.constexpr = (1 << 63) - 1
-    d2 = tl.arange(0, DP)[:, None]
+    # The ranked depths' candidates [RDP, KP]; past them (TAIL: a lookup deeper than the block) rank 0 alone [DP, 1].
+    dr = tl.arange(0, RDP)[:, None]
     j2 = tl.arange(0, KP)[None, :]
-    ok = (d2 < D) & (j2 < K)
-    if HAS_LEAD:
-        _, flat = _led_source(tok_ptr, lead_ptr, tl.load(lead_n_ptr), d2, j2, d2 < D, K, KP)
-        prob = tl.where(flat < 0, 1.0, tl.load(prob_ptr + tl.maximum(flat, 0), mask=ok, other=0.0))
+    prob = _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, dr, j2, D, K, WIDTH, KP, HAS_LEAD)
+    dc = tl.arange(0, DP)[:, None]
+    if TAIL:
+        col = _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, dc, dc * 0, D, K, WIDTH, KP, HAS_LEAD)
     else:
-        prob = tl.load(prob_ptr + d2 * K + j2, mask=ok, other=0.0)
-    prob = tl.where(ok & (j2 < WIDTH) & (prob > 0), prob.to(tl.float64), -1.0)
+        col = tl.zeros([DP, 1], dtype=tl.float64) - 1.0
     # The frontier: R entries (each pop adds one at most). An entry's key is its score, then depth << DEPTH_SHIFT |
     # its ranks as base-2^BITS digits (one integer: the heap's tie order); it keeps its parent's score and ancestor
     # bits (bit j: row j), so that a pop reads four reductions. Rows' ancestor bits give parents and depths at the end.
     # HI (trees of more than 64 rows): rows 64.. in a second word, `_hi` beside each (ancestor sets are
     # prefix-closed by depth, not by row, so both words are live in any row).
     f = tl.arange(0, RP)
-    score = tl.where(f == 0, _prob_at(prob, d2, j2, 0, 0), -1.0)  # < 0: no entry
+    score = tl.where(f == 0, _prob_at(prob, dr, j2, col, dc, 0, 0, RANKED, TAIL), -1.0)  # < 0: no entry
     dkey = tl.where(f == 0, 1 << DEPTH_SHIFT, 0).to(tl.int64)
     pscore = tl.where(f == 0, 1.0, 0.0).to(tl.float64)
     pbits = tl.where(f == 0, 1, 0).to(tl.int64)
@@ -229,10 +250,10 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         if HI:
             row_bit_hi = tl.where(row >= 64, one << (row & 63), 0)
             anc_hi = tl.where((f == i + 1) & live, pb_hi | row_bit_hi, anc_hi)
-        sib = _prob_at(prob, d2, j2, depth - 1, r + 1)
+        sib = _prob_at(prob, dr, j2, col, dc, depth - 1, r + 1, RANKED, TAIL)
         score = tl.where(sel, tl.where(_flag(sib >= 0.0), ps * sib, -1.0), score)
         dkey = tl.where(sel, dk + 1, dkey)
-        child = _prob_at(prob, d2, j2, depth, 0)  # none past the last depth
+        child = _prob_at(prob, dr, j2, col, dc, depth, 0, RANKED, TAIL)  # none past the last depth
         has_child = _flag(child >= 0.0) & live
         new = (f == used) & has_child
         score = tl.where(new, best * child, score)
@@ -287,4 +308,5 @@ def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ra
                             BITS=_code_bits(width), R=rows, W=w, RANKED=ranked, HAS_LEAD=lead is not None,
                             HAS_BS=has_bs,
                             DP=p2(depth), KP=p2(k), RP=p2(rows), WP=p2(w), CB=min(16, p2(rows)),
-                            DEPTH_SHIFT=DEPTH_SHIFT, HI=p2(rows) > 64, num_warps=1)
+                            DEPTH_SHIFT=DEPTH_SHIFT, HI=p2(rows) > 64, RDP=p2(ranked), TAIL=depth > ranked,
+                            num_warps=1)
