@@ -262,18 +262,14 @@ print(json.dumps({
                                                                     "acc_ptr", "next_ptr", "stop_ptr",
                                                                     "ctl_ptr")} | {"anc_ptr": "*u8"},
          {"R": 32, "RP": 32, "DR": 9, "DRP": 16, "HAS_SEQ": True, "HAS_STOP": True, "E": 2, "EP": 2}, 1),
-        ("grow_tree", tg._grow_tree_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "src_ptr",
-                                                               "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
-         | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
-         {"D": 15, "K": 8, "WIDTH": 4, "BITS": 2, "R": 64, "W": 64, "HAS_LEAD": True, "HAS_BS": True, "DP": 16,
-          "KP": 8, "RP": 64, "WP": 64, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15, "HI": False,
-          "RDP": 16, "TAIL": False}, 1),
-        ("grow_tree_128", tg._grow_tree_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "src_ptr",
-                                                                   "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
-         | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
-         {"D": 127, "K": 8, "WIDTH": 8, "BITS": 3, "R": 128, "W": 128, "HAS_LEAD": True, "HAS_BS": True, "DP": 128,
-          "KP": 8, "RP": 128, "WP": 128, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT, "RANKED": 15, "HI": True,
-          "RDP": 16, "TAIL": True}, 1),
+        # 64 rows over the block's 15 depths, and 128 over a lookup 127 deep (a second ancestor word, a rank-0 tail)
+        *((name, tg._grow_tree_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "src_ptr",
+                                                           "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr")}
+           | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1"},
+           {"D": d, "K": 8, "WIDTH": 8, "BITS": 3, "R": r, "W": r, "HAS_LEAD": True, "HAS_BS": True,
+            "DP": triton.next_power_of_2(d), "KP": 8, "RP": r, "WP": r, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT,
+            "RANKED": 15, "HI": r > 64, "RDP": 16, "TAIL": d > 15}, 1)
+          for name, d, r in (("grow_tree", 15, 64), ("grow_tree_128", 127, 128))),
         ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
                                              "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32"},
          {"ROWSETS": 180, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},
