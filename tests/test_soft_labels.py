@@ -84,6 +84,18 @@ def test_concat_pads_each_part_in_order_and_releases_the_parts_it_copied():
     assert got.tokens.dtype == parts[0].tokens.dtype and got.features.dtype == parts[0].features.dtype
 
 
+def test_concat_assembles_on_the_cpu_where_the_gpu_cannot_hold_a_second_copy(monkeypatch):
+    """assembly_device: the parts' own device while it can hold the result beside them (and a 1 GiB margin), else
+    the CPU (the result moves back once the parts are freed); CPU parts stay where they are at any size."""
+    import specpilot.drafting.data as data
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(data, "_cuda_spare_bytes", lambda device: 40 << 30)
+    assert data.assembly_device(gpu, 39 << 30) == gpu
+    assert data.assembly_device(gpu, (39 << 30) + 1) == torch.device("cpu")
+    assert data.assembly_device(torch.device("cpu"), 1 << 50) == torch.device("cpu")
+
+
 def _loss_inputs(k: int):
     model = tiny_model("gqa", 4)
     drafter = new_drafter(TargetBundle("tiny", model, None, NO_EOS), TrainConfig(**QUICK)).float()

@@ -9,6 +9,8 @@ left-padded prompts, with a plain per-batch KV cache, so data generation costs s
 """
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -226,16 +228,43 @@ def generate_batched(model: LlamaModel, prompts: list[list[int]], new_tokens: in
     return concat(parts)
 
 
+def _cuda_spare_bytes(device: torch.device) -> int:
+    """What a new tensor on a CUDA device can still take: the driver's free memory and the allocator's unused cache."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+ASSEMBLY_MARGIN = 1 << 30  # bytes left spare on a GPU beside the assembled data (the copies' own workspace)
+
+
+def assembly_device(device: torch.device, nbytes: int) -> torch.device:
+    """Where concat assembles `nbytes` of parts that live on `device`: there, or on the CPU where a GPU cannot hold
+    a second copy beside the parts (3 x 6144 prompts, 48 GiB of features, ran an H100 out of memory there after 140
+    s of generation, session 47); the result moves back once the parts are freed."""
+    if device.type != "cuda" or nbytes + ASSEMBLY_MARGIN <= _cuda_spare_bytes(device):
+        return device
+    return torch.device("cpu")
+
+
 def concat(parts: list[DraftData]) -> DraftData:
     """The parts' sequences in order, right-padded to the longest. Copies them into tensors allocated once and
     empties `parts` as it goes (each part freed once copied), so the peak is the data twice (the parts and the
     result); torch.cat of padded copies held it three times (3 x 4096 prompts with features of 5 target layers: ~27
-    GiB of parts, as much of padded copies, then 32 GiB for the result ran out on an H100, session 44)."""
+    GiB of parts, as much of padded copies, then 32 GiB for the result ran out on an H100, session 44). Where the
+    parts' GPU has no room for the result beside them, it is assembled on the CPU (assembly_device) and moved back
+    after the last part is freed: the GPU then holds the data once."""
     with_soft = {p.soft_ids is not None for p in parts}
     if len(with_soft) > 1 or (with_soft == {True} and len({p.soft_ids.shape[-1] for p in parts}) > 1):
         raise ValueError("concat: every part needs soft labels of one K, or none has them")
     n, t_max, first = sum(len(p) for p in parts), max(p.tokens.shape[1] for p in parts), parts[0]
-    alloc = lambda x: x.new_zeros((n, t_max, *x.shape[2:]))  # noqa: E731  zero padding, as F.pad's
+    tensors = [getattr(first, f.name) for f in fields(DraftData) if f.name not in ("prompt_len", "length")]
+    nbytes = sum(n * t_max * math.prod(t.shape[2:]) * t.element_size() for t in tensors if t is not None)
+    home = first.tokens.device
+    at = assembly_device(home, nbytes)
+    if at != home:
+        print(f"concat: assembling {nbytes / 2**30:.1f} GiB of training data on the CPU ({home} cannot hold it "
+              "beside its parts), then moving it back", file=sys.stderr)
+    alloc = lambda x: torch.zeros((n, t_max, *x.shape[2:]), dtype=x.dtype, device=at)  # noqa: E731 as F.pad's
     out = {f.name: None if getattr(first, f.name) is None else alloc(getattr(first, f.name))
            for f in fields(DraftData) if f.name not in ("prompt_len", "length")}
     prompt_len, length = first.prompt_len.new_empty(n), first.length.new_empty(n)
@@ -249,7 +278,8 @@ def concat(parts: list[DraftData]) -> DraftData:
                 dst[rows, :src.shape[1]] = src
         prompt_len[rows], length[rows] = p.prompt_len, p.length
         row += len(p)
-    return DraftData(out["tokens"], out["features"], prompt_len, length, out["soft_ids"], out["soft_logits"])
+    data = DraftData(out["tokens"], out["features"], prompt_len, length, out["soft_ids"], out["soft_logits"])
+    return data if at == home else data.to(home)
 
 
 # The token side of DraftData, saved with a trained drafter so a later training call can skip generation (half of
