@@ -6,7 +6,8 @@
 #   OUT=... bash .gpu/src/scripts/gpu_drafter_ab.sh [DRAFTER_DIR ...]   (default: /root/tb/drafter and the shipped one)
 # ALSO="knob: value, ...": each drafter a second time with those engine knobs added to (or replacing) the line's
 # (e.g. ALSO="wide_tree_after: 10"; session 44 measured the lookup gate this way), so a knob's A/B shares the call's
-# AR too.
+# AR too; several variants separated by ";" (ALSO="deep_tree_budget: 63, lookup_depth: 63; deep_tree_after: 12")
+# each run once more.
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 drafters=("$@")
@@ -19,13 +20,19 @@ e = [x['engine'] for x in d['drafters'] if x.get('engine', {}).get('narrow_tree_
 print(json.dumps({**e, **(yaml.safe_load('{' + sys.argv[1] + '}') or {})})[1:-1])" "$1"
 }
 L=$(line "") || { echo "no switched tree in smollm2-135m-h200.yaml"; exit 2; }
-[ -z "${ALSO:-}" ] || LA=$(line "$ALSO") || { echo "ALSO is not a flow mapping's body: $ALSO"; exit 2; }
+VARIANTS=("$L")
+IFS=';' read -ra ALSOS <<< "${ALSO:-}"
+for a in "${ALSOS[@]}"; do
+  [ -z "${a// /}" ] && continue
+  LA=$(line "$a") || { echo "ALSO is not a flow mapping's body: $a"; exit 2; }
+  VARIANTS+=("$LA")
+done
 EXTRA=""
 for d in "${drafters[@]}"; do
   [ -f "$d/config.json" ] || { echo "no drafter at $d"; exit 2; }
-  EXTRA="$EXTRA${EXTRA:+
-}  - {kind: block, model: {path: $d}, engine: {$L}}"
-  [ -z "${ALSO:-}" ] || EXTRA="$EXTRA
-  - {kind: block, model: {path: $d}, engine: {$LA}}"
+  for v in "${VARIANTS[@]}"; do
+    EXTRA="$EXTRA${EXTRA:+
+}  - {kind: block, model: {path: $d}, engine: {$v}}"
+  done
 done
 ONLY_EXTRA=1 EXTRA="$EXTRA" PPB=${PPB:-8} bash "$SRC/scripts/gpu_smollm2_real.sh" d
