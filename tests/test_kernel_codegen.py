@@ -246,13 +246,15 @@ print(json.dumps({
            {"keys_ptr": "*i64", "m_ptr": "*fp32", "s_ptr": "*fp32", "map_ptr": "*i64", "tok_ptr": "*i64",
             "prob_ptr": "*fp32", "V": "i32", "G": "i32", "K": "i32"},
            {"KP": 8, "GP": 64, "MAPPED": mapped}, 4) for mapped in (False, True)),
-        ("assemble", lk._assemble_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "state_ptr",
-                                                                 "src_ptr", "rpos_ptr", "rslot_ptr", "rbs_ptr",
-                                                                 "out_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr",
-                                                                 "bs_ptr")}
-         | {"prob_ptr": "*fp32", "out_prob_ptr": "*fp32"},
-         {"D": 15, "K": 4, "N": 31, "W": 32, "A": 32, "HAS_LEAD": True, "HAS_BS": True, "DP": 16, "KP": 4,
-          "NP": 32, "WP": 32, "AP": 32}, 1),
+        # a 32-row tree in one warp, a 128-row one over a lookup 127 deep in loop_kernels.ASSEMBLE_WIDE_WARPS
+        *((name, lk._assemble_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "state_ptr",
+                                                           "src_ptr", "rpos_ptr", "rslot_ptr", "rbs_ptr",
+                                                           "out_tok_ptr", "ids_ptr", "pos_ptr", "slot_ptr",
+                                                           "bs_ptr")}
+           | {"prob_ptr": "*fp32", "out_prob_ptr": "*fp32"},
+           {"D": d, "K": 4, "N": w - 1, "W": w, "A": w, "HAS_LEAD": True, "HAS_BS": True,
+            "DP": triton.next_power_of_2(d), "KP": 4, "NP": w, "WP": w, "AP": w}, nw)
+          for name, d, w, nw in (("assemble", 15, 32, 1), ("assemble_128", 127, 128, lk.ASSEMBLE_WIDE_WARPS))),
         ("chain_commit", lk._chain_commit_kernel, {n: "*i64" for n in ("argmax_ptr", "ids_ptr", "proposed_ptr",
                                                                       "state_ptr", "seq_ptr", "path_ptr",
                                                                       "acc_ptr", "stop_ptr", "ctl_ptr")},
@@ -418,5 +420,6 @@ def test_post_scale_compiles_the_projection_dots(compiled):
 
 def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
-                                "topk_chunk": True, "topk_merge": True, "topk_merge_mapped": True, "assemble": True, "chain_commit": True,
-                                "tree_commit": True, "grow_tree": True, "grow_tree_128": True, "tree_move": True}
+                                "topk_chunk": True, "topk_merge": True, "topk_merge_mapped": True, "assemble": True,
+                                "assemble_128": True, "chain_commit": True, "tree_commit": True, "grow_tree": True,
+                                "grow_tree_128": True, "tree_move": True}

@@ -127,6 +127,11 @@ def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr
         tl.store(bs_ptr + w[:, None] * A + e, tl.where(rel >= 0, base + rel, -1), mask=bs_ok)
 
 
+# Warps of an assemble launch whose block slots pass 64 x 64 (a 128-row tree: 128 KB read and written; one warp took
+# 46 of a step's 3095 profiler us, session 47). Its only reduction is an integer min: any warp count, the same bits.
+ASSEMBLE_WIDE_WARPS = 4
+
+
 def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots=None):
     """assemble_ref's results in one launch."""
     _check_assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, rel_slots, rel_block_slots)
@@ -143,7 +148,7 @@ def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, r
                            rel_block_slots if has_bs else ids, out_tok, out_prob, ids, pos, slots,
                            block_slots if has_bs else ids, D=depth, K=k, N=n, W=w, A=a, HAS_LEAD=lead is not None,
                            HAS_BS=has_bs, DP=p2(depth), KP=p2(k), NP=p2(max(n, 1)), WP=p2(w), AP=p2(a),
-                           num_warps=1)
+                           num_warps=ASSEMBLE_WIDE_WARPS if w * a > 64 * 64 else 1)
     return out_tok, out_prob, ids, pos, slots, block_slots
 
 
