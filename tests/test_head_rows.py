@@ -268,11 +268,14 @@ def test_training_on_the_head_rows_ranks_its_data_and_drafts_from_them(tmp_path)
     assert rep["trained"]["teacher_forced"]["accepted"] > rep["untrained"]["teacher_forced"]["accepted"] + 0.3
 
 
-def test_head_rows_config_refusals():
+def test_head_rows_config_refusals(monkeypatch):
     for bad, match in (({"head_rows": 8}, "head_rows=8"), ({"head_rows": -16}, "head_rows=-16"),
                        ({"head_rows": 32, "soft_topk": 4}, "soft labels")):
         with pytest.raises(ValueError, match=match):
             TrainConfig(**bad)
+    import specpilot.drafting.train as train
+
+    monkeypatch.setattr(train, "collect", lambda *a, **k: pytest.fail("generated data before refusing head_rows"))
     with pytest.raises(ValueError, match="below the target's vocabulary"):
         train_drafter(TargetBundle("tiny-gqa", damped("gqa", 0), None, NO_EOS),
                       TrainConfig(**{**QUICK, "steps": 1, "head_rows": 101}))

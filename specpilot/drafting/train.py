@@ -387,13 +387,13 @@ def train_drafter(bundle: TargetBundle, cfg: TrainConfig, out_dir: str | Path | 
     """Generate data, train, evaluate, and (with out_dir) write checkpoints, the final drafter and report.json."""
     torch.manual_seed(cfg.seed)
     t0 = time.perf_counter()
+    vocab = bundle.model.shape.vocab
+    if cfg.head_rows >= vocab:  # before minutes of generation
+        raise ValueError(f"head_rows={cfg.head_rows}: must be below the target's vocabulary ({vocab}), or 0")
     model = new_drafter(bundle, cfg)
     data, held, prompts, provenance = collect(bundle, cfg, model.config.target_layers)
     t_data = time.perf_counter() - t0
-    vocab = bundle.model.shape.vocab
     if cfg.head_rows:  # the rows this call trains: its data's ranking, which it saves beside the drafter
-        if cfg.head_rows >= vocab:
-            raise ValueError(f"head_rows={cfg.head_rows}: must be below the target's vocabulary ({vocab}), or 0")
         model.token_ranking = torch.tensor(ranking_of(padded_counts(data.tokens, data.prompt_len, data.length, vocab)),
                                            dtype=torch.long)
     out = Path(out_dir) if out_dir is not None else None
