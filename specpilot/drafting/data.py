@@ -257,16 +257,15 @@ def concat(parts: list[DraftData]) -> DraftData:
     if len(with_soft) > 1 or (with_soft == {True} and len({p.soft_ids.shape[-1] for p in parts}) > 1):
         raise ValueError("concat: every part needs soft labels of one K, or none has them")
     n, t_max, first = sum(len(p) for p in parts), max(p.tokens.shape[1] for p in parts), parts[0]
-    tensors = [getattr(first, f.name) for f in fields(DraftData) if f.name not in ("prompt_len", "length")]
-    nbytes = sum(n * t_max * math.prod(t.shape[2:]) * t.element_size() for t in tensors if t is not None)
+    padded = {f.name: getattr(first, f.name) for f in fields(DraftData) if f.name not in ("prompt_len", "length")}
+    nbytes = sum(n * t_max * math.prod(t.shape[2:]) * t.element_size() for t in padded.values() if t is not None)
     home = first.tokens.device
     at = assembly_device(home, nbytes)
     if at != home:
         print(f"concat: assembling {nbytes / 2**30:.1f} GiB of training data on the CPU ({home} cannot hold it "
               "beside its parts), then moving it back", file=sys.stderr)
     alloc = lambda x: torch.zeros((n, t_max, *x.shape[2:]), dtype=x.dtype, device=at)  # noqa: E731 as F.pad's
-    out = {f.name: None if getattr(first, f.name) is None else alloc(getattr(first, f.name))
-           for f in fields(DraftData) if f.name not in ("prompt_len", "length")}
+    out = {name: None if t is None else alloc(t) for name, t in padded.items()}
     prompt_len, length = first.prompt_len.new_empty(n), first.length.new_empty(n)
     row = 0
     while parts:

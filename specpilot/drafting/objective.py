@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.drafting.data import DraftData
-from specpilot.engines.drafters.block import BlockDrafterModel, drafter_head, lm_head_weight
+from specpilot.engines.drafters.block import BlockDrafterModel, drafter_head
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class LossHead:
     def of(cls, model: BlockDrafterModel, target: torch.nn.Module, rows: int = 0) -> "LossHead":
         head, kept = drafter_head(model, target, rows)
         if kept is None:
-            return cls(lm_head_weight(target))
+            return cls(head)
         row_of = torch.full((model.config.vocab,), -1, dtype=torch.long, device=kept.device)
         row_of[kept] = torch.arange(kept.numel(), device=kept.device)
         return cls(head, row_of)
