@@ -7,7 +7,9 @@ per layer, CUDA-graph timed with the base on the device (as the engine runs them
 setting; every setting's output compared bit for bit with tiles 1. Prints a table last; JSON to OUT.
 
     PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4,1r32] [--contexts 128,1024,2048]
-    (an entry t, t r tile_rows, and w num_warps: "1r32" is one 32-row tile a program, "1r32w2" that with 2 warps)
+        [--tokens 1,16] [--shapes smollm2,llama8b] [--slots]
+    (an entry t, t r tile_rows, and w num_warps: "1r32" is one 32-row tile a program, "1r32w2" that with 2 warps;
+    --slots: position-ordered, as a grown tree's verify runs it: a chain's block_slots, one stage)
 """
 from __future__ import annotations
 
@@ -30,17 +32,21 @@ def setting(entry: str) -> dict:
     return {"tiles_per_program": int(tiles), "tile_rows": int(rows or 16), **({"num_warps": int(warps)} if warps else {})}
 
 
-def case(name: str, sh, context: int, T: int, tiles: list[str], layers: int = 8, S: int = 4096) -> dict:
+def case(name: str, sh, context: int, T: int, tiles: list[str], slots: bool, layers: int = 8, S: int = 4096) -> dict:
     g = torch.Generator(device="cuda").manual_seed(context + T)
     caches = [tuple(torch.randn(sh.kv_heads, S, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
                     for _ in range(2)) for _ in range(layers)]
     q = torch.randn(T, sh.heads, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
     base = torch.tensor([context], device="cuda")
     anc = torch.tril(torch.ones(T, T, dtype=torch.bool, device="cuda"))
-    row = {"shape": name, "context": context, "T": T}
-    want = attention(q, *caches[0], base, anc)
+    row = {"shape": name, "context": context, "T": T, "slots": slots}
+    kw0 = {}
+    if slots:  # token i reads position base + e from slot base + e (its chain ancestor), e <= i
+        e = torch.arange(T, device="cuda")
+        kw0 = {"block_slots": torch.where(e[None, :] <= e[:, None], context + e[None, :], -1)}
+    want = attention(q, *caches[0], base, anc, **kw0)
     for t in tiles:
-        kw = setting(t)
+        kw = kw0 | setting(t)
         got = attention(q, *caches[0], base, anc, **kw)
         row[f"equal_{t}"] = bool(torch.equal(got, want))
         fns = [lambda kc=kc, vc=vc: attention(q, kc, vc, base, anc, **kw) for kc, vc in caches]
@@ -53,10 +59,14 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--tiles", default="1,2,4")
     ap.add_argument("--contexts", default="128,1024,2048")
+    ap.add_argument("--tokens", default="1,16")
+    ap.add_argument("--shapes", default="smollm2,llama8b")
+    ap.add_argument("--slots", action="store_true")
     a = ap.parse_args()
     tiles = a.tiles.split(",")
-    shapes = (("smollm2", SMOLLM2_135M), ("llama8b", LLAMA3_8B))
-    rows = [case(name, sh, c, T, tiles) for name, sh in shapes for c in map(int, a.contexts.split(",")) for T in (1, 16)]
+    shapes = [(name, {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}[name]) for name in a.shapes.split(",")]
+    rows = [case(name, sh, c, T, tiles, a.slots) for name, sh in shapes for c in map(int, a.contexts.split(","))
+            for T in map(int, a.tokens.split(","))]
     json.dump(rows, open(a.out, "w"), indent=1)
     print("| shape | context | T | " + " | ".join(f"tiles {t} us (bits equal)" for t in tiles) + " |")
     print("|---|---|---|" + "---|" * len(tiles))

@@ -31,9 +31,11 @@ from specpilot.kernels._common import check_launchable, check_tensor
 # Rows a grown tree may have: ancestor sets are two int64 bit masks a row in the kernel (the second one only in
 # trees of more than 64 rows: a constexpr branch, so smaller trees compile as before).
 MAX_GROWN_ROWS = MAX_GROWN_NODES + 1
-# The kernel's frontier keys: depth << DEPTH_SHIFT | the ranks' digits (so ranked depths x bits a rank <= DEPTH_SHIFT;
-# depths up to 2**(63 - DEPTH_SHIFT) - 2: a lookup leading 127 deep).
-DEPTH_SHIFT = 54
+# The kernel's frontier keys: depth << DEPTH_SHIFT | the ranks' digits << ROW_BITS | the parent's row (so ranked
+# depths x bits a rank <= DEPTH_SHIFT - ROW_BITS; depths up to 2**(63 - DEPTH_SHIFT) - 2).
+DEPTH_SHIFT = 55
+ROW_BITS = 7
+assert MAX_GROWN_ROWS <= 1 << ROW_BITS
 
 
 @dataclass(frozen=True)
@@ -88,9 +90,9 @@ def _check_grow(tokens, probs, lead, lead_depths, width, block, ranked):
         check_tensor(name, t, shape, dt, dev)
     if block.block_slots is not None:
         check_tensor("block_slots", block.block_slots, (w, w), torch.int64, dev)
-    if not 1 <= width <= k or min(depth, ranked) * _code_bits(width) > DEPTH_SHIFT:
+    if not 1 <= width <= k or min(depth, ranked) * _code_bits(width) > DEPTH_SHIFT - ROW_BITS:
         raise ValueError(f"width={width}: must be in 1..{k} (the candidates a depth), with ranked depths x bits a "
-                         f"rank <= {DEPTH_SHIFT}")
+                         f"rank <= {DEPTH_SHIFT - ROW_BITS}")
     if not 1 <= ranked or depth >= (1 << (63 - DEPTH_SHIFT)) - 1:
         raise ValueError(f"ranked={ranked} must be >= 1 and depth={depth} < {(1 << (63 - DEPTH_SHIFT)) - 1}")
     return min(depth, ranked)
@@ -178,15 +180,10 @@ def _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, d, j, D: tl.constexpr, K: 
 
 
 @triton.jit
-def _prob_at(prob, dr, j2, col, dc, d, r, RANKED: tl.constexpr, TAIL: tl.constexpr):
-    """The candidate's probability at (d, r), -1 where none: the ranked lattice prob [RDP, KP]'s, or past RANKED
-    (TAIL) the rank-0 column col [DP, 1]'s, the only candidate there. A pop reads two, so a lookup 127 deep costs
-    a [128] column, not a [128, 8] lattice."""
-    p = tl.max(tl.max(tl.where((dr == d) & (j2 == r), prob, -1.0), axis=1), axis=0)
-    if TAIL:
-        c = tl.max(tl.max(tl.where((dc == d) & ((dc * 0 + r) == 0), col, -1.0), axis=1), axis=0)
-        p = tl.where(d < RANKED, p, c)
-    return p
+def _frontier_best(score1, key1, score2, key2):
+    """The heap's order as one reduction: the higher score, then the lower key (keys are unique among entries)."""
+    first = (score1 > score2) | ((score1 == score2) & (key1 < key2))
+    return tl.where(first, score1, score2), tl.where(first, key1, key2)
 
 
 @triton.jit
@@ -197,73 +194,72 @@ def _flag(cond):
 
 @triton.jit
 def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr, tanc_ptr, depth_ptr, pos_ptr,
-                      anc_ptr, bs_ptr, D: tl.constexpr, K: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr,
-                      R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr, HAS_LEAD: tl.constexpr,
-                      HAS_BS: tl.constexpr,
-                      DP: tl.constexpr, KP: tl.constexpr, RP: tl.constexpr, WP: tl.constexpr,
-                      CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr, HI: tl.constexpr, RDP: tl.constexpr,
-                      TAIL: tl.constexpr):
+                      anc_ptr, bs_ptr, lat_ptr, rbits_ptr, D: tl.constexpr, K: tl.constexpr, WIDTH: tl.constexpr,
+                      BITS: tl.constexpr, R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr,
+                      HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
+                      RP: tl.constexpr, WP: tl.constexpr, CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr,
+                      ROW_BITS: tl.constexpr, HI: tl.constexpr):
     NO_KEY: tl.constexpr = (1 << 63) - 1
-    # The ranked depths' candidates [RDP, KP]; past them (TAIL: a lookup deeper than the block) rank 0 alone [DP, 1].
-    dr = tl.arange(0, RDP)[:, None]
+    # Scratch the pops read one element of (an element of a register tensor costs a reduction over it): lat_ptr
+    # holds the led lattice [DP, KP] (past RANKED rank 0 alone), then each row's score [RP]; rbits_ptr each row's
+    # ancestor bits [RP] (and rows 64.. in [RP] more: HI, trees of more than 64 rows).
     j2 = tl.arange(0, KP)[None, :]
-    prob = _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, dr, j2, D, K, WIDTH, KP, HAS_LEAD)
-    dc = tl.arange(0, DP)[:, None]
-    if TAIL:
-        col = _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, dc, dc * 0, D, K, WIDTH, KP, HAS_LEAD)
-    else:
-        col = tl.zeros([DP, 1], dtype=tl.float64) - 1.0
-    # The frontier: R entries (each pop adds one at most). An entry's key is its score, then depth << DEPTH_SHIFT |
-    # its ranks as base-2^BITS digits (one integer: the heap's tie order); it keeps its parent's score and ancestor
-    # bits (bit j: row j), so that a pop reads four reductions. Rows' ancestor bits give parents and depths at the end.
-    # HI (trees of more than 64 rows): rows 64.. in a second word, `_hi` beside each (ancestor sets are
-    # prefix-closed by depth, not by row, so both words are live in any row).
+    for c in tl.static_range(0, DP, CB):
+        d2 = c + tl.arange(0, CB)[:, None]
+        lat = _lattice(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, d2, j2, D, K, WIDTH, KP, HAS_LEAD)
+        tl.store(lat_ptr + d2 * KP + j2, tl.where((d2 < RANKED) | (j2 == 0), lat, -1.0), mask=d2 < DP)
+    ROWS: tl.constexpr = DP * KP
+    tl.store(lat_ptr + ROWS, 1.0)  # the root: score 1, ancestor bit 0
+    tl.store(rbits_ptr, tl.full([], 1, tl.int64))
+    if HI:
+        tl.store(rbits_ptr + RP, tl.full([], 0, tl.int64))
+    tl.debug_barrier()
+    # The frontier: R entries (each pop adds one at most). An entry's key is depth << DEPTH_SHIFT | its ranks as
+    # base-2^BITS digits << ROW_BITS | its parent's row; (score, key) is the heap's order (the ranks' digits make
+    # the key unique, so the parent's row below them changes no comparison). No entry: score -1, key NO_KEY.
     f = tl.arange(0, RP)
-    score = tl.where(f == 0, _prob_at(prob, dr, j2, col, dc, 0, 0, RANKED, TAIL), -1.0)  # < 0: no entry
-    dkey = tl.where(f == 0, 1 << DEPTH_SHIFT, 0).to(tl.int64)
-    pscore = tl.where(f == 0, 1.0, 0.0).to(tl.float64)
-    pbits = tl.where(f == 0, 1, 0).to(tl.int64)
+    first = tl.load(lat_ptr)
+    score = tl.where(f == 0, first, -1.0)
+    dkey = tl.where((f == 0) & _flag(first >= 0.0), 1 << DEPTH_SHIFT, NO_KEY).to(tl.int64)
     used = 1
     f64 = f.to(tl.int64)
     anc_bits = tl.where(f < 64, tl.full([RP], 1, tl.int64) << (f64 & 63), 0)  # dead rows: themselves
-    pbits_hi = tl.zeros([RP], dtype=tl.int64)
     anc_hi = tl.where(f >= 64, tl.full([RP], 1, tl.int64) << (f64 & 63), 0)
     node_src = tl.zeros([RP], dtype=tl.int64)  # node i at entry i
     for i in range(R - 1):
-        valid = score >= 0.0
-        best = tl.max(score, axis=0)
-        dk = tl.min(tl.where(valid & (score == best), dkey, NO_KEY), axis=0)
+        best, dk = tl.reduce((score, dkey), 0, _frontier_best)
         live = _flag(dk < NO_KEY)
-        sel = valid & (dkey == dk)
-        ps = tl.sum(tl.where(sel, pscore, 0.0), axis=0)
-        pb = tl.sum(tl.where(sel, pbits, 0), axis=0)
-        if HI:
-            pb_hi = tl.sum(tl.where(sel, pbits_hi, 0), axis=0)
+        sel = (dkey == dk) & live
+        prow = dk & ((1 << ROW_BITS) - 1)
         depth = (dk >> DEPTH_SHIFT).to(tl.int32)  # all ones when the frontier is empty: no candidate there
-        code = dk & ((1 << DEPTH_SHIFT) - 1)
+        code = (dk >> ROW_BITS) & ((1 << (DEPTH_SHIFT - ROW_BITS)) - 1)
         r = tl.where(depth <= RANKED, code & ((1 << BITS) - 1), 0).to(tl.int32)  # past RANKED: rank 0, no digit
+        ps = tl.load(lat_ptr + ROWS + prow, mask=live, other=0.0)
+        pb = tl.load(rbits_ptr + prow, mask=live, other=0)
+        sib = tl.load(lat_ptr + (depth - 1) * KP + r + 1, mask=live & (r + 1 < KP), other=-1.0)
+        child = tl.load(lat_ptr + depth * KP, mask=live & (depth < D), other=-1.0)  # none past the last depth
         one = tl.full([], 1, tl.int64)
         row = one * 0 + i + 1  # (the interpreter's loop index is an int)
         row_bit = tl.where(row < 64, one << (row & 63), 0)
         node_src = tl.where((f == i) & live, ((depth - 1) * K + r).to(tl.int64), node_src)
         anc_bits = tl.where((f == i + 1) & live, pb | row_bit, anc_bits)
+        tl.store(lat_ptr + ROWS + row, best, mask=live)
+        tl.store(rbits_ptr + row, pb | row_bit, mask=live)
         if HI:
+            pb_hi = tl.load(rbits_ptr + RP + prow, mask=live, other=0)
             row_bit_hi = tl.where(row >= 64, one << (row & 63), 0)
             anc_hi = tl.where((f == i + 1) & live, pb_hi | row_bit_hi, anc_hi)
-        sib = _prob_at(prob, dr, j2, col, dc, depth - 1, r + 1, RANKED, TAIL)
-        score = tl.where(sel, tl.where(_flag(sib >= 0.0), ps * sib, -1.0), score)
-        dkey = tl.where(sel, dk + 1, dkey)
-        child = _prob_at(prob, dr, j2, col, dc, depth, 0, RANKED, TAIL)  # none past the last depth
+            tl.store(rbits_ptr + RP + row, pb_hi | row_bit_hi, mask=live)
+        has_sib = _flag(sib >= 0.0)
+        score = tl.where(sel, tl.where(has_sib, ps * sib, -1.0), score)
+        dkey = tl.where(sel, tl.where(has_sib, dk + (1 << ROW_BITS), NO_KEY), dkey)
         has_child = _flag(child >= 0.0) & live
         new = (f == used) & has_child
         score = tl.where(new, best * child, score)
-        dkey = tl.where(new, ((depth + 1).to(tl.int64) << DEPTH_SHIFT) | tl.where(depth < RANKED, code << BITS, code),
-                        dkey)
-        pscore = tl.where(new, best, pscore)
-        pbits = tl.where(new, pb | row_bit, pbits)
-        if HI:
-            pbits_hi = tl.where(new, pb_hi | row_bit_hi, pbits_hi)
+        digits = tl.where(depth < RANKED, code << BITS, code)
+        dkey = tl.where(new, ((depth + 1).to(tl.int64) << DEPTH_SHIFT) | (digits << ROW_BITS) | row, dkey)
         used = used + tl.where(has_child, 1, 0)
+        tl.debug_barrier()  # this row's score and bits before a later pop reads them as a parent's
     # Rows' depths (ancestors - 1) and parents (the last proper ancestor) from their bits, 16 columns at a time
     # (a [64, 64] int64 tile at once took all 255 registers of the warp's threads).
     ri = f[:, None]
@@ -301,12 +297,14 @@ def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ra
     check_launchable(_grow_tree_kernel, dev)
     p2 = triton.next_power_of_2
     has_bs = block.block_slots is not None
+    # Scratch: the lattice and the rows' scores (float64), the rows' ancestor words (int64).
+    dp, kp, rp = p2(depth), p2(k), p2(rows)
+    lattice = torch.empty(dp * kp + rp, dtype=torch.float64, device=dev)
+    row_bits = torch.empty(2 * rp, dtype=torch.int64, device=dev)
     _grow_tree_kernel[(1,)](tokens, probs, tokens if lead is None else lead,
                             block.depths if lead_depths is None else lead_depths, block.node_src, block.parents,
                             block.tree_anc, block.depths, block.positions, block.anc,
-                            block.block_slots if has_bs else block.depths, D=depth, K=k, WIDTH=width,
-                            BITS=_code_bits(width), R=rows, W=w, RANKED=ranked, HAS_LEAD=lead is not None,
-                            HAS_BS=has_bs,
-                            DP=p2(depth), KP=p2(k), RP=p2(rows), WP=p2(w), CB=min(16, p2(rows)),
-                            DEPTH_SHIFT=DEPTH_SHIFT, HI=p2(rows) > 64, RDP=p2(ranked), TAIL=depth > ranked,
-                            num_warps=1)
+                            block.block_slots if has_bs else block.depths, lattice, row_bits, D=depth, K=k,
+                            WIDTH=width, BITS=_code_bits(width), R=rows, W=w, RANKED=ranked,
+                            HAS_LEAD=lead is not None, HAS_BS=has_bs, DP=dp, KP=kp, RP=rp, WP=p2(w),
+                            CB=min(16, rp), DEPTH_SHIFT=DEPTH_SHIFT, ROW_BITS=ROW_BITS, HI=rp > 64, num_warps=1)
