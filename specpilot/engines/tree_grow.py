@@ -226,6 +226,8 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
     anc_bits = tl.where(f < 64, tl.full([RP], 1, tl.int64) << (f64 & 63), 0)  # dead rows: themselves
     anc_hi = tl.where(f >= 64, tl.full([RP], 1, tl.int64) << (f64 & 63), 0)
     node_src = tl.zeros([RP], dtype=tl.int64)  # node i at entry i
+    row_par = tl.full([RP], -1, tl.int64)  # dead rows: no parent, depth 0
+    row_depth = tl.zeros([RP], dtype=tl.int64)
     for i in range(R - 1):
         best, dk = tl.reduce((score, dkey), 0, _frontier_best)
         live = _flag(dk < NO_KEY)
@@ -242,13 +244,16 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         row = one * 0 + i + 1  # (the interpreter's loop index is an int)
         row_bit = tl.where(row < 64, one << (row & 63), 0)
         node_src = tl.where((f == i) & live, ((depth - 1) * K + r).to(tl.int64), node_src)
-        anc_bits = tl.where((f == i + 1) & live, pb | row_bit, anc_bits)
+        at_row = (f == i + 1) & live
+        anc_bits = tl.where(at_row, pb | row_bit, anc_bits)
+        row_par = tl.where(at_row, prow, row_par)
+        row_depth = tl.where(at_row, depth.to(tl.int64), row_depth)
         tl.store(lat_ptr + ROWS + row, best, mask=live)
         tl.store(rbits_ptr + row, pb | row_bit, mask=live)
         if HI:
             pb_hi = tl.load(rbits_ptr + RP + prow, mask=live, other=0)
             row_bit_hi = tl.where(row >= 64, one << (row & 63), 0)
-            anc_hi = tl.where((f == i + 1) & live, pb_hi | row_bit_hi, anc_hi)
+            anc_hi = tl.where(at_row, pb_hi | row_bit_hi, anc_hi)
             tl.store(rbits_ptr + RP + row, pb_hi | row_bit_hi, mask=live)
         has_sib = _flag(sib >= 0.0)
         score = tl.where(sel, tl.where(has_sib, ps * sib, -1.0), score)
@@ -260,31 +265,29 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
         dkey = tl.where(new, ((depth + 1).to(tl.int64) << DEPTH_SHIFT) | (digits << ROW_BITS) | row, dkey)
         used = used + tl.where(has_child, 1, 0)
         tl.debug_barrier()  # this row's score and bits before a later pop reads them as a parent's
-    # Rows' depths (ancestors - 1) and parents (the last proper ancestor) from their bits, 16 columns at a time
-    # (a [64, 64] int64 tile at once took all 255 registers of the warp's threads).
-    ri = f[:, None]
+    # The rows' ancestor masks and (HAS_BS) their ancestors' slots by depth, CB columns a turn of a loop that is not
+    # unrolled: the unrolled [RP, CB] int64 tiles of every turn spilled 22 KB a thread at 128 rows (ptxas).
     r_ok = f < R
-    row_depth = tl.full([RP], -1, tl.int32)
-    row_par = tl.full([RP], -1, tl.int32)
-    for c in tl.static_range(0, RP, CB):
-        rj = c + tl.arange(0, CB)[None, :]
-        is_anc = (((anc_hi if c >= 64 else anc_bits)[:, None] >> (rj.to(tl.int64) & 63)) & 1) != 0
-        row_depth += tl.sum(is_anc.to(tl.int32), axis=1)
-        row_par = tl.maximum(row_par, tl.max(tl.where(is_anc & (rj != ri), rj, -1), axis=1))
-        tl.store(tanc_ptr + ri * R + rj, is_anc.to(tl.uint8), mask=(ri < R) & (rj < R))
-        tl.store(anc_ptr + ri * W + rj, is_anc, mask=(ri < R) & (rj < R))
     tl.store(src_ptr + f, node_src, mask=f < R - 1)
-    tl.store(par_ptr + f, row_par.to(tl.int64), mask=r_ok)
-    tl.store(depth_ptr + f, row_depth.to(tl.int64), mask=r_ok)
-    tl.store(pos_ptr + f, row_depth.to(tl.int64), mask=r_ok)
-    if HAS_BS:
-        # Row i's ancestor at depth e is the one ancestor of that depth; entries past its depth are -1.
-        for c in tl.static_range(0, RP, CB):
-            rj = c + tl.arange(0, CB)[None, :]
-            is_anc = (((anc_hi if c >= 64 else anc_bits)[:, None] >> (rj.to(tl.int64) & 63)) & 1) != 0
-            col_depth = tl.sum(tl.where(f[:, None] == rj, row_depth[:, None], 0), axis=0)[None, :]
-            tl.store(bs_ptr + ri * W + col_depth.to(tl.int64), rj.to(tl.int64), mask=(ri < R) & is_anc)
-        for c in tl.static_range(0, WP, CB):
+    tl.store(par_ptr + f, row_par, mask=r_ok)
+    tl.store(depth_ptr + f, row_depth, mask=r_ok)
+    tl.store(pos_ptr + f, row_depth, mask=r_ok)
+    tl.debug_barrier()  # the depths, read back a column at a time below
+    ri = f[:, None]
+    for c in range(0, RP, CB):
+        rj = c + tl.arange(0, CB)[None, :]
+        word = anc_bits[:, None]
+        if HI:
+            word = tl.where(rj >= 64, anc_hi[:, None], word)
+        is_anc = ((word >> (rj.to(tl.int64) & 63)) & 1) != 0
+        ok = (ri < R) & (rj < R)
+        tl.store(tanc_ptr + ri * R + rj, is_anc.to(tl.uint8), mask=ok)
+        tl.store(anc_ptr + ri * W + rj, is_anc, mask=ok)
+        if HAS_BS:  # row i's ancestor at depth e is the one ancestor of that depth
+            col_depth = tl.load(depth_ptr + rj, mask=rj < R, other=0)
+            tl.store(bs_ptr + ri * W + col_depth, rj.to(tl.int64), mask=ok & is_anc)
+    if HAS_BS:  # entries past a row's depth are -1
+        for c in range(0, WP, CB):
             e = c + tl.arange(0, CB)[None, :]
             tl.store(bs_ptr + ri * W + e, tl.full([RP, CB], -1, tl.int64),
                      mask=(ri < R) & (e < W) & (e > row_depth[:, None]))
