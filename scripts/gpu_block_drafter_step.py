@@ -4,7 +4,8 @@ python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [-
     [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE] [--only NAME,..]
     [--window W --position P]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
-Triton kernels) the draft graph, one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
+Triton kernels; `fused, default launches`: that with DraftLaunches' projections at their defaults) the draft graph,
+one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
 beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the cost of a speculative
@@ -28,9 +29,12 @@ from specpilot.drafting.checkpoint import load_drafter
 from specpilot.engines.build import build_engine
 from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
+from specpilot.engines.drafters.block_fused import DraftLaunches
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
+from specpilot.kernels.gemm import LinearParams
+from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
 from specpilot.kernels.table import read_pairs
 
@@ -97,9 +101,9 @@ def kernels(fn) -> dict:
             "by_kernel": {k: [seen[k], round(us[k], 1)] for k, _ in us.most_common()}}
 
 
-def step_costs(fused: bool) -> dict:
+def step_costs(fused: bool, launches: DraftLaunches = DraftLaunches()) -> dict:
     blocks = BlockTreeDrafter(drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, dev, cuda_graphs=cuda,
-                              fused=fused, window=args.window)
+                              fused=fused, window=args.window, launches=launches)
     blocks.capture_all()
     position = args.position
     blocks.observe(0, torch.randn(position, blocks.step.config.feature_dim, dtype=torch.bfloat16, device=dev))
@@ -191,7 +195,10 @@ def measure() -> dict:
                 f"{tb} + ngram_prefix, device loop x4": guarded(loop_kernels, tree.replace(ngram_prefix=True), 256),
                 f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True),
                                                                       256)}
-    steps = {name: step_costs(name == "fused") for name in ("reference", "fused")} if "steps" in sections else {}
+    # "fused, default launches": the fused step with every projection at its wrapper's defaults (DraftLaunches' A/B)
+    untuned = DraftLaunches(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams())
+    steps = {"reference": step_costs(False), "fused": step_costs(True),
+             "fused, default launches": step_costs(True, untuned)} if "steps" in sections else {}
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}
 

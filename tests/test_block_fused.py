@@ -9,7 +9,7 @@ from test_block_drafter import NO_EOS, cfg, damped, quick_drafter
 from test_block_step import drafter_for
 
 from specpilot.engines.build import build_engine
-from specpilot.engines.drafters.block_fused import FusedBlockStep, qk_norm_rope, qk_norm_rope_ref
+from specpilot.engines.drafters.block_fused import DraftLaunches, FusedBlockStep, qk_norm_rope, qk_norm_rope_ref
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.kernels import rope_tables
@@ -103,3 +103,16 @@ def test_a_triton_engine_drafts_with_the_fused_step_and_equals_ar():
     assert isinstance(eng.drafter.step, FusedBlockStep)
     r = eng.generate(p, 16)
     assert r.tokens == want and max(s.accepted for s in r.steps) == 3
+
+
+def test_draft_launches_are_typed_and_fit_the_mlp():
+    """down's split K (4 runs of 256-wide chunks) drops to what a narrower MLP's chunks hold; a wrong params type is
+    refused on construction."""
+    from specpilot.kernels.gemm import LinearParams
+    from specpilot.kernels.norm_gemm import RMSNormLinearParams
+    d = DraftLaunches()
+    assert d.down_for(3072)["split_k"] == 4 and d.down_for(512)["split_k"] == 2 and d.down_for(336)["split_k"] == 2
+    assert d.down_for(200)["split_k"] == 1
+    with pytest.raises(TypeError, match="DraftLaunches.down must be a LinearParams"):
+        DraftLaunches(down=RMSNormLinearParams())
+    assert DraftLaunches(down=LinearParams()).down_for(3072)["split_k"] == 1

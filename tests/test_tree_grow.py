@@ -170,6 +170,11 @@ def test_bad_inputs_are_refused():
     deep, deep_probs = candidates(0, 31, 8)
     with pytest.raises(ValueError, match="ranked depths x bits"):  # every depth ranked: 31 x 3 bits
         grown(deep, deep_probs, 8, 31)
+    # the key's ranks take DEPTH_SHIFT - ROW_BITS = 48 bits: 16 depths of 3-bit ranks fit, 17 do not
+    edge, edge_probs = candidates(1, 17, 8)
+    with pytest.raises(ValueError, match="ranked depths x bits a rank <= 48"):
+        grown(edge, edge_probs, 8, 31)
+    assert_same(grown(edge[:16], edge_probs[:16], 8, 31, kernel=True), grown(edge[:16], edge_probs[:16], 8, 31), "16")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the compiled kernel)")

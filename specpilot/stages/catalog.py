@@ -338,7 +338,11 @@ def mechanisms_in(base: Candidate, config: EngineConfig, drafter_label: str | No
             continue
         if any(k.field in delta[k.target] for k in m.knobs):
             names.append(m.name)
-    if "kernel_table" in delta[KnobTarget.ENGINE]:
+    engine = delta[KnobTarget.ENGINE]
+    # a weight format's trial drops the projections' launch shapes (apply_delta): that table change is the format's
+    implied = "weight_format" in engine and dict(config.kernel_table) == dict(
+        numerics_only(base.config.kernel_table, PROJECTIONS))
+    if "kernel_table" in engine and not implied:
         names.append(KERNEL_TABLE.name)
     return tuple(dict.fromkeys(names))
 

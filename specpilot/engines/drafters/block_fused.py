@@ -10,6 +10,8 @@ Same cache layout, inputs and outputs as BlockStep, so the drafter and the devic
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,8 @@ from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
+from specpilot.kernels.gemm import LinearParams, split_size
+from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.topk import topk_probs
 
@@ -120,6 +124,38 @@ def qk_norm_rope_ref(x, heads, kv_heads, positions, slots, cos, sin, k_cache, v_
     return rot[:, :heads] if heads else None
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftLaunches:
+    """The fused step's projection launches. A draft is a proposal (verification decides), so unlike the target's
+    launches these may change the reduction order (down's split K). Defaults: the best of session 46's sweep on an
+    H100 at the shipped drafter's shapes (`scripts/gpu_gemv_sweep.py --shape smollm2-drafter`, notes/h200.md: us in
+    a CUDA graph, default -> these: gate_up 5.26 -> 4.99, down 7.14 -> 5.00, head 6.77 -> 5.94; qkv and o_proj
+    within 1% of their defaults), ~5.5 us of a draft."""
+
+    qkv: RMSNormLinearParams = RMSNormLinearParams()
+    o_proj: LinearParams = LinearParams()
+    gate_up: RMSNormLinearParams = RMSNormLinearParams(block_n=32, num_warps=4, num_stages=3)
+    down: LinearParams = LinearParams(block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=4)
+    head: RMSNormLinearParams = RMSNormLinearParams(block_n=64, num_warps=4, num_stages=3)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            want = RMSNormLinearParams if f.name in ("qkv", "gate_up", "head") else LinearParams
+            if not isinstance(getattr(self, f.name), want):
+                raise TypeError(f"DraftLaunches.{f.name} must be a {want.__name__}")
+
+    def down_for(self, k: int) -> dict:
+        """down's launch for a K-wide MLP: its split K lowered to what K's chunks hold (a narrower drafter)."""
+        p = self.down
+        while p.split_k > 1:
+            try:
+                split_size(k, p.block_k, p.split_k)
+                break
+            except ValueError:
+                p = dataclasses.replace(p, split_k=p.split_k // 2)
+        return p.as_kwargs()
+
+
 def fusable(model: BlockDrafterModel) -> bool:
     """Whether FusedBlockStep runs this drafter: no attention biases, a power-of-two head size (the kernels')."""
     c = model.config
@@ -130,13 +166,17 @@ class FusedBlockStep:
     """BlockStep's interface and cache ([layers, k/v, kv_heads, capacity + block_size, D]) on fused kernels."""
 
     def __init__(self, model: BlockDrafterModel, embed: torch.Tensor, head: torch.Tensor, capacity: int,
-                 block_size: int, topk: int, window: int = 0, token_map: torch.Tensor | None = None):
+                 block_size: int, topk: int, window: int = 0, token_map: torch.Tensor | None = None,
+                 launches: DraftLaunches = DraftLaunches()):
         if not fusable(model):
             raise ValueError("the fused drafter step needs a drafter without attention biases and a power-of-two "
                              "head size of at least 16")
         c = self.config = model.config
         self.model, self.embed, self.head, self.topk, self.token_map = model, embed, head, topk, token_map
         self.capacity, self.width, self.window = capacity, block_size, check_window(window)
+        self.p_qkv, self.p_o = launches.qkv.as_kwargs(), launches.o_proj.as_kwargs()
+        self.p_gate_up, self.p_head = launches.gate_up.as_kwargs(), launches.head.as_kwargs()
+        self.p_down = launches.down_for(c.intermediate)
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -179,13 +219,13 @@ class FusedBlockStep:
         positions = ints[1] + self.block_offsets  # the block's keys go to the slots of its own positions
         x = self.x
         for i, layer in enumerate(m.layers):
-            q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps), c.heads, i,
-                         positions, positions)
+            q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **self.p_qkv),
+                         c.heads, i, positions, positions)
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
-            x = linear(o, layer.self_attn.o_proj.weight, residual=x)
-            act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps)
-            x = linear(act, layer.mlp.down_proj.weight, residual=x)
-        logits = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32)
+            x = linear(o, layer.self_attn.o_proj.weight, residual=x, **self.p_o)
+            act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up)
+            x = linear(act, layer.mlp.down_proj.weight, residual=x, **self.p_down)
+        logits = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32, **self.p_head)
         if c.logit_scale != 1.0:
             logits = logits * c.logit_scale
         if c.logit_softcap > 0:

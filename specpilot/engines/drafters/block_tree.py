@@ -20,7 +20,7 @@ from specpilot.costmodel.acceptance import best_first_tree
 from specpilot.engines.config import EngineConfig, VerifyMode
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.drafters.block import BlockDrafterModel, drafter_head, runtime_copy
-from specpilot.engines.drafters.block_fused import FusedBlockStep, fusable
+from specpilot.engines.drafters.block_fused import DraftLaunches, FusedBlockStep, fusable
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.llama import LlamaModel
 from specpilot.kernels._common import capture_graph
@@ -75,7 +75,7 @@ class DrafterGraph:
 class BlockTreeDrafter:
     def __init__(self, model: BlockDrafterModel, target: LlamaModel, shape: TreeShape, max_len: int,
                  device: str | torch.device, cuda_graphs: bool = False, fused: bool = False, window: int = 0,
-                 head_rows: int = 0):
+                 head_rows: int = 0, launches: DraftLaunches = DraftLaunches()):
         c = model.config
         c.check_target(target.shape)
         if shape.block_size > c.block_size:
@@ -90,9 +90,11 @@ class BlockTreeDrafter:
         self.topk = min(head.shape[0], max(shape.width, TRACE_TOPK))
         # fused: the engine's Triton kernels, ~20 launches a draft instead of ~108 (other low bits than the
         # trainer's reference: proposals only); drafters the kernels cannot run keep the reference step.
-        step = FusedBlockStep if fused and fusable(runtime) else BlockStep
-        self.step = step(runtime, target.embed_tokens.weight, head, max_len, shape.block_size, self.topk,
-                         window=window, token_map=kept)
+        # (launches: the fused step's projection settings, DraftLaunches)
+        fused = fused and fusable(runtime)
+        self.step = (FusedBlockStep if fused else BlockStep)(
+            runtime, target.embed_tokens.weight, head, max_len, shape.block_size, self.topk, window=window,
+            token_map=kept, **({"launches": launches} if fused else {}))
         self._graph: DrafterGraph | None = None
         self._observe_graphs: dict[int, DrafterGraph] = {}  # per observed count n <= block_size
         self.use_graph = cuda_graphs and self.device.type == "cuda"
