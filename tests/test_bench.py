@@ -47,6 +47,8 @@ def test_bench_runs_ar_and_every_drafter_with_equal_tokens(tiny_deployment, tmp_
         if r["variant"] in spec:  # against the faster AR mode, never more than against the exact one's time
             ar_times = [x["decode_s"] for x in reqs if x["prompt_id"] == r["prompt_id"] and x["variant"] in ("ar", "ar_fast")]
             assert r["speedup"] == pytest.approx(min(ar_times) / r["decode_s"])
+    assert all(sum(r["shape_hist"].values()) == r["steps"] for r in reqs)  # steps by verify rows: AR's are 1 row
+    assert {k for r in reqs if r["variant"] == "ar" for k in r["shape_hist"]} == {"1"}
     assert json.loads((tmp_path / "bench.json").read_text())["deployment"] == "tiny-cpu"
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -264,3 +266,24 @@ def test_the_one_geometric_mean_every_summary_uses():
     with pytest.raises(ValueError):  # a zero speedup is a run that did not happen, not a value to average
         geomean([2.0, 0.0])
     assert geomean_of_runs([0.0, 2.0, 8.0]) == pytest.approx(4.0) and geomean_of_runs([0.0]) == 0.0
+
+
+def test_the_report_prices_each_verify_shape_from_its_requests():
+    """decode ms = 0.8 a 16-row step + 1.0 a 32-row step + 1.9 a 128-row one + 0.3 a request: the least squares over
+    the requests' step counts by shape give those costs back; too few requests, or shapes that always come together,
+    give None."""
+    import dataclasses
+
+    from specpilot.bench.harness import BenchReport, format_report
+    counts = [(40, 0, 0), (30, 5, 0), (20, 10, 4), (10, 3, 9), (50, 1, 1), (25, 20, 2), (5, 2, 30)]
+    rs = [dataclasses.replace(r, decode_s=(0.8 * a + 1.0 * b + 1.9 * c + 0.3) / 1e3,
+                              shape_hist={k: n for k, n in ((16, a), (32, b), (128, c)) if n})
+          for r, (a, b, c) in zip(_requests("spec", {"gsm8k": [2.0] * len(counts)}), counts)]
+    report = BenchReport("dep", "cuda", 256, ["spec"], rs)
+    assert report.step_ms_by_rows("spec") == pytest.approx({16: 0.8, 32: 1.0, 128: 1.9})
+    assert report.to_dict()["summary"]["spec"]["step_ms_by_verify_rows"] == pytest.approx({16: 0.8, 32: 1.0, 128: 1.9})
+    assert "spec ms a step by verify rows (least squares over its requests): 16: 0.800, 32: 1.000, 128: 1.900" in (
+        format_report(report))
+    assert BenchReport("dep", "cuda", 256, ["spec"], rs[:4]).step_ms_by_rows("spec") is None
+    together = [dataclasses.replace(r, shape_hist={16: n, 32: n}) for r, n in zip(rs, range(1, 8))]
+    assert BenchReport("dep", "cuda", 256, ["spec"], together).step_ms_by_rows("spec") is None

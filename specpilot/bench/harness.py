@@ -65,6 +65,9 @@ class RequestResult:
     # Decode wall time outside the timed steps (the host between steps; device-loop chunks are timed whole): a few
     # ms at most, unless something stalled the loop (a collection, a compile, a capture).
     outside_ms: float | None = None
+    # Steps by the rows their target forward verified (StepTrace.verify_tokens: 1 for AR, the tree's rows for a
+    # switched 16 / 32 / 128-row line): BenchReport.step_ms_by_rows prices each shape from these.
+    shape_hist: dict[int, int] = field(default_factory=dict)
 
     @property
     def tpot_ms(self) -> float:
@@ -123,13 +126,30 @@ class BenchReport:
         return {k: {"requests": len(rs), "geomean_speedup": geomean([r.speedup for r in rs]),
                     "tokens_per_step": _mean([r.tokens_per_step for r in rs])} for k, rs in sorted(groups.items())}
 
+    def step_ms_by_rows(self, variant: str) -> dict[int, float] | None:
+        """What a step of each verify shape costs in this run: least squares of the variant's decode ms over its
+        requests' steps by shape (shape_hist), with one constant a request (its time outside the steps). The costs
+        a replay prices switched shapes with (scripts/replay_adaptive_rows.py), read off the bench itself rather
+        than off a profile. None where the requests do not determine them (fewer requests than unknowns, or shapes
+        that always occur together)."""
+        import numpy as np
+        rs = [r for r in self.requests if r.variant == variant and r.shape_hist]
+        shapes = sorted({k for r in rs for k in r.shape_hist})
+        if not shapes or len(rs) < len(shapes) + 2:
+            return None
+        a = np.array([[r.shape_hist.get(k, 0) for k in shapes] + [1.0] for r in rs], dtype=float)
+        if np.linalg.matrix_rank(a) < a.shape[1]:
+            return None
+        ms, *_ = np.linalg.lstsq(a, np.array([1e3 * r.decode_s for r in rs]), rcond=None)
+        return {k: float(m) for k, m in zip(shapes, ms[:-1])}
+
     def to_dict(self) -> dict:
         summary = {v: {"geomean_speedup": self.geomean(v), "geomean_interval": self.geomean_interval(v),
                        "interval_level": CI_LEVEL, "all_match_ar": self.all_match(v),
                        "per_benchmark": {b: self.geomean(v, b) for b in self.benchmarks()},
                        "tokens_per_step": self.mean(v, "tokens_per_step"), "tpot_ms": self.mean(v, "tpot_ms"),
                        "draft_ms_per_step": self.mean(v, "draft_ms"), "verify_ms_per_step": self.mean(v, "verify_ms"),
-                       "by_stop": self.by_stop(v)}
+                       "by_stop": self.by_stop(v), "step_ms_by_verify_rows": self.step_ms_by_rows(v)}
                    for v in self.variants}
         return {"deployment": self.deployment, "device": self.device, "max_new_tokens": self.max_new_tokens,
                 "summary": summary, "requests": [asdict(r) | {"tpot_ms": r.tpot_ms} for r in self.requests]}
@@ -215,6 +235,7 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
             if is_ar:
                 fastest_ar_s = min(fastest_ar_s, res.decode_s)
             hist = Counter(s.committed for s in res.steps)
+            shapes = Counter(s.verify_tokens for s in res.steps)
             ref_label = twins.get(v.label, AR_LABEL)
             div = first_divergence(refs.get(ref_label, ar.tokens), res.tokens)
             rr = RequestResult(
@@ -226,7 +247,8 @@ def run_bench(session: DeploymentSession, prompts: list[TokenizedPrompt], varian
                 speedup_vs_exact_ar=None if is_ar else ar.decode_s / max(res.decode_s, 1e-9), reference=ref_label,
                 draft_ms=_mean([1e3 * s.draft_s for s in res.steps]),
                 verify_ms=_mean([1e3 * s.verify_s for s in res.steps]),
-                outside_ms=1e3 * (res.decode_s - sum(s.draft_s + s.verify_s for s in res.steps)))
+                outside_ms=1e3 * (res.decode_s - sum(s.draft_s + s.verify_s for s in res.steps)),
+                shape_hist=dict(sorted(shapes.items())))
             report.requests.append(rr)
             report.outputs.setdefault(v.label, {})[tp.key] = res.tokens
             steps[v.label].extend(res.steps)
@@ -269,6 +291,11 @@ def format_report(report: BenchReport) -> str:
             lines.append(f"{v} by stop: " + "; ".join(
                 f"{k} {g['requests']} requests {g['geomean_speedup']:.2f}x, {g['tokens_per_step']:.2f} tokens/step"
                 for k, g in groups.items()))
+    for v in report.variants:
+        by_rows = report.step_ms_by_rows(v)
+        if by_rows and len(by_rows) > 1:  # one shape: its cost is the table's ms/step
+            lines.append(f"{v} ms a step by verify rows (least squares over its requests): "
+                         + ", ".join(f"{k}: {m:.3f}" for k, m in by_rows.items()))
     for ref in sorted({r.reference for r in report.requests} - {AR_LABEL}):
         users = sorted({r.variant for r in report.requests if r.reference == ref})
         lines.append(f"{', '.join(users)}: checked against {ref}, the AR with the numerics these variants change")
