@@ -4,7 +4,8 @@ python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [-
     [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE] [--only NAME,..]
     [--window W --position P]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
-Triton kernels; `fused, default launches`: that with DraftLaunches' projections at their defaults) the draft graph,
+Triton kernels; `fused, default launches`: that with DraftLaunches' projections at their defaults; `fused, top-k in
+256-logit chunks`: DraftLaunches.topk_block 256 against 1024) the draft graph,
 one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
@@ -198,7 +199,9 @@ def measure() -> dict:
     # "fused, default launches": the fused step with every projection at its wrapper's defaults (DraftLaunches' A/B)
     untuned = DraftLaunches(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams())
     steps = {"reference": step_costs(False), "fused": step_costs(True),
-             "fused, default launches": step_costs(True, untuned)} if "steps" in sections else {}
+             "fused, default launches": step_costs(True, untuned),
+             "fused, top-k in 256-logit chunks": step_costs(True, DraftLaunches(topk_block=256))} \
+        if "steps" in sections else {}
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}
 

@@ -10,10 +10,12 @@ from specpilot.kernels.topk import topk_probs, topk_probs_ref
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (tests/conftest.py)
 
 
-@pytest.mark.parametrize("rows,vocab,k", [(1, 7, 1), (2, 101, 5), (3, 1024, 8), (2, 2500, 8), (1, 3000, 16)])
-def test_topk_probs_match_torch(rows, vocab, k):
+@pytest.mark.parametrize("rows,vocab,k,block", [(1, 7, 1, 1024), (2, 101, 5, 1024), (3, 1024, 8, 1024),
+                                              (2, 2500, 8, 1024), (1, 3000, 16, 1024), (2, 2500, 8, 256),
+                                              (3, 1024, 8, 64)])
+def test_topk_probs_match_torch(rows, vocab, k, block):
     x = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 5).to(DEV)
-    tokens, probs = topk_probs(x, k)
+    tokens, probs = topk_probs(x, k, block=block)
     want_tokens, want_probs = topk_probs_ref(x, k)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
@@ -56,6 +58,11 @@ def test_all_negative_rows():
 def test_bad_input_is_refused(logits, k, match):
     with pytest.raises(ValueError, match=match):
         topk_probs(logits.to(DEV), k)
+
+
+def test_a_chunk_is_a_power_of_two():
+    with pytest.raises(ValueError, match="block=96: must be a power of two"):
+        topk_probs(torch.zeros(2, 300).to(DEV), 4, block=96)
 
 
 def test_a_token_map_names_the_columns():

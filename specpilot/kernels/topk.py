@@ -62,18 +62,20 @@ def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, map_ptr, tok_ptr, prob_ptr, V, G,
     tl.store(prob_ptr + row * K + k, tl.exp(value - lse), mask=k < K)
 
 
-def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None
+def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None, *, block: int = BLOCK
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] float32 -> (top-k token ids [R, k] int64, best first; their softmax probabilities [R, k]).
     token_map [V] int64: column j holds the logit of token token_map[j] (returned ids are mapped; ties go to the
-    lower column, so an ascending map keeps torch's order)."""
+    lower column, so an ascending map keeps torch's order). block: logits a first-launch program sorts (a power of
+    two >= 16): smaller chunks, more programs; the same tokens, probabilities summed in another order."""
     check_tensor("logits", logits, (None, None), torch.float32)
     R, V = logits.shape
     check_int("k", k, 1, min(V, MAX_K))
+    check_chunk(block)
     if token_map is not None:
         check_tensor("token_map", token_map, (V,), torch.int64, logits.device)
     check_launchable(_topk_chunk_kernel, logits.device)
-    kp, block = next_pow2(k, 2), min(BLOCK, next_pow2(V, 16))  # tl.topk needs k >= 2
+    kp, block = next_pow2(k, 2), min(block, next_pow2(V, 16))  # tl.topk needs k >= 2
     G = triton.cdiv(V, block)
     keys = torch.empty(R, G, kp, dtype=torch.int64, device=logits.device)
     m, s = (torch.empty(R, G, dtype=torch.float32, device=logits.device) for _ in range(2))
@@ -83,6 +85,12 @@ def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = No
     _topk_merge_kernel[(R,)](keys, m, s, tokens if token_map is None else token_map, tokens, probs, V, G, k, KP=kp,
                              GP=next_pow2(G, 2), MAPPED=token_map is not None, num_warps=4)
     return tokens, probs
+
+
+def check_chunk(block: int) -> None:
+    check_int("block", block, 16, 1 << 16)
+    if block & (block - 1):
+        raise ValueError(f"block={block}: must be a power of two")
 
 
 def topk_probs_ref(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None

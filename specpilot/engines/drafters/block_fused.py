@@ -23,7 +23,8 @@ from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, c
 from specpilot.kernels.gemm import LinearParams, split_size
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
-from specpilot.kernels.topk import topk_probs
+from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
+from specpilot.kernels.topk import check_chunk, topk_probs
 
 
 @triton.jit
@@ -137,12 +138,14 @@ class DraftLaunches:
     gate_up: RMSNormLinearParams = RMSNormLinearParams(block_n=32, num_warps=4, num_stages=3)
     down: LinearParams = LinearParams(block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=4)
     head: RMSNormLinearParams = RMSNormLinearParams(block_n=64, num_warps=4, num_stages=3)
+    topk_block: int = TOPK_BLOCK  # logits a program of the top-k's first launch sorts (kernels.topk)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            want = RMSNormLinearParams if f.name in ("qkv", "gate_up", "head") else LinearParams
-            if not isinstance(getattr(self, f.name), want):
-                raise TypeError(f"DraftLaunches.{f.name} must be a {want.__name__}")
+        check_chunk(self.topk_block)
+        for name, want in (("qkv", RMSNormLinearParams), ("o_proj", LinearParams), ("gate_up", RMSNormLinearParams),
+                           ("down", LinearParams), ("head", RMSNormLinearParams)):
+            if not isinstance(getattr(self, name), want):
+                raise TypeError(f"DraftLaunches.{name} must be a {want.__name__}")
 
     def down_for(self, k: int) -> dict:
         """down's launch for a K-wide MLP: its split K lowered to what K's chunks hold (a narrower drafter)."""
@@ -176,7 +179,7 @@ class FusedBlockStep:
         self.capacity, self.width, self.window = capacity, block_size, check_window(window)
         self.p_qkv, self.p_o = launches.qkv.as_kwargs(), launches.o_proj.as_kwargs()
         self.p_gate_up, self.p_head = launches.gate_up.as_kwargs(), launches.head.as_kwargs()
-        self.p_down = launches.down_for(c.intermediate)
+        self.p_down, self.topk_block = launches.down_for(c.intermediate), launches.topk_block
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -230,4 +233,5 @@ class FusedBlockStep:
             logits = logits * c.logit_scale
         if c.logit_softcap > 0:
             logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
-        return topk_probs(logits, self.topk, self.token_map)  # two launches where torch.topk + logsumexp took ~25
+        # two launches where torch.topk + logsumexp took ~25
+        return topk_probs(logits, self.topk, self.token_map, block=self.topk_block)
