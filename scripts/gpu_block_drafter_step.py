@@ -28,14 +28,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from specpilot.drafting.checkpoint import load_drafter
 from specpilot.engines.build import build_engine
-from specpilot.engines.config import DrafterKind, EngineConfig, VerifyMode
+from specpilot.engines.config import DrafterKind, DrafterLaunches, EngineConfig, VerifyMode
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_fused import DraftLaunches
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
-from specpilot.kernels.gemm import LinearParams
-from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
 from specpilot.kernels.table import read_pairs
 
@@ -197,7 +195,7 @@ def measure() -> dict:
                 f"{tb} grown + ngram_prefix, device loop x4": guarded(loop_kernels, grown.replace(ngram_prefix=True),
                                                                       256)}
     # "fused, default launches": the fused step with every projection at its wrapper's defaults (DraftLaunches' A/B)
-    untuned = DraftLaunches(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams())
+    untuned = DraftLaunches.of(DrafterLaunches.DEFAULT)
     steps = {"reference": step_costs(False), "fused": step_costs(True),
              "fused, default launches": step_costs(True, untuned),
              "fused, top-k in 256-logit chunks": step_costs(True, DraftLaunches(topk_block=256))} \

@@ -103,11 +103,17 @@ def test_a_triton_engine_drafts_with_the_fused_step_and_equals_ar():
     assert isinstance(eng.drafter.step, FusedBlockStep)
     r = eng.generate(p, 16)
     assert r.tokens == want and max(s.accepted for s in r.steps) == 3
+    # EngineConfig.drafter_launches: the projections' settings the fused step launches with (tokens still = AR)
+    plain = build_engine(cfg(device_steps=1, kernel_backend="triton", drafter_launches="default"), model, NO_EOS,
+                         "cpu", block_drafter=drafter)
+    assert (plain.drafter.step.p_gate_up["block_n"], eng.drafter.step.p_gate_up["block_n"]) == (None, 32)
+    assert plain.generate(p, 16).tokens == want
 
 
 def test_draft_launches_are_typed_and_fit_the_mlp():
     """down's split K (4 runs of 256-wide chunks) drops to what a narrower MLP's chunks hold; a wrong params type is
     refused on construction."""
+    from specpilot.engines.config import DrafterLaunches
     from specpilot.kernels.gemm import LinearParams
     from specpilot.kernels.norm_gemm import RMSNormLinearParams
     d = DraftLaunches()
@@ -116,3 +122,5 @@ def test_draft_launches_are_typed_and_fit_the_mlp():
     with pytest.raises(TypeError, match="DraftLaunches.down must be a LinearParams"):
         DraftLaunches(down=RMSNormLinearParams())
     assert DraftLaunches(down=LinearParams()).down_for(3072)["split_k"] == 1
+    assert DraftLaunches.of(DrafterLaunches.DEFAULT).down_for(3072)["split_k"] == 1
+    assert DraftLaunches.of(DrafterLaunches.TUNED) == d

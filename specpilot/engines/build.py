@@ -7,6 +7,7 @@ from specpilot.engines.config import ConfigError, DeviceTree, DrafterKind, Engin
 from specpilot.engines.device_drafters import BlockDeviceDrafter, NgramDeviceDrafter, NgramPrefixDeviceDrafter
 from specpilot.engines.device_loop import DeviceLoop
 from specpilot.engines.drafters.block import BlockDrafterModel
+from specpilot.engines.drafters.block_fused import DraftLaunches
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.drafters.draft_model import DraftModelDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
@@ -63,7 +64,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
             drafter = BlockTreeDrafter(block_drafter, target, TreeShape.from_config(cfg), cfg.max_seq_len, device,
                                        cuda_graphs=cfg.cuda_graphs,
                                        fused=cfg.kernel_backend is KernelBackend.TRITON,
-                                       window=cfg.drafter_window, head_rows=cfg.drafter_head_rows)
+                                       window=cfg.drafter_window, head_rows=cfg.drafter_head_rows,
+                                       launches=DraftLaunches.of(cfg.drafter_launches))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.ngram_prefix:

@@ -45,6 +45,12 @@ class DeviceTree(str, Enum):
     PER_STEP = "per_step"  # the best-first tree of each step's candidates, grown on the device (one launch a step)
 
 
+class DrafterLaunches(str, Enum):
+    """The block drafter's fused step's projection launches (engines.drafters.block_fused.DraftLaunches)."""
+    TUNED = "tuned"  # the settings swept best at the shipped drafter's shapes (an H100, session 46)
+    DEFAULT = "default"  # every projection at its kernel wrapper's defaults
+
+
 class WeightFormat(str, Enum):
     NATIVE = "native"  # the model's compute dtype (bf16 on GPU)
     W12 = "w12"  # lossless 12-bit: 8 bits sign+mantissa, 4-bit exponent code
@@ -145,6 +151,9 @@ class EngineConfig(ConfigOps):
     # (the drafter's token_ranking.json; 0: every row). A head a third as large is a third of the head's bytes and
     # top-k work a draft; the target's outputs outside it cannot be proposed by the block (lookup still can).
     drafter_head_rows: int = 0
+    # Block drafter on the Triton kernels: its projections' launch settings (a draft is a proposal, so they may
+    # change its reduction order).
+    drafter_launches: DrafterLaunches = DrafterLaunches.TUNED
     # Block drafter (chain or tree) and n-gram (chain): up to this many speculative steps run on the device (one
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
@@ -218,7 +227,8 @@ class EngineConfig(ConfigOps):
     def __post_init__(self) -> None:
         self._coerce_enums((("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
                             ("level_one_rule", LevelOneRule), ("weight_format", WeightFormat),
-                            ("kernel_backend", KernelBackend), ("device_tree", DeviceTree)))
+                            ("kernel_backend", KernelBackend), ("device_tree", DeviceTree),
+                            ("drafter_launches", DrafterLaunches)))
         _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
         _check(1 <= self.ngram_min <= self.ngram_max <= 16,
                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")
@@ -310,7 +320,7 @@ class EngineConfig(ConfigOps):
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
-        "device_steps",
+        "drafter_launches", "device_steps",
         "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
         "lookup_periodic", "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
 

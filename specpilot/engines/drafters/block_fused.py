@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specpilot.engines.config import DrafterLaunches
 from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
@@ -146,6 +147,13 @@ class DraftLaunches:
                            ("down", LinearParams), ("head", RMSNormLinearParams)):
             if not isinstance(getattr(self, name), want):
                 raise TypeError(f"DraftLaunches.{name} must be a {want.__name__}")
+
+    @classmethod
+    def of(cls, which: DrafterLaunches) -> "DraftLaunches":
+        """EngineConfig.drafter_launches' settings: these defaults, or every projection at its wrapper's."""
+        if which is DrafterLaunches.TUNED:
+            return cls()
+        return cls(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams())
 
     def down_for(self, k: int) -> dict:
         """down's launch for a K-wide MLP: its split K lowered to what K's chunks hold (a narrower drafter)."""
