@@ -21,7 +21,7 @@ from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
-from specpilot.kernels.gemm import LinearParams, split_size
+from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
@@ -157,14 +157,10 @@ class DraftLaunches:
 
     def down_for(self, k: int) -> dict:
         """down's launch for a K-wide MLP: its split K lowered to what K's chunks hold (a narrower drafter)."""
-        p = self.down
-        while p.split_k > 1:
-            try:
-                split_size(k, p.block_k, p.split_k)
-                break
-            except ValueError:
-                p = dataclasses.replace(p, split_k=p.split_k // 2)
-        return p.as_kwargs()
+        split, chunks = self.down.split_k, triton.cdiv(k, self.down.block_k)
+        while split > chunks:  # gemm.split_size's limit: a run holds one K chunk at least
+            split //= 2
+        return dataclasses.replace(self.down, split_k=split).as_kwargs()
 
 
 def fusable(model: BlockDrafterModel) -> bool:
