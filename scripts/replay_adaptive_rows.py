@@ -1,9 +1,9 @@
 """Replay: a verify shape chosen per step, a wide deep tree where the text runs in loops, the narrow tree elsewhere.
 
 python3 scripts/replay_adaptive_rows.py R [--window 256] [--ar-ms 0.699 --narrow-ms 0.948 --wide-ms 1.124] [--gates
-2:0.7] (R: a `specpilot drafter replay --out R` directory whose candidates/ hold the drafter's top-8 candidates of
-drafter_window `--window`; notes/h200.md, sessions 39-40.) Narrow: the 16-row grown tree led by lookup (width 8, n
-2..8). Wide: the 32-row one whose periodic lookup leads up to 31 deep (lookup_depth 31, lookup_periodic); --wide-budget
+2:0.7] [--costs-from BENCH_JSON --variant LABEL_PART] (R: a `specpilot drafter replay --out R` directory whose
+candidates/ hold the drafter's top-8 candidates of drafter_window `--window`; notes/h200.md, sessions 39-40.)
+Narrow: the 16-row grown tree led by lookup (width 8, n 2..8). Wide: the 32-row one whose periodic lookup leads up to 31 deep (lookup_depth 31, lookup_periodic); --wide-budget
 47 / 63: a 48- / 64-row wide tree; --deep-budget 63: each rule also with a third, 64-row deep tree (deep_tree_budget).
 Rule `>= A`: the engine's narrow_tree_budget with wide_tree_after A (a step is wide where the step two before accepted
 at least A draft tokens: what the host knows when it queues an overlapped 1-step chunk; drafting.replay.replay takes
@@ -11,6 +11,7 @@ the engine's steps). Speedup per request = AR ms/token x tokens / the steps' sum
 step), geometric mean over the requests; `narrow` / `wide`: one shape throughout.
 """
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +33,23 @@ ap.add_argument("--deep-budget", type=int, default=0, help="a third, deep tree's
                                                          "its lookup leads as deep): each `>= A` rule again with it")
 ap.add_argument("--deep-ms", type=float, default=1.5, help="the deep tree's step cost")
 ap.add_argument("--deep-after", default="16", help="comma-separated deep_tree_after values to replay")
+ap.add_argument("--costs-from", default="", help="a bench.json (specpilot bench --out): AR's ms a step and each verify "
+                                                 "shape's (its summary's step_ms_by_verify_rows, fitted over the "
+                                                 "requests) of the variant --variant names, instead of the --*-ms")
+ap.add_argument("--variant", default="block", help="--costs-from: a substring of the variant's label")
 args = ap.parse_args()
+if args.costs_from:  # rows = draft nodes + 1: the 15 / WB / DB-node shapes' costs
+    summary = json.loads(Path(args.costs_from).read_text())["summary"]
+    found = [v for v in summary if args.variant in v and summary[v].get("step_ms_by_verify_rows")]
+    if not found:
+        raise SystemExit(f"{args.costs_from}: no variant holding {args.variant!r} with per-shape step costs")
+    by_rows = {int(k): ms for k, ms in summary[found[0]]["step_ms_by_verify_rows"].items()}
+    args.ar_ms = summary["ar"]["verify_ms_per_step"]
+    for name, nodes in (("narrow_ms", 15), ("wide_ms", args.wide_budget), ("deep_ms", args.deep_budget)):
+        if nodes + 1 in by_rows:
+            setattr(args, name, by_rows[nodes + 1])
+    print(f"costs from {found[0]}: AR {args.ar_ms:.3f}, narrow {args.narrow_ms:.3f}, wide {args.wide_ms:.3f}, "
+          f"deep {args.deep_ms:.3f} ms a step")
 refs, cands = saved_replay(args.replay_dir, window=args.window)
 WB = args.wide_budget
 # Both shapes with the periodic lookup, as one engine config (lookup_periodic) runs them.
