@@ -2,13 +2,14 @@
 
 python3 scripts/replay_adaptive_rows.py R [--window 256] [--ar-ms 0.699 --narrow-ms 0.948 --wide-ms 1.124] [--gates
 2:0.7] [--costs-from BENCH_JSON --variant LABEL_PART] (R: a `specpilot drafter replay --out R` directory whose
-candidates/ hold the drafter's top-8 candidates of drafter_window `--window`; notes/h200.md, sessions 39-40.)
-Narrow: the 16-row grown tree led by lookup (width 8, n 2..8). Wide: the 32-row one whose periodic lookup leads up to
-31 deep (lookup_depth 31, lookup_periodic); --wide-budget 47 / 63: a 48- / 64-row wide tree; --deep-budget 63: each rule also with a third, 64-row deep tree (deep_tree_budget).
-Rule `>= A`: the engine's narrow_tree_budget with wide_tree_after A (a step is wide where the step two before accepted
-at least A draft tokens: what the host knows when it queues an overlapped 1-step chunk; drafting.replay.replay takes
-the engine's steps). Speedup per request = AR ms/token x tokens / the steps' summed costs (the H200's measured ms a
-step), geometric mean over the requests; `narrow` / `wide`: one shape throughout.
+candidates/ hold the drafter's top-8 candidates of drafter_window `--window`; notes/h200.md, sessions 39-40.) Narrow:
+the 16-row grown tree led by lookup (width 8, n 2..8). Wide: the 32-row one whose periodic lookup leads up to 31 deep
+(lookup_depth 31, lookup_periodic); --wide-budget 47 / 63: a 48- / 64-row wide tree; --deep-budget 63: each rule also
+with a third, 64-row deep tree (deep_tree_budget). Rule `>= A`: the engine's narrow_tree_budget with wide_tree_after A
+(a step is wide where the step two before accepted at least A draft tokens: what the host knows when it queues an
+overlapped 1-step chunk; drafting.replay.replay takes the engine's steps). Speedup per request = AR ms/token x tokens /
+the steps' summed costs (the H200's measured ms a step), geometric mean over the requests; `narrow` / `wide`: one shape
+throughout.
 """
 import argparse
 import json
