@@ -10,7 +10,8 @@ one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accep
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
 beside AR: ms/token and ms/step (a random drafter commits ~1 token a step, so ms/step is the cost of a speculative
-step against AR's ms/token). loop: the kernels per step of AR, a chain and the trees + ngram_prefix on the device loop.
+step against AR's ms/token). loop: the kernels per step of AR, a chain and the trees + ngram_prefix on the device loop,
+and each kernel's share of the timeline (what it adds to the wall time under PDL: its end past the one before).
 ar: AR at 1..16 steps a graph. --grid-dependency off: kernels in plain stream order, so that the profiled times are
 each kernel's own, not its wait for the one before (PDL). --kernel-table: every engine launches its kernels with that
 table (a tuner's summary.json or [key, params JSON] pairs, kernels.table), e.g. an A/B of one launch field. On CPU
@@ -140,13 +141,28 @@ def loop_kernels(c: EngineConfig, tokens: int = 128) -> dict:
         sync()
     steps = len(r.steps) or 1
     seen, us = collections.Counter(), collections.Counter()
+    spans = []
     for e in prof.events():
         if e.device_type.name == "CUDA":
             seen[e.name[:90]] += 1
             us[e.name[:90]] += e.device_time
+            spans.append((e.time_range.start, e.time_range.end, e.name[:90]))
+    # The timeline's critical path: with PDL a kernel starts before its predecessor ends and waits, so its duration
+    # overstates what it adds; what it adds to the wall time is its end past the one before (idle: a gap before it).
+    critical, idle = collections.Counter(), collections.Counter()
+    last = None
+    for start, end, name in sorted(spans):
+        last = start if last is None else last
+        idle[name] += max(0.0, start - last)
+        critical[name] += max(0.0, end - max(start, last))
+        last = max(last, end)
+    per_step = lambda c: {k: round(v / steps, 2) for k, v in c.most_common()}  # noqa: E731
     return {"steps": steps, "kernels_per_step": round(sum(seen.values()) / steps, 1),
             "device_us_per_step": round(sum(us.values()) / steps, 1),
-            "by_kernel": {k: [round(seen[k] / steps, 2), round(us[k] / steps, 2)] for k, _ in us.most_common()}}
+            "wall_us_per_step": round((max(e for _, e, _ in spans) - min(s for s, _, _ in spans)) / steps, 1)
+            if spans else 0.0,
+            "by_kernel": {k: [round(seen[k] / steps, 2), round(us[k] / steps, 2)] for k, _ in us.most_common()},
+            "critical_us_per_step": per_step(critical), "idle_us_per_step": per_step(idle)}
 
 
 # The bench's tree: --tree-budget nodes, position-ordered attention, led by lookup; a static tree's first steps
@@ -222,6 +238,9 @@ for name, k in res["loop_kernels"].items():
     if "error" in k:
         print(name, k["error"])
     elif k:
-        print(f"{name}: {k['kernels_per_step']} kernels, {k['device_us_per_step']} us of kernels per step; top:")
+        print(f"{name}: {k['kernels_per_step']} kernels, {k['device_us_per_step']} us of kernels per step, "
+              f"{k['wall_us_per_step']} us of timeline ({sum(k['idle_us_per_step'].values()):.1f} idle); top, "
+              "with each kernel's share of the timeline (its end past the one before) and the idle gaps before it:")
         for kern, (n, t) in list(k["by_kernel"].items())[:25]:
-            print(f"   {t:8.2f} us  {n:6.2f}x  {kern}")
+            print(f"   {t:8.2f} us  {n:6.2f}x  critical {k['critical_us_per_step'].get(kern, 0):8.2f}  idle "
+                  f"{k['idle_us_per_step'].get(kern, 0):7.2f}  {kern}")
