@@ -32,6 +32,7 @@ from specpilot.engines import loop_kernels as lk
 from specpilot.engines import tree_grow as tg
 from specpilot.engines import tree_move as tm
 from specpilot.engines.drafters import block_fused as bf
+from specpilot.kernels import embed
 from specpilot.kernels import topk
 from specpilot.kernels.sass import ptxas_sass, sass_opcodes
 
@@ -234,6 +235,8 @@ print(json.dumps({
         ("batch_ngram_lookup", bn._batch_ngram_kernel, {"tok_ptr": "*i64", "row_stride": "i32", "pos_ptr": "*i64",
                                                         "draft_ptr": "*i64", "proposed_ptr": "*i64", "first_ptr": "*i64"},
          {"NMAX": 4, "NMIN": 1, "K": 32, "KP": 32, "BLOCK": 1024}, 4),
+        *((f"embedding_pdl{pdl}", embed._embedding_kernel, {"ids_ptr": "*i64", "w_ptr": P, "out_ptr": P, "V": "i32"},
+           {"H": 576, "BLOCK": 1024, "PDL": pdl}, 4) for pdl in (0, 1)),
         ("qk_norm_rope", bf._qk_norm_rope_kernel, {"x_ptr": P, "row_stride": "i32", "pos_ptr": "*i64",
                                                    "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                                                    "qn_ptr": P, "kn_ptr": P, "eps": "fp32", "q_ptr": P, "k_ptr": P,
@@ -422,4 +425,4 @@ def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
                                 "topk_chunk": True, "topk_merge": True, "topk_merge_mapped": True, "assemble": True,
                                 "assemble_128": True, "chain_commit": True, "tree_commit": True, "grow_tree": True,
-                                "grow_tree_128": True, "tree_move": True}
+                                "grow_tree_128": True, "tree_move": True, "embedding_pdl0": True, "embedding_pdl1": True}

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from specpilot.engines.config import WeightFormat
 from specpilot.engines.llama import LlamaModel
@@ -83,6 +82,7 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
     slots (then anc is not read)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear
+    from specpilot.kernels.embed import embedding
     from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
     sh = model.shape
     packed = tables.w12
@@ -110,7 +110,7 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     dt = model.embed_tokens.weight.dtype
     scaled = lambda p: torch.empty(T, H, dtype=dt, device=ids.device) if p.get("post_scale") else None  # noqa: E731
     g_mlp, g_attn, g_head = scaled(p_gate_up), scaled(p_qkv), scaled(p_head)
-    stream = F.embedding(ids, model.embed_tokens.weight)
+    stream = embedding(ids, model.embed_tokens.weight)
     stat_in = g_in = None
     captured = []
     for i, layer in enumerate(model.layers):

@@ -21,6 +21,7 @@ from specpilot.engines.drafters.block import BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
+from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
@@ -220,7 +221,7 @@ class FusedBlockStep:
         """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k]."""
         m, c = self.model, self.config
         if c.input_scale == 1.0:
-            torch.index_select(self.embed, 0, ints[:1], out=self.x[:1])
+            embedding(ints[:1], self.embed, out=self.x[:1])
         else:
             torch.mul(self.embed[ints[:1]], c.input_scale, out=self.x[:1])
         positions = ints[1] + self.block_offsets  # the block's keys go to the slots of its own positions
