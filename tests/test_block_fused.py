@@ -124,3 +124,28 @@ def test_draft_launches_are_typed_and_fit_the_mlp():
     assert DraftLaunches(down=LinearParams()).down_for(3072)["split_k"] == 1
     assert DraftLaunches.of(DrafterLaunches.DEFAULT).down_for(3072)["split_k"] == 1
     assert DraftLaunches.of(DrafterLaunches.TUNED) == d
+
+
+def test_a_kernel_tables_draft_entries_set_the_drafters_launches():
+    """EngineConfig.kernel_table's draft_<projection>@NxK@T<rows> entries: the layers' at the block's rows, the
+    head's at the rows it drafts; an entry of another tile count or shape is not the step's. Tokens still = AR."""
+    model = damped("mha_tied", 2)
+    drafter = quick_drafter(model, 2, 40)
+    c, v = drafter.config, model.shape.vocab
+    qkv = (c.heads + 2 * c.kv_heads) * c.head_dim
+    table = ((f"draft_gate_up@{2 * c.intermediate}x{c.hidden}@T4", '{"block_n": 16, "num_warps": 2}'),
+             (f"draft_down@{c.hidden}x{c.intermediate}@T4", '{"split_k": 1, "block_n": 32}'),
+             (f"draft_head@{v}x{c.hidden}@T3", '{"block_n": 32}'),
+             (f"draft_qkv@{qkv}x{c.hidden}@T64", '{"block_n": 64}'),  # 4 tiles: not a 4-row block's
+             (f"draft_o_proj@{c.hidden + 16}x{c.hidden}@T4", '{"block_n": 64}'))  # another shape
+    p = prompt(v, 10, 2)
+    want = build_engine(cfg(drafter="none", kernel_backend="triton"), model, NO_EOS, "cpu").generate(p, 16).tokens
+    eng = build_engine(cfg(device_steps=1, kernel_backend="triton", kernel_table=table), model, NO_EOS, "cpu",
+                       block_drafter=drafter)
+    step = eng.drafter.step
+    assert (step.p_gate_up["block_n"], step.p_gate_up["num_warps"], step.p_gate_up["num_stages"]) == (16, 2, 3)
+    assert (step.p_down["split_k"], step.p_down["block_n"], step.p_head["block_n"]) == (1, 32, 32)
+    assert step.p_qkv == DraftLaunches().qkv.as_kwargs() and step.p_o == DraftLaunches().o_proj.as_kwargs()
+    assert eng.generate(p, 16).tokens == want
+    with pytest.raises(ValueError, match="unknown kernel"):
+        DraftLaunches(table=(("draft_mlp@8x8@T4", "{}"),))

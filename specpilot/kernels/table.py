@@ -22,10 +22,13 @@ from .gemm import LinearParams
 from .norm_gemm import RMSNormLinearParams
 
 # The fused forward's kernels by the names tables use, and the params class each one takes (rotary and SwiGLU run
-# in the qkv and gate_up epilogues: no launch of their own to tune).
+# in the qkv and gate_up epilogues: no launch of their own to tune); then the block drafter's fused step's
+# projections (engines/drafters/block_fused.DraftLaunches: draft_<field>@NxK@T<rows>, the drafter's own shapes).
 PARAMS: dict[str, type] = {
     "qkv": RMSNormLinearParams, "gate_up": RMSNormLinearParams, "lm_head": RMSNormLinearParams,
     "o_proj": LinearParams, "down": LinearParams, "attention": AttentionParams, "greedy_accept": AcceptParams,
+    "draft_qkv": RMSNormLinearParams, "draft_o_proj": LinearParams, "draft_gate_up": RMSNormLinearParams,
+    "draft_down": LinearParams, "draft_head": RMSNormLinearParams,
 }
 
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # the launches whose weights a weight format stores

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from specpilot.engines.config import DrafterLaunches
-from specpilot.engines.drafters.block import BlockDrafterModel
+from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
@@ -25,6 +25,7 @@ from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
+from specpilot.kernels.table import check_invariance, launch_params
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
 from specpilot.kernels.topk import check_chunk, topk_probs
 
@@ -141,20 +142,41 @@ class DraftLaunches:
     down: LinearParams = LinearParams(block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=4)
     head: RMSNormLinearParams = RMSNormLinearParams(block_n=64, num_warps=4, num_stages=3)
     topk_block: int = TOPK_BLOCK  # logits a program of the top-k's first launch sorts (kernels.topk)
+    # A kernel table (EngineConfig.kernel_table): its draft_<field>@NxK@T<rows> entries override these fields for the
+    # drafter's shapes (`resolved`), so a step-level A/B or the tuner sets the drafter's launches like the target's.
+    table: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check_chunk(self.topk_block)
+        object.__setattr__(self, "table", tuple(tuple(p) for p in self.table))
+        check_invariance(self.table)
         for name, want in (("qkv", RMSNormLinearParams), ("o_proj", LinearParams), ("gate_up", RMSNormLinearParams),
                            ("down", LinearParams), ("head", RMSNormLinearParams)):
             if not isinstance(getattr(self, name), want):
                 raise TypeError(f"DraftLaunches.{name} must be a {want.__name__}")
 
     @classmethod
-    def of(cls, which: DrafterLaunches) -> "DraftLaunches":
-        """EngineConfig.drafter_launches' settings: these defaults, or every projection at its wrapper's."""
+    def of(cls, which: DrafterLaunches, table: tuple[tuple[str, str], ...] = ()) -> "DraftLaunches":
+        """EngineConfig.drafter_launches' settings: these defaults, or every projection at its wrapper's; a kernel
+        table's draft_* entries over either."""
         if which is DrafterLaunches.TUNED:
-            return cls()
-        return cls(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams())
+            return cls(table=table)
+        return cls(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams(), table=table)
+
+    def resolved(self, c: BlockDrafterConfig, head_rows: int, block_size: int) -> "DraftLaunches":
+        """These launches with the table's entries for this drafter's shapes (the layers run block_size rows, the
+        head the block's last block_size - 1 over head_rows tokens): an entry's fields over the field's."""
+        shapes = {"qkv": ((c.heads + 2 * c.kv_heads) * c.head_dim, c.hidden, block_size),
+                  "o_proj": (c.hidden, c.heads * c.head_dim, block_size),
+                  "gate_up": (2 * c.intermediate, c.hidden, block_size), "down": (c.hidden, c.intermediate, block_size),
+                  "head": (head_rows, c.hidden, block_size - 1)}
+        fields = {}
+        for name, (n, k, t) in shapes.items():
+            entry = launch_params(self.table, f"draft_{name}", n, k, t) if self.table else None
+            if entry:
+                base = getattr(self, name)
+                fields[name] = type(base)(**{**dataclasses.asdict(base), **entry})
+        return dataclasses.replace(self, table=(), **fields)
 
     def down_for(self, k: int) -> dict:
         """down's launch for a K-wide MLP: its split K lowered to what K's chunks hold (a narrower drafter)."""
@@ -182,6 +204,7 @@ class FusedBlockStep:
         c = self.config = model.config
         self.model, self.embed, self.head, self.topk, self.token_map = model, embed, head, topk, token_map
         self.capacity, self.width, self.window = capacity, block_size, check_window(window)
+        launches = launches.resolved(c, head.shape[0], block_size)
         self.p_qkv, self.p_o = launches.qkv.as_kwargs(), launches.o_proj.as_kwargs()
         self.p_gate_up, self.p_head = launches.gate_up.as_kwargs(), launches.head.as_kwargs()
         self.p_down, self.topk_block = launches.down_for(c.intermediate), launches.topk_block
