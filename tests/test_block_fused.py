@@ -43,6 +43,28 @@ def test_qk_norm_rope_matches_its_reference(dtype, heads, kv_heads, extra_cols, 
     assert (caches[0][:, untouched] == 7).all() and (caches[1][:, untouched] == 7).all()
 
 
+def test_qk_norm_rope_of_consecutive_rows_equals_it_with_their_positions():
+    """consecutive: row t at positions[0] + t in that slot (the draft's block, no launch adding the offsets): the
+    same q and cache writes as the explicit positions and slots."""
+    g = torch.Generator().manual_seed(5)
+    D, T, S = 16, 6, 32
+    x = torch.randn(T, 7 * D, generator=g).to(torch.bfloat16)
+    cos, sin = rope_tables(64, D, 500.0)
+    qn, kn = ((torch.randn(D, generator=g) + 1).to(torch.bfloat16) for _ in range(2))
+    caches = [torch.full((2, S, D), 7.0, dtype=torch.bfloat16) for _ in range(6)]
+    start, pos = torch.tensor([9]), torch.arange(9, 9 + T)
+    q = qk_norm_rope(x, 3, 2, start, None, cos, sin, caches[0], caches[1], qn, kn, 1e-5, consecutive=True)
+    q_pos = qk_norm_rope(x, 3, 2, pos, pos, cos, sin, caches[2], caches[3], qn, kn, 1e-5)
+    q_ref = qk_norm_rope_ref(x, 3, 2, start, None, cos, sin, caches[4], caches[5], qn, kn, 1e-5, consecutive=True)
+    assert torch.equal(q, q_pos) and all(torch.equal(caches[i], caches[i + 2]) for i in (0, 1))
+    torch.testing.assert_close(q, q_ref, atol=0.0, rtol=1 / 128)
+    assert (caches[0][:, 9:9 + T] != 7).any() and (caches[0][:, :9] == 7).all() and (caches[0][:, 9 + T:] == 7).all()
+    with pytest.raises(ValueError, match="slots=None"):
+        qk_norm_rope(x, 3, 2, start, pos, cos, sin, caches[0], caches[1], consecutive=True)
+    with pytest.raises(ValueError, match="positions must have shape"):
+        qk_norm_rope(x, 3, 2, pos, None, cos, sin, caches[0], caches[1], consecutive=True)
+
+
 def test_qk_norm_rope_refuses_bad_inputs():
     cos, sin = rope_tables(16, 16, 500.0)
     k, v = torch.zeros(2, 8, 16), torch.zeros(2, 8, 16)

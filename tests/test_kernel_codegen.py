@@ -241,7 +241,12 @@ print(json.dumps({
                                                    "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                                                    "qn_ptr": P, "kn_ptr": P, "eps": "fp32", "q_ptr": P, "k_ptr": P,
                                                    "v_ptr": P, "S": "i32"},
-         {"H": 9, "KVH": 3, "HALF": 32, "QK_NORM": True}, 1),
+         {"H": 9, "KVH": 3, "HALF": 32, "QK_NORM": True, "CONSECUTIVE": False}, 1),
+        ("qk_norm_rope_consecutive", bf._qk_norm_rope_kernel, {"x_ptr": P, "row_stride": "i32", "pos_ptr": "*i64",
+                                                               "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                                               "qn_ptr": P, "kn_ptr": P, "eps": "fp32", "q_ptr": P,
+                                                               "k_ptr": P, "v_ptr": P, "S": "i32"},
+         {"H": 9, "KVH": 3, "HALF": 32, "QK_NORM": True, "CONSECUTIVE": True}, 1),
         ("topk_chunk", topk._topk_chunk_kernel, {"x_ptr": "*fp32", "keys_ptr": "*i64", "m_ptr": "*fp32",
                                                  "s_ptr": "*fp32", "V": "i32", "G": "i32"},
          {"KP": 8, "BLOCK": 1024}, 4),
@@ -425,4 +430,4 @@ def test_device_loop_kernels_compile_for_sm90(compiled):
     assert compiled["sm90"] == {"ngram_lookup": True, "batch_ngram_lookup": True, "qk_norm_rope": True,
                                 "topk_chunk": True, "topk_merge": True, "topk_merge_mapped": True, "assemble": True,
                                 "assemble_128": True, "chain_commit": True, "tree_commit": True, "grow_tree": True,
-                                "grow_tree_128": True, "tree_move": True, "embedding_pdl0": True, "embedding_pdl1": True}
+                                "grow_tree_128": True, "tree_move": True, "qk_norm_rope_consecutive": True, "embedding_pdl0": True, "embedding_pdl1": True}

@@ -32,12 +32,16 @@ from specpilot.kernels.topk import check_chunk, topk_probs
 
 @triton.jit
 def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr,
-                         v_ptr, S, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                         v_ptr, S, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
+                         CONSECUTIVE: tl.constexpr = False):
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1: q heads; H..H+KVH-1: k and v heads
     D: tl.constexpr = 2 * HALF
     i = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t)
+    if CONSECUTIVE:  # row t at position pos_ptr[0] + t, written to that slot
+        pos = tl.load(pos_ptr) + t
+    else:
+        pos = tl.load(pos_ptr + t)
     c = tl.load(cos_ptr + pos * HALF + i)
     s = tl.load(sin_ptr + pos * HALF + i)
     src = x_ptr + t.to(tl.int64) * row_stride + hh * D
@@ -58,7 +62,8 @@ def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
         tl.store(dst + i, o1)
         tl.store(dst + HALF + i, o2)
     else:
-        row = ((hh - H) * S + tl.load(slot_ptr + t)).to(tl.int64) * D
+        slot = pos if CONSECUTIVE else tl.load(slot_ptr + t)
+        row = ((hh - H) * S + slot).to(tl.int64) * D
         tl.store(k_ptr + row + i, o1)
         tl.store(k_ptr + row + HALF + i, o2)
         vsrc = src + KVH * D
@@ -66,7 +71,7 @@ def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
         tl.store(v_ptr + row + HALF + i, tl.load(vsrc + HALF + i))
 
 
-def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm):
+def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm, consecutive=False):
     check_tensor("k_cache", k_cache, (kv_heads, None, None), ACT_DTYPES)
     dev, dt = k_cache.device, k_cache.dtype
     S, D = k_cache.shape[1:]
@@ -78,8 +83,13 @@ def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_nor
         raise ValueError(f"x rows must hold {heads} q, {kv_heads} k and {kv_heads} v heads of {D} contiguously, got "
                          f"shape {list(x.shape)} strides {x.stride()}")
     T = x.shape[0]
-    check_tensor("positions", positions, (T,), torch.int64, dev)
-    check_tensor("slots", slots, (T,), torch.int64, dev)
+    if consecutive:
+        check_tensor("positions", positions, (1,), torch.int64, dev)
+        if slots is not None:
+            raise ValueError("consecutive rows go to the slots of their positions: give slots=None")
+    else:
+        check_tensor("positions", positions, (T,), torch.int64, dev)
+        check_tensor("slots", slots, (T,), torch.int64, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("give both q and k norm weights, or neither")
@@ -89,31 +99,34 @@ def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_nor
     return T, S, D
 
 
-def qk_norm_rope(x: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor, slots: torch.Tensor,
+def qk_norm_rope(x: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor, slots: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6
-                 ) -> torch.Tensor | None:
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                 consecutive: bool = False) -> torch.Tensor | None:
     """Rows of x [T, >= (heads + 2 kv_heads) * D] (unit column stride, any row stride) hold [q heads; k heads;
     v heads]. Each q and k head is RMS-normed with q_norm / k_norm [D] (when given) and rotated (rotate_half) at
     positions[t] (cos/sin fp32 [max_pos, D/2]); k and v go to k_cache / v_cache [kv_heads, S, D] at slots[t].
-    Returns q [T, heads, D], or None for heads == 0 (context keys/values only). Positions and slots must be in
-    range: they are not checked on the device (no host sync)."""
-    T, S, D = _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm)
+    consecutive: positions is [1] and row t sits at positions[0] + t, in that slot (slots None): the draft's block,
+    without a launch adding the offsets. Returns q [T, heads, D], or None for heads == 0 (context keys/values only).
+    Positions and slots must be in range: they are not checked on the device (no host sync)."""
+    T, S, D = _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm, consecutive)
     check_tensor("sin", sin, cos.shape, torch.float32, x.device)
     check_launchable(_qk_norm_rope_kernel, x.device)
     q = check_out("q", None, (T, heads, D), x.dtype, x.device) if heads else None
     norm = q_norm is not None
     _qk_norm_rope_kernel[(T, heads + kv_heads)](
-        x, x.stride(0), positions, slots, cos, sin, q_norm if norm else cos, k_norm if norm else cos, float(eps),
-        k_cache if q is None else q, k_cache, v_cache, S, H=heads, KVH=kv_heads, HALF=D // 2, QK_NORM=norm,
-        num_warps=1)
+        x, x.stride(0), positions, positions if consecutive else slots, cos, sin, q_norm if norm else cos,
+        k_norm if norm else cos, float(eps), k_cache if q is None else q, k_cache, v_cache, S, H=heads, KVH=kv_heads,
+        HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1)
     return q
 
 
 def qk_norm_rope_ref(x, heads, kv_heads, positions, slots, cos, sin, k_cache, v_cache, q_norm=None, k_norm=None,
-                     eps=1e-6):
+                     eps=1e-6, consecutive=False):
     """Plain torch, the kernel's arithmetic: fp32 norm and rotary, rounded to the dtype where the kernel rounds."""
-    T, S, D = _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm)
+    T, S, D = _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm, consecutive)
+    if consecutive:
+        positions = slots = positions + torch.arange(T, device=positions.device)
     dt = x.dtype
     h = x[:, :(heads + 2 * kv_heads) * D].reshape(T, heads + 2 * kv_heads, D).float()
     qk = h[:, :heads + kv_heads]
@@ -219,15 +232,14 @@ class FusedBlockStep:
         self.w_ctx = torch.cat([cat(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]).contiguous()
         self.x = torch.zeros(block_size, c.hidden, dtype=dtype, device=dev)
         self.x[1:] = model.mask_embed[:block_size - 1].to(dtype) * c.input_scale
-        self.block_offsets = torch.arange(block_size, device=dev)
         self.block_visible = torch.ones(block_size, block_size, dtype=torch.bool, device=dev)  # non-causal block
 
-    def _qk(self, x, heads, i, positions, slots):
+    def _qk(self, x, heads, i, positions, slots, consecutive=False):
         a = self.model.layers[i].self_attn
         c = self.config
         norms = (a.q_norm.weight, a.k_norm.weight) if c.qk_norm else (None, None)
         return qk_norm_rope(x, heads, c.kv_heads, positions, slots, self.cos, self.sin, self.cache[i, 0],
-                            self.cache[i, 1], *norms, eps=c.rms_eps)
+                            self.cache[i, 1], *norms, eps=c.rms_eps, consecutive=consecutive)
 
     @torch.no_grad()
     def project(self, features: torch.Tensor, slots: torch.Tensor) -> None:
@@ -247,11 +259,10 @@ class FusedBlockStep:
             embedding(ints[:1], self.embed, out=self.x[:1])
         else:
             torch.mul(self.embed[ints[:1]], c.input_scale, out=self.x[:1])
-        positions = ints[1] + self.block_offsets  # the block's keys go to the slots of its own positions
         x = self.x
-        for i, layer in enumerate(m.layers):
+        for i, layer in enumerate(m.layers):  # the block's keys go to the slots of its own positions, ints[1] + t
             q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **self.p_qkv),
-                         c.heads, i, positions, positions)
+                         c.heads, i, ints[1:2], None, consecutive=True)
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up)
