@@ -9,7 +9,8 @@ from test_block_drafter import NO_EOS, cfg, damped, quick_drafter
 from test_block_step import drafter_for
 
 from specpilot.engines.build import build_engine
-from specpilot.engines.drafters.block_fused import DraftLaunches, FusedBlockStep, qk_norm_rope, qk_norm_rope_ref
+from specpilot.engines.drafters.block_fused import (DraftLaunches, FusedBlockStep, kv_norm_rope_layers,
+                                                   kv_norm_rope_layers_ref, qk_norm_rope, qk_norm_rope_ref)
 from specpilot.engines.drafters.block_step import BlockStep
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.kernels import rope_tables
@@ -63,6 +64,34 @@ def test_qk_norm_rope_of_consecutive_rows_equals_it_with_their_positions():
         qk_norm_rope(x, 3, 2, start, pos, cos, sin, caches[0], caches[1], consecutive=True)
     with pytest.raises(ValueError, match="positions must have shape"):
         qk_norm_rope(x, 3, 2, pos, None, cos, sin, caches[0], caches[1], consecutive=True)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_every_layers_context_keys_in_one_launch_equal_one_launch_a_layer(norm):
+    """kv_norm_rope_layers (the observe's keys and values of all layers, one launch) writes the bits of a
+    qk_norm_rope a layer, into a [layers, 2, kv_heads, S, D] cache's k and v views, and nothing else."""
+    g = torch.Generator().manual_seed(11)
+    L, KVH, D, n, S = 3, 2, 16, 5, 24
+    x = (torch.randn(n, L * 2 * KVH * D + 8, generator=g) * 2).to(torch.bfloat16)
+    slots = torch.tensor([4, 5, 6, 7, 20])
+    cos, sin = rope_tables(32, D, 500.0)
+    kn = (torch.randn(L, D, generator=g) + 1).to(torch.bfloat16) if norm else None
+    caches = [torch.full((L, 2, KVH, S, D), 7.0, dtype=torch.bfloat16) for _ in range(3)]
+    kv_norm_rope_layers(x, KVH, slots, cos, sin, caches[0][:, 0], caches[0][:, 1], kn, 1e-5)
+    for layer in range(L):
+        w = None if kn is None else kn[layer]
+        qk_norm_rope(x[:, layer * 2 * KVH * D:], 0, KVH, slots, slots, cos, sin, caches[1][layer, 0],
+                     caches[1][layer, 1], w, w, 1e-5)
+    kv_norm_rope_layers_ref(x, KVH, slots, cos, sin, caches[2][:, 0], caches[2][:, 1], kn, 1e-5)
+    assert torch.equal(caches[0], caches[1])
+    torch.testing.assert_close(caches[0], caches[2], atol=0.0, rtol=1 / 128)
+    untouched = torch.ones(S, dtype=torch.bool)
+    untouched[slots] = False
+    assert (caches[0][..., untouched, :] == 7).all()
+    with pytest.raises(ValueError, match="equal strides"):
+        kv_norm_rope_layers(x, KVH, slots, cos, sin, caches[0][:, 0], caches[0][:2, 1], kn, 1e-5)
+    with pytest.raises(ValueError, match="x rows must hold"):
+        kv_norm_rope_layers(x[:, :40], KVH, slots, cos, sin, caches[0][:, 0], caches[0][:, 1], kn, 1e-5)
 
 
 def test_qk_norm_rope_refuses_bad_inputs():

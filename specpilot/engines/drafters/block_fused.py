@@ -5,7 +5,7 @@ an H200 that took 0.42 ms, half a SmolLM2 target step, for a 2-layer drafter. Dr
 (verification decides), so this step trades those bits for launches: per layer norm+QKV (one GEMM over q|k|v),
 q/k norms + rotary + the block's cache write (`qk_norm_rope` below), attention, o_proj+residual,
 norm+gate_up+SwiGLU, down+residual; then norm+LM head and the top-k. ~20 launches a draft; an observe is the fc
-GEMM, one norm+GEMM for every layer's context keys/values, and one `qk_norm_rope` per layer.
+GEMM, one norm+GEMM for every layer's context keys/values, and one `kv_norm_rope_layers` for all layers.
 Same cache layout, inputs and outputs as BlockStep, so the drafter and the device loop use either.
 """
 from __future__ import annotations
@@ -32,12 +32,19 @@ from specpilot.kernels.topk import check_chunk, topk_probs
 
 @triton.jit
 def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr,
-                         v_ptr, S, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-                         CONSECUTIVE: tl.constexpr = False):
+                         v_ptr, S, layer_stride, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
+                         QK_NORM: tl.constexpr, CONSECUTIVE: tl.constexpr = False, LAYERS: tl.constexpr = 1):
     t = tl.program_id(0)
-    hh = tl.program_id(1)  # 0..H-1: q heads; H..H+KVH-1: k and v heads
+    hh = tl.program_id(1)  # 0..H-1: q heads; H..H+KVH-1: k and v heads (of each layer's columns, LAYERS > 1)
     D: tl.constexpr = 2 * HALF
     i = tl.arange(0, HALF)
+    if LAYERS > 1:  # context keys/values of every layer at once (H == 0): layer l's columns, cache and k norm
+        layer = hh // KVH
+        hh = hh % KVH
+        x_ptr += layer * (2 * KVH * D)
+        kn_ptr += layer * D
+        k_ptr += layer.to(tl.int64) * layer_stride
+        v_ptr += layer.to(tl.int64) * layer_stride
     if CONSECUTIVE:  # row t at position pos_ptr[0] + t, written to that slot
         pos = tl.load(pos_ptr) + t
     else:
@@ -116,8 +123,8 @@ def qk_norm_rope(x: torch.Tensor, heads: int, kv_heads: int, positions: torch.Te
     norm = q_norm is not None
     _qk_norm_rope_kernel[(T, heads + kv_heads)](
         x, x.stride(0), positions, positions if consecutive else slots, cos, sin, q_norm if norm else cos,
-        k_norm if norm else cos, float(eps), k_cache if q is None else q, k_cache, v_cache, S, H=heads, KVH=kv_heads,
-        HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1)
+        k_norm if norm else cos, float(eps), k_cache if q is None else q, k_cache, v_cache, S, 0, H=heads,
+        KVH=kv_heads, HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1)
     return q
 
 
@@ -139,6 +146,44 @@ def qk_norm_rope_ref(x, heads, kv_heads, positions, slots, cos, sin, k_cache, v_
     k_cache[:, slots] = rot[:, heads:].transpose(0, 1)
     v_cache[:, slots] = h[:, heads + kv_heads:].to(dt).transpose(0, 1)
     return rot[:, :heads] if heads else None
+
+
+def kv_norm_rope_layers(x: torch.Tensor, kv_heads: int, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, k_norm: torch.Tensor | None = None,
+                        eps: float = 1e-6) -> None:
+    """qk_norm_rope's context keys/values (no q heads) of L layers in one launch: rows of x [n, >= L * 2 kv_heads * D]
+    hold [k_0; v_0; k_1; v_1; ...]; layer l's k heads are normed with k_norm[l] ([L, D], when given), rotated at
+    slots[t] and, with its v heads, written to k_cache[l] / v_cache[l] ([L, kv_heads, S, D]: each layer contiguous,
+    any layer stride, the same for both) at slots[t]. The bits of one qk_norm_rope a layer."""
+    check_tensor("k_cache", k_cache, (None, kv_heads, None, None), ACT_DTYPES, contiguous=False)
+    L = k_cache.shape[0]
+    if not (k_cache[0].is_contiguous() and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()):
+        raise ValueError(f"k_cache / v_cache must be [L, {kv_heads}, S, D] with contiguous layers and equal strides")
+    if k_norm is not None:
+        check_tensor("k_norm", k_norm, (L, k_cache.shape[-1]), k_cache.dtype, k_cache.device)
+    n = x.shape[0]
+    D = k_cache.shape[-1]
+    if x.dim() != 2 or x.shape[1] < L * 2 * kv_heads * D:
+        raise ValueError(f"x rows must hold {L} layers' {kv_heads} k and {kv_heads} v heads of {D}, got shape "
+                         f"{list(x.shape)}")
+    _check_qk(x, 0, kv_heads, slots, slots, cos, k_cache[0], v_cache[0], None if k_norm is None else k_norm[0],
+              None if k_norm is None else k_norm[0])
+    check_tensor("sin", sin, cos.shape, torch.float32, x.device)
+    check_launchable(_qk_norm_rope_kernel, x.device)
+    norm = k_norm is not None
+    _qk_norm_rope_kernel[(n, L * kv_heads)](
+        x, x.stride(0), slots, slots, cos, sin, k_norm if norm else cos, k_norm if norm else cos, float(eps),
+        k_cache, k_cache, v_cache, k_cache.shape[2], k_cache.stride(0), H=0, KVH=kv_heads, HALF=D // 2,
+        QK_NORM=norm, LAYERS=L, num_warps=1)
+
+
+def kv_norm_rope_layers_ref(x, kv_heads, slots, cos, sin, k_cache, v_cache, k_norm=None, eps=1e-6):
+    """Plain torch: qk_norm_rope_ref of each layer's columns."""
+    width = 2 * kv_heads * k_cache.shape[-1]
+    for layer in range(k_cache.shape[0]):
+        kn = None if k_norm is None else k_norm[layer]
+        qk_norm_rope_ref(x[:, layer * width:], 0, kv_heads, slots, slots, cos, sin, k_cache[layer], v_cache[layer],
+                         kn, kn, eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +275,8 @@ class FusedBlockStep:
         self.w_gate_up = [cat(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
         # Every layer's context keys/values in one GEMM: [k_0; v_0; k_1; v_1; ...]
         self.w_ctx = torch.cat([cat(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]).contiguous()
+        self.k_norms = torch.stack([layer.self_attn.k_norm.weight for layer in layers]).contiguous() \
+            if c.qk_norm else None  # [layers, D]: the observe's keys normed in one launch
         self.x = torch.zeros(block_size, c.hidden, dtype=dtype, device=dev)
         self.x[1:] = model.mask_embed[:block_size - 1].to(dtype) * c.input_scale
         self.block_visible = torch.ones(block_size, block_size, dtype=torch.bool, device=dev)  # non-causal block
@@ -247,9 +294,8 @@ class FusedBlockStep:
         m, c = self.model, self.config
         ctx = linear(features.to(m.fc.weight.dtype).contiguous(), m.fc.weight)
         kv = rmsnorm_linear(ctx, m.hidden_norm.weight, self.w_ctx, c.rms_eps)  # [n, layers * 2 kv_heads * D]
-        width = 2 * c.kv_heads * c.head_dim
-        for i in range(c.layers):
-            self._qk(kv[:, i * width:], 0, i, slots, slots)
+        kv_norm_rope_layers(kv, c.kv_heads, slots, self.cos, self.sin, self.cache[:, 0], self.cache[:, 1],
+                            self.k_norms, c.rms_eps)
 
     @torch.no_grad()
     def draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
