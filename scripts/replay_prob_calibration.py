@@ -47,7 +47,8 @@ def pav(rates: list[float], weights: list[float]) -> list[float]:
 
 def fit(indices: list[int]):
     """q[d][bin]: the chance a depth-d candidate of raw probability in the bin is the target's token, its true prefix
-    in the lattice; a bin with few anchors leans on its raw probability (min_count pseudo-anchors at the bin's middle)."""
+    in the lattice; a bin with few anchors leans on its raw probability (min_count pseudo-anchors at the bin's
+    middle)."""
     hits = collections.Counter()
     seen = collections.Counter()
     psum = collections.Counter()
