@@ -200,3 +200,31 @@ def test_a_kernel_tables_draft_entries_set_the_drafters_launches():
     assert eng.generate(p, 16).tokens == want
     with pytest.raises(ValueError, match="unknown kernel"):
         DraftLaunches(table=(("draft_mlp@8x8@T4", "{}"),))
+
+
+def test_the_heads_epilogue_top_k_drafts_what_the_top_k_launch_does():
+    """DraftLaunches.topk_in_head (EngineConfig.drafter_topk: head): the draft's tokens and probabilities (to
+    float32 rounding of the sums) equal the chunked top-k launch's over the stored logits; an engine drafting so
+    still gives AR's tokens; a drafter with a logit softcap keeps the launch."""
+    target = tiny_model("gqa", 3, torch.float32)
+    model = drafter_for(target, 3, 8).eval()
+    head = target.lm_head.weight
+    steps = [FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, launches=DraftLaunches(topk_in_head=t))
+             for t in (False, True)]
+    assert [s.topk_in_head for s in steps] == [False, True]
+    features = torch.randn(12, model.config.feature_dim, generator=torch.Generator().manual_seed(4))
+    for s in steps:
+        s.project(features, torch.arange(12))
+    (tok_a, p_a), (tok_b, p_b) = (s.draft(torch.tensor([5, 12])) for s in steps)
+    assert torch.equal(tok_a, tok_b)
+    torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
+    capped = drafter_for(target, 3, 8, logit_softcap=5.0).eval()
+    assert not FusedBlockStep(capped, target.embed_tokens.weight, head, 64, 8, 5,
+                              launches=DraftLaunches(topk_in_head=True)).topk_in_head
+    model = damped("mha_tied", 2)
+    drafter = quick_drafter(model, 2, 40)
+    p = prompt(model.shape.vocab, 10, 2)
+    want = build_engine(cfg(drafter="none", kernel_backend="triton"), model, NO_EOS, "cpu").generate(p, 16).tokens
+    eng = build_engine(cfg(device_steps=1, kernel_backend="triton", drafter_topk="head"), model, NO_EOS, "cpu",
+                       block_drafter=drafter)
+    assert eng.drafter.step.topk_in_head and eng.generate(p, 16).tokens == want

@@ -77,3 +77,34 @@ def test_a_token_map_names_the_columns():
     torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="token_map"):
         topk_probs(x, 6, token_map[:-1])
+
+
+@pytest.mark.parametrize("rows,vocab,k,block_n,mapped", [(3, 300, 8, 64, False), (15, 1000, 8, 64, True),
+                                                         (2, 64, 4, 32, False), (1, 517, 16, 128, False)])
+def test_an_lm_heads_epilogue_ranks_its_column_tiles(rows, vocab, k, block_n, mapped):
+    """rmsnorm_linear(..., topk=KP): each column tile's top KP, max and sum of exp from the head's epilogue, merged
+    by merge_topk: the tokens of torch.topk over the logits the same launch stores, probabilities to 1e-5."""
+    from specpilot.kernels import rmsnorm_linear
+    from specpilot.kernels.topk import merge_topk
+    g = torch.Generator().manual_seed(vocab + rows)
+    x, w = torch.randn(rows, 64, generator=g).to(DEV), (torch.randn(vocab, 64, generator=g) * 0.5).to(DEV)
+    nw = (torch.rand(64, generator=g) + 0.5).to(DEV)
+    token_map = torch.sort(torch.randperm(50_000, generator=g)[:vocab]).values.to(DEV) if mapped else None
+    kp = max(2, 1 << (k - 1).bit_length())
+    logits, parts = rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, block_n=block_n, topk=kp)
+    tokens, probs = merge_topk(parts, k, token_map)
+    want_tokens, want_probs = topk_probs_ref(logits, k, token_map)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+    none, parts2 = rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, block_n=block_n, topk=kp, store_y=False)
+    assert none is None and all(torch.equal(a, b) for a, b in zip(parts[:3], parts2[:3]))
+
+
+@pytest.mark.parametrize("kw,match", [({"topk": 6}, "power of two"), ({"topk": 128}, "topk"),
+                                      ({"topk": 8, "out_dtype": torch.bfloat16}, "float32"),
+                                      ({"topk": 8, "argmax": True}, "not both")])
+def test_a_heads_topk_refuses_bad_settings(kw, match):
+    from specpilot.kernels import rmsnorm_linear
+    x, w, nw = torch.randn(2, 32).to(DEV), torch.randn(100, 32).to(DEV), torch.ones(32).to(DEV)
+    with pytest.raises(ValueError, match=match):
+        rmsnorm_linear(x, nw, w, 1e-5, **{"out_dtype": torch.float32, "block_n": 64, **kw})

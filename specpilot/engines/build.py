@@ -65,7 +65,8 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
                                        cuda_graphs=cfg.cuda_graphs,
                                        fused=cfg.kernel_backend is KernelBackend.TRITON,
                                        window=cfg.drafter_window, head_rows=cfg.drafter_head_rows,
-                                       launches=DraftLaunches.of(cfg.drafter_launches, cfg.kernel_table))
+                                       launches=DraftLaunches.of(cfg.drafter_launches, cfg.kernel_table,
+                                                                  cfg.drafter_topk))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if cfg.ngram_prefix:

@@ -51,6 +51,12 @@ class DrafterLaunches(str, Enum):
     DEFAULT = "default"  # every projection at its kernel wrapper's defaults
 
 
+class DrafterTopk(str, Enum):
+    """Where the block drafter's fused step finds its head's top-k (kernels.topk): the draft's last two launches."""
+    CHUNKS = "chunks"  # the head stores its logits; one launch ranks each 1024-logit chunk, one merges a row's
+    HEAD = "head"  # the head's epilogue ranks each of its column tiles (no logits stored, one launch fewer)
+
+
 class WeightFormat(str, Enum):
     NATIVE = "native"  # the model's compute dtype (bf16 on GPU)
     W12 = "w12"  # lossless 12-bit: 8 bits sign+mantissa, 4-bit exponent code
@@ -154,6 +160,7 @@ class EngineConfig(ConfigOps):
     # Block drafter on the Triton kernels: its projections' launch settings (a draft is a proposal, so they may
     # change its reduction order).
     drafter_launches: DrafterLaunches = DrafterLaunches.TUNED
+    drafter_topk: DrafterTopk = DrafterTopk.CHUNKS  # where the fused draft ranks its head's logits
     # Block drafter (chain or tree) and n-gram (chain): up to this many speculative steps run on the device (one
     # CUDA graph) per host round trip, trees in a static shape calibrated on the first host steps
     # (engines.device_loop); 1 = the host drives every step. Output is the same either way.
@@ -228,7 +235,7 @@ class EngineConfig(ConfigOps):
         self._coerce_enums((("drafter", DrafterKind), ("verify", VerifyMode), ("dtype", DType),
                             ("level_one_rule", LevelOneRule), ("weight_format", WeightFormat),
                             ("kernel_backend", KernelBackend), ("device_tree", DeviceTree),
-                            ("drafter_launches", DrafterLaunches)))
+                            ("drafter_launches", DrafterLaunches), ("drafter_topk", DrafterTopk)))
         _check(1 <= self.draft_len <= 64, f"draft_len={self.draft_len}: must be in 1..64")
         _check(1 <= self.ngram_min <= self.ngram_max <= 16,
                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need 1 <= min <= max <= 16")
@@ -320,7 +327,7 @@ class EngineConfig(ConfigOps):
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
-        "drafter_launches", "device_steps",
+        "drafter_launches", "drafter_topk", "device_steps",
         "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
         "lookup_periodic", "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
 

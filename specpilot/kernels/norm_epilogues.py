@@ -81,7 +81,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                              w12=w12)
     op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq, scaled_x)
     for r0, r1, grid, ws, counters, per_split in launches:
-        _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, ws, counters,
+        _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, x, x, ws, counters,
                                      op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache,
                                      v_cache, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
@@ -121,7 +121,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
     has_res = rk is not None
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](op.x[r0:r1], rk[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
-                                     residual_out[r0:r1] if has_res else out, x, x, ws, counters,
+                                     residual_out[r0:r1] if has_res else out, x, x, x, x, ws, counters,
                                      op.row_sumsq[r0:r1], x, x, x, x, x, x, 1, 1,
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,

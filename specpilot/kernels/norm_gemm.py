@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParams, check_launchable, check_out,
-                      check_tensor, dot_precision, register_cap)
+                      check_int, check_tensor, dot_precision, register_cap)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, split_size, tile_mac)
@@ -31,6 +31,7 @@ from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor
 from .rmsnorm import (check_row_sumsq, check_scaled_x, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd,
                       rstd_from_sumsq, stat_segments)
 from .rope_kv import rotate
+from .topk import TopkPartials, logit_key
 from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cell, oct_cols, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
@@ -265,7 +266,7 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr,
 
 @triton.jit(do_not_specialize=["T"])
 def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, Kp,
-                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, ws_ptr, cnt_ptr, ss_ptr,
+                           b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, tk_ptr, ts_ptr, ws_ptr, cnt_ptr, ss_ptr,
                            pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K, K_SPLIT, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
@@ -273,7 +274,8 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
                            ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
-                           PF_LINES: tl.constexpr = 16, NORM: tl.constexpr = True, STAT_SEGS: tl.constexpr = 0):
+                           PF_LINES: tl.constexpr = 16, NORM: tl.constexpr = True, STAT_SEGS: tl.constexpr = 0,
+                           TOPK: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
@@ -334,6 +336,17 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
         if STORE_Y:
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if TOPK > 0:  # per column tile: the rows' top TOPK (value, column) keys, max and sum of exp (kernels.topk merges)
+        vals = tl.where(col_ok[None, :], acc, float("-inf"))
+        num_n = tl.cdiv(N, BLOCK_N)
+        m = tl.max(vals, axis=1)
+        m_safe = tl.where(m > float("-inf"), m, 0.0)
+        part = rows * num_n + pid_n
+        tl.store(pmax_ptr + part, m, mask=row_ok)
+        tl.store(ts_ptr + part, tl.sum(tl.exp(vals - m_safe[:, None]), axis=1), mask=row_ok)
+        keys = tl.where(col_ok[None, :], logit_key(vals, cols[None, :], N), -9223372036854775807 - 1)
+        kk = tl.arange(0, TOPK)
+        tl.store(tk_ptr + part.to(tl.int64)[:, None] * TOPK + kk[None, :], tl.topk(keys, TOPK), mask=row_ok[:, None])
     if ARGMAX:  # per column tile: the rows' max of the stored values and its first column (argmax_combine ends it)
         vals = tl.where(col_ok[None, :], acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         num_n = tl.cdiv(N, BLOCK_N)
@@ -456,7 +469,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
                    act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
                    producer_stat: bool = False, row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
-                   scaled_x: torch.Tensor | None = None, max_registers: int | None = None):
+                   scaled_x: torch.Tensor | None = None, max_registers: int | None = None, topk: int = 0):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12 weight [N, K] (OctLayout, or W12Tensor converted on each call) with bf16 x (decoded in the kernel: the bits of
     W = decode(W)).
@@ -467,6 +480,9 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
     Returns y [T, N] (out_dtype, default x.dtype) when residual is None, else (y, x + residual).
     argmax=True (no residual; an LM head): returns (y or None when store_y=False, argmax int64 [T]), the first
     column of each row's maximum of y, found in the epilogue (the logits need not be written and re-read).
+    topk=KP (a power of two >= 2, at most the column tile; float32 out, no residual; a drafter's head): returns (y or
+    None when store_y=False, TopkPartials), each column tile's top KP of every row and its max and sum of exp, for
+    kernels.topk.merge_topk (the logits need not be written and re-read).
     """
     T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
                                                            num_warps, num_stages, block_k, row_tile=row_tile,
@@ -483,8 +499,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
         raise ValueError(f"out_dtype must be one of {ACT_DTYPES}, got {out_dtype}")
     if bias is not None:
         check_tensor("bias", bias, (N,), dt, dev)
-    if (argmax and residual is not None) or not (store_y or argmax):
-        raise ValueError("argmax needs residual=None; store_y=False needs argmax=True")
+    if ((argmax or topk) and residual is not None) or not (store_y or argmax or topk) or (argmax and topk):
+        raise ValueError("argmax / topk need residual=None; store_y=False needs argmax=True or topk; not both")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, w12=w12)
     op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq,
@@ -492,22 +508,31 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
     xk, rk = op.x, op.residual
     has_res = rk is not None
     tiles = triton.cdiv(N, bn)
-    pmax = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.float32, device=dev)
+    if topk:
+        check_int("topk", topk, 2, bn)
+        if topk & (topk - 1) or out_dtype is not torch.float32:
+            raise ValueError(f"topk={topk}: a power of two, with out_dtype float32 (got {out_dtype})")
+    pmax = torch.empty((T, tiles) if argmax or topk else (1, 1), dtype=torch.float32, device=dev)
     pidx = torch.empty((T, tiles) if argmax else (1, 1), dtype=torch.int32, device=dev)
+    tk = torch.empty((T, tiles, topk) if topk else (1, 1, 1), dtype=torch.int64, device=dev)
+    ts = torch.empty((T, tiles) if topk else (1, 1), dtype=torch.float32, device=dev)
     rows = lambda t, r0, r1: t[r0:r1] if t.shape[0] == T else t  # noqa: E731 - per-row tensors, not placeholders
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](xk[r0:r1], rows(rk, r0, r1) if has_res else x, norm_w, *w_args,
                                  x if bias is None else bias, rows(out, r0, r1),
                                  rows(residual_out, r0, r1) if has_res else out, rows(pmax, r0, r1),
-                                 rows(pidx, r0, r1), ws, counters, rows(op.row_sumsq, r0, r1), *_NO_ROPE(x),
+                                 rows(pidx, r0, r1), rows(tk, r0, r1), rows(ts, r0, r1), ws, counters,
+                                 rows(op.row_sumsq, r0, r1), *_NO_ROPE(x),
                                  r1 - r0, N, K, per_split,
                                  float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
                                  STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
-                                 ACT_PREFETCH=act_prefetch, NORM=op.norm, STAT_SEGS=op.stat_segs,
+                                 ACT_PREFETCH=act_prefetch, NORM=op.norm, STAT_SEGS=op.stat_segs, TOPK=topk,
                                  num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K, grid_dependency),
                                  **register_cap(max_registers))
+    if topk:
+        return (out if store_y else None), TopkPartials(tk, pmax, ts, N)
     if argmax:
         best = torch.empty(T, dtype=torch.int64, device=dev)
         _argmax_combine_kernel[(T,)](pmax, pidx, best, tiles, BLOCK_T=triton.next_power_of_2(tiles), num_warps=4,

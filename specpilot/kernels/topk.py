@@ -9,6 +9,8 @@ Drafting only: what a drafter proposes is verified, so these probabilities need 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ MAX_K = 64
 
 
 @triton.jit
-def _key(x, idx, V):
+def logit_key(x, idx, V):
     b = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 becomes +0.0 (a tie, as in torch.topk)
     s = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # the float's order as a signed int (finite values)
     return (s.to(tl.int64) << 32) | (V - 1 - idx).to(tl.int64)
@@ -35,7 +37,7 @@ def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BL
     tl.store(m_ptr + row * G + g, m)
     m_safe = tl.where(m > float("-inf"), m, 0.0)  # a chunk of -inf logits only: sum 0, not exp(NaN)
     tl.store(s_ptr + row * G + g, tl.sum(tl.exp(x - m_safe), 0))
-    keys = tl.where(idx < V, _key(x, idx, V), -9223372036854775807 - 1)  # past the row: below every key
+    keys = tl.where(idx < V, logit_key(x, idx, V), -9223372036854775807 - 1)  # past the row: below every key
     tl.store(keys_ptr + (row * G + g) * KP + tl.arange(0, KP), tl.topk(keys, KP))
 
 
@@ -62,6 +64,34 @@ def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, map_ptr, tok_ptr, prob_ptr, V, G,
     tl.store(prob_ptr + row * K + k, tl.exp(value - lse), mask=k < K)
 
 
+class TopkPartials(NamedTuple):
+    """Each (row, chunk of logits)'s top KP keys (logit_key) [R, G, KP] int64, max and sum of exp [R, G] float32,
+    over V logits a row: what _topk_chunk_kernel writes, or an LM head's epilogue (norm_gemm.rmsnorm_linear(...,
+    topk=KP)) with its column tiles as the chunks."""
+    keys: torch.Tensor
+    m: torch.Tensor
+    s: torch.Tensor
+    V: int
+
+
+def merge_topk(parts: TopkPartials, k: int, token_map: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's chunks merged: (top-k token ids [R, k] int64, best first; their softmax probabilities [R, k])."""
+    keys, m, s, V = parts
+    check_tensor("keys", keys, (None, None, None), torch.int64)
+    R, G, kp = keys.shape
+    check_int("k", k, 1, min(kp, MAX_K))
+    for name, t in (("m", m), ("s", s)):
+        check_tensor(name, t, (R, G), torch.float32, keys.device)
+    if token_map is not None:
+        check_tensor("token_map", token_map, (V,), torch.int64, keys.device)
+    tokens = torch.empty(R, k, dtype=torch.int64, device=keys.device)
+    probs = torch.empty(R, k, dtype=torch.float32, device=keys.device)
+    _topk_merge_kernel[(R,)](keys, m, s, tokens if token_map is None else token_map, tokens, probs, V, G, k, KP=kp,
+                             GP=next_pow2(G, 2), MAPPED=token_map is not None, num_warps=4)
+    return tokens, probs
+
+
 def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = None, *, block: int = BLOCK
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] float32 -> (top-k token ids [R, k] int64, best first; their softmax probabilities [R, k]).
@@ -80,11 +110,7 @@ def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = No
     keys = torch.empty(R, G, kp, dtype=torch.int64, device=logits.device)
     m, s = (torch.empty(R, G, dtype=torch.float32, device=logits.device) for _ in range(2))
     _topk_chunk_kernel[(R, G)](logits, keys, m, s, V, G, KP=kp, BLOCK=block, num_warps=4)
-    tokens = torch.empty(R, k, dtype=torch.int64, device=logits.device)
-    probs = torch.empty(R, k, dtype=torch.float32, device=logits.device)
-    _topk_merge_kernel[(R,)](keys, m, s, tokens if token_map is None else token_map, tokens, probs, V, G, k, KP=kp,
-                             GP=next_pow2(G, 2), MAPPED=token_map is not None, num_warps=4)
-    return tokens, probs
+    return merge_topk(TopkPartials(keys, m, s, V), k, token_map)
 
 
 def check_chunk(block: int) -> None:

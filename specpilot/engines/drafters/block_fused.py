@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.engines.config import DrafterLaunches
+from specpilot.engines.config import DrafterLaunches, DrafterTopk
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
@@ -27,7 +27,7 @@ from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.table import check_invariance, launch_params
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
-from specpilot.kernels.topk import check_chunk, topk_probs
+from specpilot.kernels.topk import check_chunk, merge_topk, topk_probs
 
 
 @triton.jit
@@ -200,6 +200,9 @@ class DraftLaunches:
     down: LinearParams = LinearParams(block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=4)
     head: RMSNormLinearParams = RMSNormLinearParams(block_n=64, num_warps=4, num_stages=3)
     topk_block: int = TOPK_BLOCK  # logits a program of the top-k's first launch sorts (kernels.topk)
+    # The head's epilogue ranks its column tiles (EngineConfig.drafter_topk: head) instead of a chunked top-k launch
+    # over stored logits; drafters with a logit scale or softcap keep the launch.
+    topk_in_head: bool = False
     # A kernel table (EngineConfig.kernel_table): its draft_<field>@NxK@T<rows> entries override these fields for the
     # drafter's shapes (`resolved`), so a step-level A/B or the tuner sets the drafter's launches like the target's.
     table: tuple[tuple[str, str], ...] = ()
@@ -214,12 +217,15 @@ class DraftLaunches:
                 raise TypeError(f"DraftLaunches.{name} must be a {want.__name__}")
 
     @classmethod
-    def of(cls, which: DrafterLaunches, table: tuple[tuple[str, str], ...] = ()) -> "DraftLaunches":
+    def of(cls, which: DrafterLaunches, table: tuple[tuple[str, str], ...] = (),
+           topk: DrafterTopk = DrafterTopk.CHUNKS) -> "DraftLaunches":
         """EngineConfig.drafter_launches' settings: these defaults, or every projection at its wrapper's; a kernel
-        table's draft_* entries over either."""
+        table's draft_* entries over either; drafter_topk's place for the top-k."""
+        head_topk = topk is DrafterTopk.HEAD
         if which is DrafterLaunches.TUNED:
-            return cls(table=table)
-        return cls(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams(), table=table)
+            return cls(table=table, topk_in_head=head_topk)
+        return cls(gate_up=RMSNormLinearParams(), down=LinearParams(), head=RMSNormLinearParams(), table=table,
+                   topk_in_head=head_topk)
 
     def resolved(self, c: BlockDrafterConfig, head_rows: int, block_size: int) -> "DraftLaunches":
         """These launches with the table's entries for this drafter's shapes (the layers run block_size rows, the
@@ -266,6 +272,7 @@ class FusedBlockStep:
         self.p_qkv, self.p_o = launches.qkv.as_kwargs(), launches.o_proj.as_kwargs()
         self.p_gate_up, self.p_head = launches.gate_up.as_kwargs(), launches.head.as_kwargs()
         self.p_down, self.topk_block = launches.down_for(c.intermediate), launches.topk_block
+        self.topk_in_head = launches.topk_in_head and c.logit_scale == 1.0 and c.logit_softcap <= 0
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -313,6 +320,11 @@ class FusedBlockStep:
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up)
             x = linear(act, layer.mlp.down_proj.weight, residual=x, **self.p_down)
+        if self.topk_in_head:  # each column tile's top-k, max and sum of exp from the head's epilogue, then merged
+            kp = max(2, triton.next_power_of_2(self.topk))
+            _, parts = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32,
+                                      store_y=False, topk=kp, **self.p_head)
+            return merge_topk(parts, self.topk, self.token_map)
         logits = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32, **self.p_head)
         if c.logit_scale != 1.0:
             logits = logits * c.logit_scale
