@@ -193,6 +193,12 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                      (Knob("drafter_head_rows", _CHOICE, choices=(0, 4096, 8192, 16384)),),
                      frozenset({DirectionName.TREE_SHAPE, DirectionName.KERNELS}), frozenset({DrafterKind.BLOCK}),
                      families=_LLAMA),
+    CatalogMechanism("drafter_topk", MechanismCategory.KERNEL,
+                     "block drafter's head ranks its own column tiles in its epilogue and a merge picks each row's "
+                     "top-k: the logits are never stored and re-read, one launch fewer a draft",
+                     (Knob("drafter_topk", _CHOICE, choices=("chunks", "head")),),
+                     frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), frozenset({DrafterKind.BLOCK}),
+                     _CUDA, _LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.
     CatalogMechanism("device_loop", MechanismCategory.SCHEDULING,
                      "speculative steps per host round trip: draft, verify, accept and commit on the device, several "
