@@ -121,7 +121,7 @@ def run(variant: str, m, l, o, T: int, H: int, D: int, out):
     n_split, R = m.shape
     if variant == "today":  # base + T keys: n_split splits, the last one holding the new tokens
         base = n_split * SPLIT - T
-        _attn_combine_kernel[(R,)](m, l, o, out, m, T, base, n_split * SPLIT, H=H, D=D, BASE_IS_PTR=False,
+        _attn_combine_kernel[(R,)](m, l, o, out, m, T, base, n_split * SPLIT, 0, H=H, D=D, BASE_IS_PTR=False,
                                    SPLIT=SPLIT, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION)
         return
     rows, loop, group = {"seq_row": (1, 0, 1), "seq_tok": (H, 0, 1), "seq_g8": (H, 1, 8), "seq_row_g8": (1, 1, 8),

@@ -219,6 +219,7 @@ def test_attention_matches_ref(dtype, T, H, KVH, D, base, tree, split, bn):
     (4, 130, 64, 256, 64),  # one split holds both sides of the window's start
     (16, 40, 200, 64, 64),  # a window longer than the context: everything visible
     (1, 1100, 17, 16, 16),  # 69 splits, all but two below the window
+    (16, 300, 49, 64, 64),  # window + T - 1 a whole split: the grid's widest reach (3 splits from the window's first)
 ])
 def test_windowed_attention_sees_the_last_window_keys_only(T, base, window, split, bn):
     """The block drafter's context window: keys below base - window are neither visible nor read (NaN there)."""
@@ -236,6 +237,9 @@ def test_windowed_attention_sees_the_last_window_keys_only(T, base, window, spli
                     split_keys=split, block_n=bn, window=window)
     want = K.attention_ref(q.cpu(), kc.cpu().nan_to_num(), vc.cpu().nan_to_num(), base, anc, window=window)
     assert_close(o.cpu(), want, dtype)
+    # the grid spans the window's splits only (from its first), with a device-side base as with an int one
+    assert torch.equal(o, K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), base, anc.to(DEV), split_keys=split,
+                                      block_n=bn, window=window))
     if window >= base:
         assert torch.equal(o, K.attention(q.to(DEV), kc.to(DEV), vc.to(DEV), base, anc.to(DEV), split_keys=split,
                                           block_n=bn))

@@ -135,23 +135,26 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         split = tl.program_id(2)
         prog_m = tl.program_id(0)
         section_ok = True
+    part = split  # the split's place in the workspace
+    if WINDOWED:  # the grid spans the window's splits only (window_splits), counted from the first one
+        split += tl.maximum(base - window, 0) // SPLIT
     lo = split * SPLIT
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
-                         prog_m * TILES + tile, kvh, split, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
+                         prog_m * TILES + tile, kvh, part, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
                          G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED)
     release_successor(PDL)
 
 
 @triton.jit
-def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, split,
+def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, part,
                      base, end, lo, section_ok, T, S, A, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr):
-    """Row tile pid_m of one (kv head, split): the online softmax over the split's visible keys, its partials
-    stored. A tile past the rows (the last program's spare tiles), or of a split its section does not run, does
-    nothing. WINDOWED: context keys below base - window are not visible; the key loop starts at the window's
-    first key block (a split wholly below it stores the empty partials, which the combine adds as zero)."""
+    """Row tile pid_m of one (kv head, split from lo): the online softmax over the split's visible keys, its
+    partials stored in workspace split `part`. A tile past the rows (the last program's spare tiles), or of a split
+    its section does not run, does nothing. WINDOWED: context keys below base - window are not visible; the key loop
+    starts at the window's first key block."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if HAS_SLOTS:
         # A split of context keys only (all below base) reads the same keys for every token: its rows are tiled
@@ -212,7 +215,7 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
                 vis = row_ok[:, None] & (((kk < base) & k_ok)[None, :] | (a != 0))
             v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=ld_ok[:, None], other=0.0)
             m, l, acc = online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
-        w = (split * (T * H) + t * H + h).to(tl.int64)
+        w = (part * (T * H) + t * H + h).to(tl.int64)
         tl.store(ws_m_ptr + w, m, mask=row_ok)
         tl.store(ws_l_ptr + w, l, mask=row_ok)
         tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
@@ -264,14 +267,16 @@ def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.con
     return acc, l
 
 
-@triton.jit(do_not_specialize=["T", "base_val"])
-def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S,
+@triton.jit(do_not_specialize=["T", "base_val", "window"])
+def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_val, S, window,
                          H: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, SPLIT: tl.constexpr,
-                         GROUP: tl.constexpr, PDL: tl.constexpr = 0):
+                         GROUP: tl.constexpr, WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)
     row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
     n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
+    if WINDOWED:  # the workspace holds the window's splits only, from its first one
+        n_split -= tl.maximum(base - window, 0) // SPLIT
     acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)
     release_successor(PDL)
     out = acc / l  # a row that sees no key gives NaN
@@ -353,9 +358,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     if isinstance(base, torch.Tensor):
         check_tensor("base", base, (1,), (torch.int32, torch.int64), dev)
         base_is_ptr, base_val, n_split = True, 0, triton.cdiv(S, split_keys)
+        if window:  # from the window's first split to base + T - 1's, wherever base is
+            n_split = min(n_split, (window + T - 1) // split_keys + 2)
     else:
         base_val = check_int("base", base, 0, S - T)
         base_is_ptr, n_split = False, triton.cdiv(base_val + T, split_keys)
+        if window:
+            n_split -= max(base_val - window, 0) // split_keys
     if block_slots is not None:
         check_tensor("block_slots", block_slots, (T, None), torch.int64, dev)
     check_int("window", window, 0, None)
@@ -384,6 +393,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         **NO_FP_FUSION,
         num_warps=num_warps, num_stages=slot_stages if has_slots else num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
-        ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, H=H, D=D, BASE_IS_PTR=base_is_ptr,
-        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, num_warps=4, **NO_FP_FUSION, **pdl_launch(dev))
+        ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, window, H=H, D=D, BASE_IS_PTR=base_is_ptr,
+        SPLIT=params.split_keys, GROUP=SPLIT_GROUP, WINDOWED=window > 0, num_warps=4, **NO_FP_FUSION,
+        **pdl_launch(dev))
     return out
