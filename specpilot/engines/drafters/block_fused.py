@@ -288,12 +288,13 @@ class FusedBlockStep:
         self.x[1:] = model.mask_embed[:block_size - 1].to(dtype) * c.input_scale
         self.block_visible = torch.ones(block_size, block_size, dtype=torch.bool, device=dev)  # non-causal block
 
-    def _qk(self, x, heads, i, positions, slots, consecutive=False):
+    def _qk(self, x, i, start):
+        """Layer i's block rows: q out, keys/values into the cache at positions start[0] + t (their own slots)."""
         a = self.model.layers[i].self_attn
         c = self.config
         norms = (a.q_norm.weight, a.k_norm.weight) if c.qk_norm else (None, None)
-        return qk_norm_rope(x, heads, c.kv_heads, positions, slots, self.cos, self.sin, self.cache[i, 0],
-                            self.cache[i, 1], *norms, eps=c.rms_eps, consecutive=consecutive)
+        return qk_norm_rope(x, c.heads, c.kv_heads, start, None, self.cos, self.sin, self.cache[i, 0],
+                            self.cache[i, 1], *norms, eps=c.rms_eps, consecutive=True)
 
     @torch.no_grad()
     def project(self, features: torch.Tensor, slots: torch.Tensor) -> None:
@@ -313,9 +314,9 @@ class FusedBlockStep:
         else:
             torch.mul(self.embed[ints[:1]], c.input_scale, out=self.x[:1])
         x = self.x
-        for i, layer in enumerate(m.layers):  # the block's keys go to the slots of its own positions, ints[1] + t
+        for i, layer in enumerate(m.layers):
             q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **self.p_qkv),
-                         c.heads, i, ints[1:2], None, consecutive=True)
+                         i, ints[1:2])
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up)
