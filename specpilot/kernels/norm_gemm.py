@@ -31,7 +31,7 @@ from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor
 from .rmsnorm import (check_row_sumsq, check_scaled_x, load_h, normalize, rms_norm_ref, rms_norm_rows, row_rstd,
                       rstd_from_sumsq, stat_segments)
 from .rope_kv import rotate
-from .topk import TopkPartials, logit_key
+from .topk import TopkPartials, rank_rows
 from .w12_tile import OCT_BLOCK, W12Weight, check_w12_launch, oct_block, oct_cell, oct_cols, weight_operand
 
 STAT_UNROLLS = (1, 2, 4, 8)  # K chunks of the norm statistic a program loads before squaring any
@@ -337,16 +337,11 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
             offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
             tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     if TOPK > 0:  # per column tile: the rows' top TOPK (value, column) keys, max and sum of exp (kernels.topk merges)
-        vals = tl.where(col_ok[None, :], acc, float("-inf"))
-        num_n = tl.cdiv(N, BLOCK_N)
-        m = tl.max(vals, axis=1)
-        m_safe = tl.where(m > float("-inf"), m, 0.0)
-        part = rows * num_n + pid_n
+        m, ssum, top = rank_rows(tl.where(col_ok[None, :], acc, float("-inf")), cols[None, :], col_ok[None, :], N, TOPK)
+        part = rows * tl.cdiv(N, BLOCK_N) + pid_n
         tl.store(pmax_ptr + part, m, mask=row_ok)
-        tl.store(ts_ptr + part, tl.sum(tl.exp(vals - m_safe[:, None]), axis=1), mask=row_ok)
-        keys = tl.where(col_ok[None, :], logit_key(vals, cols[None, :], N), -9223372036854775807 - 1)
-        kk = tl.arange(0, TOPK)
-        tl.store(tk_ptr + part.to(tl.int64)[:, None] * TOPK + kk[None, :], tl.topk(keys, TOPK), mask=row_ok[:, None])
+        tl.store(ts_ptr + part, ssum, mask=row_ok)
+        tl.store(tk_ptr + part.to(tl.int64)[:, None] * TOPK + tl.arange(0, TOPK)[None, :], top, mask=row_ok[:, None])
     if ARGMAX:  # per column tile: the rows' max of the stored values and its first column (argmax_combine ends it)
         vals = tl.where(col_ok[None, :], acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         num_n = tl.cdiv(N, BLOCK_N)

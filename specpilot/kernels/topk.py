@@ -29,16 +29,25 @@ def logit_key(x, idx, V):
 
 
 @triton.jit
+def rank_rows(x, idx, ok, V, KP: tl.constexpr):
+    """Each row of a chunk x [R, C] of logits (column idx, -inf where not ok): its max, sum of exp and top KP keys
+    ([R], [R], [R, KP]): what a merge needs of the chunk. Shared by the chunk launch and an LM head's epilogue."""
+    m = tl.max(x, axis=1)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # a chunk of -inf logits only: sum 0, not exp(NaN)
+    keys = tl.where(ok, logit_key(x, idx, V), -9223372036854775807 - 1)  # past the row: below every key
+    return m, tl.sum(tl.exp(x - m_safe[:, None]), axis=1), tl.topk(keys, KP)
+
+
+@triton.jit
 def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BLOCK: tl.constexpr):
     row, g = tl.program_id(0), tl.program_id(1)
-    idx = g * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row.to(tl.int64) * V + idx, mask=idx < V, other=float("-inf"))
-    m = tl.max(x, 0)
-    tl.store(m_ptr + row * G + g, m)
-    m_safe = tl.where(m > float("-inf"), m, 0.0)  # a chunk of -inf logits only: sum 0, not exp(NaN)
-    tl.store(s_ptr + row * G + g, tl.sum(tl.exp(x - m_safe), 0))
-    keys = tl.where(idx < V, logit_key(x, idx, V), -9223372036854775807 - 1)  # past the row: below every key
-    tl.store(keys_ptr + (row * G + g) * KP + tl.arange(0, KP), tl.topk(keys, KP))
+    idx = g * BLOCK + tl.arange(0, BLOCK)[None, :]  # one row of BLOCK logits
+    ok = idx < V
+    m, s, top = rank_rows(tl.load(x_ptr + row.to(tl.int64) * V + idx, mask=ok, other=float("-inf")), idx, ok, V, KP)
+    part = row * G + g + tl.zeros([1], tl.int32)
+    tl.store(m_ptr + part, m)
+    tl.store(s_ptr + part, s)
+    tl.store(keys_ptr + part[:, None] * KP + tl.arange(0, KP)[None, :], top)
 
 
 @triton.jit
