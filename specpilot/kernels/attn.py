@@ -136,7 +136,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         prog_m = tl.program_id(0)
         section_ok = True
     part = split  # the split's place in the workspace
-    if WINDOWED:  # the grid spans the window's splits only (window_splits), counted from the first one
+    if WINDOWED:  # the grid spans the window's splits only (attention(): its grid), counted from the first one
         split += tl.maximum(base - window, 0) // SPLIT
     lo = split * SPLIT
     for tile in tl.static_range(TILES):

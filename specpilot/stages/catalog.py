@@ -19,8 +19,8 @@ from specpilot.costmodel import DirectionName
 from specpilot.deployments import Deployment, DeviceKind, RegimeKind
 from specpilot.engines.batch.config import MECHANISMS as BATCH_MECHANISMS
 from specpilot.engines.batch.config import BatchConfig, DraftLength, VerifyBudget
-from specpilot.engines.config import (MAX_GROWN_NODES, DeviceTree, DrafterKind, DType, EngineConfig, KernelBackend,
-                                      VerifyMode, WeightFormat)
+from specpilot.engines.config import (MAX_GROWN_NODES, DeviceTree, DrafterKind, DrafterTopk, DType, EngineConfig,
+                                      KernelBackend, VerifyMode, WeightFormat)
 from specpilot.engines.family import TargetFamily
 from specpilot.kernels.table import PROJECTIONS, numerics_only
 from specpilot.memory import MechanismCategory
@@ -196,7 +196,7 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("drafter_topk", MechanismCategory.KERNEL,
                      "block drafter's head ranks its own column tiles in its epilogue and a merge picks each row's "
                      "top-k: the logits are never stored and re-read, one launch fewer a draft",
-                     (Knob("drafter_topk", _CHOICE, choices=("chunks", "head")),),
+                     (Knob("drafter_topk", _CHOICE, choices=tuple(t.value for t in DrafterTopk)),),
                      frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD}), frozenset({DrafterKind.BLOCK}),
                      _CUDA, _LLAMA),
     # Off the CPU only: without CUDA graphs the device loop's steps run eagerly, no host round trip to save.

@@ -20,7 +20,7 @@ from specpilot.engines.config import DrafterLaunches, DrafterTopk
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
 from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
-from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor
+from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor, next_pow2
 from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
@@ -322,7 +322,7 @@ class FusedBlockStep:
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up)
             x = linear(act, layer.mlp.down_proj.weight, residual=x, **self.p_down)
         if self.topk_in_head:  # each column tile's top-k, max and sum of exp from the head's epilogue, then merged
-            kp = max(2, triton.next_power_of_2(self.topk))
+            kp = next_pow2(self.topk, 2)  # tl.topk's k: a power of two >= 2, as topk_probs takes it
             _, parts = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32,
                                       store_y=False, topk=kp, **self.p_head)
             return merge_topk(parts, self.topk, self.token_map)
