@@ -51,7 +51,11 @@ ap.add_argument("--sections", default="steps,engine,loop",
                 help="which of steps, engine, loop, ar (AR at 1..16 steps a graph) to run")
 ap.add_argument("--only", default="", help="engine section: only the engines whose name holds one of these "
                                           "comma-separated strings")
-ap.add_argument("--kernel-table", default="", help="launch every engine with this kernel table (kernels.table)")
+ap.add_argument("--kernel-table", default="",
+                help="launch every engine with this kernel table (kernels.table); several, comma-separated: the "
+                     "engine section builds its engines once per table and times them in turn, --rounds times "
+                     "(an A/B of launch fields in one process, each round's order the same, drift shared)")
+ap.add_argument("--rounds", type=int, default=3, help="engine section with several tables: timed rounds")
 ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
@@ -64,9 +68,10 @@ dev, cuda = args.device, args.device.startswith("cuda")
 target = random_model(SMOLLM2_135M, torch.bfloat16, dev, seed=0)
 drafter = (load_drafter(args.drafter, target) if args.drafter else
            BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0))
+tables = {os.path.basename(f).removesuffix(".json"): read_pairs(f) for f in args.kernel_table.split(",") if f}
 cfg = EngineConfig(drafter=DrafterKind.BLOCK, block_size=16, max_seq_len=4096, cuda_graphs=cuda,
                    kernel_backend="triton" if cuda else "torch",
-                   kernel_table=read_pairs(args.kernel_table) if args.kernel_table else ())
+                   kernel_table=next(iter(tables.values())) if len(tables) == 1 else ())
 prompt = torch.randint(3, 49152, (120,), generator=torch.Generator().manual_seed(0)).tolist()
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -125,6 +130,26 @@ def engine_costs(c: EngineConfig, reps: int = 1) -> dict:
     steps = len(r.steps) or 1
     return {"ms_per_token": 1e3 * r.decode_s / len(r.tokens), "ms_per_step": 1e3 * r.decode_s / steps,
             "tokens_per_step": r.accepted_per_step}
+
+
+def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
+    """Every config under every table, built once, then one request each in turn for --rounds rounds: per
+    '<config> [<table>]' the fastest round (its ms_per_step etc.) and every round's ms/step."""
+    engines = {}
+    for name, c in configs.items():
+        for stem, pairs in tables.items():
+            engines[f"{name} [{stem}]"] = e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev,
+                                                           block_drafter=drafter)
+            e.warm_up(prompt, 8)
+    runs = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, e in engines.items():
+            r = e.generate(prompt, args.tokens)
+            runs[name].append((1e3 * r.decode_s / len(r.tokens), 1e3 * r.decode_s / (len(r.steps) or 1),
+                               r.accepted_per_step))
+    return {name: {"ms_per_token": min(rs)[0], "ms_per_step": min(rs, key=lambda x: x[1])[1],
+                   "tokens_per_step": rs[0][2], "rounds_ms_per_step": [round(x[1], 4) for x in rs]}
+            for name, rs in runs.items()}
 
 
 def loop_kernels(c: EngineConfig, tokens: int = 128) -> dict:
@@ -198,8 +223,9 @@ def measure() -> dict:
             f"{tb} device loop x4, block-ordered": tree.replace(position_ordered_attention=False),
             f"{tb} grown, device loop x4, block-ordered": grown.replace(position_ordered_attention=False)}
         only = [o for o in args.only.split(",") if o]
-        engine = {name: guarded(engine_costs, c) for name, c in configs.items()
-                  if not only or any(o in name for o in only)}
+        configs = {name: c for name, c in configs.items() if not only or any(o in name for o in only)}
+        engine = (engine_rounds(configs) if len(tables) > 1 else
+                  {name: guarded(engine_costs, c) for name, c in configs.items()})
     if "ar" in sections:  # AR's steps a graph (EngineConfig.ar_steps): what the host's round trip between graphs costs
         ar = {f"ar, {k} steps a graph": engine_costs(cfg.replace(drafter=DrafterKind.NONE, ar_steps=k), reps=5)
               for k in (1, 2, 4, 8, 16)}
@@ -233,7 +259,8 @@ for name, e in {**res["engine"], **res["ar_steps"]}.items():
     if "error" in e:
         print(f"| {name} | {e['error']} |")
         continue
-    print(f"| {name} | {e['ms_per_token']:.4f} | {e['ms_per_step']:.4f} | {e['tokens_per_step']:.3f} |")
+    print(f"| {name} | {e['ms_per_token']:.4f} | {e['ms_per_step']:.4f} | {e['tokens_per_step']:.3f} |"
+          + (f" rounds {e['rounds_ms_per_step']}" if "rounds_ms_per_step" in e else ""))
 for name, k in res["loop_kernels"].items():
     if "error" in k:
         print(name, k["error"])

@@ -280,7 +280,8 @@ print(json.dumps({
             "ROW_BITS": tg.ROW_BITS, "RANKED": 15, "HI": r > 64}, 1)
           for name, d, r in (("grow_tree", 15, 64), ("grow_tree_128", 127, 128))),
         ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
-                                             "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32"},
+                                             "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32",
+                                             "H": "i32", "LAYER_STRIDE": "i32"},
          {"ROWSETS": 180, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},
 }))
 

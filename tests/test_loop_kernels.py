@@ -219,7 +219,8 @@ def test_tree_commit_equals_its_reference_on_random_trees():
 def test_tree_move_moves_the_path_in_place_gathering_before_it_writes():
     """The accepted path's rows move to base.., entries past the accepted depth take the root's row; a row one depth
     reads is one another depth writes (path 0, 2, 5 with depth 2's destination row 2 = depth 1's source), so every
-    row is read before any is written; features come back in depth order; state becomes the next state."""
+    row is read before any is written; features come back in depth order (rows [T, F], or the runner's layer-major
+    [layers, T, H] as rows of the layers side by side); state becomes the next state."""
     from specpilot.engines.tree_move import tree_move, tree_move_ref
 
     g = torch.Generator().manual_seed(0)
@@ -227,6 +228,7 @@ def test_tree_move_moves_the_path_in_place_gathering_before_it_writes():
                                        ([0, 3, 4, 7, 0], 3, torch.float32), ([0, 0, 0], 0, torch.bfloat16)):
         kv = torch.randn(2, 3, 2, 40, 16, generator=g).to(dtype)
         features = torch.randn(8, 300, generator=g).to(dtype)  # 300 columns: two chunks, the second partial
+        stacked = torch.randn(3, 8, 100, generator=g).to(dtype)  # 3 layers of 100: chunks straddle layers
         base = 11
         path = torch.tensor(path_rows)
         next_state = torch.tensor([7, base + accepted + 1])
@@ -237,6 +239,8 @@ def test_tree_move_moves_the_path_in_place_gathering_before_it_writes():
             got = move(k, *on_dev(path, torch.tensor(accepted), next_state), st, *on_dev(features))
             assert torch.equal(k.cpu(), want_kv) and st.tolist() == next_state.tolist(), (move.__name__, path_rows)
             assert torch.equal(got.cpu(), features[path]), move.__name__
+            got = move(k, *on_dev(path, torch.tensor(accepted), next_state), st, *on_dev(stacked))
+            assert torch.equal(got.cpu(), torch.cat(list(stacked[:, path]), dim=-1)), move.__name__
             assert move(k, *on_dev(path, torch.tensor(accepted), next_state), st) is None
     with pytest.raises(ValueError, match="features has 2 rows"):
         tree_move_ref(kv, path, torch.tensor(0), next_state, want_state, features[:2])

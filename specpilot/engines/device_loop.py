@@ -51,7 +51,7 @@ from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
                                             tree_commit, tree_commit_ref)
-from specpilot.engines.runner import ModelRunner
+from specpilot.engines.runner import ModelRunner, feature_rows
 from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
 from specpilot.engines.tree_move import tree_move, tree_move_ref
 
@@ -453,7 +453,7 @@ class DeviceLoop:
         if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
             path_tokens, accepted = glue.chain_commit(argmax, ids, d.proposed, self.state, drafter.sequence,
                                                  self.stop)
-            drafter.commit(None if features is None else features[:b.rows], positions[:b.rows])
+            drafter.commit(None if features is None else feature_rows(features[:, :b.rows]), positions[:b.rows])
         else:
             path, path_tokens, accepted, next_state = glue.tree_commit(
                 argmax, ids, b.parents, b.tree_anc, b.depths, self.state, self.depth_rows,

@@ -77,7 +77,8 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
                   capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True):
     """Same contract as LlamaModel.forward, but attention visibility is (base [1] tensor, anc [T, T]) and the
     result is the pre-norm residual stream's final norm applied inside the LM-head kernel: returns
-    (logits fp32 [T, V] or None, argmax [T], captured layer outputs). want_logits=False: the LM head finds the
+    (logits fp32 [T, V] or None, argmax [T], captured layer outputs [len(capture), T, H] in layer order or None).
+    want_logits=False: the LM head finds the
     argmax in its epilogue and never writes the logits (the AR/verify hot path needs only the argmax).
     block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
     slots (then anc is not read)."""
@@ -112,7 +113,10 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     g_mlp, g_attn, g_head = scaled(p_gate_up), scaled(p_qkv), scaled(p_head)
     stream = embedding(ids, model.embed_tokens.weight)
     stat_in = g_in = None
-    captured = []
+    # A captured layer's down projection writes its rows into the stack: no concatenation after the forward (a
+    # copy kernel and a boundary without PDL a step); the stack's layer j is the next layer's contiguous stream.
+    layer_of = {layer: j for j, layer in enumerate(sorted(set(capture)))}
+    captured = torch.empty(len(layer_of), T, H, dtype=dt, device=ids.device) if layer_of else None
     for i, layer in enumerate(model.layers):
         w_qkv, w_o, w_gate_up, w_down = ws[i]
         ln1, ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
@@ -131,9 +135,8 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
         stat_in, g_in = (sums_head, g_head) if last else (sums_attn, g_attn)
         nw_next = model.norm.weight if last else model.layers[i + 1].input_layernorm.weight
         stream = linear(act, w_down, residual=stream, row_sumsq_out=stat_in, **p_down,
-                        scale_w=None if g_in is None else nw_next, scaled_out=g_in)
-        if i in capture:
-            captured.append(stream)
+                        scale_w=None if g_in is None else nw_next, scaled_out=g_in,
+                        out=captured[layer_of[i]] if i in layer_of else None)
     logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
                                     argmax=True, store_y=want_logits, **p_head, row_sumsq=stat_in, scaled_x=g_in)
     return logits, argmax, captured

@@ -31,6 +31,11 @@ class StepOutput:
     features: torch.Tensor | None = None
 
 
+def feature_rows(features: torch.Tensor) -> torch.Tensor:
+    """A step's layer-major features [layers, T, H] as rows [T, layers * H] (each row its layers side by side)."""
+    return features.transpose(0, 1).reshape(features.shape[1], -1)
+
+
 VIEW_QUANTUM = 256  # granularity of a request's attention view (slots)
 
 
@@ -74,7 +79,7 @@ class ModelRunner:
 
     # ---- hot path -------------------------------------------------------------------------------
     def _step(self, ids, positions, slots, base, anc, block_slots=None):
-        """-> (argmax [T], top-k values, top-k indices, top-k probs, features); the top-k entries are None unless
+        """-> (argmax [T], top-k values, top-k indices, top-k probs, features [len(capture), T, H]); the top-k entries are None unless
         this runner serves top-k (drafters, token forcing's margins): the decode hot path needs only the argmax.
         block_slots: ancestor_slots(base, anc) precomputed by a caller whose block shape is static (the device
         loop), for the fused path with position-ordered attention; derived here when None."""
@@ -102,7 +107,9 @@ class ModelRunner:
                                 else (self.model(*args, slot_of=slot_of), []))
             logits = self.model.logits(hidden).float()
             argmax = logits.argmax(-1)
-        features = torch.cat(captured, dim=-1) if self.capture else None
+        # layer-major [len(capture), T, H] (the fused forward's down projections write it in place); StepOutput's
+        # rows come from feature_rows
+        features = (captured if self.fused is not None else torch.stack(captured)) if self.capture else None
         if not need_logits:
             return argmax, None, None, None, features
         top = torch.topk(logits, max(2, self.topk), dim=-1)
@@ -132,7 +139,7 @@ class ModelRunner:
         out = self._step(t, pos, pos, torch.tensor(0, device=dev), anc)
         res = self._output(out, n, rows=[n - 1])
         if self.capture:
-            res.features = out[4]  # every prompt token's features: a block drafter's context
+            res.features = feature_rows(out[4])  # every prompt token's features: a block drafter's context
         return res
 
     @torch.no_grad()
@@ -161,7 +168,8 @@ class ModelRunner:
             # A replayed graph returns its static buffers: the next chunk would overwrite this one's rows.
             outs.append(tuple(None if t is None else t.clone() for t in o) if padded > width and self.use_graphs
                         else o)
-        out = outs[0] if len(outs) == 1 else tuple(None if o0 is None else torch.cat([o[i] for o in outs])
+        # chunks' rows one after another (the features' rows are their dim 1: layer-major)
+        out = outs[0] if len(outs) == 1 else tuple(None if o0 is None else torch.cat([o[i] for o in outs], int(i == 4))
                                                    for i, o0 in enumerate(outs[0]))
         return self._output(out, n)
 
@@ -293,7 +301,7 @@ class ModelRunner:
         sel = (lambda t: t[:n]) if rows is None else (lambda t: t[torch.tensor(rows, device=t.device)])
         am = self._host_rows(sel(out[0])) if argmax is None else argmax
         _, top_v, top_i, top_p, feats = out
-        features = sel(feats) if self.capture else None
+        features = sel(feature_rows(feats)) if self.capture else None
         if not self.topk:
             return StepOutput(am, None, features=features)
         top_v, top_i, top_p = sel(top_v), sel(top_i), sel(top_p)

@@ -26,24 +26,28 @@ def _check_move(kv, path, accepted, next_state, state, features):
     check_tensor("next_state", next_state, (2,), torch.int64, dev)
     check_tensor("state", state, (2,), torch.int64, dev)
     if features is not None:
-        check_tensor("features", features, (None, None), None, dev)
-        if features.shape[0] < path.shape[0]:
-            raise ValueError(f"features has {features.shape[0]} rows, the path reaches {path.shape[0]} depths")
+        if features.dim() == 2:  # rows [T, F]: one layer of F columns
+            features = features[None]
+        check_tensor("features", features, (None, None, None), None, dev)
+        if features.shape[1] < path.shape[0]:
+            raise ValueError(f"features has {features.shape[1]} rows, the path reaches {path.shape[0]} depths")
+    return features
 
 
 def tree_move_ref(kv, path, accepted, next_state, state, features=None):
     """kv [2, layers, kv heads, slots, head dim]: slots base + e <- base + path[e] for every depth e < len(path)
     (base = next_state[1] - accepted - 1, the step's root slot), gathered before any is written; state <-
-    next_state. Returns features[path] (None without features)."""
-    _check_move(kv, path, accepted, next_state, state, features)
+    next_state. features: rows [T, F] or layer-major [layers, T, H] (the runner's step); returns the path's rows
+    [len(path), F or layers * H], each its layers side by side (None without features)."""
+    features = _check_move(kv, path, accepted, next_state, state, features)
     base = next_state[1] - accepted - 1
     kv[:, :, :, base + torch.arange(path.shape[0], device=kv.device)] = kv[:, :, :, base + path]
     state.copy_(next_state)
-    return None if features is None else features[path]
+    return None if features is None else features[:, path].transpose(0, 1).reshape(path.shape[0], -1)
 
 
 @triton.jit
-def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fout_ptr, S, F,
+def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fout_ptr, S, F, H, LAYER_STRIDE,
                       ROWSETS: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, D: tl.constexpr,
                       HAS_F: tl.constexpr, BLOCK_F: tl.constexpr):
     pid = tl.program_id(0)
@@ -60,8 +64,9 @@ def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fou
     elif HAS_F:
         c = (pid - ROWSETS) * BLOCK_F + tl.arange(0, BLOCK_F)[None, :]
         cols = c < F
-        tl.store(fout_ptr + e[:, None] * F + c, tl.load(f_ptr + path[:, None] * F + c, mask=ok[:, None] & cols),
-                 mask=ok[:, None] & cols)
+        layer = c // H  # output column c is layer c // H's column c % H
+        src = f_ptr + layer.to(tl.int64) * LAYER_STRIDE + path[:, None] * H + (c - layer * H)
+        tl.store(fout_ptr + e[:, None] * F + c, tl.load(src, mask=ok[:, None] & cols), mask=ok[:, None] & cols)
     if pid == 0:
         i = tl.arange(0, 2)
         tl.store(state_ptr + i, tl.load(next_ptr + i))
@@ -69,16 +74,17 @@ def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fou
 
 def tree_move(kv, path, accepted, next_state, state, features=None):
     """tree_move_ref's writes and result in one launch."""
-    _check_move(kv, path, accepted, next_state, state, features)
+    features = _check_move(kv, path, accepted, next_state, state, features)
     check_launchable(_tree_move_kernel, kv.device)
     two, layers, heads, slots, dim = kv.shape
     if dim != triton.next_power_of_2(dim):
         raise ValueError(f"head dim {dim}: the kernel moves power-of-two rows")
     rowsets, depth_rows = two * layers * heads, path.shape[0]
-    n_f = 0 if features is None else features.shape[1]
+    h = 1 if features is None else features.shape[2]
+    n_f = 0 if features is None else features.shape[0] * h
     out = None if features is None else torch.empty(depth_rows, n_f, dtype=features.dtype, device=kv.device)
     _tree_move_kernel[(rowsets + triton.cdiv(n_f, FEATURE_BLOCK),)](
         kv, path, accepted, next_state, state, kv if features is None else features, kv if out is None else out,
-        slots, max(n_f, 1), ROWSETS=rowsets, DR=depth_rows, DRP=triton.next_power_of_2(depth_rows), D=dim,
-        HAS_F=features is not None, BLOCK_F=FEATURE_BLOCK, num_warps=1)
+        slots, max(n_f, 1), h, 0 if features is None else features.stride(0), ROWSETS=rowsets, DR=depth_rows,
+        DRP=triton.next_power_of_2(depth_rows), D=dim, HAS_F=features is not None, BLOCK_F=FEATURE_BLOCK, num_warps=1)
     return out
