@@ -228,3 +228,39 @@ def test_the_heads_epilogue_top_k_drafts_what_the_top_k_launch_does():
     eng = build_engine(cfg(device_steps=1, kernel_backend="triton", drafter_topk="head"), model, NO_EOS, "cpu",
                        block_drafter=drafter)
     assert eng.drafter.step.topk_in_head and eng.generate(p, 16).tokens == want
+
+
+@pytest.mark.parametrize("topk_in_head", [False, True])
+def test_producer_statistics_draft_what_the_norms_own_pass_does(topk_in_head):
+    """producer_stat on the drafter's QKV, gate_up and head (a table's draft_* entries): o_proj and down store their
+    rows' segment sums of squares and the norms read them (layer 0's QKV keeps its own pass: the embedding has no
+    producer): the same tokens, probabilities to float32 rounding; an engine drafting so still gives AR's tokens."""
+    from specpilot.kernels.norm_gemm import RMSNormLinearParams
+    target = tiny_model("gqa", 3, torch.float32)
+    model = drafter_for(target, 3, 8).eval()
+    head = target.lm_head.weight
+    stat = RMSNormLinearParams(producer_stat=True)
+    launches = [DraftLaunches(topk_in_head=topk_in_head),
+                DraftLaunches(qkv=stat, gate_up=stat, head=stat, topk_in_head=topk_in_head)]
+    steps = [FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, launches=la) for la in launches]
+    features = torch.randn(12, model.config.feature_dim, generator=torch.Generator().manual_seed(4))
+    for s in steps:
+        s.project(features, torch.arange(12))
+    (tok_a, p_a), (tok_b, p_b) = (s.draft(torch.tensor([5, 12])) for s in steps)
+    assert torch.equal(tok_a, tok_b)
+    torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
+    model = damped("mha_tied", 2)
+    drafter = quick_drafter(model, 2, 40)
+    c, v = drafter.config, model.shape.vocab
+    on = '{"producer_stat": true}'
+    table = ((f"draft_gate_up@{2 * c.intermediate}x{c.hidden}@T4", on),
+             (f"draft_qkv@{(c.heads + 2 * c.kv_heads) * c.head_dim}x{c.hidden}@T4", on),
+             (f"draft_head@{v}x{c.hidden}@T3", on))
+    p = prompt(v, 10, 2)
+    want = build_engine(cfg(drafter="none", kernel_backend="triton"), model, NO_EOS, "cpu").generate(p, 16).tokens
+    eng = build_engine(cfg(device_steps=1, kernel_backend="triton", kernel_table=table,
+                           drafter_topk="head" if topk_in_head else "chunks"), model, NO_EOS, "cpu",
+                       block_drafter=drafter)
+    step = eng.drafter.step
+    assert step.p_qkv["producer_stat"] and step.p_gate_up["producer_stat"] and step.p_head["producer_stat"]
+    assert eng.generate(p, 16).tokens == want

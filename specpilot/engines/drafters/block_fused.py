@@ -314,19 +314,31 @@ class FusedBlockStep:
         else:
             torch.mul(self.embed[ints[:1]], c.input_scale, out=self.x[:1])
         x = self.x
+        # Producer statistics (RMSNormLinearParams.producer_stat, from a table's draft_* entries): o_proj and down
+        # store their rows' segment sums of squares for the norm launch after them, as the target's forward does;
+        # layer 0's QKV reads the embedding, which nobody summed.
+        stats = lambda p: (torch.empty(self.width, c.hidden // 16, dtype=torch.float32, device=x.device)  # noqa: E731
+                           if p.get("producer_stat") else None)
+        s_qkv, s_mlp, s_head = stats(self.p_qkv), stats(self.p_gate_up), stats(self.p_head)
+        s_in = None
         for i, layer in enumerate(m.layers):
-            q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **self.p_qkv),
-                         i, ints[1:2])
+            p_qkv = {**self.p_qkv, "producer_stat": s_in is not None}
+            q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv,
+                                        row_sumsq=s_in), i, ints[1:2])
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
-            x = linear(o, layer.self_attn.o_proj.weight, residual=x, **self.p_o)
-            act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up)
-            x = linear(act, layer.mlp.down_proj.weight, residual=x, **self.p_down)
+            x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)
+            act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up,
+                              row_sumsq=s_mlp)
+            s_in = s_head if i + 1 == len(m.layers) else s_qkv
+            x = linear(act, layer.mlp.down_proj.weight, residual=x, row_sumsq_out=s_in, **self.p_down)
+        s_head = None if s_head is None else s_head[1:]  # the head reads rows 1.. (the block's drafted positions)
         if self.topk_in_head:  # each column tile's top-k, max and sum of exp from the head's epilogue, then merged
             kp = next_pow2(self.topk, 2)  # tl.topk's k: a power of two >= 2, as topk_probs takes it
             _, parts = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32,
-                                      store_y=False, topk=kp, **self.p_head)
+                                      store_y=False, topk=kp, **self.p_head, row_sumsq=s_head)
             return merge_topk(parts, self.topk, self.token_map)
-        logits = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32, **self.p_head)
+        logits = rmsnorm_linear(x[1:], m.norm.weight, self.head, c.rms_eps, out_dtype=torch.float32, **self.p_head,
+                                row_sumsq=s_head)
         if c.logit_scale != 1.0:
             logits = logits * c.logit_scale
         if c.logit_softcap > 0:
