@@ -20,8 +20,8 @@ from .w12_tile import W12Weight
 from ._common import check_int, check_out, check_tensor, dot_precision, register_cap
 from .act import swiglu_ref
 from .gemm import BLOCK_K
-from .norm_gemm import (BLOCK_M, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand, norm_pdl,
-                        norm_warps, rmsnorm_linear_ref)
+from .norm_gemm import (BLOCK_M, _NO_ROPE, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand,
+                        norm_pdl, norm_warps, rmsnorm_linear_ref)
 from .rope_kv import rope_kv_write_ref
 
 
@@ -44,12 +44,17 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      split_k: int = 1, stat_unroll: int = 8, act_prefetch: int = 2,
                      prenorm: bool = False, grid_dependency: int | None = None, producer_stat: bool = False,
                      row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
-                     scaled_x: torch.Tensor | None = None, max_registers: int | None = None) -> torch.Tensor:
+                     scaled_x: torch.Tensor | None = None, max_registers: int | None = None,
+                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                     consecutive: bool = False) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
     [max_pos, D/2]. A token with an out-of-range position or slot writes no cache row and gets a NaN q row
     (no host sync can report it), as in rope_kv_write.
+    q_norm, k_norm [D] (both or neither): each q and k head RMS-normed (with eps) before its rotation, as the block
+    drafter's qk_norm_rope (engines/drafters/block_fused.py) does; a tile is then one head (block_n = D).
+    consecutive: positions is [1] and row t sits at positions[0] + t, in that slot (slots None): the drafter's block.
     """
     T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
                                                 block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
@@ -71,24 +76,41 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
         raise ValueError(f"W has {N} rows; heads={heads}, kv_heads={kv_heads}, head_dim={D} need "
                          f"{(heads + 2 * kv_heads) * D}")
     check_tensor("v_cache", v_cache, (kv_heads, S, D), dt, dev)
-    check_tensor("positions", positions, (T,), torch.int64, dev)
-    check_tensor("slots", slots, (T,), torch.int64, dev)
+    if consecutive:
+        check_tensor("positions", positions, (1,), torch.int64, dev)
+        if slots is not None:
+            raise ValueError("consecutive rows go to the slots of their positions: give slots=None")
+    else:
+        check_tensor("positions", positions, (T,), torch.int64, dev)
+        check_tensor("slots", slots, (T,), torch.int64, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("give both q_norm and k_norm, or neither")
+    if q_norm is not None:
+        check_tensor("q_norm", q_norm, (D,), dt, dev)
+        check_tensor("k_norm", k_norm, (D,), dt, dev)
+        if block_n not in (None, D):  # the norm's statistic is a row's sum over its head: the whole head a tile
+            raise ValueError(f"q/k norms need a head a tile: block_n={block_n}, head_dim={D}")
+        block_n = D
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D,
                                              w12=w12)
     op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq, scaled_x)
+    if consecutive and len(launches) > 1:  # a launch's rows start at its r0: positions[0] + t would be wrong
+        raise ValueError(f"consecutive rows need one launch: {T} rows at split_k={split_k} take {len(launches)}")
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, x, x, ws, counters,
-                                     op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache,
-                                     v_cache, S, cos.shape[0],
+                                     op.row_sumsq[r0:r1], positions if consecutive else positions[r0:r1],
+                                     positions if consecutive else slots[r0:r1], cos, sin, k_cache, v_cache,
+                                     x if q_norm is None else q_norm, x if k_norm is None else k_norm, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
-                                     NORM=op.norm, STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
+                                     NORM=op.norm, STAT_SEGS=op.stat_segs, QK_NORM=q_norm is not None,
+                                     CONSECUTIVE=consecutive, num_warps=num_warps, num_stages=stages,
                                      **norm_pdl(x, N, K, grid_dependency), **register_cap(max_registers))
     return out
 
@@ -122,7 +144,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](op.x[r0:r1], rk[r0:r1] if has_res else x, norm_w, *w_args, x, out[r0:r1],
                                      residual_out[r0:r1] if has_res else out, x, x, x, x, ws, counters,
-                                     op.row_sumsq[r0:r1], x, x, x, x, x, x, 1, 1,
+                                     op.row_sumsq[r0:r1], *_NO_ROPE(x),
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
                                      KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
