@@ -5,8 +5,8 @@ python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [-
     [--window W --position P]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
 Triton kernels; `fused, default launches`: that with DraftLaunches' projections at their defaults; `fused, top-k in
-256-logit chunks`: DraftLaunches.topk_block 256 against 1024; `fused, q/k norm in its own launch`: qk_norm_rope after
-the QKV launch, not in its epilogue) the draft graph,
+256-logit chunks`: DraftLaunches.topk_block 256 against 1024; `fused, q/k norms in the QKV epilogue`:
+DraftLaunches.qk_in_qkv, no qk_norm_rope launch) the draft graph,
 one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
@@ -57,9 +57,9 @@ ap.add_argument("--kernel-table", default="",
                      "engine section builds its engines once per table and times them in turn, --rounds times "
                      "(an A/B of launch fields in one process, each round's order the same, drift shared)")
 ap.add_argument("--rounds", type=int, default=3, help="engine section with several tables: timed rounds")
-ap.add_argument("--qk-launch-too", action="store_true",
-                help="engine section with several tables: each engine also with the drafter's q/k norm in its own "
-                     "launch (DraftLaunches.qk_in_qkv False), as '<config> [<table>, qk launch]'")
+ap.add_argument("--qk-epilogue-too", action="store_true",
+                help="engine section with several tables: each drafting engine also with the drafter's q/k norms in "
+                     "its QKV launch's epilogue (DraftLaunches.qk_in_qkv), as '<config> [<table>, qk epilogue]'")
 ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
@@ -142,14 +142,14 @@ def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     engines = {}
     for name, c in configs.items():
         for stem, pairs in tables.items():
-            for qk_launch in (False, True) if args.qk_launch_too else (False,):
+            for qk_epilogue in (False, True) if args.qk_epilogue_too else (False,):
                 e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
                 step = getattr(getattr(e, "drafter", None), "step", None)
-                if qk_launch and step is None:
+                if qk_epilogue and step is None:
                     continue  # AR: no drafter
-                if qk_launch:
-                    step.qk_in_qkv = False  # before warm_up captures the draft graph
-                engines[f"{name} [{stem}{', qk launch' if qk_launch else ''}]"] = e
+                if qk_epilogue:
+                    step.qk_in_qkv = True  # before warm_up captures the draft graph
+                engines[f"{name} [{stem}{', qk epilogue' if qk_epilogue else ''}]"] = e
                 e.warm_up(prompt, 8)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
@@ -251,7 +251,7 @@ def measure() -> dict:
     steps = {"reference": step_costs(False), "fused": step_costs(True),
              "fused, default launches": step_costs(True, untuned),
              "fused, top-k in 256-logit chunks": step_costs(True, DraftLaunches(topk_block=256)),
-             "fused, q/k norm in its own launch": step_costs(True, DraftLaunches(qk_in_qkv=False))} \
+             "fused, q/k norms in the QKV epilogue": step_costs(True, DraftLaunches(qk_in_qkv=True))} \
         if "steps" in sections else {}
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}

@@ -3,9 +3,9 @@
 BlockStep reproduces the trainer's reference bit for bit and so runs ~108 small ops a draft: inside a CUDA graph on
 an H200 that took 0.42 ms, half a SmolLM2 target step, for a 2-layer drafter. Drafts are only proposals
 (verification decides), so this step trades those bits for launches: per layer norm+QKV (one GEMM over q|k|v) with
-the q/k norms, rotary and the block's cache write in its epilogue (norm_epilogues.rmsnorm_qkv_rope, a head a tile;
-`qk_norm_rope` below as a launch of its own with DraftLaunches.qk_in_qkv False), attention, o_proj+residual,
-norm+gate_up+SwiGLU, down+residual; then norm+LM head and the top-k. ~16 launches a draft; an observe is the fc
+the q/k norms, rotary and the block's cache write in a launch of their own (`qk_norm_rope` below; with
+DraftLaunches.qk_in_qkv in the QKV launch's epilogue, norm_epilogues.rmsnorm_qkv_rope), attention, o_proj+residual,
+norm+gate_up+SwiGLU, down+residual; then norm+LM head and the top-k. ~18 launches a draft; an observe is the fc
 GEMM, one norm+GEMM for every layer's context keys/values, and one `kv_norm_rope_layers` for all layers.
 Same cache layout, inputs and outputs as BlockStep, so the drafter and the device loop use either.
 """
@@ -205,9 +205,11 @@ class DraftLaunches:
     # over stored logits; drafters with a logit scale or softcap keep the launch.
     topk_in_head: bool = False
     # The QKV launch norms (q_norm / k_norm), rotates and writes the block's keys/values in its epilogue
-    # (norm_epilogues.rmsnorm_qkv_rope, a head a tile), instead of a qk_norm_rope launch after it: a launch fewer a
-    # layer. False: the separate launch (the steps section's A/B, scripts/gpu_block_drafter_step.py).
-    qk_in_qkv: bool = True
+    # (norm_epilogues.rmsnorm_qkv_rope), instead of a qk_norm_rope launch after it: a launch fewer a layer, but the
+    # norm's statistic is a head's, so a tile is a head (64 columns: 15 programs, against the default 16-column
+    # tiles' 60; the target's step lost ~1 us a launch at 64-column QKV tiles, session 49). Off until measured
+    # (scripts/gpu_block_drafter_step.py: --qk-epilogue-too in the engine section, a steps-section variant).
+    qk_in_qkv: bool = False
     # A kernel table (EngineConfig.kernel_table): its draft_<field>@NxK@T<rows> entries override these fields for the
     # drafter's shapes (`resolved`), so a step-level A/B or the tuner sets the drafter's launches like the target's.
     table: tuple[tuple[str, str], ...] = ()
