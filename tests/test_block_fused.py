@@ -205,6 +205,20 @@ def test_a_kernel_tables_draft_entries_set_the_drafters_launches():
         DraftLaunches(table=(("draft_mlp@8x8@T4", "{}"),))
 
 
+def assert_drafts_agree(model, target, launches: list) -> list:
+    """Fused steps of `model` with each DraftLaunches, on the same 12 context features: one draft each, the same
+    tokens and probabilities to float32 rounding. Returns the steps."""
+    steps = [FusedBlockStep(model, target.embed_tokens.weight, target.lm_head.weight, 64, 8, 5, launches=la)
+             for la in launches]
+    features = torch.randn(12, model.config.feature_dim, generator=torch.Generator().manual_seed(4))
+    for s in steps:
+        s.project(features, torch.arange(12))
+    (tok_a, p_a), (tok_b, p_b) = (s.draft(torch.tensor([5, 12])) for s in steps)
+    assert torch.equal(tok_a, tok_b)
+    torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
+    return steps
+
+
 def test_the_heads_epilogue_top_k_drafts_what_the_top_k_launch_does():
     """DraftLaunches.topk_in_head (EngineConfig.drafter_topk: head): the draft's tokens and probabilities (to
     float32 rounding of the sums) equal the chunked top-k launch's over the stored logits; an engine drafting so
@@ -212,15 +226,8 @@ def test_the_heads_epilogue_top_k_drafts_what_the_top_k_launch_does():
     target = tiny_model("gqa", 3, torch.float32)
     model = drafter_for(target, 3, 8).eval()
     head = target.lm_head.weight
-    steps = [FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, launches=DraftLaunches(topk_in_head=t))
-             for t in (False, True)]
+    steps = assert_drafts_agree(model, target, [DraftLaunches(topk_in_head=t) for t in (False, True)])
     assert [s.topk_in_head for s in steps] == [False, True]
-    features = torch.randn(12, model.config.feature_dim, generator=torch.Generator().manual_seed(4))
-    for s in steps:
-        s.project(features, torch.arange(12))
-    (tok_a, p_a), (tok_b, p_b) = (s.draft(torch.tensor([5, 12])) for s in steps)
-    assert torch.equal(tok_a, tok_b)
-    torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
     capped = drafter_for(target, 3, 8, logit_softcap=5.0).eval()
     assert not FusedBlockStep(capped, target.embed_tokens.weight, head, 64, 8, 5,
                               launches=DraftLaunches(topk_in_head=True)).topk_in_head
@@ -241,17 +248,10 @@ def test_producer_statistics_draft_what_the_norms_own_pass_does(topk_in_head):
     from specpilot.kernels.norm_gemm import RMSNormLinearParams
     target = tiny_model("gqa", 3, torch.float32)
     model = drafter_for(target, 3, 8).eval()
-    head = target.lm_head.weight
     stat = RMSNormLinearParams(producer_stat=True)
     launches = [DraftLaunches(topk_in_head=topk_in_head),
                 DraftLaunches(qkv=stat, gate_up=stat, head=stat, topk_in_head=topk_in_head)]
-    steps = [FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, launches=la) for la in launches]
-    features = torch.randn(12, model.config.feature_dim, generator=torch.Generator().manual_seed(4))
-    for s in steps:
-        s.project(features, torch.arange(12))
-    (tok_a, p_a), (tok_b, p_b) = (s.draft(torch.tensor([5, 12])) for s in steps)
-    assert torch.equal(tok_a, tok_b)
-    torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
+    assert_drafts_agree(model, target, launches)
     model = damped("mha_tied", 2)
     drafter = quick_drafter(model, 2, 40)
     c, v = drafter.config, model.shape.vocab

@@ -22,7 +22,7 @@ from .act import swiglu_ref
 from .gemm import BLOCK_K
 from .norm_gemm import (BLOCK_M, _NO_ROPE, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand,
                         norm_pdl, norm_warps, rmsnorm_linear_ref)
-from .rope_kv import rope_kv_write_ref
+from .rope_kv import check_rope_rows, rope_kv_write_ref
 
 
 def rmsnorm_qkv_rope_ref(x, norm_w, W, eps, positions, slots, cos, sin, k_cache, v_cache, heads: int,
@@ -76,13 +76,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
         raise ValueError(f"W has {N} rows; heads={heads}, kv_heads={kv_heads}, head_dim={D} need "
                          f"{(heads + 2 * kv_heads) * D}")
     check_tensor("v_cache", v_cache, (kv_heads, S, D), dt, dev)
-    if consecutive:
-        check_tensor("positions", positions, (1,), torch.int64, dev)
-        if slots is not None:
-            raise ValueError("consecutive rows go to the slots of their positions: give slots=None")
-    else:
-        check_tensor("positions", positions, (T,), torch.int64, dev)
-        check_tensor("slots", slots, (T,), torch.int64, dev)
+    check_rope_rows(positions, slots, T, consecutive, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
     if (q_norm is None) != (k_norm is None):

@@ -38,6 +38,19 @@ def rope_tables(max_positions: int, head_dim: int, theta: float, device: torch.d
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
+def check_rope_rows(positions: torch.Tensor, slots: torch.Tensor | None, rows: int, consecutive: bool,
+                    device: torch.device) -> None:
+    """The positions and cache slots of `rows` rotated rows: int64 [rows] each, or (consecutive: row t at
+    positions[0] + t, in that slot) positions [1] with slots None."""
+    if consecutive:
+        check_tensor("positions", positions, (1,), torch.int64, device)
+        if slots is not None:
+            raise ValueError("consecutive rows go to the slots of their positions: give slots=None")
+    else:
+        check_tensor("positions", positions, (rows,), torch.int64, device)
+        check_tensor("slots", slots, (rows,), torch.int64, device)
+
+
 @triton.jit
 def rotate(x, c, signed_partner_sin):
     """One rotate_half output in fp32: x cos -+ partner sin, as one explicit fma over the rounded partner product.

@@ -26,6 +26,7 @@ from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
+from specpilot.kernels.rope_kv import check_rope_rows
 from specpilot.kernels.table import check_invariance, launch_params
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
 from specpilot.kernels.topk import check_chunk, merge_topk, topk_probs
@@ -91,13 +92,7 @@ def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_nor
         raise ValueError(f"x rows must hold {heads} q, {kv_heads} k and {kv_heads} v heads of {D} contiguously, got "
                          f"shape {list(x.shape)} strides {x.stride()}")
     T = x.shape[0]
-    if consecutive:
-        check_tensor("positions", positions, (1,), torch.int64, dev)
-        if slots is not None:
-            raise ValueError("consecutive rows go to the slots of their positions: give slots=None")
-    else:
-        check_tensor("positions", positions, (T,), torch.int64, dev)
-        check_tensor("slots", slots, (T,), torch.int64, dev)
+    check_rope_rows(positions, slots, T, consecutive, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("give both q and k norm weights, or neither")
