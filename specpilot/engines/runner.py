@@ -36,6 +36,7 @@ def feature_rows(features: torch.Tensor) -> torch.Tensor:
     return features.transpose(0, 1).reshape(features.shape[1], -1)
 
 
+STEP_FEATURES = 4  # the features' place in a step's outputs (ModelRunner._step)
 VIEW_QUANTUM = 256  # granularity of a request's attention view (slots)
 
 
@@ -79,8 +80,9 @@ class ModelRunner:
 
     # ---- hot path -------------------------------------------------------------------------------
     def _step(self, ids, positions, slots, base, anc, block_slots=None):
-        """-> (argmax [T], top-k values, top-k indices, top-k probs, features [len(capture), T, H]); the top-k entries are None unless
-        this runner serves top-k (drafters, token forcing's margins): the decode hot path needs only the argmax.
+        """-> (argmax [T], top-k values, top-k indices, top-k probs, features [len(capture), T, H]); the top-k
+        entries are None unless this runner serves top-k (drafters, token forcing's margins): the decode hot path
+        needs only the argmax.
         block_slots: ancestor_slots(base, anc) precomputed by a caller whose block shape is static (the device
         loop), for the fused path with position-ordered attention; derived here when None."""
         need_logits = self.topk > 0
@@ -169,8 +171,9 @@ class ModelRunner:
             outs.append(tuple(None if t is None else t.clone() for t in o) if padded > width and self.use_graphs
                         else o)
         # chunks' rows one after another (the features' rows are their dim 1: layer-major)
-        out = outs[0] if len(outs) == 1 else tuple(None if o0 is None else torch.cat([o[i] for o in outs], int(i == 4))
-                                                   for i, o0 in enumerate(outs[0]))
+        out = outs[0] if len(outs) == 1 else tuple(
+            None if o0 is None else torch.cat([o[i] for o in outs], dim=1 if i == STEP_FEATURES else 0)
+            for i, o0 in enumerate(outs[0]))
         return self._output(out, n)
 
     @torch.no_grad()
