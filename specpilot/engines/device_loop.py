@@ -51,7 +51,8 @@ from specpilot.engines.graphs import capture_restoring
 from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
                                             tree_commit, tree_commit_ref)
-from specpilot.engines.runner import ModelRunner, feature_rows
+from specpilot.engines.fused import feature_rows
+from specpilot.engines.runner import ModelRunner
 from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
 from specpilot.engines.tree_move import tree_move, tree_move_ref
 

@@ -73,6 +73,12 @@ def check_fusable(model: LlamaModel, weight_format: WeightFormat = WeightFormat.
 ATTENTION_ORDER = {"split_keys": AttentionParams.split_keys, "block_n": AttentionParams.block_n}
 
 
+def feature_rows(features: torch.Tensor) -> torch.Tensor:
+    """Layer-major features [layers, T, H] (fused_forward's captured layers) as rows [T, layers * H], each row its
+    layers side by side (what a block drafter reads)."""
+    return features.transpose(0, 1).reshape(features.shape[1], -1)
+
+
 def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, k_caches, v_caches,
                   capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True):
     """Same contract as LlamaModel.forward, but attention visibility is (base [1] tensor, anc [T, T]) and the

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from specpilot.engines.config import EngineConfig, KernelBackend
-from specpilot.engines.fused import check_fusable, fused_forward, rope_tables_for
+from specpilot.engines.fused import check_fusable, feature_rows, fused_forward, rope_tables_for
 from specpilot.engines.graphs import StepGraph, capture_decode, capture_step
 from specpilot.engines.layout import bucket as _bucket, verify_layout
 from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, visibility_mask
@@ -29,11 +29,6 @@ class StepOutput:
     # [rows, len(capture) * hidden] target features (block drafters); with CUDA graphs a view of the step's output
     # buffer, valid until the next step (clone to keep)
     features: torch.Tensor | None = None
-
-
-def feature_rows(features: torch.Tensor) -> torch.Tensor:
-    """A step's layer-major features [layers, T, H] as rows [T, layers * H] (each row its layers side by side)."""
-    return features.transpose(0, 1).reshape(features.shape[1], -1)
 
 
 STEP_FEATURES = 4  # the features' place in a step's outputs (ModelRunner._step)

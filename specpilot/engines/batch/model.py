@@ -66,7 +66,8 @@ def batch_forward(model: LlamaModel, tables: FusedTables, ids: torch.Tensor, pos
                   page: int, max_kv_len: int | None = None, want_logits: bool = False, capture: tuple[int, ...] = ()):
     """ids/positions/slots [N] int64 (slot -1: a padding token that writes no KV); caches [layers, kv_heads,
     S, D] paged by `page` slots. Returns (fp32 logits [N, vocab] or None, argmax [N], the outputs of the target
-    layers in `capture` [N, hidden] each: a block drafter's features); padding rows are meaningless."""
+    layers in `capture` as a layer-major [layers, N, hidden] stack or None: a block drafter's features,
+    fused.feature_rows); padding rows are meaningless."""
     calls = []
 
     def paged(q, k_cache, v_cache, base, anc, *, block_slots=None, **params):

@@ -34,7 +34,7 @@ from specpilot.engines.batch.model import attention_params, batch_forward
 from specpilot.engines.batch.paged_attn import PagedMeta, max_tiles, tile_map, tiles_for
 from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache, pages_for
 from specpilot.engines.config import ConfigError, EngineConfig, KernelBackend
-from specpilot.engines.fused import check_fusable, rope_tables_for
+from specpilot.engines.fused import check_fusable, feature_rows, rope_tables_for
 from specpilot.engines.llama import LlamaModel
 from specpilot.kernels._common import capture_graph
 
@@ -215,7 +215,7 @@ class BatchRunner:
         _, am, captured = batch_forward(self.model, self.tables, ids, pos, slots, meta, kv[0], kv[1], size,
                                         max_kv_len=max_kv, capture=drafter.target_layers if drafter else ())
         if drafter:  # per step token: features [nb, layers * hidden] (None: no layers), id, row (-1: padding), position
-            drafter.observe(torch.cat(captured, dim=-1) if captured else None, ids, tok_req, pos)
+            drafter.observe(None if captured is None else feature_rows(captured), ids, tok_req, pos)
         block_argmax = am[d["gather"]]  # [B, W]: target's token after each block token
         block_ids = ids[d["gather"]]
         # Draft token j+1 is accepted iff it equals the argmax after token j and every earlier one was.
