@@ -142,13 +142,11 @@ def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     engines = {}
     for name, c in configs.items():
         for stem, pairs in tables.items():
-            for qk_epilogue in (False, True) if args.qk_epilogue_too else (False,):
+            drafts = c.drafter is not DrafterKind.NONE
+            for qk_epilogue in (False, True) if args.qk_epilogue_too and drafts else (False,):
                 e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
-                step = getattr(getattr(e, "drafter", None), "step", None)
-                if qk_epilogue and step is None:
-                    continue  # AR: no drafter
                 if qk_epilogue:
-                    step.qk_in_qkv = True  # before warm_up captures the draft graph
+                    e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
                 engines[f"{name} [{stem}{', qk epilogue' if qk_epilogue else ''}]"] = e
                 e.warm_up(prompt, 8)
     runs = {name: [] for name in engines}

@@ -84,8 +84,8 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
     """Same contract as LlamaModel.forward, but attention visibility is (base [1] tensor, anc [T, T]) and the
     result is the pre-norm residual stream's final norm applied inside the LM-head kernel: returns
     (logits fp32 [T, V] or None, argmax [T], captured layer outputs [len(capture), T, H] in layer order or None).
-    want_logits=False: the LM head finds the
-    argmax in its epilogue and never writes the logits (the AR/verify hot path needs only the argmax).
+    want_logits=False: the LM head finds the argmax in its epilogue and never writes the logits (the AR/verify hot
+    path needs only the argmax).
     block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
     slots (then anc is not read)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear

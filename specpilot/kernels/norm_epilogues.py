@@ -22,7 +22,7 @@ from .act import swiglu_ref
 from .gemm import BLOCK_K
 from .norm_gemm import (BLOCK_M, _NO_ROPE, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand,
                         norm_pdl, norm_warps, rmsnorm_linear_ref)
-from .rope_kv import check_rope_rows, rope_kv_write_ref
+from .rope_kv import check_qk_norms, check_rope_rows, rope_kv_write_ref
 
 
 def rmsnorm_qkv_rope_ref(x, norm_w, W, eps, positions, slots, cos, sin, k_cache, v_cache, heads: int,
@@ -79,11 +79,8 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     check_rope_rows(positions, slots, T, consecutive, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("give both q_norm and k_norm, or neither")
+    check_qk_norms(q_norm, k_norm, D, dt, dev)
     if q_norm is not None:
-        check_tensor("q_norm", q_norm, (D,), dt, dev)
-        check_tensor("k_norm", k_norm, (D,), dt, dev)
         if block_n not in (None, D):  # the norm's statistic is a row's sum over its head: the whole head a tile
             raise ValueError(f"q/k norms need a head a tile: block_n={block_n}, head_dim={D}")
         block_n = D

@@ -51,6 +51,16 @@ def check_rope_rows(positions: torch.Tensor, slots: torch.Tensor | None, rows: i
         check_tensor("slots", slots, (rows,), torch.int64, device)
 
 
+def check_qk_norms(q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, head_dim: int, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """Per-head q and k RMS-norm weights: both [head_dim] of the activations' dtype, or neither."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"give both q and k norm weights, or neither (both q_norm and k_norm, [{head_dim}] each)")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            check_tensor(name, w, (head_dim,), dtype, device)
+
+
 @triton.jit
 def rotate(x, c, signed_partner_sin):
     """One rotate_half output in fp32: x cos -+ partner sin, as one explicit fma over the rounded partner product.

@@ -26,7 +26,7 @@ from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
-from specpilot.kernels.rope_kv import check_rope_rows
+from specpilot.kernels.rope_kv import check_qk_norms, check_rope_rows
 from specpilot.kernels.table import check_invariance, launch_params
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
 from specpilot.kernels.topk import check_chunk, merge_topk, topk_probs
@@ -94,11 +94,7 @@ def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_nor
     T = x.shape[0]
     check_rope_rows(positions, slots, T, consecutive, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("give both q and k norm weights, or neither")
-    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if w is not None:
-            check_tensor(name, w, (D,), dt, dev)
+    check_qk_norms(q_norm, k_norm, D, dt, dev)
     return T, S, D
 
 
