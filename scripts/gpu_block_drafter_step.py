@@ -34,9 +34,12 @@ from specpilot.engines.config import DrafterKind, DrafterLaunches, EngineConfig,
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_fused import DraftLaunches
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
+from specpilot.engines import device_drafters, loop_kernels, tree_grow, tree_move
+from specpilot.engines.drafters import block_fused
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
 from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
+from specpilot.kernels import topk
 from specpilot.kernels.table import read_pairs
 
 ap = argparse.ArgumentParser()
@@ -60,6 +63,10 @@ ap.add_argument("--rounds", type=int, default=3, help="engine section with sever
 ap.add_argument("--qk-epilogue-too", action="store_true",
                 help="engine section with several tables: each drafting engine also with the drafter's q/k norms in "
                      "its QKV launch's epilogue (DraftLaunches.qk_in_qkv), as '<config> [<table>, qk epilogue]'")
+ap.add_argument("--glue-pdl-off-too", action="store_true",
+                help="engine section with several tables: each drafting engine also with the device loop's glue and "
+                     "the drafter's top-k and q/k launches in plain stream order (their PDL off, the fused kernels' "
+                     "on), as '<config> [<table>, glue pdl off]'")
 ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
@@ -136,6 +143,23 @@ def engine_costs(c: EngineConfig, reps: int = 1) -> dict:
             "tokens_per_step": r.accepted_per_step}
 
 
+GLUE_MODULES = (loop_kernels, tree_grow, tree_move, device_drafters, block_fused, topk)
+
+
+@contextlib.contextmanager
+def glue_pdl_off():
+    """The glue modules' launches (their pdl_launch: the loop's one-program kernels, the drafter's top-k and q/k
+    launches) in plain stream order while engines build and capture; the fused kernels keep their PDL."""
+    saved = [m.pdl_launch for m in GLUE_MODULES]
+    for m in GLUE_MODULES:
+        m.pdl_launch = lambda *a, **kw: {"PDL": 0}
+    try:
+        yield
+    finally:
+        for m, f in zip(GLUE_MODULES, saved):
+            m.pdl_launch = f
+
+
 def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     """Every config under every table, built once, then one request each in turn for --rounds rounds: per
     '<config> [<table>]' the fastest round (its ms_per_step etc.) and every round's ms/step."""
@@ -143,12 +167,18 @@ def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     for name, c in configs.items():
         for stem, pairs in tables.items():
             drafts = c.drafter is not DrafterKind.NONE
-            for qk_epilogue in (False, True) if args.qk_epilogue_too and drafts else (False,):
-                e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
-                if qk_epilogue:
-                    e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
-                engines[f"{name} [{stem}{', qk epilogue' if qk_epilogue else ''}]"] = e
-                e.warm_up(prompt, 8)
+            variants = [("", False, contextlib.nullcontext)]
+            if drafts and args.qk_epilogue_too:
+                variants.append((", qk epilogue", True, contextlib.nullcontext))
+            if drafts and args.glue_pdl_off_too:
+                variants.append((", glue pdl off", False, glue_pdl_off))
+            for label, qk_epilogue, launches in variants:
+                with launches():  # the graphs keep the launches they were captured with
+                    e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
+                    if qk_epilogue:
+                        e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
+                    engines[f"{name} [{stem}{label}]"] = e
+                    e.warm_up(prompt, 8)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, e in engines.items():
