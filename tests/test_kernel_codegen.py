@@ -50,7 +50,8 @@ def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None, num_stages=2):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
-                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False))
+                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False),
+                ("ONE_PASS", False))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
     # not to); without them loads are not vectorised and no K loop is pipelined, which is not the code that runs
@@ -142,6 +143,9 @@ print(json.dumps({
     # the block drafter's context window (drafter_window): masks and a later first key block, the same dots
     "single_chain_windowed": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
                                                                   "TILES": 1, "WINDOWED": True}),
+    # its attention in one pass (DraftLaunches.attention_one_pass): the same dots, the rows normalised and stored
+    "single_chain_one_pass": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
+                                                                  "TILES": 1, "WINDOWED": True, "ONE_PASS": True}),
     **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
                                                                        "HAS_SLOTS": kind == "slots", "TILES": 1})
        for kind in ("chain", "slots")},
@@ -321,7 +325,7 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert len(compiled["paged"]) == 3, compiled["paged"]
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
-    assert compiled["single_chain_windowed"] == compiled["single_chain"]
+    assert compiled["single_chain_windowed"] == compiled["single_chain"] == compiled["single_chain_one_pass"]
     # num_stages is T-neutral (AttentionParams): one stage (99 registers a thread with block_slots, 168 at two;
     # scripts/attn_registers.py) runs the same dots
     assert compiled["single_slots_stages1"] == compiled["paged"]

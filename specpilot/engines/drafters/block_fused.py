@@ -20,7 +20,7 @@ import triton.language as tl
 from specpilot.engines.config import DrafterLaunches, DrafterTopk
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
-from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
+from specpilot.kernels import ONE_PASS_MAX_WINDOW, attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor, next_pow2
 from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
@@ -204,8 +204,13 @@ class DraftLaunches:
     # (norm_epilogues.rmsnorm_qkv_rope), instead of a qk_norm_rope launch after it: a launch fewer a layer, but the
     # norm's statistic is a head's, so a tile is a head (64 columns: 15 programs, against the default 16-column
     # tiles' 60; the target's step lost ~1 us a launch at 64-column QKV tiles, session 49). Off until measured
-    # (scripts/gpu_block_drafter_step.py: --qk-epilogue-too in the engine section, a steps-section variant).
+    # (scripts/gpu_block_drafter_step.py: --variants qk in the engine section, a steps-section variant).
     qk_in_qkv: bool = False
+    # The block's attention in one pass (kernels.attention(one_pass=True)): a program per (row tile, kv head) runs
+    # the context window's key blocks in turn and stores its rows, instead of a split launch and a combine launch: a
+    # launch fewer a layer, the window's ~5 key blocks one after another. A step whose window is 0 or longer than
+    # attn.ONE_PASS_MAX_WINDOW keeps the splits. Off until measured (scripts/gpu_block_drafter_step.py --variants).
+    attention_one_pass: bool = False
     # A kernel table (EngineConfig.kernel_table): its draft_<field>@NxK@T<rows> entries override these fields for the
     # drafter's shapes (`resolved`), so a step-level A/B or the tuner sets the drafter's launches like the target's.
     table: tuple[tuple[str, str], ...] = ()
@@ -277,6 +282,7 @@ class FusedBlockStep:
         self.p_down, self.topk_block = launches.down_for(c.intermediate), launches.topk_block
         self.topk_in_head = launches.topk_in_head and c.logit_scale == 1.0 and c.logit_softcap <= 0
         self.qk_in_qkv = launches.qk_in_qkv
+        self.one_pass = launches.attention_one_pass and 0 < self.window <= ONE_PASS_MAX_WINDOW
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -342,7 +348,8 @@ class FusedBlockStep:
             else:
                 q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv,
                                             row_sumsq=s_in), i, ints[1:2])
-            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
+            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window,
+                          one_pass=self.one_pass)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up,
                               row_sumsq=s_mlp)
