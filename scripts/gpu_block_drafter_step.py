@@ -1,13 +1,12 @@
 """Where a block-drafter step's time goes (random SmolLM2-135M target, random 2-layer block-16 drafter or --drafter's).
 
 python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [--reps R] [--tree-budget B]
-    [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE[,FILE..] [--rounds N]
-    [--variants V[,V..]]] [--only NAME,..] [--window W --position P]
+    [--sections steps,engine,loop,ar] [--grid-dependency off] [--kernel-table FILE] [--only NAME,..]
+    [--window W --position P]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
 Triton kernels; `fused, default launches`: that with DraftLaunches' projections at their defaults; `fused, top-k in
 256-logit chunks`: DraftLaunches.topk_block 256 against 1024; `fused, q/k norms in the QKV epilogue`:
-DraftLaunches.qk_in_qkv, no qk_norm_rope launch; `fused, attention in one pass` (with a window):
-DraftLaunches.attention_one_pass, no combine launch) the draft graph,
+DraftLaunches.qk_in_qkv, no qk_norm_rope launch) the draft graph,
 one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
@@ -35,12 +34,9 @@ from specpilot.engines.config import DrafterKind, DrafterLaunches, EngineConfig,
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_fused import DraftLaunches
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
-from specpilot.engines import device_drafters, loop_kernels, tree_grow, tree_move
-from specpilot.engines.drafters import block_fused
 from specpilot.engines.loader import random_model
 from specpilot.engines.shapes import SMOLLM2_135M
 from specpilot.kernels.pdl import grid_dependency, parse_grid_dependency
-from specpilot.kernels import ONE_PASS_MAX_WINDOW, topk
 from specpilot.kernels.table import read_pairs
 
 ap = argparse.ArgumentParser()
@@ -61,13 +57,9 @@ ap.add_argument("--kernel-table", default="",
                      "engine section builds its engines once per table and times them in turn, --rounds times "
                      "(an A/B of launch fields in one process, each round's order the same, drift shared)")
 ap.add_argument("--rounds", type=int, default=3, help="engine section with several tables: timed rounds")
-ap.add_argument("--variants", default="",
-                help="engine section with several tables: each drafting engine also as these variants, "
-                     "comma-separated, each a '+'-joined set of: qk (the drafter's q/k norms in its QKV launch's "
-                     "epilogue, DraftLaunches.qk_in_qkv), one_pass (its attention in one pass, "
-                     "DraftLaunches.attention_one_pass), glue_pdl_off (the device loop's glue and the drafter's "
-                     "top-k and q/k launches in plain stream order, the fused kernels' PDL on); as "
-                     "'<config> [<table>, <variant>]'")
+ap.add_argument("--qk-epilogue-too", action="store_true",
+                help="engine section with several tables: each drafting engine also with the drafter's q/k norms in "
+                     "its QKV launch's epilogue (DraftLaunches.qk_in_qkv), as '<config> [<table>, qk epilogue]'")
 ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
@@ -80,13 +72,6 @@ dev, cuda = args.device, args.device.startswith("cuda")
 target = random_model(SMOLLM2_135M, torch.bfloat16, dev, seed=0)
 drafter = (load_drafter(args.drafter, target) if args.drafter else
            BlockDrafterModel(BlockDrafterConfig.for_target(SMOLLM2_135M, layers=2, block_size=16)).init_weights(0))
-VARIANT_PARTS = {"qk", "one_pass", "glue_pdl_off"}
-variants = [v for v in args.variants.split(",") if v]
-for v in variants:
-    if not set(v.split("+")) <= VARIANT_PARTS:
-        ap.error(f"--variants: {v!r} is not a '+'-joined set of {sorted(VARIANT_PARTS)}")
-    if "one_pass" in v.split("+") and not 0 < args.window <= ONE_PASS_MAX_WINDOW:
-        ap.error(f"--variants one_pass: the drafter's attention in one pass needs --window 1..{ONE_PASS_MAX_WINDOW}")
 tables = {os.path.basename(f).removesuffix(".json"): read_pairs(f) for f in args.kernel_table.split(",") if f}
 cfg = EngineConfig(drafter=DrafterKind.BLOCK, block_size=16, max_seq_len=4096, cuda_graphs=cuda,
                    kernel_backend="triton" if cuda else "torch",
@@ -151,23 +136,6 @@ def engine_costs(c: EngineConfig, reps: int = 1) -> dict:
             "tokens_per_step": r.accepted_per_step}
 
 
-GLUE_MODULES = (loop_kernels, tree_grow, tree_move, device_drafters, block_fused, topk)
-
-
-@contextlib.contextmanager
-def glue_pdl_off():
-    """The glue modules' launches (their pdl_launch: the loop's one-program kernels, the drafter's top-k and q/k
-    launches) in plain stream order while engines build and capture; the fused kernels keep their PDL."""
-    saved = [m.pdl_launch for m in GLUE_MODULES]
-    for m in GLUE_MODULES:
-        m.pdl_launch = lambda *a, **kw: {"PDL": 0}
-    try:
-        yield
-    finally:
-        for m, f in zip(GLUE_MODULES, saved):
-            m.pdl_launch = f
-
-
 def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     """Every config under every table, built once, then one request each in turn for --rounds rounds: per
     '<config> [<table>]' the fastest round (its ms_per_step etc.) and every round's ms/step."""
@@ -175,16 +143,12 @@ def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     for name, c in configs.items():
         for stem, pairs in tables.items():
             drafts = c.drafter is not DrafterKind.NONE
-            for variant in [""] + (variants if drafts else []):
-                parts = set(variant.split("+")) - {""}
-                with glue_pdl_off() if "glue_pdl_off" in parts else contextlib.nullcontext():
-                    # the graphs keep the launches they were captured with (warm_up captures them all)
-                    e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
-                    if parts & {"qk", "one_pass"}:  # the drafter's switches, before warm_up captures its graph
-                        e.drafter.step.qk_in_qkv |= "qk" in parts
-                        e.drafter.step.one_pass |= "one_pass" in parts
-                    engines[f"{name} [{stem}{', ' + variant if variant else ''}]"] = e
-                    e.warm_up(prompt, 8)
+            for qk_epilogue in (False, True) if args.qk_epilogue_too and drafts else (False,):
+                e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
+                if qk_epilogue:
+                    e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
+                engines[f"{name} [{stem}{', qk epilogue' if qk_epilogue else ''}]"] = e
+                e.warm_up(prompt, 8)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, e in engines.items():
@@ -285,9 +249,7 @@ def measure() -> dict:
     steps = {"reference": step_costs(False), "fused": step_costs(True),
              "fused, default launches": step_costs(True, untuned),
              "fused, top-k in 256-logit chunks": step_costs(True, DraftLaunches(topk_block=256)),
-             "fused, q/k norms in the QKV epilogue": step_costs(True, DraftLaunches(qk_in_qkv=True)),
-             **({"fused, attention in one pass": step_costs(True, DraftLaunches(attention_one_pass=True))}
-                if 0 < args.window <= ONE_PASS_MAX_WINDOW else {})} \
+             "fused, q/k norms in the QKV epilogue": step_costs(True, DraftLaunches(qk_in_qkv=True))} \
         if "steps" in sections else {}
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}

@@ -50,8 +50,7 @@ def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None, num_stages=2):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
-                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False),
-                ("ONE_PASS", False))
+                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
     # not to); without them loads are not vectorised and no K loop is pipelined, which is not the code that runs
@@ -109,14 +108,6 @@ def trigger_after_mma(ptx):
     return {"before_first": trigger[0] < mma[0], "after_last": trigger[0] > mma[-1]}
 
 
-def loads_and_waits(fn, sig, consts, num_warps):
-    """Compiled for sm_90 at all (it loads), and a kernel with a PDL parameter under PDL (the device loop's glue
-    and the drafter's small launches overlap their neighbours as the fused kernels do): it waits."""
-    pdl = "PDL" in fn.arg_names
-    ptx = build(fn, sig, {"PDL": 1, **consts} if pdl else consts, num_warps, pdl=pdl).asm["ptx"]
-    return "ld.global" in ptx and (not pdl or consts.get("PDL") == 0 or "griddepcontrol.wait" in ptx)
-
-
 def assembled(fn, sig, consts, num_warps):
     """(ptxas -v log, SASS) of the kernel, assembled for sm_90a by the ptxas Triton ships."""
     return ptxas_sass(build(fn, sig, consts, num_warps).asm["ptx"])
@@ -143,9 +134,6 @@ print(json.dumps({
     # the block drafter's context window (drafter_window): masks and a later first key block, the same dots
     "single_chain_windowed": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
                                                                   "TILES": 1, "WINDOWED": True}),
-    # its attention in one pass (DraftLaunches.attention_one_pass): the same dots, the rows normalised and stored
-    "single_chain_one_pass": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
-                                                                  "TILES": 1, "WINDOWED": True, "ONE_PASS": True}),
     **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
                                                                        "HAS_SLOTS": kind == "slots", "TILES": 1})
        for kind in ("chain", "slots")},
@@ -238,8 +226,8 @@ print(json.dumps({
                            {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "o_ptr": P,
                             "tok_kvlen_ptr": "*i64", "NTOK": "i32"}, {"H": 9, "D": 64, "SPLIT": 64, "GROUP": 64}))},
     # the device loop's kernels: compiled for the GPU at all (the interpreter accepts what sm_90 code generation
-    # refuses, e.g. a constexpr reassigned in a static_range body), under PDL where they take it
-    "sm90": {name: loads_and_waits(fn, sig, consts, nw) for name, fn, sig, consts, nw in (
+    # refuses, e.g. a constexpr reassigned in a static_range body)
+    "sm90": {name: "ld.global" in build(fn, sig, consts, nw).asm["ptx"] for name, fn, sig, consts, nw in (
         ("ngram_lookup", dd._ngram_kernel, {"tok_ptr": "*i64", "state_ptr": "*i64", "draft_ptr": "*i64",
                                             "proposed_ptr": "*i64", "gate_tok_ptr": "*i64", "gate_prob_ptr": "*fp32",
                                             "doubt": "fp32"},
@@ -325,7 +313,7 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert len(compiled["paged"]) == 3, compiled["paged"]
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
-    assert compiled["single_chain_windowed"] == compiled["single_chain"] == compiled["single_chain_one_pass"]
+    assert compiled["single_chain_windowed"] == compiled["single_chain"]
     # num_stages is T-neutral (AttentionParams): one stage (99 registers a thread with block_slots, 168 at two;
     # scripts/attn_registers.py) runs the same dots
     assert compiled["single_slots_stages1"] == compiled["paged"]

@@ -5,7 +5,7 @@ the other rows hold (see _common.py for how). The `*_ref` functions are the CPU 
 tests' oracle. Kernels need CUDA tensors, or TRITON_INTERPRET=1 set before this package is imported.
 """
 from ._common import BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParams
-from .attn import ONE_PASS_MAX_WINDOW, AttentionParams, attention, attention_ref
+from .attn import AttentionParams, attention, attention_ref
 from .accept import AcceptParams, greedy_accept, greedy_accept_ref
 from .gemm import BLOCK_K, LinearParams, linear, linear_ref, swiglu_linear, swiglu_linear_ref
 from .norm_gemm import RMSNormLinearParams, rms_norm_ref, rmsnorm_linear, rmsnorm_linear_ref
@@ -14,7 +14,7 @@ from .act import SwigluParams, swiglu, swiglu_ref
 
 __all__ = [
     "BLOCK_K", "BLOCK_M", "MAX_REGISTERS", "ROW_TILES", "LaunchParams",
-    "ONE_PASS_MAX_WINDOW", "AttentionParams", "attention", "attention_ref",
+    "AttentionParams", "attention", "attention_ref",
     "AcceptParams", "greedy_accept", "greedy_accept_ref",
     "LinearParams", "linear", "linear_ref", "swiglu_linear", "swiglu_linear_ref",
     "RMSNormLinearParams", "rms_norm_ref", "rmsnorm_linear", "rmsnorm_linear_ref",

@@ -35,9 +35,6 @@ from .pdl import pdl_launch, release_successor, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
 ATTENTION_ROW_TILES = (BLOCK_M, 2 * BLOCK_M)
-# The longest context window attention(one_pass=True) takes: its programs run the window's key blocks one after
-# another (8 blocks of 64 at 512), where splits run them side by side.
-ONE_PASS_MAX_WINDOW = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +113,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                        T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                        D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
-                       WINDOWED: tl.constexpr = False, ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = 0):
+                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
@@ -145,7 +142,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                          prog_m * TILES + tile, kvh, part, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
-                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED, ONE_PASS)
+                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED)
     release_successor(PDL)
 
 
@@ -153,13 +150,11 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
 def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, part,
                      base, end, lo, section_ok, T, S, A, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr,
-                     ONE_PASS: tl.constexpr):
+                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr):
     """Row tile pid_m of one (kv head, split from lo): the online softmax over the split's visible keys, its
     partials stored in workspace split `part`. A tile past the rows (the last program's spare tiles), or of a split
     its section does not run, does nothing. WINDOWED: context keys below base - window are not visible; the key loop
-    starts at the window's first key block. ONE_PASS: the split is every key; its rows are normalised (the
-    combine's acc / l) and stored to ws_o_ptr, the output."""
+    starts at the window's first key block."""
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if HAS_SLOTS:
         # A split of context keys only (all below base) reads the same keys for every token: its rows are tiled
@@ -221,13 +216,9 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
             v = tl.load(v_ptr + kv_base + ks.to(tl.int64)[:, None] * D + dd[None, :], mask=ld_ok[:, None], other=0.0)
             m, l, acc = online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC)
         w = (part * (T * H) + t * H + h).to(tl.int64)
-        if ONE_PASS:  # a row that sees no key gives NaN, as from the combine
-            tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], (acc / l[:, None]).to(ws_o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-        else:
-            tl.store(ws_m_ptr + w, m, mask=row_ok)
-            tl.store(ws_l_ptr + w, l, mask=row_ok)
-            tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
+        tl.store(ws_m_ptr + w, m, mask=row_ok)
+        tl.store(ws_l_ptr + w, l, mask=row_ok)
+        tl.store(ws_o_ptr + w[:, None] * D + dd[None, :], acc, mask=row_ok[:, None])
 
 
 # Splits one combine program reads at once: within a group the weighted partials are summed lane-wise in
@@ -347,8 +338,8 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1,
-              one_pass: bool = False) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1
+              ) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -358,18 +349,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     program; splits of context keys only tile as without block_slots (the same bits).
     window: > 0 shows only the context's last `window` slots (base - window .. base - 1; the block drafter's
     context window), 0 all of them. Not with block_slots.
-    one_pass: one program per (row tile, kv head) runs the window's key blocks in turn and stores the normalised
-    rows itself: no workspace, no combine launch, but the sums in another order than the splits' (split_keys is not
-    read): for the block drafter's proposals, never a verify (whose bits must be AR's). Only with a window of at
-    most ONE_PASS_MAX_WINDOW keys (a program's serial loop).
     """
-    if one_pass and not 0 < window <= ONE_PASS_MAX_WINDOW:
-        raise ValueError(f"one_pass needs a context window of 1..{ONE_PASS_MAX_WINDOW} keys, got window={window}")
-    T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
-    if one_pass:  # one split spanning the cache: the windowed loop runs from the window's first block to base + T
-        split_keys = max(triton.next_power_of_2(S), block_n)
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
                              tiles_per_program=tiles_per_program, tile_rows=tile_rows, slot_stages=slot_stages)
+    T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
     if isinstance(base, torch.Tensor):
@@ -390,9 +373,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     check_launchable(_attn_split_kernel, dev)
     out = check_out("out", out, (T, H * D), dt, dev)
     G = H // KVH
-    ws_m = torch.empty(1 if one_pass else n_split * T * H, dtype=torch.float32, device=dev)
+    ws_m = torch.empty(n_split * T * H, dtype=torch.float32, device=dev)
     ws_l = torch.empty_like(ws_m)
-    ws_o = out if one_pass else torch.empty(n_split * T * H * D, dtype=torch.float32, device=dev)
+    ws_o = torch.empty(n_split * T * H * D, dtype=torch.float32, device=dev)
     base_ptr = base if base_is_ptr else ws_m
     qk_scale = LOG2E / math.sqrt(D)
     has_slots = block_slots is not None
@@ -407,11 +390,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale, window,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, WINDOWED=window > 0,
-        ONE_PASS=one_pass,
         **NO_FP_FUSION,
         num_warps=num_warps, num_stages=slot_stages if has_slots else num_stages, **pdl_launch(dev))
-    if one_pass:
-        return out
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, window, H=H, D=D, BASE_IS_PTR=base_is_ptr,
         SPLIT=params.split_keys, GROUP=SPLIT_GROUP, WINDOWED=window > 0, num_warps=4, **NO_FP_FUSION,

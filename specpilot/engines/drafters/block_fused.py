@@ -20,13 +20,12 @@ import triton.language as tl
 from specpilot.engines.config import DrafterLaunches, DrafterTopk
 from specpilot.engines.drafters.block import BlockDrafterConfig, BlockDrafterModel
 from specpilot.engines.drafters.block_step import check_window
-from specpilot.kernels import ONE_PASS_MAX_WINDOW, attention, linear, rmsnorm_linear, rope_tables
+from specpilot.kernels import attention, linear, rmsnorm_linear, rope_tables
 from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, check_tensor, next_pow2
 from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
-from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 from specpilot.kernels.rope_kv import check_qk_norms, check_rope_rows
 from specpilot.kernels.table import check_invariance, launch_params
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
@@ -36,9 +35,7 @@ from specpilot.kernels.topk import check_chunk, merge_topk, topk_probs
 @triton.jit
 def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr,
                          v_ptr, S, layer_stride, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-                         QK_NORM: tl.constexpr, CONSECUTIVE: tl.constexpr = False, LAYERS: tl.constexpr = 1,
-                         PDL: tl.constexpr = 0):
-    wait_for_predecessor(PDL)  # the rows are the QKV launch's
+                         QK_NORM: tl.constexpr, CONSECUTIVE: tl.constexpr = False, LAYERS: tl.constexpr = 1):
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1: q heads; H..H+KVH-1: k and v heads (of each layer's columns, LAYERS > 1)
     D: tl.constexpr = 2 * HALF
@@ -81,7 +78,6 @@ def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
         vsrc = src + KVH * D
         tl.store(v_ptr + row + i, tl.load(vsrc + i))
         tl.store(v_ptr + row + HALF + i, tl.load(vsrc + HALF + i))
-    release_successor(PDL)
 
 
 def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm, consecutive=False):
@@ -120,8 +116,7 @@ def qk_norm_rope(x: torch.Tensor, heads: int, kv_heads: int, positions: torch.Te
     _qk_norm_rope_kernel[(T, heads + kv_heads)](
         x, x.stride(0), positions, positions if consecutive else slots, cos, sin, q_norm if norm else cos,
         k_norm if norm else cos, float(eps), k_cache if q is None else q, k_cache, v_cache, S, 0, H=heads,
-        KVH=kv_heads, HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1,
-        **pdl_launch(x.device))
+        KVH=kv_heads, HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1)
     return q
 
 
@@ -171,7 +166,7 @@ def kv_norm_rope_layers(x: torch.Tensor, kv_heads: int, slots: torch.Tensor, cos
     _qk_norm_rope_kernel[(n, L * kv_heads)](
         x, x.stride(0), slots, slots, cos, sin, k_norm if norm else cos, k_norm if norm else cos, float(eps),
         k_cache, k_cache, v_cache, k_cache.shape[2], k_cache.stride(0), H=0, KVH=kv_heads, HALF=D // 2,
-        QK_NORM=norm, LAYERS=L, num_warps=1, **pdl_launch(x.device))
+        QK_NORM=norm, LAYERS=L, num_warps=1)
 
 
 def kv_norm_rope_layers_ref(x, kv_heads, slots, cos, sin, k_cache, v_cache, k_norm=None, eps=1e-6):
@@ -204,13 +199,8 @@ class DraftLaunches:
     # (norm_epilogues.rmsnorm_qkv_rope), instead of a qk_norm_rope launch after it: a launch fewer a layer, but the
     # norm's statistic is a head's, so a tile is a head (64 columns: 15 programs, against the default 16-column
     # tiles' 60; the target's step lost ~1 us a launch at 64-column QKV tiles, session 49). Off until measured
-    # (scripts/gpu_block_drafter_step.py: --variants qk in the engine section, a steps-section variant).
+    # (scripts/gpu_block_drafter_step.py: --qk-epilogue-too in the engine section, a steps-section variant).
     qk_in_qkv: bool = False
-    # The block's attention in one pass (kernels.attention(one_pass=True)): a program per (row tile, kv head) runs
-    # the context window's key blocks in turn and stores its rows, instead of a split launch and a combine launch: a
-    # launch fewer a layer, the window's ~5 key blocks one after another. A step whose window is 0 or longer than
-    # attn.ONE_PASS_MAX_WINDOW keeps the splits. Off until measured (scripts/gpu_block_drafter_step.py --variants).
-    attention_one_pass: bool = False
     # A kernel table (EngineConfig.kernel_table): its draft_<field>@NxK@T<rows> entries override these fields for the
     # drafter's shapes (`resolved`), so a step-level A/B or the tuner sets the drafter's launches like the target's.
     table: tuple[tuple[str, str], ...] = ()
@@ -282,7 +272,6 @@ class FusedBlockStep:
         self.p_down, self.topk_block = launches.down_for(c.intermediate), launches.topk_block
         self.topk_in_head = launches.topk_in_head and c.logit_scale == 1.0 and c.logit_softcap <= 0
         self.qk_in_qkv = launches.qk_in_qkv
-        self.one_pass = launches.attention_one_pass and 0 < self.window <= ONE_PASS_MAX_WINDOW
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -348,8 +337,7 @@ class FusedBlockStep:
             else:
                 q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv,
                                             row_sumsq=s_in), i, ints[1:2])
-            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window,
-                          one_pass=self.one_pass)
+            o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up,
                               row_sumsq=s_mlp)
