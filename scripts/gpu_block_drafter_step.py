@@ -21,6 +21,7 @@ table (a tuner's summary.json or [key, params JSON] pairs, kernels.table), e.g. 
 import argparse
 import collections
 import contextlib
+import importlib
 import json
 import os
 import time
@@ -60,6 +61,11 @@ ap.add_argument("--rounds", type=int, default=3, help="engine section with sever
 ap.add_argument("--qk-epilogue-too", action="store_true",
                 help="engine section with several tables: each drafting engine also with the drafter's q/k norms in "
                      "its QKV launch's epilogue (DraftLaunches.qk_in_qkv), as '<config> [<table>, qk epilogue]'")
+ap.add_argument("--pdl-off-too", default="",
+                help="engine section with several tables: every engine also with these kernel modules' launches in "
+                     "plain stream order (their pdl_launch patched while it builds and captures), comma-separated "
+                     "'+'-joined sets of specpilot.kernels modules, e.g. attn,embed,attn+embed: '<config> [<table>, "
+                     "pdl off: attn]'")
 ap.add_argument("--drafter", default="", help="a saved drafter (e.g. specpilot/drafting/shipped/smollm2-135m) instead "
                                               "of a random default-shaped one: its shape's costs (its MLP width, "
                                               "the target layers it reads); acceptance stays meaningless")
@@ -136,6 +142,20 @@ def engine_costs(c: EngineConfig, reps: int = 1) -> dict:
             "tokens_per_step": r.accepted_per_step}
 
 
+@contextlib.contextmanager
+def pdl_off(mods: str):
+    """specpilot.kernels modules ('+'-joined names) launching in plain stream order inside the block."""
+    modules = [importlib.import_module(f"specpilot.kernels.{m}") for m in mods.split("+") if m]
+    saved = [m.pdl_launch for m in modules]
+    for m in modules:
+        m.pdl_launch = lambda *a, **kw: {"PDL": 0}
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved):
+            m.pdl_launch = f
+
+
 def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     """Every config under every table, built once, then one request each in turn for --rounds rounds: per
     '<config> [<table>]' the fastest round (its ms_per_step etc.) and every round's ms/step."""
@@ -143,12 +163,16 @@ def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     for name, c in configs.items():
         for stem, pairs in tables.items():
             drafts = c.drafter is not DrafterKind.NONE
-            for qk_epilogue in (False, True) if args.qk_epilogue_too and drafts else (False,):
-                e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
-                if qk_epilogue:
-                    e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
-                engines[f"{name} [{stem}{', qk epilogue' if qk_epilogue else ''}]"] = e
-                e.warm_up(prompt, 8)
+            variants = [(qk, "") for qk in ((False, True) if args.qk_epilogue_too and drafts else (False,))]
+            variants += [(False, mods) for mods in args.pdl_off_too.split(",") if mods]
+            for qk_epilogue, mods in variants:
+                with pdl_off(mods):  # the graphs keep the launches they were captured with
+                    e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
+                    if qk_epilogue:
+                        e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
+                    label = (", qk epilogue" if qk_epilogue else "") + (f", pdl off: {mods}" if mods else "")
+                    engines[f"{name} [{stem}{label}]"] = e
+                    e.warm_up(prompt, 8)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, e in engines.items():
