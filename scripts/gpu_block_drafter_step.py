@@ -145,7 +145,7 @@ def engine_costs(c: EngineConfig, reps: int = 1) -> dict:
 @contextlib.contextmanager
 def pdl_off(mods: str):
     """specpilot.kernels modules ('+'-joined names) launching in plain stream order inside the block."""
-    modules = [importlib.import_module(f"specpilot.kernels.{m}") for m in mods.split("+") if m]
+    modules = [importlib.import_module(m if "." in m else f"specpilot.kernels.{m}") for m in mods.split("+") if m]
     saved = [m.pdl_launch for m in modules]
     for m in modules:
         m.pdl_launch = lambda *a, **kw: {"PDL": 0}

@@ -108,6 +108,14 @@ def trigger_after_mma(ptx):
     return {"before_first": trigger[0] < mma[0], "after_last": trigger[0] > mma[-1]}
 
 
+def loads_and_waits(fn, sig, consts, num_warps):
+    """Compiled for sm_90 at all (it loads), and a kernel with a PDL parameter under PDL (the device loop's glue
+    and the drafter's small launches overlap their neighbours as the fused kernels do): it waits."""
+    pdl = "PDL" in fn.arg_names
+    ptx = build(fn, sig, {"PDL": 1, **consts} if pdl else consts, num_warps, pdl=pdl).asm["ptx"]
+    return "ld.global" in ptx and (not pdl or consts.get("PDL") == 0 or "griddepcontrol.wait" in ptx)
+
+
 def assembled(fn, sig, consts, num_warps):
     """(ptxas -v log, SASS) of the kernel, assembled for sm_90a by the ptxas Triton ships."""
     return ptxas_sass(build(fn, sig, consts, num_warps).asm["ptx"])
@@ -226,8 +234,8 @@ print(json.dumps({
                            {"ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "o_ptr": P,
                             "tok_kvlen_ptr": "*i64", "NTOK": "i32"}, {"H": 9, "D": 64, "SPLIT": 64, "GROUP": 64}))},
     # the device loop's kernels: compiled for the GPU at all (the interpreter accepts what sm_90 code generation
-    # refuses, e.g. a constexpr reassigned in a static_range body)
-    "sm90": {name: "ld.global" in build(fn, sig, consts, nw).asm["ptx"] for name, fn, sig, consts, nw in (
+    # refuses, e.g. a constexpr reassigned in a static_range body), under PDL where they take it
+    "sm90": {name: loads_and_waits(fn, sig, consts, nw) for name, fn, sig, consts, nw in (
         ("ngram_lookup", dd._ngram_kernel, {"tok_ptr": "*i64", "state_ptr": "*i64", "draft_ptr": "*i64",
                                             "proposed_ptr": "*i64", "gate_tok_ptr": "*i64", "gate_prob_ptr": "*fp32",
                                             "doubt": "fp32"},

@@ -19,6 +19,7 @@ from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.kernels._common import check_launchable, check_tensor
+from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constex
 @triton.jit
 def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gate_prob_ptr, doubt,
                   NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                  GATE_K: tl.constexpr, GKP: tl.constexpr, PERIODIC: tl.constexpr):
+                  GATE_K: tl.constexpr, GKP: tl.constexpr, PERIODIC: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the state is the last commit's, the gate's candidates the drafter's
     length = tl.load(state_ptr + 1) + 1  # tokens 0..base: the context, the pending token last
     first, proposed = lookup_into(tok_ptr, length, draft_ptr, NMAX, NMIN, K, KP, BLOCK, PERIODIC)
     if GATE_K > 0:  # LeadGate: no proposal where the block's depth-1 candidates contradict the match's first token
@@ -233,6 +235,7 @@ def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gat
         agree = tl.max((tl.load(gate_tok_ptr + j, mask=j < GATE_K, other=-1) == lead).to(tl.int32), 0) > 0
         proposed = tl.where(agree | (tl.load(gate_prob_ptr) < doubt), proposed, 0)
     tl.store(proposed_ptr, proposed.to(tl.int64))
+    release_successor(PDL)
 
 
 def check_lookup_args(width: int, ngram_min: int, ngram_max: int, k: int) -> None:
@@ -271,7 +274,8 @@ def ngram_lookup(tokens: torch.Tensor, state: torch.Tensor, ngram_min: int, ngra
     _ngram_kernel[(1,)](tokens, state, draft, proposed, tokens if gate is None else candidates,
                         draft if gate is None else candidate_probs, 0.0 if gate is None else gate.doubt_prob,
                         NMAX=ngram_max, NMIN=ngram_min, K=k, KP=triton.next_power_of_2(k), BLOCK=1024,
-                        GATE_K=gate_k, GKP=triton.next_power_of_2(max(gate_k, 1)), PERIODIC=periodic, num_warps=4)
+                        GATE_K=gate_k, GKP=triton.next_power_of_2(max(gate_k, 1)), PERIODIC=periodic, num_warps=4,
+                        **pdl_launch(tokens.device))
     return draft, proposed
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels._common import check_launchable, check_tensor
+from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 
 
 def lead_rows(tokens: torch.Tensor, probs: torch.Tensor, lead: torch.Tensor, use: torch.Tensor):
@@ -93,7 +94,8 @@ def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr
                      out_tok_ptr, out_prob_ptr, ids_ptr, pos_ptr, slot_ptr, bs_ptr,
                      D: tl.constexpr, K: tl.constexpr, N: tl.constexpr, W: tl.constexpr, A: tl.constexpr,
                      HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
-                     NP: tl.constexpr, WP: tl.constexpr, AP: tl.constexpr):
+                     NP: tl.constexpr, WP: tl.constexpr, AP: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the candidates and the state are the previous kernels' writes
     d = tl.arange(0, DP)[:, None]
     j = tl.arange(0, KP)[None, :]
     ok = (d < D) & (j < K)
@@ -125,6 +127,7 @@ def _assemble_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, state_ptr, src_ptr
         bs_ok = w_ok[:, None] & (e < A)
         rel = tl.load(rbs_ptr + w[:, None] * A + e, mask=bs_ok, other=-1)
         tl.store(bs_ptr + w[:, None] * A + e, tl.where(rel >= 0, base + rel, -1), mask=bs_ok)
+    release_successor(PDL)
 
 
 # Warps of an assemble launch whose block slots pass 64 x 64 (a 128-row tree: 128 KB read and written; one warp took
@@ -148,7 +151,7 @@ def assemble(tokens, probs, lead, lead_depths, state, node_src, rel_positions, r
                            rel_block_slots if has_bs else ids, out_tok, out_prob, ids, pos, slots,
                            block_slots if has_bs else ids, D=depth, K=k, N=n, W=w, A=a, HAS_LEAD=lead is not None,
                            HAS_BS=has_bs, DP=p2(depth), KP=p2(k), NP=p2(max(n, 1)), WP=p2(w), AP=p2(a),
-                           num_warps=ASSEMBLE_WIDE_WARPS if w * a > 64 * 64 else 1)
+                           num_warps=ASSEMBLE_WIDE_WARPS if w * a > 64 * 64 else 1, **pdl_launch(dev))
     return out_tok, out_prob, ids, pos, slots, block_slots
 
 
@@ -247,7 +250,8 @@ def chain_commit_ref(argmax, ids, proposed, state, sequence=None, stop=None):
 @triton.jit
 def _chain_commit_kernel(argmax_ptr, ids_ptr, proposed_ptr, state_ptr, seq_ptr, path_ptr, acc_ptr, stop_ptr, ctl_ptr,
                          R: tl.constexpr, RP: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_STOP: tl.constexpr,
-                         E: tl.constexpr, EP: tl.constexpr):
+                         E: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the argmax is the target's
     i = tl.arange(0, RP)
     ok = i < R
     am = tl.load(argmax_ptr + i, mask=ok, other=0)
@@ -267,6 +271,7 @@ def _chain_commit_kernel(argmax_ptr, ids_ptr, proposed_ptr, state_ptr, seq_ptr, 
     tl.store(state_ptr + 1, base + accepted + 1)
     if HAS_STOP:
         _stop_update(am, i, accepted, ok, stop_ptr, ctl_ptr, E, EP)
+    release_successor(PDL)
 
 
 def _stop_args(stop, fallback) -> dict:
@@ -286,7 +291,7 @@ def chain_commit(argmax, ids, proposed, state, sequence=None, stop=None):
     accepted = torch.empty((), dtype=torch.int64, device=argmax.device)
     _chain_commit_kernel[(1,)](argmax, ids, proposed, state, state if sequence is None else sequence, path,
                                accepted, R=rows, RP=triton.next_power_of_2(rows), HAS_SEQ=sequence is not None,
-                               num_warps=1, **_stop_args(stop, state))
+                               num_warps=1, **_stop_args(stop, state), **pdl_launch(argmax.device))
     return path, accepted
 
 
@@ -331,7 +336,8 @@ def tree_commit_ref(argmax, ids, parents, anc, depths, state, depth_rows, sequen
 def _tree_commit_kernel(argmax_ptr, ids_ptr, par_ptr, anc_ptr, depth_ptr, state_ptr, seq_ptr, path_ptr, tok_ptr,
                         acc_ptr, next_ptr, stop_ptr, ctl_ptr, R: tl.constexpr, RP: tl.constexpr, DR: tl.constexpr,
                         DRP: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_STOP: tl.constexpr, E: tl.constexpr,
-                        EP: tl.constexpr):
+                        EP: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the argmax is the target's, the tree the grow kernel's
     i = tl.arange(0, RP)
     row_ok = i < R
     draft = row_ok & (i >= 1)
@@ -364,6 +370,7 @@ def _tree_commit_kernel(argmax_ptr, ids_ptr, par_ptr, anc_ptr, depth_ptr, state_
         tl.store(seq_ptr + base + 1 + d, tokens, mask=d_ok)
     if HAS_STOP:
         _stop_update(tokens, d, accepted.to(tl.int64), d_ok, stop_ptr, ctl_ptr, E, EP)
+    release_successor(PDL)
 
 
 def tree_commit(argmax, ids, parents, anc, depths, state, depth_rows, sequence=None, stop=None):
@@ -378,5 +385,5 @@ def tree_commit(argmax, ids, parents, anc, depths, state, depth_rows, sequence=N
     _tree_commit_kernel[(1,)](argmax, ids, parents, anc, depths, state, state if sequence is None else sequence,
                               path, tokens, accepted, next_state, R=rows, RP=p2(rows), DR=depth_rows,
                               DRP=p2(depth_rows), HAS_SEQ=sequence is not None, num_warps=1,
-                              **_stop_args(stop, state))
+                              **_stop_args(stop, state), **pdl_launch(dev))
     return path, tokens, accepted, next_state

@@ -27,6 +27,7 @@ from specpilot.engines.config import MAX_GROWN_NODES
 from specpilot.engines.llama import ancestor_slots
 from specpilot.engines.loop_kernels import _led_source, check_candidates, lead_rows
 from specpilot.kernels._common import check_launchable, check_tensor
+from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 
 # Rows a grown tree may have: ancestor sets are two int64 bit masks a row in the kernel (the second one only in
 # trees of more than 64 rows: a constexpr branch, so smaller trees compile as before).
@@ -198,7 +199,8 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
                       BITS: tl.constexpr, R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr,
                       HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
                       RP: tl.constexpr, WP: tl.constexpr, CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr,
-                      ROW_BITS: tl.constexpr, HI: tl.constexpr):
+                      ROW_BITS: tl.constexpr, HI: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the candidates are the drafter's, the lead the lookup's
     NO_KEY: tl.constexpr = (1 << 63) - 1
     # Scratch the pops read one element of (an element of a register tensor costs a reduction over it): lat_ptr
     # holds the led lattice [DP, KP] (past RANKED rank 0 alone), then each row's score [RP]; rbits_ptr each row's
@@ -291,6 +293,7 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
             e = c + tl.arange(0, CB)[None, :]
             tl.store(bs_ptr + ri * W + e, tl.full([RP, CB], -1, tl.int64),
                      mask=(ri < R) & (e < W) & (e > row_depth[:, None]))
+    release_successor(PDL)
 
 
 def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None) -> None:
@@ -310,4 +313,5 @@ def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ra
                             block.block_slots if has_bs else block.depths, lattice, row_bits, D=depth, K=k,
                             WIDTH=width, BITS=_code_bits(width), R=rows, W=w, RANKED=ranked,
                             HAS_LEAD=lead is not None, HAS_BS=has_bs, DP=dp, KP=kp, RP=rp, WP=p2(w),
-                            CB=min(16, rp), DEPTH_SHIFT=DEPTH_SHIFT, ROW_BITS=ROW_BITS, HI=rp > 64, num_warps=1)
+                            CB=min(16, rp), DEPTH_SHIFT=DEPTH_SHIFT, ROW_BITS=ROW_BITS, HI=rp > 64, num_warps=1,
+                            **pdl_launch(dev))

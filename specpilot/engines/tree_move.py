@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from specpilot.kernels._common import check_launchable, check_tensor
+from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 
 FEATURE_BLOCK = 256  # feature columns a program gathers
 
@@ -49,7 +50,8 @@ def tree_move_ref(kv, path, accepted, next_state, state, features=None):
 @triton.jit
 def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fout_ptr, S, F, H, LAYER_STRIDE,
                       ROWSETS: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, D: tl.constexpr,
-                      HAS_F: tl.constexpr, BLOCK_F: tl.constexpr):
+                      HAS_F: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the path is the commit's, the rows the target's
     pid = tl.program_id(0)
     e = tl.arange(0, DRP)
     ok = e < DR
@@ -70,6 +72,7 @@ def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fou
     if pid == 0:
         i = tl.arange(0, 2)
         tl.store(state_ptr + i, tl.load(next_ptr + i))
+    release_successor(PDL)
 
 
 def tree_move(kv, path, accepted, next_state, state, features=None):
@@ -86,5 +89,6 @@ def tree_move(kv, path, accepted, next_state, state, features=None):
     _tree_move_kernel[(rowsets + triton.cdiv(n_f, FEATURE_BLOCK),)](
         kv, path, accepted, next_state, state, kv if features is None else features, kv if out is None else out,
         slots, max(n_f, 1), h, 0 if features is None else features.stride(0), ROWSETS=rowsets, DR=depth_rows,
-        DRP=triton.next_power_of_2(depth_rows), D=dim, HAS_F=features is not None, BLOCK_F=FEATURE_BLOCK, num_warps=1)
+        DRP=triton.next_power_of_2(depth_rows), D=dim, HAS_F=features is not None, BLOCK_F=FEATURE_BLOCK, num_warps=1,
+        **pdl_launch(kv.device))
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_int, check_launchable, check_tensor, next_pow2
+from .pdl import pdl_launch, release_successor, wait_for_predecessor
 
 BLOCK = 1024  # logits per program of the first launch (fewer for a smaller vocabulary)
 MAX_K = 64
@@ -39,7 +40,9 @@ def rank_rows(x, idx, ok, V, KP: tl.constexpr):
 
 
 @triton.jit
-def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the logits are the head's
     row, g = tl.program_id(0), tl.program_id(1)
     idx = g * BLOCK + tl.arange(0, BLOCK)[None, :]  # one row of BLOCK logits
     ok = idx < V
@@ -48,11 +51,13 @@ def _topk_chunk_kernel(x_ptr, keys_ptr, m_ptr, s_ptr, V, G, KP: tl.constexpr, BL
     tl.store(m_ptr + part, m)
     tl.store(s_ptr + part, s)
     tl.store(keys_ptr + part[:, None] * KP + tl.arange(0, KP)[None, :], top)
+    release_successor(PDL)
 
 
 @triton.jit
 def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, map_ptr, tok_ptr, prob_ptr, V, G, K, KP: tl.constexpr,
-                       GP: tl.constexpr, MAPPED: tl.constexpr):
+                       GP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the chunks are the chunk launch's (or the head epilogue's)
     row = tl.program_id(0)
     j = tl.arange(0, GP * KP)
     keys = tl.load(keys_ptr + row * G * KP + j, mask=j < G * KP, other=-9223372036854775807 - 1)
@@ -71,6 +76,7 @@ def _topk_merge_kernel(keys_ptr, m_ptr, s_ptr, map_ptr, tok_ptr, prob_ptr, V, G,
         token = tl.load(map_ptr + token, mask=k < K, other=0)
     tl.store(tok_ptr + row * K + k, token, mask=k < K)
     tl.store(prob_ptr + row * K + k, tl.exp(value - lse), mask=k < K)
+    release_successor(PDL)
 
 
 class TopkPartials(NamedTuple):
@@ -97,7 +103,8 @@ def merge_topk(parts: TopkPartials, k: int, token_map: torch.Tensor | None = Non
     tokens = torch.empty(R, k, dtype=torch.int64, device=keys.device)
     probs = torch.empty(R, k, dtype=torch.float32, device=keys.device)
     _topk_merge_kernel[(R,)](keys, m, s, tokens if token_map is None else token_map, tokens, probs, V, G, k, KP=kp,
-                             GP=next_pow2(G, 2), MAPPED=token_map is not None, num_warps=4)
+                             GP=next_pow2(G, 2), MAPPED=token_map is not None, num_warps=4,
+                             **pdl_launch(keys.device))
     return tokens, probs
 
 
@@ -118,7 +125,8 @@ def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = No
     G = triton.cdiv(V, block)
     keys = torch.empty(R, G, kp, dtype=torch.int64, device=logits.device)
     m, s = (torch.empty(R, G, dtype=torch.float32, device=logits.device) for _ in range(2))
-    _topk_chunk_kernel[(R, G)](logits, keys, m, s, V, G, KP=kp, BLOCK=block, num_warps=4)
+    _topk_chunk_kernel[(R, G)](logits, keys, m, s, V, G, KP=kp, BLOCK=block, num_warps=4,
+                             **pdl_launch(logits.device))
     return merge_topk(TopkPartials(keys, m, s, V), k, token_map)
 
 

@@ -26,6 +26,7 @@ from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
 from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
+from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 from specpilot.kernels.rope_kv import check_qk_norms, check_rope_rows
 from specpilot.kernels.table import check_invariance, launch_params
 from specpilot.kernels.topk import BLOCK as TOPK_BLOCK
@@ -35,7 +36,9 @@ from specpilot.kernels.topk import check_chunk, merge_topk, topk_probs
 @triton.jit
 def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, eps, q_ptr, k_ptr,
                          v_ptr, S, layer_stride, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-                         QK_NORM: tl.constexpr, CONSECUTIVE: tl.constexpr = False, LAYERS: tl.constexpr = 1):
+                         QK_NORM: tl.constexpr, CONSECUTIVE: tl.constexpr = False, LAYERS: tl.constexpr = 1,
+                         PDL: tl.constexpr = 0):
+    wait_for_predecessor(PDL)  # the rows are the QKV launch's
     t = tl.program_id(0)
     hh = tl.program_id(1)  # 0..H-1: q heads; H..H+KVH-1: k and v heads (of each layer's columns, LAYERS > 1)
     D: tl.constexpr = 2 * HALF
@@ -78,6 +81,7 @@ def _qk_norm_rope_kernel(x_ptr, row_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
         vsrc = src + KVH * D
         tl.store(v_ptr + row + i, tl.load(vsrc + i))
         tl.store(v_ptr + row + HALF + i, tl.load(vsrc + HALF + i))
+    release_successor(PDL)
 
 
 def _check_qk(x, heads, kv_heads, positions, slots, cos, k_cache, v_cache, q_norm, k_norm, consecutive=False):
@@ -116,7 +120,8 @@ def qk_norm_rope(x: torch.Tensor, heads: int, kv_heads: int, positions: torch.Te
     _qk_norm_rope_kernel[(T, heads + kv_heads)](
         x, x.stride(0), positions, positions if consecutive else slots, cos, sin, q_norm if norm else cos,
         k_norm if norm else cos, float(eps), k_cache if q is None else q, k_cache, v_cache, S, 0, H=heads,
-        KVH=kv_heads, HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1)
+        KVH=kv_heads, HALF=D // 2, QK_NORM=norm, CONSECUTIVE=consecutive, num_warps=1,
+        **pdl_launch(x.device))
     return q
 
 
@@ -166,7 +171,7 @@ def kv_norm_rope_layers(x: torch.Tensor, kv_heads: int, slots: torch.Tensor, cos
     _qk_norm_rope_kernel[(n, L * kv_heads)](
         x, x.stride(0), slots, slots, cos, sin, k_norm if norm else cos, k_norm if norm else cos, float(eps),
         k_cache, k_cache, v_cache, k_cache.shape[2], k_cache.stride(0), H=0, KVH=kv_heads, HALF=D // 2,
-        QK_NORM=norm, LAYERS=L, num_warps=1)
+        QK_NORM=norm, LAYERS=L, num_warps=1, **pdl_launch(x.device))
 
 
 def kv_norm_rope_layers_ref(x, kv_heads, slots, cos, sin, k_cache, v_cache, k_norm=None, eps=1e-6):
