@@ -138,6 +138,38 @@ def test_fused_step_gives_the_reference_steps_distributions(over, window, qk_in_
         torch.testing.assert_close(p_f, p_r, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("qk_in_qkv", [False, True])
+def test_a_drafts_join_comes_before_its_first_cache_write(qk_in_qkv):
+    """FusedBlockStep.draft(join=): the observe on another stream (engines.observe_stream) must finish before the
+    first layer writes the block's keys/values; the join is called once, then, and the draft is the one without it.
+    The reference step joins first."""
+    target = tiny_model("gqa", 3, torch.float32)
+    model = drafter_for(target, 3, 8).eval()
+    head = target.lm_head.weight
+    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, window=6,
+                           launches=DraftLaunches(qk_in_qkv=qk_in_qkv))
+    ref = BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True, window=6)
+    g = torch.Generator().manual_seed(5)
+    for step in (fused, ref):
+        step.project(torch.randn(12, model.config.feature_dim, generator=g), torch.arange(12))
+    ints = torch.tensor([7, 12])
+    block = slice(12, 20)  # the block's slots, position 12 on
+    seen = []
+
+    def join_for(step):
+        def join():
+            seen.append(step.cache[0, :, :, block].clone())  # layer 0's block slots when the join comes
+        return join
+
+    for step in (fused, ref):
+        step.cache[:, :, :, block] = float("nan")
+        want = [t.clone() for t in step.draft(ints)]
+        step.cache[:, :, :, block] = float("nan")
+        got = step.draft(ints, join=join_for(step))
+        assert len(seen) == 1 and seen.pop().isnan().all(), "the join came after a cache write (or twice)"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_the_drafter_keeps_the_reference_step_where_the_kernels_do_not_fit():
     target = tiny_model("gqa", 0, torch.float32)
     shape = TreeShape(False, 8, 8, 4, 7)

@@ -17,6 +17,7 @@ from specpilot.engines.engine import StepBudgets
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.graph_if import GuardedGraph, unsupported_reason
+from specpilot.engines.observe_stream import ObserveStream
 from specpilot.engines.policy import EnginePolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -562,6 +563,26 @@ def test_device_overlap_needs_a_drafter_with_a_device_half(over):
         cfg(device_overlap=True, **over)
 
 
+@pytest.mark.parametrize("over", [{"verify": "chain"}, {"drafter": "ngram", "verify": "chain"},
+                                  {"device_steps": 1}, {"observe_overlap": 1}])
+def test_observe_overlap_needs_a_block_drafters_tree_on_the_device_loop(over):
+    with pytest.raises(ConfigError, match="observe_overlap"):
+        cfg(**{**TREE, "observe_overlap": True, **over})
+
+
+def test_observe_overlap_runs_one_stream_on_cpu():
+    """A second CUDA stream only (engines.observe_stream): on the CPU the device loop runs the same steps in one
+    stream, and the tokens are AR's."""
+    model = damped("gqa", 2)
+    p = prompt(model.shape.vocab, 12, 2)
+    eng = engine(model, quick_drafter(model, 2, 40), **PER_STEP, observe_overlap=True)
+    assert eng.device_loop.observe is None
+    want = build_engine(cfg(drafter="none"), model, NO_EOS, "cpu").generate(p, 24).tokens
+    assert eng.generate(p, 24).tokens == want
+    with pytest.raises(ValueError, match="second CUDA stream"):
+        ObserveStream(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0])
 def test_device_steps_is_validated(bad):
     with pytest.raises(ConfigError, match="device_steps"):
@@ -604,7 +625,9 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
                                   "prefix tree overlap", "grown tree", "prefix grown tree overlap",
                                   "windowed prefix grown tree overlap", "deep periodic prefix grown tree overlap",
                                   "switched prefix grown tree overlap", "deep switched prefix grown tree overlap",
-                                  "deeper switched prefix grown tree overlap"])
+                                  "deeper switched prefix grown tree overlap",
+                                  "observed beside, prefix grown tree overlap",
+                                  "observed beside, deep switched prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -629,11 +652,15 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
                                                           "wide_tree_after": 2, "deep_tree_budget": 127,
                                                           "deep_tree_after": 6, "ngram_prefix": True,
                                                           "lookup_depth": 127, "lookup_periodic": True,
-                                                          "max_seq_len": 512}}.get(kind, {})
+                                                          "max_seq_len": 512}}.get(
+        kind.removeprefix("observed beside, "), {})
+    if kind.startswith("observed beside"):  # EngineConfig.observe_overlap: the move and observe on a second stream
+        over = {**over, "observe_overlap": True}
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=1 if "switched" in kind else 4,
             device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
+                       observe_overlap=False,
                        device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0, deep_tree_budget=0)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)

@@ -175,6 +175,11 @@ class EngineConfig(ConfigOps):
     # the H200 (session 36, 16 rows led by lookup) the grown tree accepted 5.23 tokens a step against the
     # calibrated one's 4.72 at the same verify cost: 2.83x against 2.44x.
     device_tree: DeviceTree = DeviceTree.PER_STEP
+    # The device loop's tree steps move the accepted path and run the block drafter's observe (fc, context keys and
+    # values) on a second CUDA stream, beside the next draft's embedding and first QKV projection, which join it
+    # before the first layer's keys are written: four launches off the step's critical path. Needs the block
+    # drafter on the device loop; CUDA only (elsewhere the same steps run in one stream). Not yet measured: off.
+    observe_overlap: bool = False
     # AR decoding (no drafter): greedy steps chained in one CUDA graph per host round trip (ModelRunner.decode; with
     # the fused kernels). The steps after an EOS are skipped on the device (engines.graph_if), so longer chains cost
     # nothing at a stop; the tokens are the same at any value.
@@ -273,7 +278,7 @@ class EngineConfig(ConfigOps):
                f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in "
                f"1..{MAX_CHECKPOINT_SPACING}")
         for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant", "ngram_prefix", "device_overlap",
-                     "lookup_periodic"):
+                     "lookup_periodic", "observe_overlap"):
             _check(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r}: must be a bool")
         if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON
                                                         or self.dtype is not DType.BF16):
@@ -315,6 +320,10 @@ class EngineConfig(ConfigOps):
                                         or self.drafter is DrafterKind.NGRAM and self.verify is VerifyMode.CHAIN):
             raise ConfigError("device_overlap queues the device loop's chunks: it needs a drafter with a device half "
                               "(block with chain or tree verification, or ngram with a chain)")
+        if self.observe_overlap and not (self.drafter is DrafterKind.BLOCK and self.verify is VerifyMode.TREE
+                                         and (self.device_steps > 1 or self.device_overlap)):
+            raise ConfigError("observe_overlap runs the device loop's tree steps' observe on a second stream: it needs "
+                              "drafter=block, verify=tree and the device loop (device_steps > 1 or device_overlap)")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
@@ -328,7 +337,7 @@ class EngineConfig(ConfigOps):
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
         "drafter_launches", "drafter_topk", "device_steps",
-        "device_overlap", "device_tree", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
+        "device_overlap", "device_tree", "observe_overlap", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
         "lookup_periodic", "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
 
     def ar_twin(self) -> "EngineConfig":

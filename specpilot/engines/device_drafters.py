@@ -8,6 +8,7 @@ occurrence, the tokens that followed it) as fixed-shape tensor ops over the whol
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,8 +52,10 @@ class DeviceDrafter(Protocol):
     def begin(self, seq: list[int], base: int) -> None:
         """Host side, before a chunk of steps from the pending token at slot base (seq = prompt + output)."""
 
-    def draft(self, state: torch.Tensor) -> DeviceDraft:
-        """state = (pending token, its slot) -> the step's draft."""
+    def draft(self, state: torch.Tensor, join: Callable[[], None] | None = None) -> DeviceDraft:
+        """state = (pending token, its slot) -> the step's draft. join (block drafters; engines.observe_stream):
+        called before the draft writes anything the last step's observe may still be writing, or reads the loop's
+        state."""
 
     def commit(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
         """The step's outcome: the target's features of the accepted path's rows (positions base.., in depth
@@ -83,8 +86,8 @@ class BlockDeviceDrafter:
             raise RuntimeError(f"device loop: the drafter has features for {self.drafter.n_ctx} positions, the "
                                f"pending token sits at {base}")
 
-    def draft(self, state) -> DeviceDraft:
-        tokens, probs = self.step.draft(state)
+    def draft(self, state, join=None) -> DeviceDraft:
+        tokens, probs = self.step.draft(state, join)
         return DeviceDraft(tokens[:self.depth], probs[:self.depth], self.proposed)
 
     def commit(self, features, positions) -> None:
@@ -118,8 +121,8 @@ class NgramPrefixDeviceDrafter:
         self.block.begin(seq, base)
         self.lookup.begin(seq, base)
 
-    def draft(self, state) -> DeviceDraft:
-        block = self.block.draft(state)
+    def draft(self, state, join=None) -> DeviceDraft:
+        block = self.block.draft(state, join)
         lookup = self.lookup.draft(state, block)
         tokens, probs = block.tokens, block.probs
         if self._pad is not None:

@@ -33,6 +33,7 @@ rewritten), so proposals may differ in low bits; verification decides either way
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
                                             tree_commit, tree_commit_ref)
 from specpilot.engines.fused import feature_rows
+from specpilot.engines.observe_stream import ObserveStream
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
 from specpilot.engines.tree_move import tree_move, tree_move_ref
@@ -147,7 +149,8 @@ class DeviceLoop:
     chunk before reading the current one."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
-                 spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = ()):
+                 spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = (),
+                 observe_overlap: bool = False):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
@@ -158,6 +161,8 @@ class DeviceLoop:
         self.state, self.ctl = self.loop_state[:2], self.loop_state[2:]
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
+        # tree steps' move + observe beside the next draft (EngineConfig.observe_overlap): CUDA only, the same steps
+        self.observe = ObserveStream(runner.device) if observe_overlap and runner.device.type == "cuda" else None
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
         # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets)
         self._grown: dict[int, tuple[TreeBlock, int]] = {}
@@ -411,6 +416,8 @@ class DeviceLoop:
         else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
             glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref, tree_move_ref)
         outs = [self._step(glue) for _ in range(steps)]
+        if self.observe is not None:  # the last step's move and observe, before the outputs (and the capture) end
+            self.observe.join()
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
         words = [t.to(torch.int64).reshape(-1).view(torch.int32)  # no-ops: they are int64 already
                  for t in (*path_tokens, *accepted, *proposed, *top_tokens, self.ctl)]
@@ -439,8 +446,12 @@ class DeviceLoop:
     def _step(self, glue: Glue):
         """One step from self.state -> its outputs (see _steps)."""
         base = self.state[1]  # a view: read it before the state moves on
-        drafter, b = self.drafter, self.block
-        d = drafter.draft(self.state)
+        drafter, b, observe = self.drafter, self.block, self.observe
+        if observe is None:
+            d = drafter.draft(self.state)
+        else:  # the last step's observe may still run: the draft starts from its commit's state and joins it
+            d = drafter.draft(observe.next_state if observe.pending else self.state, join=observe.join)
+            observe.join()  # (a drafter that joined already: a no-op)
         # The shape's depths only: a 16-row tree beside a 128-row one (deep_tree_budget) grows and assembles over
         # its 15 depths, not the lookup's 127 (session 47: 9 us a narrow step on the H100)
         md = self.max_depth
@@ -460,8 +471,9 @@ class DeviceLoop:
                 argmax, ids, b.parents, b.tree_anc, b.depths, self.state, self.depth_rows,
                 drafter.sequence, self.stop)
             # the path's keys/values to slots base.. (entries past `accepted`: the root's), state <- next_state
-            path_features = glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, features)
-            drafter.commit(path_features, slots[:self.depth_rows])  # slots: base + 0, 1, ..
+            with observe.fork(next_state, path, accepted, features, slots) if observe else contextlib.nullcontext():
+                path_features = glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, features)
+                drafter.commit(path_features, slots[:self.depth_rows])  # slots: base + 0, 1, ..
         return path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs
 
     def _capture(self, steps: int, origin: int = FROM_HOST) -> LoopGraph:

@@ -11,6 +11,8 @@ Same cache layout, inputs and outputs as BlockStep, so the drafter and the devic
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import dataclasses
 
 import torch
@@ -320,8 +322,11 @@ class FusedBlockStep:
                             self.k_norms, c.rms_eps)
 
     @torch.no_grad()
-    def draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k]."""
+    def draft(self, ints: torch.Tensor, join: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k].
+        join: called before the first layer writes the block's keys/values into the cache (what an observe still
+        running on another stream must finish first: engines.observe_stream); the embedding and the first QKV
+        projection run before it."""
         m, c = self.model, self.config
         if c.input_scale == 1.0:
             embedding(ints[:1], self.embed, out=self.x[:1])
@@ -337,11 +342,15 @@ class FusedBlockStep:
         s_in = None
         for i, layer in enumerate(m.layers):
             p_qkv = {**self.p_qkv, "producer_stat": s_in is not None}
-            if self.qk_in_qkv:
+            if self.qk_in_qkv:  # the QKV launch writes the cache itself
+                if i == 0 and join is not None:
+                    join()
                 q = self._qkv_rope(x, i, ints[1:2], p_qkv, s_in)
             else:
-                q = self._qk(rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv,
-                                            row_sumsq=s_in), i, ints[1:2])
+                qkv = rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv, row_sumsq=s_in)
+                if i == 0 and join is not None:
+                    join()
+                q = self._qk(qkv, i, ints[1:2])
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up,

@@ -18,6 +18,8 @@ reduction block width depends on the row count).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
@@ -117,9 +119,12 @@ class BlockStep:
         self.cache[:, 0].index_copy_(2, slots, keys.permute(1, 2, 0, 3))
 
     @torch.no_grad()
-    def draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, ints: torch.Tensor, join: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k] of the
-        block slots after the pending one. Fixed shapes (the whole cache, masked): one CUDA graph serves all."""
+        block slots after the pending one. Fixed shapes (the whole cache, masked): one CUDA graph serves all.
+        join: FusedBlockStep.draft's; called first here (nothing of this step overlaps the observe)."""
+        if join is not None:
+            join()
         m, c, width = self.model, self.config, self.width
         if c.input_scale == 1.0:  # x * 1.0 == x: the reference's multiply changes no bit
             torch.index_select(self.embed, 0, ints[:1], out=self.x[:1])
