@@ -11,9 +11,8 @@ Same cache layout, inputs and outputs as BlockStep, so the drafter and the devic
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import triton
