@@ -139,7 +139,7 @@ def test_fused_step_gives_the_reference_steps_distributions(over, window, qk_in_
 
 
 @pytest.mark.parametrize("qk_in_qkv", [False, True])
-def test_a_drafts_join_comes_before_its_first_cache_write(qk_in_qkv):
+def test_a_draft_joins_before_its_first_cache_write(qk_in_qkv):
     """FusedBlockStep.draft(join=): the observe on another stream (engines.observe_stream) must finish before the
     first layer writes the block's keys/values; the join is called once, then, and the draft is the one without it.
     The reference step joins first."""
@@ -156,17 +156,21 @@ def test_a_drafts_join_comes_before_its_first_cache_write(qk_in_qkv):
     block = slice(12, 20)  # the block's slots, position 12 on
     seen = []
 
-    def join_for(step):
-        def join():
-            seen.append(step.cache[0, :, :, block].clone())  # layer 0's block slots when the join comes
+    def join_for(step, before):
+        def join():  # the whole cache as it was (NaN where the block goes), and the fused step's embedding done
+            seen.append(torch.equal(step.cache.nan_to_num(), before.nan_to_num())
+                        and step.cache[:, :, :, block].isnan().all()
+                        and (step is ref or torch.equal(step.x[0], target.embed_tokens.weight[7])))
         return join
 
     for step in (fused, ref):
         step.cache[:, :, :, block] = float("nan")
         want = [t.clone() for t in step.draft(ints)]
         step.cache[:, :, :, block] = float("nan")
-        got = step.draft(ints, join=join_for(step))
-        assert len(seen) == 1 and seen.pop().isnan().all(), "the join came after a cache write (or twice)"
+        step.x[0] = 0.0
+        got = step.draft(ints, join=join_for(step, step.cache.clone()))
+        assert seen == [True], "the join came after a cache write, before the embedding, or twice"
+        seen.clear()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

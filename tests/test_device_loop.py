@@ -3,6 +3,8 @@ trees) gives the host loop's tokens and AR's, stops where they stop, hands over 
 would not fit, and stays out of the way of policies that must see every step."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _tiny import prompt, tiny_model
@@ -564,7 +566,8 @@ def test_device_overlap_needs_a_drafter_with_a_device_half(over):
 
 
 @pytest.mark.parametrize("over", [{"verify": "chain"}, {"drafter": "ngram", "verify": "chain"},
-                                  {"device_steps": 1}, {"observe_overlap": 1}])
+                                  {"device_steps": 1}, {"device_steps": 1, "device_overlap": True},
+                                  {"observe_overlap": 1}])
 def test_observe_overlap_needs_a_block_drafters_tree_on_the_device_loop(over):
     with pytest.raises(ConfigError, match="observe_overlap"):
         cfg(**{**TREE, "observe_overlap": True, **over})
@@ -581,6 +584,54 @@ def test_observe_overlap_runs_one_stream_on_cpu():
     assert eng.generate(p, 24).tokens == want
     with pytest.raises(ValueError, match="second CUDA stream"):
         ObserveStream(torch.device("cpu"))
+
+
+class RecordingObserve:
+    """ObserveStream's interface on one stream (the CPU): counts forks and joins."""
+
+    def __init__(self):
+        self.next_state, self.forks, self.joins = None, 0, 0
+
+    @property
+    def pending(self) -> bool:
+        return self.next_state is not None
+
+    @contextlib.contextmanager
+    def fork(self, next_state, *held):
+        assert not self.pending, "a fork before the last one was joined"
+        self.forks += 1
+        self.next_state = next_state
+        yield
+
+    def join(self):
+        if self.pending:
+            self.joins += 1
+            self.next_state = None
+
+
+def test_observe_overlap_drafts_from_the_commits_state_and_joins_every_fork():
+    """The loop's side of observe_overlap, on the CPU with ObserveStream's interface on one stream: each tree step
+    forks its move and observe; the next step's draft gets the commit's next state (the loop's state is the move's
+    to write) and the join, every fork is joined (within the chunk: none pending after it), and the tokens are AR's."""
+    model = damped("gqa", 2)
+    p = prompt(model.shape.vocab, 12, 2)
+    eng = engine(model, quick_drafter(model, 2, 40), **PER_STEP, observe_overlap=True)
+    loop = eng.device_loop
+    observe = loop.observe = RecordingObserve()
+    calls, draft = [], loop.drafter.draft
+
+    def recording_draft(state, join=None):
+        calls.append((observe.pending, state is observe.next_state, state is loop.state, join == observe.join))
+        return draft(state, join)
+
+    loop.drafter.draft = recording_draft
+    want = build_engine(cfg(drafter="none"), model, NO_EOS, "cpu").generate(p, 40).tokens
+    assert eng.generate(p, 40).tokens == want
+    assert observe.forks == observe.joins > 0 and not observe.pending
+    assert all(join for *_, join in calls)
+    assert all(from_commit and not from_loop for pending, from_commit, from_loop, _ in calls if pending)
+    assert all(from_loop for pending, _, from_loop, _ in calls if not pending)
+    assert sum(pending for pending, *_ in calls) > len(calls) // 2  # most steps follow one in their chunk
 
 
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0])
@@ -627,7 +678,7 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
                                   "switched prefix grown tree overlap", "deep switched prefix grown tree overlap",
                                   "deeper switched prefix grown tree overlap",
                                   "observed beside, prefix grown tree overlap",
-                                  "observed beside, deep switched prefix grown tree overlap"])
+                                  "observed beside, windowed prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -677,11 +728,16 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         r = eng.generate(p, 60)
         assert r.tokens == want and set(eng.device_loop._graphs) == graphs
         assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
+    if c.observe_overlap:  # a race on the drafter's cache or state would change what it drafts, not the tokens
+        plain = build_engine(c.replace(observe_overlap=False), model, NO_EOS, "cuda", block_drafter=drafter)
+        plain.warm_up(p, 2)
+        assert [s.accepted for s in plain.generate(p, 60).steps] == [s.accepted for s in r.steps]
     del junk
     eos = frozenset({want[40]})
     # With overlap in 1-step chunks, only the chunk queued behind the stop would run past it: it is skipped
     # (engines.graph_if), so the device state is the stop step's (its pending token's slot: base + accepted + 1).
-    stopped = build_engine(c.replace(device_steps=1) if overlap else c, model, eos, "cuda", block_drafter=drafter)
+    one_step = overlap and not c.observe_overlap  # (observe_overlap overlaps the steps of a chunk: 4 a chunk)
+    stopped = build_engine(c.replace(device_steps=1) if one_step else c, model, eos, "cuda", block_drafter=drafter)
     stopped.warm_up(p, 2)
     r = stopped.generate(p, 60)
     assert r.tokens == want[:want.index(want[40]) + 1]

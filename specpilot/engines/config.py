@@ -176,9 +176,10 @@ class EngineConfig(ConfigOps):
     # calibrated one's 4.72 at the same verify cost: 2.83x against 2.44x.
     device_tree: DeviceTree = DeviceTree.PER_STEP
     # The device loop's tree steps move the accepted path and run the block drafter's observe (fc, context keys and
-    # values) on a second CUDA stream, beside the next draft's embedding and first QKV projection, which join it
-    # before the first layer's keys are written: four launches off the step's critical path. Needs the block
-    # drafter on the device loop; CUDA only (elsewhere the same steps run in one stream). Not yet measured: off.
+    # values) on a second CUDA stream, beside the next draft's embedding and first norm + QKV, which join it before
+    # the first layer's keys are written: those two launches leave the step's critical path. Steps of one chunk
+    # overlap only (a chunk joins before it ends): device_steps > 1. CUDA only (elsewhere the same steps run in one
+    # stream). Not yet measured: off (engines.observe_stream).
     observe_overlap: bool = False
     # AR decoding (no drafter): greedy steps chained in one CUDA graph per host round trip (ModelRunner.decode; with
     # the fused kernels). The steps after an EOS are skipped on the device (engines.graph_if), so longer chains cost
@@ -321,9 +322,9 @@ class EngineConfig(ConfigOps):
             raise ConfigError("device_overlap queues the device loop's chunks: it needs a drafter with a device half "
                               "(block with chain or tree verification, or ngram with a chain)")
         if self.observe_overlap and not (self.drafter is DrafterKind.BLOCK and self.verify is VerifyMode.TREE
-                                         and (self.device_steps > 1 or self.device_overlap)):
-            raise ConfigError("observe_overlap runs the device loop's tree steps' observe on a second stream: it needs "
-                              "drafter=block, verify=tree and the device loop (device_steps > 1 or device_overlap)")
+                                         and self.device_steps > 1):
+            raise ConfigError("observe_overlap overlaps a tree step's observe with the next step's draft inside a "
+                              "device loop chunk: it needs drafter=block, verify=tree and device_steps > 1")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
@@ -336,9 +337,9 @@ class EngineConfig(ConfigOps):
     DRAFT_FIELDS: ClassVar[tuple[str, ...]] = (
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
-        "drafter_launches", "drafter_topk", "device_steps",
-        "device_overlap", "device_tree", "observe_overlap", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth",
-        "lookup_periodic", "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
+        "drafter_launches", "drafter_topk", "device_steps", "device_overlap", "device_tree", "observe_overlap",
+        "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth", "lookup_periodic",
+        "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
 
     def ar_twin(self) -> "EngineConfig":
         """The autoregressive configuration whose tokens this one must reproduce: the same numerics (dtype,

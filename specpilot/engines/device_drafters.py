@@ -54,8 +54,8 @@ class DeviceDrafter(Protocol):
 
     def draft(self, state: torch.Tensor, join: Callable[[], None] | None = None) -> DeviceDraft:
         """state = (pending token, its slot) -> the step's draft. join (block drafters; engines.observe_stream):
-        called before the draft writes anything the last step's observe may still be writing, or reads the loop's
-        state."""
+        called before the draft reads or writes anything the last step's move and observe may still be writing or
+        reading (the loop's state, the drafter's cache)."""
 
     def commit(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
         """The step's outcome: the target's features of the accepted path's rows (positions base.., in depth

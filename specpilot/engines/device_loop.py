@@ -162,6 +162,9 @@ class DeviceLoop:
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
         # tree steps' move + observe beside the next draft (EngineConfig.observe_overlap): CUDA only, the same steps
+        if observe_overlap and not (tree is not None and drafter.needs_features):
+            raise ValueError("observe_overlap overlaps a block drafter's observe with its next draft: it needs a tree "
+                             "and a drafter that observes the target's features")
         self.observe = ObserveStream(runner.device) if observe_overlap and runner.device.type == "cuda" else None
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
         # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets)
@@ -415,9 +418,11 @@ class DeviceLoop:
             glue = Glue(grow_tree, assemble, chain_commit, tree_commit, tree_move)
         else:  # CPU: the glue's torch references (the interpreted kernels are slow; tests run them directly)
             glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref, tree_move_ref)
-        outs = [self._step(glue) for _ in range(steps)]
-        if self.observe is not None:  # the last step's move and observe, before the outputs (and the capture) end
-            self.observe.join()
+        try:
+            outs = [self._step(glue) for _ in range(steps)]
+        finally:  # the last step's move and observe, before the outputs (and the capture) end, even on an error
+            if self.observe is not None:
+                self.observe.join()
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
         words = [t.to(torch.int64).reshape(-1).view(torch.int32)  # no-ops: they are int64 already
                  for t in (*path_tokens, *accepted, *proposed, *top_tokens, self.ctl)]
@@ -471,7 +476,8 @@ class DeviceLoop:
                 argmax, ids, b.parents, b.tree_anc, b.depths, self.state, self.depth_rows,
                 drafter.sequence, self.stop)
             # the path's keys/values to slots base.. (entries past `accepted`: the root's), state <- next_state
-            with observe.fork(next_state, path, accepted, features, slots) if observe else contextlib.nullcontext():
+            with (observe.fork(next_state, path, accepted, features, slots) if observe is not None
+                  else contextlib.nullcontext()):
                 path_features = glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, features)
                 drafter.commit(path_features, slots[:self.depth_rows])  # slots: base + 0, 1, ..
         return path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs

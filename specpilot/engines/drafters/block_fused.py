@@ -324,8 +324,8 @@ class FusedBlockStep:
     def draft(self, ints: torch.Tensor, join: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k].
         join: called before the first layer writes the block's keys/values into the cache (what an observe still
-        running on another stream must finish first: engines.observe_stream); the embedding and the first QKV
-        projection run before it."""
+        running on another stream must finish first: engines.observe_stream); the embedding and the first norm + QKV
+        run before it (with qk_in_qkv, whose QKV launch writes the cache, the embedding only)."""
         m, c = self.model, self.config
         if c.input_scale == 1.0:
             embedding(ints[:1], self.embed, out=self.x[:1])
