@@ -146,7 +146,8 @@ class DeviceLoop:
     the full-depth rank-0 path (as far as the budget goes), for drafters whose rank 0 is prompt lookup's match where
     it has one: a match runs long or not at all, which its mean probability per depth understates (a grown tree
     needs no such help: the match's probability is 1 at every depth it covers). overlap: stream() queues each next
-    chunk before reading the current one."""
+    chunk before reading the current one. observe_overlap: a tree step's move and observe run on a second CUDA
+    stream beside the next step's first draft launches (engines.observe_stream; steps of one chunk)."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
                  spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = (),
