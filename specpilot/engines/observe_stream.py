@@ -44,7 +44,7 @@ class ObserveStream:
         self.side.wait_stream(self._main())
         # pending from here on, even if the body raises: whatever it queued is still joined (a capture must not end
         # with the second stream unjoined)
-        self.next_state, self._held = next_state, (next_state, *held)
+        self.next_state, self._held = next_state, held
         with torch.cuda.stream(self.side):
             yield
 

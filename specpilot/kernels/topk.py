@@ -126,7 +126,7 @@ def topk_probs(logits: torch.Tensor, k: int, token_map: torch.Tensor | None = No
     keys = torch.empty(R, G, kp, dtype=torch.int64, device=logits.device)
     m, s = (torch.empty(R, G, dtype=torch.float32, device=logits.device) for _ in range(2))
     _topk_chunk_kernel[(R, G)](logits, keys, m, s, V, G, KP=kp, BLOCK=block, num_warps=4,
-                             **pdl_launch(logits.device))
+                               **pdl_launch(logits.device))
     return merge_topk(TopkPartials(keys, m, s, V), k, token_map)
 
 

@@ -341,15 +341,12 @@ class FusedBlockStep:
         s_in = None
         for i, layer in enumerate(m.layers):
             p_qkv = {**self.p_qkv, "producer_stat": s_in is not None}
-            if self.qk_in_qkv:  # the QKV launch writes the cache itself
-                if i == 0 and join is not None:
-                    join()
-                q = self._qkv_rope(x, i, ints[1:2], p_qkv, s_in)
-            else:
-                qkv = rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv, row_sumsq=s_in)
-                if i == 0 and join is not None:
-                    join()
-                q = self._qk(qkv, i, ints[1:2])
+            # (with qk_in_qkv the QKV launch writes the cache itself: nothing of it runs before the join)
+            qkv = None if self.qk_in_qkv else rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i],
+                                                             c.rms_eps, **p_qkv, row_sumsq=s_in)
+            if i == 0 and join is not None:
+                join()
+            q = self._qkv_rope(x, i, ints[1:2], p_qkv, s_in) if qkv is None else self._qk(qkv, i, ints[1:2])
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up,
