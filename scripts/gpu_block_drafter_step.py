@@ -250,8 +250,12 @@ def measure() -> dict:
             "chain device loop x1 overlapped": cfg.replace(device_steps=1, device_overlap=True),
             f"{tb} device loop x4": tree,
             f"{tb} grown per step, device loop x4": grown,
-            # EngineConfig.observe_overlap: the move and the drafter's observe on a second stream beside the next draft
+            # EngineConfig.observe_overlap: the drafter's observe on a second stream beside the target's last layers
             f"{tb} grown per step, device loop x4, observe beside": grown.replace(observe_overlap=True),
+            # the shipped line's chunks: one step each, queued ahead
+            f"{tb} grown per step, device loop x1 overlapped": grown.replace(device_steps=1, device_overlap=True),
+            f"{tb} grown per step, device loop x1 overlapped, observe beside": grown.replace(
+                device_steps=1, device_overlap=True, observe_overlap=True),
             # what position-ordered attention costs: the chain with it, the trees without (not bit-exact)
             "chain device loop x4, position-ordered": cfg.replace(device_steps=4, position_ordered_attention=True),
             f"{tb} device loop x4, block-ordered": tree.replace(position_ordered_attention=False),

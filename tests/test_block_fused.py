@@ -66,23 +66,27 @@ def test_qk_norm_rope_of_consecutive_rows_equals_it_with_their_positions():
         qk_norm_rope(x, 3, 2, pos, None, cos, sin, caches[0], caches[1], consecutive=True)
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_every_layers_context_keys_in_one_launch_equal_one_launch_a_layer(norm):
+@pytest.mark.parametrize("norm,tree", [(True, False), (False, False), (True, True)])
+def test_every_layers_context_keys_in_one_launch_equal_one_launch_a_layer(norm, tree):
     """kv_norm_rope_layers (the observe's keys and values of all layers, one launch) writes the bits of a
-    qk_norm_rope a layer, into a [layers, 2, kv_heads, S, D] cache's k and v views, and nothing else."""
+    qk_norm_rope a layer, into a [layers, 2, kv_heads, S, D] cache's k and v views, and nothing else. tree: rows
+    rotated at positions other than their slots (a tree's rows before the move)."""
     g = torch.Generator().manual_seed(11)
     L, KVH, D, n, S = 3, 2, 16, 5, 24
     x = (torch.randn(n, L * 2 * KVH * D + 8, generator=g) * 2).to(torch.bfloat16)
     slots = torch.tensor([4, 5, 6, 7, 20])
+    pos = torch.tensor([4, 5, 5, 6, 9]) if tree else slots
     cos, sin = rope_tables(32, D, 500.0)
     kn = (torch.randn(L, D, generator=g) + 1).to(torch.bfloat16) if norm else None
     caches = [torch.full((L, 2, KVH, S, D), 7.0, dtype=torch.bfloat16) for _ in range(3)]
-    kv_norm_rope_layers(x, KVH, slots, cos, sin, caches[0][:, 0], caches[0][:, 1], kn, 1e-5)
+    kv_norm_rope_layers(x, KVH, slots, cos, sin, caches[0][:, 0], caches[0][:, 1], kn, 1e-5,
+                        positions=pos if tree else None)
     for layer in range(L):
         w = None if kn is None else kn[layer]
-        qk_norm_rope(x[:, layer * 2 * KVH * D:], 0, KVH, slots, slots, cos, sin, caches[1][layer, 0],
+        qk_norm_rope(x[:, layer * 2 * KVH * D:], 0, KVH, pos, slots, cos, sin, caches[1][layer, 0],
                      caches[1][layer, 1], w, w, 1e-5)
-    kv_norm_rope_layers_ref(x, KVH, slots, cos, sin, caches[2][:, 0], caches[2][:, 1], kn, 1e-5)
+    kv_norm_rope_layers_ref(x, KVH, slots, cos, sin, caches[2][:, 0], caches[2][:, 1], kn, 1e-5,
+                            positions=pos if tree else None)
     assert torch.equal(caches[0], caches[1])
     torch.testing.assert_close(caches[0], caches[2], atol=0.0, rtol=1 / 128)
     untouched = torch.ones(S, dtype=torch.bool)
@@ -138,40 +142,28 @@ def test_fused_step_gives_the_reference_steps_distributions(over, window, qk_in_
         torch.testing.assert_close(p_f, p_r, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("qk_in_qkv", [False, True])
-def test_a_draft_joins_before_its_first_cache_write(qk_in_qkv):
-    """FusedBlockStep.draft(join=): the observe on another stream (engines.observe_stream) must finish before the
-    first layer writes the block's keys/values; the join is called once, then, and the draft is the one without it.
-    The reference step joins first."""
+def test_rows_projected_at_tree_slots_then_moved_equal_rows_projected_in_place():
+    """project(features, slots, positions): a tree's rows projected at their tree slots, rotated at their positions
+    (EngineConfig.observe_overlap), then moved to the slots of those positions, are the rows a projection of the
+    path in place writes: fused and reference steps, bit for bit each (the same rows through the same launches)."""
     target = tiny_model("gqa", 3, torch.float32)
     model = drafter_for(target, 3, 8).eval()
     head = target.lm_head.weight
-    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, window=6,
-                           launches=DraftLaunches(qk_in_qkv=qk_in_qkv))
-    ref = BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True, window=6)
-    g = torch.Generator().manual_seed(5)
-    for step in (fused, ref):
-        step.project(torch.randn(12, model.config.feature_dim, generator=g), torch.arange(12))
-    ints = torch.tensor([7, 12])
-    block = slice(12, 20)  # the block's slots, position 12 on
-    seen = []
-
-    def join_for(step, before):
-        def join():  # the whole cache as it was (NaN where the block goes), and the fused step's embedding done
-            seen.append(torch.equal(step.cache.nan_to_num(), before.nan_to_num())
-                        and step.cache[:, :, :, block].isnan().all()
-                        and (step is ref or torch.equal(step.x[0], target.embed_tokens.weight[7])))
-        return join
-
-    for step in (fused, ref):
-        step.cache[:, :, :, block] = float("nan")
-        want = [t.clone() for t in step.draft(ints)]
-        step.cache[:, :, :, block] = float("nan")
-        step.x[0] = 0.0
-        got = step.draft(ints, join=join_for(step, step.cache.clone()))
-        assert seen == [True], "the join came after a cache write, before the embedding, or twice"
-        seen.clear()
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    g = torch.Generator().manual_seed(4)
+    features = torch.randn(6, model.config.feature_dim, generator=g)
+    base, depths = 10, torch.tensor([0, 1, 1, 2, 2, 3])  # a tree of six rows at slots base + i
+    path = torch.tensor([0, 2, 4, 5])  # its accepted path: depth d's row
+    for make in (lambda: FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5),
+                 lambda: BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True)):
+        tree, in_place = make(), make()
+        tree.project(features, base + torch.arange(6), base + depths)
+        moved = tree.cache[..., base + path, :].clone()
+        in_place.project(features[path], base + torch.arange(4))
+        assert torch.equal(moved, in_place.cache[..., base:base + 4, :]), type(tree).__name__
+        # rotated at their slots instead, the side branch's rows differ
+        wrong = make()
+        wrong.project(features, base + torch.arange(6))
+        assert not torch.equal(wrong.cache[..., base + path, :], moved)
 
 
 def test_the_drafter_keeps_the_reference_step_where_the_kernels_do_not_fit():

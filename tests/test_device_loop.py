@@ -566,72 +566,98 @@ def test_device_overlap_needs_a_drafter_with_a_device_half(over):
 
 
 @pytest.mark.parametrize("over", [{"verify": "chain"}, {"drafter": "ngram", "verify": "chain"},
-                                  {"device_steps": 1}, {"device_steps": 1, "device_overlap": True},
-                                  {"observe_overlap": 1}])
+                                  {"device_steps": 1}, {"compile": True}, {"observe_overlap": 1}])
 def test_observe_overlap_needs_a_block_drafters_tree_on_the_device_loop(over):
     with pytest.raises(ConfigError, match="observe_overlap"):
         cfg(**{**TREE, "observe_overlap": True, **over})
 
 
-def test_observe_overlap_runs_one_stream_on_cpu():
-    """A second CUDA stream only (engines.observe_stream): on the CPU the device loop runs the same steps in one
-    stream, and the tokens are AR's."""
-    model = damped("gqa", 2)
-    p = prompt(model.shape.vocab, 12, 2)
-    eng = engine(model, quick_drafter(model, 2, 40), **PER_STEP, observe_overlap=True)
-    assert eng.device_loop.observe is None
-    want = build_engine(cfg(drafter="none"), model, NO_EOS, "cpu").generate(p, 24).tokens
-    assert eng.generate(p, 24).tokens == want
-    with pytest.raises(ValueError, match="second CUDA stream"):
-        ObserveStream(torch.device("cpu"))
-
-
-class RecordingObserve:
-    """ObserveStream's interface on one stream (the CPU): counts forks and joins."""
+class RecordingObserve(ObserveStream):
+    """ObserveStream in stream order (the CPU), counting forks and joins."""
 
     def __init__(self):
-        self.next_state, self.forks, self.joins = None, 0, 0
-
-    @property
-    def pending(self) -> bool:
-        return self.next_state is not None
+        super().__init__(torch.device("cpu"))
+        self.forks = self.joins = 0
 
     @contextlib.contextmanager
-    def fork(self, next_state, *held):
-        assert not self.pending, "a fork before the last one was joined"
+    def fork(self, *held):
         self.forks += 1
-        self.next_state = next_state
-        yield
+        with super().fork(*held):
+            yield
 
     def join(self):
-        if self.pending:
-            self.joins += 1
-            self.next_state = None
+        self.joins += self.pending
+        super().join()
 
 
-def test_observe_overlap_drafts_from_the_commits_state_and_joins_every_fork():
-    """The loop's side of observe_overlap, on the CPU with ObserveStream's interface on one stream: each tree step
-    forks its move and observe; the next step's draft gets the commit's next state (the loop's state is the move's
-    to write) and the join, every fork is joined (within the chunk: none pending after it), and the tokens are AR's."""
-    model = damped("gqa", 2)
-    p = prompt(model.shape.vocab, 12, 2)
-    eng = engine(model, quick_drafter(model, 2, 40), **PER_STEP, observe_overlap=True)
+@pytest.mark.parametrize("switched", [False, True])
+def test_observe_overlap_observes_every_tree_row_and_drafts_what_the_plain_loop_drafts(monkeypatch, switched):
+    """observe_overlap in stream order (the CPU): each tree step forks its observe of every tree row once, inside
+    the target's step, and joins it before the move, which gets the drafter's cache; the drafter's context rows end
+    equal to the plain loop's (projected at the rows' tree slots and positions, then moved), so every step accepts
+    what the plain loop's step accepts, and the tokens are AR's. Switched: 8- and 16-row trees in 1-step chunks.
+    (A seed whose steps accept side branches, where a row's tree slot is not its position: 17 of 24 steps.)"""
+    import specpilot.engines.device_loop as device_loop
+
+    model = damped("gqa", 1)
+    p = prompt(model.shape.vocab, 12, 1)
+    kw = dict(PER_STEP)
+    if switched:
+        kw.update(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, device_steps=1, device_overlap=True,
+                  token_tile=16)
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=kw.get("token_tile", 8)),
+                        model, NO_EOS, "cpu").generate(p, 48).tokens
+    drafter = quick_drafter(model, 1, 40)
+    plain = engine(model, drafter, **kw)
+    want_steps = plain.generate(p, 48).steps
+    eng = engine(model, drafter, **kw, observe_overlap=True)
     loop = eng.device_loop
     observe = loop.observe = RecordingObserve()
-    calls, draft = [], loop.drafter.draft
+    moves, ref = [], device_loop.tree_move_ref
 
-    def recording_draft(state, join=None):
-        calls.append((observe.pending, state is observe.next_state, state is loop.state, join == observe.join))
-        return draft(state, join)
+    def move(kv, path, accepted, next_state, state, features=None, drafter_cache=None):
+        moves.append((observe.pending, features is None, drafter_cache is loop.drafter.cache))
+        return ref(kv, path, accepted, next_state, state, features, drafter_cache)
 
-    loop.drafter.draft = recording_draft
-    want = build_engine(cfg(drafter="none"), model, NO_EOS, "cpu").generate(p, 40).tokens
-    assert eng.generate(p, 40).tokens == want
-    assert observe.forks == observe.joins > 0 and not observe.pending
-    assert all(join for *_, join in calls)
-    assert all(from_commit and not from_loop for pending, from_commit, from_loop, _ in calls if pending)
-    assert all(from_loop for pending, _, from_loop, _ in calls if not pending)
-    assert sum(pending for pending, *_ in calls) > len(calls) // 2  # most steps follow one in their chunk
+    monkeypatch.setattr(device_loop, "tree_move_ref", move)
+    r = eng.generate(p, 48)
+    assert r.tokens == want
+    device = [s for s in r.steps if s.draft_s == 0]
+    # (a chunk may run steps past the token limit: they count nothing)
+    assert device and observe.forks == observe.joins == len(moves) >= len(device) and not observe.pending
+    assert all(m == (False, True, True) for m in moves)
+    assert sum(s.accepted > 0 for s in device) > len(device) // 2
+    assert [s.accepted for s in r.steps] == [s.accepted for s in want_steps]
+    n = r.steps[-1].position  # every context slot the drafter observed
+    assert loop.drafter.cache is not plain.device_loop.drafter.cache
+    torch.testing.assert_close(loop.drafter.cache[..., :n, :], plain.device_loop.drafter.cache[..., :n, :],
+                               rtol=0, atol=0)
+    if switched:
+        assert {s.verify_tokens for s in device} == {8, 16}
+
+
+def test_the_fused_forward_hands_over_the_features_before_the_layers_after_them():
+    """fused_forward(on_features=): called once, when the last captured layer has written its rows (the features
+    are the forward's) and before the next layer writes its keys/values (the device loop's observe starts there)."""
+    from specpilot.engines.fused import fused_forward, rope_tables_for
+
+    model = damped("gqa", 2)
+    sh = model.shape
+    tables = rope_tables_for(model, 64, "cpu")
+    ids = torch.tensor(prompt(sh.vocab, 6, 2))
+    pos = torch.arange(6)
+    kv = torch.zeros(2, sh.layers, sh.kv_heads, 64, sh.head_dim)
+    seen = []
+
+    def on_features(captured):
+        seen.append((captured.clone(), kv[:, 1, :, :6].abs().sum().item(), kv[:, 0, :, :6].abs().sum().item()))
+
+    _, argmax, captured = fused_forward(model, tables, ids, pos, pos, torch.tensor([0]),
+                                        torch.tril(torch.ones(6, 6, dtype=torch.bool)), kv[0], kv[1], capture=(0,),
+                                        on_features=on_features)
+    assert len(seen) == 1 and sh.layers == 2
+    got, later_layer, captured_layer = seen[0]
+    assert torch.equal(got, captured) and later_layer == 0 and captured_layer > 0
 
 
 @pytest.mark.parametrize("bad", [0, 17, True, 2.0])
@@ -678,7 +704,8 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
                                   "switched prefix grown tree overlap", "deep switched prefix grown tree overlap",
                                   "deeper switched prefix grown tree overlap",
                                   "observed beside, prefix grown tree overlap",
-                                  "observed beside, windowed prefix grown tree overlap"])
+                                  "observed beside, windowed prefix grown tree overlap",
+                                  "observed beside, deeper switched prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -705,7 +732,7 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
                                                           "lookup_depth": 127, "lookup_periodic": True,
                                                           "max_seq_len": 512}}.get(
         kind.removeprefix("observed beside, "), {})
-    if kind.startswith("observed beside"):  # EngineConfig.observe_overlap: the move and observe on a second stream
+    if kind.startswith("observed beside"):  # EngineConfig.observe_overlap: the observe on a second stream
         over = {**over, "observe_overlap": True}
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=1 if "switched" in kind else 4,
@@ -736,8 +763,7 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     eos = frozenset({want[40]})
     # With overlap in 1-step chunks, only the chunk queued behind the stop would run past it: it is skipped
     # (engines.graph_if), so the device state is the stop step's (its pending token's slot: base + accepted + 1).
-    one_step = overlap and not c.observe_overlap  # (observe_overlap overlaps the steps of a chunk: 4 a chunk)
-    stopped = build_engine(c.replace(device_steps=1) if one_step else c, model, eos, "cuda", block_drafter=drafter)
+    stopped = build_engine(c.replace(device_steps=1) if overlap else c, model, eos, "cuda", block_drafter=drafter)
     stopped.warm_up(p, 2)
     r = stopped.generate(p, 60)
     assert r.tokens == want[:want.index(want[40]) + 1]

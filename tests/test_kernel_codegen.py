@@ -291,8 +291,8 @@ print(json.dumps({
           for name, d, r in (("grow_tree", 15, 64), ("grow_tree_128", 127, 128))),
         ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
                                              "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32",
-                                             "H": "i32", "LAYER_STRIDE": "i32"},
-         {"ROWSETS": 180, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},
+                                             "H": "i32", "LAYER_STRIDE": "i32", "kv2_ptr": P, "S2": "i32"},
+         {"ROWSETS": 180, "ROWSETS2": 12, "DR": 16, "DRP": 16, "D": 64, "HAS_F": True, "BLOCK_F": 256}, 1))},
 }))
 
 '''

@@ -242,7 +242,17 @@ def test_tree_move_moves_the_path_in_place_gathering_before_it_writes():
             got = move(k, *on_dev(path, torch.tensor(accepted), next_state), st, *on_dev(stacked))
             assert torch.equal(got.cpu(), torch.cat(list(stacked[:, path]), dim=-1)), move.__name__
             assert move(k, *on_dev(path, torch.tensor(accepted), next_state), st) is None
+        # the block drafter's cache [layers, k/v, kv heads, slots, D] (its own slot count) moves along the same path
+        cache = torch.randn(2, 2, 3, 30, 16, generator=g).to(dtype)
+        want_cache = cache.clone()
+        want_cache[..., base:base + len(path_rows), :] = cache[..., [base + r for r in path_rows], :]
+        for move in (tree_move_ref, tree_move):
+            k, st, c = on_dev(kv.clone(), torch.tensor([5, base]), cache.clone())
+            assert move(k, *on_dev(path, torch.tensor(accepted), next_state), st, drafter_cache=c) is None
+            assert torch.equal(k.cpu(), want_kv) and torch.equal(c.cpu(), want_cache), (move.__name__, path_rows)
     with pytest.raises(ValueError, match="features has 2 rows"):
         tree_move_ref(kv, path, torch.tensor(0), next_state, want_state, features[:2])
     with pytest.raises(ValueError, match="accepted must have shape"):
         tree_move_ref(kv, path, torch.tensor([0]), next_state, want_state)
+    with pytest.raises(ValueError, match="drafter_cache must have shape"):
+        tree_move_ref(kv, path, torch.tensor(0), next_state, want_state, drafter_cache=torch.zeros(2, 3, 40, 8))

@@ -175,11 +175,11 @@ class EngineConfig(ConfigOps):
     # the H200 (session 36, 16 rows led by lookup) the grown tree accepted 5.23 tokens a step against the
     # calibrated one's 4.72 at the same verify cost: 2.83x against 2.44x.
     device_tree: DeviceTree = DeviceTree.PER_STEP
-    # The device loop's tree steps move the accepted path and run the block drafter's observe (fc, context keys and
-    # values) on a second CUDA stream, beside the next draft's embedding and first norm + QKV, which join it before
-    # the first layer's keys are written: those two launches leave the step's critical path. Steps of one chunk
-    # overlap only (a chunk joins before it ends): device_steps > 1. CUDA only (elsewhere the same steps run in one
-    # stream). Not yet measured: off (engines.observe_stream).
+    # The device loop's tree steps run the block drafter's observe (fc, context keys and values) over every tree row
+    # on a second CUDA stream as soon as the target's last captured layer has run, beside its remaining layers, LM
+    # head and commit; the move then places the accepted path's drafter rows with the target's. The observe leaves
+    # the step's critical path; the drafts are the same (engines.observe_stream). Needs the device loop (device_steps
+    # > 1 or device_overlap) and no torch.compile of the step. Not yet measured: off.
     observe_overlap: bool = False
     # AR decoding (no drafter): greedy steps chained in one CUDA graph per host round trip (ModelRunner.decode; with
     # the fused kernels). The steps after an EOS are skipped on the device (engines.graph_if), so longer chains cost
@@ -322,9 +322,10 @@ class EngineConfig(ConfigOps):
             raise ConfigError("device_overlap queues the device loop's chunks: it needs a drafter with a device half "
                               "(block with chain or tree verification, or ngram with a chain)")
         if self.observe_overlap and not (self.drafter is DrafterKind.BLOCK and self.verify is VerifyMode.TREE
-                                         and self.device_steps > 1):
-            raise ConfigError("observe_overlap overlaps a tree step's observe with the next step's draft inside a "
-                              "device loop chunk: it needs drafter=block, verify=tree and device_steps > 1")
+                                         and (self.device_steps > 1 or self.device_overlap) and not self.compile):
+            raise ConfigError("observe_overlap observes a tree step's rows beside the target's last layers in the "
+                              "device loop: it needs drafter=block, verify=tree, device_steps > 1 or device_overlap, "
+                              "and compile=false")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))

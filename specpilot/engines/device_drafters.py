@@ -8,7 +8,6 @@ occurrence, the tokens that followed it) as fixed-shape tensor ops over the whol
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,14 +51,17 @@ class DeviceDrafter(Protocol):
     def begin(self, seq: list[int], base: int) -> None:
         """Host side, before a chunk of steps from the pending token at slot base (seq = prompt + output)."""
 
-    def draft(self, state: torch.Tensor, join: Callable[[], None] | None = None) -> DeviceDraft:
-        """state = (pending token, its slot) -> the step's draft. join (block drafters; engines.observe_stream):
-        called before the draft reads or writes anything the last step's move and observe may still be writing or
-        reading (the loop's state, the drafter's cache)."""
+    # Block drafters: their cache of context keys/values by slot (slot = position), whose rows a tree step's move
+    # places like the target's when the drafter observed every tree row (EngineConfig.observe_overlap); else None.
+    cache: torch.Tensor | None
 
-    def commit(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """The step's outcome: the target's features of the accepted path's rows (positions base.., in depth
-        order)."""
+    def draft(self, state: torch.Tensor) -> DeviceDraft:
+        """state = (pending token, its slot) -> the step's draft."""
+
+    def commit(self, features: torch.Tensor | None, slots: torch.Tensor,
+               positions: torch.Tensor | None = None) -> None:
+        """The step's outcome: the target's features of the accepted path's rows (slots base.., in depth order, at
+        their positions), or of every tree row at the tree's slots and positions (observe_overlap)."""
 
     def end(self, base: int) -> None:
         """Host side, after a chunk: the pending token now sits at slot base."""
@@ -86,12 +88,16 @@ class BlockDeviceDrafter:
             raise RuntimeError(f"device loop: the drafter has features for {self.drafter.n_ctx} positions, the "
                                f"pending token sits at {base}")
 
-    def draft(self, state, join=None) -> DeviceDraft:
-        tokens, probs = self.step.draft(state, join)
+    @property
+    def cache(self) -> torch.Tensor:
+        return self.step.cache
+
+    def draft(self, state) -> DeviceDraft:
+        tokens, probs = self.step.draft(state)
         return DeviceDraft(tokens[:self.depth], probs[:self.depth], self.proposed)
 
-    def commit(self, features, positions) -> None:
-        self.step.project(features, positions)
+    def commit(self, features, slots, positions=None) -> None:
+        self.step.project(features, slots, positions)
 
     def end(self, base: int) -> None:
         self.drafter.n_ctx = base
@@ -121,16 +127,20 @@ class NgramPrefixDeviceDrafter:
         self.block.begin(seq, base)
         self.lookup.begin(seq, base)
 
-    def draft(self, state, join=None) -> DeviceDraft:
-        block = self.block.draft(state, join)
+    @property
+    def cache(self) -> torch.Tensor:
+        return self.block.cache
+
+    def draft(self, state) -> DeviceDraft:
+        block = self.block.draft(state)
         lookup = self.lookup.draft(state, block)
         tokens, probs = block.tokens, block.probs
         if self._pad is not None:
             tokens, probs = torch.cat([tokens, self._pad[0]]), torch.cat([probs, self._pad[1]])
         return DeviceDraft(tokens, probs, block.proposed, lookup.tokens[:, 0], lookup.proposed)
 
-    def commit(self, features, positions) -> None:
-        self.block.commit(features, positions)
+    def commit(self, features, slots, positions=None) -> None:
+        self.block.commit(features, slots, positions)
 
     def end(self, base: int) -> None:
         self.block.end(base)
@@ -146,6 +156,7 @@ class NgramDeviceDrafter:
     needs_features = False
     topk = 1
     use_graph = True
+    cache = None
 
     def __init__(self, drafter: NgramDrafter, capacity: int, device: torch.device, gate: LeadGate | None = None):
         self.depth, self.ngram_max, self.ngram_min = drafter.draft_len, drafter.ngram_max, drafter.ngram_min
@@ -174,7 +185,7 @@ class NgramDeviceDrafter:
                                  periodic=self.periodic)
         return DeviceDraft(draft[:, None], self.ones, proposed[0])
 
-    def commit(self, features, positions) -> None:
+    def commit(self, features, slots, positions=None) -> None:
         pass  # the loop writes the committed tokens into `sequence`
 
     def end(self, base: int) -> None:

@@ -33,7 +33,6 @@ rewritten), so proposals may differ in low bits; verification decides either way
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -146,8 +145,8 @@ class DeviceLoop:
     the full-depth rank-0 path (as far as the budget goes), for drafters whose rank 0 is prompt lookup's match where
     it has one: a match runs long or not at all, which its mean probability per depth understates (a grown tree
     needs no such help: the match's probability is 1 at every depth it covers). overlap: stream() queues each next
-    chunk before reading the current one. observe_overlap: a tree step's move and observe run on a second CUDA
-    stream beside the next step's first draft launches (engines.observe_stream; steps of one chunk)."""
+    chunk before reading the current one. observe_overlap: a tree step's drafter observes every tree row beside the
+    target's layers after the last captured one, and the move places its accepted rows (engines.observe_stream)."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
                  spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = (),
@@ -162,11 +161,11 @@ class DeviceLoop:
         self.state, self.ctl = self.loop_state[:2], self.loop_state[2:]
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
-        # tree steps' move + observe beside the next draft (EngineConfig.observe_overlap): CUDA only, the same steps
-        if observe_overlap and not (tree is not None and drafter.needs_features):
-            raise ValueError("observe_overlap overlaps a block drafter's observe with its next draft: it needs a tree "
-                             "and a drafter that observes the target's features")
-        self.observe = ObserveStream(runner.device) if observe_overlap and runner.device.type == "cuda" else None
+        # tree steps' observe beside the target's last layers (EngineConfig.observe_overlap; in stream order off CUDA)
+        if observe_overlap and not (tree is not None and drafter.cache is not None):
+            raise ValueError("observe_overlap observes every tree row beside the target's last layers: it needs a "
+                             "tree and a drafter with a cache that the move places")
+        self.observe = ObserveStream(runner.device) if observe_overlap else None
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
         # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets)
         self._grown: dict[int, tuple[TreeBlock, int]] = {}
@@ -421,7 +420,7 @@ class DeviceLoop:
             glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref, tree_move_ref)
         try:
             outs = [self._step(glue) for _ in range(steps)]
-        finally:  # the last step's move and observe, before the outputs (and the capture) end, even on an error
+        finally:  # a step's observe joined before the outputs (and the capture) end, even on an error
             if self.observe is not None:
                 self.observe.join()
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
@@ -453,11 +452,7 @@ class DeviceLoop:
         """One step from self.state -> its outputs (see _steps)."""
         base = self.state[1]  # a view: read it before the state moves on
         drafter, b, observe = self.drafter, self.block, self.observe
-        if observe is None:
-            d = drafter.draft(self.state)
-        else:  # the last step's observe may still run: the draft starts from its commit's state and joins it
-            d = drafter.draft(observe.next_state if observe.pending else self.state, join=observe.join)
-            observe.join()  # (a drafter that joined already: a no-op)
+        d = drafter.draft(self.state)
         # The shape's depths only: a 16-row tree beside a 128-row one (deep_tree_budget) grows and assembles over
         # its 15 depths, not the lookup's 127 (session 47: 9 us a narrow step on the H100)
         md = self.max_depth
@@ -466,7 +461,13 @@ class DeviceLoop:
             glue.grow(tokens, probs, lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth)
         top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(
             tokens, probs, lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
-        target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots)
+        early = {}
+        if observe is not None and not self.chain:
+            def observe_rows(features):  # every tree row at its tree slot and position, on the second stream
+                with observe.fork(features, positions, slots):
+                    drafter.commit(feature_rows(features[:, :b.rows]), slots[:b.rows], positions[:b.rows])
+            early = {"on_features": observe_rows}
+        target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots, **early)
         argmax, features = target[0][:b.rows], target[4]
         if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
             path_tokens, accepted = glue.chain_commit(argmax, ids, d.proposed, self.state, drafter.sequence,
@@ -477,10 +478,12 @@ class DeviceLoop:
                 argmax, ids, b.parents, b.tree_anc, b.depths, self.state, self.depth_rows,
                 drafter.sequence, self.stop)
             # the path's keys/values to slots base.. (entries past `accepted`: the root's), state <- next_state
-            with (observe.fork(next_state, path, accepted, features, slots) if observe is not None
-                  else contextlib.nullcontext()):
+            if observe is None:
                 path_features = glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, features)
                 drafter.commit(path_features, slots[:self.depth_rows])  # slots: base + 0, 1, ..
+            else:  # the drafter observed every row already: its path rows move with the target's
+                observe.join()
+                glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, None, drafter.cache)
         return path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs
 
     def _capture(self, steps: int, origin: int = FROM_HOST) -> LoopGraph:

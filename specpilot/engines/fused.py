@@ -80,14 +80,15 @@ def feature_rows(features: torch.Tensor) -> torch.Tensor:
 
 
 def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots, base, anc, k_caches, v_caches,
-                  capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True):
+                  capture: tuple[int, ...] = (), block_slots=None, want_logits: bool = True, on_features=None):
     """Same contract as LlamaModel.forward, but attention visibility is (base [1] tensor, anc [T, T]) and the
     result is the pre-norm residual stream's final norm applied inside the LM-head kernel: returns
     (logits fp32 [T, V] or None, argmax [T], captured layer outputs [len(capture), T, H] in layer order or None).
     want_logits=False: the LM head finds the argmax in its epilogue and never writes the logits (the AR/verify hot
     path needs only the argmax).
     block_slots [T, A] (llama.ancestor_slots): keys read in position order through each token's ancestors'
-    slots (then anc is not read)."""
+    slots (then anc is not read). on_features(captured): called once the last captured layer has written its rows,
+    before the layers after it (the device loop queues the drafter's observe there, on a second stream)."""
     from specpilot.kernels import attention, linear, rmsnorm_linear
     from specpilot.kernels.embed import embedding
     from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
@@ -143,6 +144,8 @@ def fused_forward(model: LlamaModel, tables: FusedTables, ids, positions, slots,
         stream = linear(act, w_down, residual=stream, row_sumsq_out=stat_in, **p_down,
                         scale_w=None if g_in is None else nw_next, scaled_out=g_in,
                         out=captured[layer_of[i]] if i in layer_of else None)
+        if on_features is not None and layer_of and i == max(layer_of):
+            on_features(captured)
     logits, argmax = rmsnorm_linear(stream, model.norm.weight, head, sh.rms_eps, out_dtype=torch.float32,
                                     argmax=True, store_y=want_logits, **p_head, row_sumsq=stat_in, scaled_x=g_in)
     return logits, argmax, captured

@@ -74,12 +74,14 @@ class ModelRunner:
         self._step_fn = step
 
     # ---- hot path -------------------------------------------------------------------------------
-    def _step(self, ids, positions, slots, base, anc, block_slots=None):
+    def _step(self, ids, positions, slots, base, anc, block_slots=None, on_features=None):
         """-> (argmax [T], top-k values, top-k indices, top-k probs, features [len(capture), T, H]); the top-k
         entries are None unless this runner serves top-k (drafters, token forcing's margins): the decode hot path
         needs only the argmax.
         block_slots: ancestor_slots(base, anc) precomputed by a caller whose block shape is static (the device
-        loop), for the fused path with position-ordered attention; derived here when None."""
+        loop), for the fused path with position-ordered attention; derived here when None.
+        on_features(features [len(capture), T, H]): called as soon as the captured layers are written (the fused
+        path: before the layers after the last of them; the torch path: after the forward)."""
         need_logits = self.topk > 0
         if self.fused is not None:
             blk = anc[:, :ids.shape[0]].contiguous()
@@ -90,7 +92,8 @@ class ModelRunner:
                 block_slots = ancestor_slots(base, blk)
             logits, argmax, captured = fused_forward(self.model, self.fused, ids, positions, slots, base.reshape(1),
                                                      blk, self.kv[0], self.kv[1], self.capture,
-                                                     block_slots=block_slots, want_logits=need_logits)
+                                                     block_slots=block_slots, want_logits=need_logits,
+                                                     on_features=on_features)
         else:
             if self.cfg.position_ordered_attention:
                 # Every row reads its keys in position order (tree nodes through their ancestors' slots), so a
@@ -107,6 +110,8 @@ class ModelRunner:
         # layer-major [len(capture), T, H] (the fused forward's down projections write it in place); StepOutput's
         # rows come from feature_rows
         features = (captured if self.fused is not None else torch.stack(captured)) if self.capture else None
+        if on_features is not None and self.fused is None and features is not None:
+            on_features(features)
         if not need_logits:
             return argmax, None, None, None, features
         top = torch.topk(logits, max(2, self.topk), dim=-1)

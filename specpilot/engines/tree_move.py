@@ -22,9 +22,13 @@ from specpilot.kernels._common import check_launchable, check_tensor
 FEATURE_BLOCK = 256  # feature columns a program gathers
 
 
-def _check_move(kv, path, accepted, next_state, state, features):
+def _check_move(kv, path, accepted, next_state, state, features, drafter_cache=None):
     check_tensor("kv", kv, (None, None, None, None, None))
     dev = kv.device
+    if drafter_cache is not None:
+        check_tensor("drafter_cache", drafter_cache, (None, None, None, None, kv.shape[-1]), kv.dtype, dev)
+        if drafter_cache.shape[-2] < path.shape[0]:
+            raise ValueError(f"drafter_cache has {drafter_cache.shape[-2]} slots, the path reaches {path.shape[0]}")
     check_tensor("path", path, (None,), torch.int64, dev)
     check_tensor("accepted", accepted, (), torch.int64, dev)
     check_tensor("next_state", next_state, (2,), torch.int64, dev)
@@ -38,35 +42,41 @@ def _check_move(kv, path, accepted, next_state, state, features):
     return features
 
 
-def tree_move_ref(kv, path, accepted, next_state, state, features=None):
+def tree_move_ref(kv, path, accepted, next_state, state, features=None, drafter_cache=None):
     """kv [2, layers, kv heads, slots, head dim]: slots base + e <- base + path[e] for every depth e < len(path)
     (base = next_state[1] - accepted - 1, the step's root slot), gathered before any is written; state <-
-    next_state. features: rows [T, F] or layer-major [layers, T, H] (the runner's step); returns the path's rows
+    next_state. drafter_cache [a, b, c, slots, head dim] (the block drafter's, slot = position): its rows move the
+    same way. features: rows [T, F] or layer-major [layers, T, H] (the runner's step); returns the path's rows
     [len(path), F or layers * H], each its layers side by side (None without features)."""
-    features = _check_move(kv, path, accepted, next_state, state, features)
+    features = _check_move(kv, path, accepted, next_state, state, features, drafter_cache)
     base = next_state[1] - accepted - 1
-    kv[:, :, :, base + torch.arange(path.shape[0], device=kv.device)] = kv[:, :, :, base + path]
+    to = base + torch.arange(path.shape[0], device=kv.device)
+    for cache in (kv,) if drafter_cache is None else (kv, drafter_cache):
+        cache[:, :, :, to] = cache[:, :, :, base + path]
     state.copy_(next_state)
     return None if features is None else features[:, path].transpose(0, 1).reshape(path.shape[0], -1)
 
 
 @triton.jit
 def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fout_ptr, S, F, H, LAYER_STRIDE,
-                      ROWSETS: tl.constexpr, DR: tl.constexpr, DRP: tl.constexpr, D: tl.constexpr,
-                      HAS_F: tl.constexpr, BLOCK_F: tl.constexpr):
+                      kv2_ptr, S2, ROWSETS: tl.constexpr, ROWSETS2: tl.constexpr, DR: tl.constexpr,
+                      DRP: tl.constexpr, D: tl.constexpr, HAS_F: tl.constexpr, BLOCK_F: tl.constexpr):
     pid = tl.program_id(0)
     e = tl.arange(0, DRP)
     ok = e < DR
     path = tl.load(path_ptr + e, mask=ok, other=0)
-    if pid < ROWSETS:  # one (key/value, layer, kv head): its DR rows of D
+    if pid < ROWSETS + ROWSETS2:  # one (key/value, layer, kv head) of either cache: its DR rows of D
         base = tl.load(next_ptr + 1) - tl.load(acc_ptr) - 1  # not state[1]: program 0 rewrites state
         d = tl.arange(0, D)[None, :]
-        rows = kv_ptr + pid.to(tl.int64) * S * D
+        if pid < ROWSETS:
+            rows = kv_ptr + pid.to(tl.int64) * S * D
+        else:  # the drafter's cache (its own slot count)
+            rows = kv2_ptr + (pid - ROWSETS).to(tl.int64) * S2 * D
         moved = tl.load(rows + (base + path)[:, None] * D + d, mask=ok[:, None])
         tl.debug_barrier()  # a row one depth reads may be one another depth writes: every load first
         tl.store(rows + (base + e)[:, None] * D + d, moved, mask=ok[:, None])
     elif HAS_F:
-        c = (pid - ROWSETS) * BLOCK_F + tl.arange(0, BLOCK_F)[None, :]
+        c = (pid - ROWSETS - ROWSETS2) * BLOCK_F + tl.arange(0, BLOCK_F)[None, :]
         cols = c < F
         layer = c // H  # output column c is layer c // H's column c % H
         src = f_ptr + layer.to(tl.int64) * LAYER_STRIDE + path[:, None] * H + (c - layer * H)
@@ -76,19 +86,22 @@ def _tree_move_kernel(kv_ptr, path_ptr, acc_ptr, next_ptr, state_ptr, f_ptr, fou
         tl.store(state_ptr + i, tl.load(next_ptr + i))
 
 
-def tree_move(kv, path, accepted, next_state, state, features=None):
+def tree_move(kv, path, accepted, next_state, state, features=None, drafter_cache=None):
     """tree_move_ref's writes and result in one launch."""
-    features = _check_move(kv, path, accepted, next_state, state, features)
+    features = _check_move(kv, path, accepted, next_state, state, features, drafter_cache)
     check_launchable(_tree_move_kernel, kv.device)
     two, layers, heads, slots, dim = kv.shape
     if dim != triton.next_power_of_2(dim):
         raise ValueError(f"head dim {dim}: the kernel moves power-of-two rows")
     rowsets, depth_rows = two * layers * heads, path.shape[0]
+    rowsets2 = 0 if drafter_cache is None else drafter_cache[..., 0, 0].numel()
     h = 1 if features is None else features.shape[2]
     n_f = 0 if features is None else features.shape[0] * h
     out = None if features is None else torch.empty(depth_rows, n_f, dtype=features.dtype, device=kv.device)
-    _tree_move_kernel[(rowsets + triton.cdiv(n_f, FEATURE_BLOCK),)](
+    _tree_move_kernel[(rowsets + rowsets2 + triton.cdiv(n_f, FEATURE_BLOCK),)](
         kv, path, accepted, next_state, state, kv if features is None else features, kv if out is None else out,
-        slots, max(n_f, 1), h, 0 if features is None else features.stride(0), ROWSETS=rowsets, DR=depth_rows,
+        slots, max(n_f, 1), h, 0 if features is None else features.stride(0),
+        kv if drafter_cache is None else drafter_cache, 1 if drafter_cache is None else drafter_cache.shape[-2],
+        ROWSETS=rowsets, ROWSETS2=rowsets2, DR=depth_rows,
         DRP=triton.next_power_of_2(depth_rows), D=dim, HAS_F=features is not None, BLOCK_F=FEATURE_BLOCK, num_warps=1)
     return out

@@ -12,7 +12,6 @@ Same cache layout, inputs and outputs as BlockStep, so the drafter and the devic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import triton
@@ -148,11 +147,12 @@ def qk_norm_rope_ref(x, heads, kv_heads, positions, slots, cos, sin, k_cache, v_
 
 def kv_norm_rope_layers(x: torch.Tensor, kv_heads: int, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, k_norm: torch.Tensor | None = None,
-                        eps: float = 1e-6) -> None:
+                        eps: float = 1e-6, positions: torch.Tensor | None = None) -> None:
     """qk_norm_rope's context keys/values (no q heads) of L layers in one launch: rows of x [n, >= L * 2 kv_heads * D]
     hold [k_0; v_0; k_1; v_1; ...]; layer l's k heads are normed with k_norm[l] ([L, D], when given), rotated at
-    slots[t] and, with its v heads, written to k_cache[l] / v_cache[l] ([L, kv_heads, S, D]: each layer contiguous,
-    any layer stride, the same for both) at slots[t]. The bits of one qk_norm_rope a layer."""
+    positions[t] (default: slots[t]) and, with its v heads, written to k_cache[l] / v_cache[l] ([L, kv_heads, S, D]:
+    each layer contiguous, any layer stride, the same for both) at slots[t]. The bits of one qk_norm_rope a layer."""
+    positions = slots if positions is None else positions
     check_tensor("k_cache", k_cache, (None, kv_heads, None, None), ACT_DTYPES, contiguous=False)
     L = k_cache.shape[0]
     if not (k_cache[0].is_contiguous() and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()):
@@ -164,24 +164,24 @@ def kv_norm_rope_layers(x: torch.Tensor, kv_heads: int, slots: torch.Tensor, cos
     if x.dim() != 2 or x.shape[1] < L * 2 * kv_heads * D:
         raise ValueError(f"x rows must hold {L} layers' {kv_heads} k and {kv_heads} v heads of {D}, got shape "
                          f"{list(x.shape)}")
-    _check_qk(x, 0, kv_heads, slots, slots, cos, k_cache[0], v_cache[0], None if k_norm is None else k_norm[0],
+    _check_qk(x, 0, kv_heads, positions, slots, cos, k_cache[0], v_cache[0], None if k_norm is None else k_norm[0],
               None if k_norm is None else k_norm[0])
     check_tensor("sin", sin, cos.shape, torch.float32, x.device)
     check_launchable(_qk_norm_rope_kernel, x.device)
     norm = k_norm is not None
     _qk_norm_rope_kernel[(n, L * kv_heads)](
-        x, x.stride(0), slots, slots, cos, sin, k_norm if norm else cos, k_norm if norm else cos, float(eps),
+        x, x.stride(0), positions, slots, cos, sin, k_norm if norm else cos, k_norm if norm else cos, float(eps),
         k_cache, k_cache, v_cache, k_cache.shape[2], k_cache.stride(0), H=0, KVH=kv_heads, HALF=D // 2,
         QK_NORM=norm, LAYERS=L, num_warps=1, **pdl_launch(x.device))
 
 
-def kv_norm_rope_layers_ref(x, kv_heads, slots, cos, sin, k_cache, v_cache, k_norm=None, eps=1e-6):
+def kv_norm_rope_layers_ref(x, kv_heads, slots, cos, sin, k_cache, v_cache, k_norm=None, eps=1e-6, positions=None):
     """Plain torch: qk_norm_rope_ref of each layer's columns."""
     width = 2 * kv_heads * k_cache.shape[-1]
     for layer in range(k_cache.shape[0]):
         kn = None if k_norm is None else k_norm[layer]
-        qk_norm_rope_ref(x[:, layer * width:], 0, kv_heads, slots, slots, cos, sin, k_cache[layer], v_cache[layer],
-                         kn, kn, eps)
+        qk_norm_rope_ref(x[:, layer * width:], 0, kv_heads, slots if positions is None else positions, slots, cos,
+                         sin, k_cache[layer], v_cache[layer], kn, kn, eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,20 +312,18 @@ class FusedBlockStep:
                                 row_sumsq=row_sumsq)
 
     @torch.no_grad()
-    def project(self, features: torch.Tensor, slots: torch.Tensor) -> None:
-        """Target features [n, feature_dim] of positions `slots` ([n] long) -> keys/values in every layer's cache."""
+    def project(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """BlockStep.project: target features [n, feature_dim] of positions `positions` ([n] long; default: the
+        slots) -> keys/values in every layer's cache at `slots`."""
         m, c = self.model, self.config
         ctx = linear(features.to(m.fc.weight.dtype).contiguous(), m.fc.weight)
         kv = rmsnorm_linear(ctx, m.hidden_norm.weight, self.w_ctx, c.rms_eps)  # [n, layers * 2 kv_heads * D]
         kv_norm_rope_layers(kv, c.kv_heads, slots, self.cos, self.sin, self.cache[:, 0], self.cache[:, 1],
-                            self.k_norms, c.rms_eps)
+                            self.k_norms, c.rms_eps, positions=positions)
 
     @torch.no_grad()
-    def draft(self, ints: torch.Tensor, join: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k].
-        join: called before the first layer writes the block's keys/values into the cache (what an observe still
-        running on another stream must finish first: engines.observe_stream); the embedding and the first norm + QKV
-        run before it (with qk_in_qkv, whose QKV launch writes the cache, the embedding only)."""
+    def draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k]."""
         m, c = self.model, self.config
         if c.input_scale == 1.0:
             embedding(ints[:1], self.embed, out=self.x[:1])
@@ -341,11 +339,8 @@ class FusedBlockStep:
         s_in = None
         for i, layer in enumerate(m.layers):
             p_qkv = {**self.p_qkv, "producer_stat": s_in is not None}
-            # (with qk_in_qkv the QKV launch writes the cache itself: nothing of it runs before the join)
             qkv = None if self.qk_in_qkv else rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i],
                                                              c.rms_eps, **p_qkv, row_sumsq=s_in)
-            if i == 0 and join is not None:
-                join()
             q = self._qkv_rope(x, i, ints[1:2], p_qkv, s_in) if qkv is None else self._qk(qkv, i, ints[1:2])
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)

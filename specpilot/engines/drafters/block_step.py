@@ -18,7 +18,6 @@ reduction block width depends on the row count).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,13 +97,14 @@ class BlockStep:
         self.block_visible = torch.ones(block_size, block_size, dtype=torch.bool, device=dev)  # non-causal block
 
     @torch.no_grad()
-    def project(self, features: torch.Tensor, slots: torch.Tensor) -> None:
-        """Target features [n, feature_dim] of the tokens at positions `slots` ([n] long, on the device) -> their
-        keys/values in every layer's cache slots."""
+    def project(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Target features [n, feature_dim] of the tokens at `positions` ([n] long, on the device; default: the
+        slots) -> their keys/values in every layer's cache at `slots` (a tree's rows sit at slots other than their
+        positions until the device loop's move: EngineConfig.observe_overlap)."""
         m, c = self.model, self.config
         n = features.shape[0]
         ctx = rms_norm(linear(features.to(m.fc.weight.dtype), m.fc), m.hidden_norm.weight, c.rms_eps)
-        rope = self.rope[slots]  # [n, 2, D]
+        rope = self.rope[slots if positions is None else positions]  # [n, 2, D]
         keys = torch.empty(n, c.layers, c.kv_heads, c.head_dim, dtype=ctx.dtype, device=ctx.device)
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
@@ -119,12 +119,9 @@ class BlockStep:
         self.cache[:, 0].index_copy_(2, slots, keys.permute(1, 2, 0, 3))
 
     @torch.no_grad()
-    def draft(self, ints: torch.Tensor, join: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ints = (pending token, its position) on the device -> top-k tokens and probabilities [B - 1, k] of the
-        block slots after the pending one. Fixed shapes (the whole cache, masked): one CUDA graph serves all.
-        join: FusedBlockStep.draft's; called first here (nothing of this step overlaps the observe)."""
-        if join is not None:
-            join()
+        block slots after the pending one. Fixed shapes (the whole cache, masked): one CUDA graph serves all."""
         m, c, width = self.model, self.config, self.width
         if c.input_scale == 1.0:  # x * 1.0 == x: the reference's multiply changes no bit
             torch.index_select(self.embed, 0, ints[:1], out=self.x[:1])
