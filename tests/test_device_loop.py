@@ -19,7 +19,7 @@ from specpilot.engines.engine import StepBudgets
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter, TreeShape
 from specpilot.engines.graph_if import GuardedGraph, unsupported_reason
-from specpilot.engines.observe_stream import ObserveStream
+from specpilot.engines.side_stream import SideStream
 from specpilot.engines.policy import EnginePolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -572,8 +572,15 @@ def test_observe_overlap_needs_a_block_drafters_tree_on_the_device_loop(over):
         cfg(**{**TREE, "observe_overlap": True, **over})
 
 
-class RecordingObserve(ObserveStream):
-    """ObserveStream in stream order (the CPU), counting forks and joins."""
+@pytest.mark.parametrize("over", [{"ngram_prefix": False}, {"device_tree": "calibrated"}, {"device_steps": 1},
+                                  {"compile": True}, {"lookup_overlap": 1}])
+def test_lookup_overlap_needs_a_lookup_led_tree_grown_on_the_device_loop(over):
+    with pytest.raises(ConfigError, match="lookup_overlap"):
+        cfg(**{**PER_STEP, "ngram_prefix": True, "lookup_overlap": True, **over})
+
+
+class RecordingSide(SideStream):
+    """SideStream in stream order (the CPU), counting forks and joins."""
 
     def __init__(self):
         super().__init__(torch.device("cpu"))
@@ -590,19 +597,24 @@ class RecordingObserve(ObserveStream):
         super().join()
 
 
-@pytest.mark.parametrize("switched", [False, True])
-def test_observe_overlap_observes_every_tree_row_and_drafts_what_the_plain_loop_drafts(monkeypatch, switched):
-    """observe_overlap in stream order (the CPU): each tree step forks its observe of every tree row once, inside
-    the target's step, and joins it before the move, which gets the drafter's cache; the drafter's context rows end
-    equal to the plain loop's (projected at the rows' tree slots and positions, then moved), so every step accepts
-    what the plain loop's step accepts, and the tokens are AR's. Switched: 8- and 16-row trees in 1-step chunks.
-    (A seed whose steps accept side branches, where a row's tree slot is not its position: 17 of 24 steps.)"""
+@pytest.mark.parametrize("which", ["observe", "observe switched", "lookup", "both switched"])
+def test_steps_beside_the_critical_path_draft_what_the_plain_loop_drafts(monkeypatch, which):
+    """observe_overlap and lookup_overlap in stream order (the CPU). observe: each tree step forks its observe of
+    every tree row once, inside the target's step, and joins it before the move, which gets the drafter's cache; the
+    drafter's context rows end equal to the plain loop's (projected at the rows' tree slots and positions, then
+    moved). lookup: each step forks its lookup before the block's draft and joins it before the grow, which gates
+    the lead (some refused, some led). Either way every step accepts what the plain loop's step accepts, and the
+    tokens are AR's. Switched: 8- and 16-row trees in 1-step chunks. (Seeds whose steps accept side branches, where a
+    row's tree slot is not its position: 17 of 24 steps without the lookup.)"""
     import specpilot.engines.device_loop as device_loop
 
+    lookup, observe = which.startswith(("lookup", "both")), which.startswith(("observe", "both"))
     model = damped("gqa", 1)
-    p = prompt(model.shape.vocab, 12, 1)
+    p = prompt(model.shape.vocab, 12, 1) * (2 if lookup else 1)
     kw = dict(PER_STEP)
-    if switched:
+    if lookup:
+        kw.update(ngram_prefix=True, lookup_agree_topk=1, lookup_doubt_prob=0.3)
+    if "switched" in which:
         kw.update(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, device_steps=1, device_overlap=True,
                   token_tile=16)
     want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=kw.get("token_tile", 8)),
@@ -610,29 +622,43 @@ def test_observe_overlap_observes_every_tree_row_and_drafts_what_the_plain_loop_
     drafter = quick_drafter(model, 1, 40)
     plain = engine(model, drafter, **kw)
     want_steps = plain.generate(p, 48).steps
-    eng = engine(model, drafter, **kw, observe_overlap=True)
+    eng = engine(model, drafter, **kw, observe_overlap=observe, lookup_overlap=lookup)
     loop = eng.device_loop
-    observe = loop.observe = RecordingObserve()
-    moves, ref = [], device_loop.tree_move_ref
+    side = loop.side = RecordingSide()
+    if observe:
+        loop.observe = side
+    if lookup:
+        loop.drafter.side = side
+    moves, grows, move_ref, grow_ref = [], [], device_loop.tree_move_ref, device_loop.grow_tree_ref
 
     def move(kv, path, accepted, next_state, state, features=None, drafter_cache=None):
-        moves.append((observe.pending, features is None, drafter_cache is loop.drafter.cache))
-        return ref(kv, path, accepted, next_state, state, features, drafter_cache)
+        moves.append((side.pending, features is None, drafter_cache is loop.drafter.cache))
+        return move_ref(kv, path, accepted, next_state, state, features, drafter_cache)
+
+    def grow(tokens, probs, lead, lead_depths, width, block, ranked=None, gate=None):
+        before = None if lead_depths is None else lead_depths.item()
+        grow_ref(tokens, probs, lead, lead_depths, width, block, ranked, gate)
+        grows.append((side.pending, gate is not None, before, None if lead_depths is None else lead_depths.item()))
 
     monkeypatch.setattr(device_loop, "tree_move_ref", move)
+    monkeypatch.setattr(device_loop, "grow_tree_ref", grow)
     r = eng.generate(p, 48)
     assert r.tokens == want
     device = [s for s in r.steps if s.draft_s == 0]
     # (a chunk may run steps past the token limit: they count nothing)
-    assert device and observe.forks == observe.joins == len(moves) >= len(device) and not observe.pending
-    assert all(m == (False, True, True) for m in moves)
+    assert device and side.forks == side.joins == (observe + lookup) * len(moves) and len(moves) >= len(device)
+    assert not side.pending and len(grows) == len(moves) and not any(pending for pending, *_ in grows)
+    assert all(m == (False, observe, observe) for m in moves)
+    if lookup:
+        assert all(gated for _, gated, *_ in grows)
+        assert any(b > 0 and a == 0 for *_, b, a in grows) and any(b == a > 0 for *_, b, a in grows)
     assert sum(s.accepted > 0 for s in device) > len(device) // 2
     assert [s.accepted for s in r.steps] == [s.accepted for s in want_steps]
     n = r.steps[-1].position  # every context slot the drafter observed
     assert loop.drafter.cache is not plain.device_loop.drafter.cache
     torch.testing.assert_close(loop.drafter.cache[..., :n, :], plain.device_loop.drafter.cache[..., :n, :],
                                rtol=0, atol=0)
-    if switched:
+    if "switched" in which:
         assert {s.verify_tokens for s in device} == {8, 16}
 
 

@@ -157,6 +157,37 @@ def test_a_lookup_running_past_the_blocks_depth_grows_the_host_loops_tree(seed):
                 "kernel")
 
 
+@pytest.mark.parametrize("case", ["agrees", "in doubt", "refused", "agrees past k"])
+def test_a_gate_in_the_grow_launch_is_the_gated_lookups_tree(case):
+    """grow(gate=): the lookup's LeadGate applied where the lead is read (EngineConfig.lookup_overlap): lead_depths
+    is gated in place (what the gated lookup proposes: ngram_lookup_ref's rule) and the tree is the one grown from
+    the gated count; kernel and reference alike."""
+    from specpilot.engines.device_drafters import ngram_lookup_ref
+    from specpilot.engines.drafters.ngram_prefix import LeadGate
+
+    tokens, probs = candidates(5, depth=6, k=4, scale=1.0)  # top-1 probabilities well below 0.9
+    agree_topk, doubt = {"agrees": (2, 0.0), "in doubt": (1, 0.95), "refused": (2, 0.0),
+                         "agrees past k": (9, 0.0)}[case]
+    gate = LeadGate(agree_topk, doubt)
+    lead = torch.tensor([int(tokens[0, 1 if case != "agrees past k" else 3]), 7, 8, 9, 10, 11])
+    if case in ("in doubt", "refused"):
+        lead[0] = 39 if 39 not in tokens[0].tolist() else 38
+    seq = torch.tensor([1, 2, 3, *lead.tolist(), 1, 2, 3] + [0] * 8)  # a match whose continuation is the lead
+    state = torch.tensor([3, 11])
+    _, gated = ngram_lookup_ref(seq, state, 2, 3, 6, gate, tokens[0].contiguous(), probs[0].contiguous())
+    assert gated.item() == (0 if case == "refused" else 6)
+    w = 16
+    want = grown(tokens, probs, 3, 15, lead, gated[0], block_width=w)
+    for kernel in (False, True):
+        n = torch.tensor(6)
+        block = TreeBlock.dead(15, w, True, "cpu")
+        (grow_tree if kernel else grow_tree_ref)(tokens, probs, lead, n, 3, block, None, gate)
+        assert n.item() == gated.item(), kernel
+        assert_same(block, want, (case, kernel))
+    with pytest.raises(ValueError, match="LeadGate, for a lead"):
+        grow_tree_ref(tokens, probs, None, None, 3, TreeBlock.dead(15, w, True, "cpu"), None, gate)
+
+
 def test_bad_inputs_are_refused():
     tokens, probs = candidates(0, 3, 4)
     with pytest.raises(ValueError, match="width=5"):

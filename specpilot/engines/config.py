@@ -178,9 +178,13 @@ class EngineConfig(ConfigOps):
     # The device loop's tree steps run the block drafter's observe (fc, context keys and values) over every tree row
     # on a second CUDA stream as soon as the target's last captured layer has run, beside its remaining layers, LM
     # head and commit; the move then places the accepted path's drafter rows with the target's. The observe leaves
-    # the step's critical path; the drafts are the same (engines.observe_stream). Needs the device loop (device_steps
+    # the step's critical path; the drafts are the same (engines.side_stream). Needs the device loop (device_steps
     # > 1 or device_overlap) and no torch.compile of the step. Not yet measured: off.
     observe_overlap: bool = False
+    # Grown trees led by lookup (ngram_prefix, device_tree per_step) in the device loop: the lookup runs on a second
+    # CUDA stream beside the block's draft instead of after it (its gate, which reads the draft's depth-1 candidates,
+    # moves into the grow launch). The same trees; no torch.compile of the step. Not yet measured: off.
+    lookup_overlap: bool = False
     # AR decoding (no drafter): greedy steps chained in one CUDA graph per host round trip (ModelRunner.decode; with
     # the fused kernels). The steps after an EOS are skipped on the device (engines.graph_if), so longer chains cost
     # nothing at a stop; the tokens are the same at any value.
@@ -279,7 +283,7 @@ class EngineConfig(ConfigOps):
                f"state_checkpoint_spacing={self.state_checkpoint_spacing!r}: must be an int in "
                f"1..{MAX_CHECKPOINT_SPACING}")
         for name in ("tree_dfs_order", "cuda_graphs", "batch_invariant", "ngram_prefix", "device_overlap",
-                     "lookup_periodic", "observe_overlap"):
+                     "lookup_periodic", "observe_overlap", "lookup_overlap"):
             _check(isinstance(getattr(self, name), bool), f"{name}={getattr(self, name)!r}: must be a bool")
         if self.weight_format is WeightFormat.W12 and (self.kernel_backend is not KernelBackend.TRITON
                                                         or self.dtype is not DType.BF16):
@@ -326,6 +330,12 @@ class EngineConfig(ConfigOps):
             raise ConfigError("observe_overlap observes a tree step's rows beside the target's last layers in the "
                               "device loop: it needs drafter=block, verify=tree, device_steps > 1 or device_overlap, "
                               "and compile=false")
+        if self.lookup_overlap and not (self.ngram_prefix and self.verify is VerifyMode.TREE
+                                        and self.device_tree is DeviceTree.PER_STEP
+                                        and (self.device_steps > 1 or self.device_overlap) and not self.compile):
+            raise ConfigError("lookup_overlap runs a lookup-led tree's lookup beside the block's draft in the device "
+                              "loop: it needs ngram_prefix, verify=tree, device_tree=per_step, device_steps > 1 or "
+                              "device_overlap, and compile=false")
         if self.verify is not VerifyMode.CHAIN and self.drafter in (DrafterKind.NONE,):
             raise ConfigError(f"verify={self.verify.value} needs a drafter")
         object.__setattr__(self, "kernel_table", tuple(tuple(p) for p in self.kernel_table))
@@ -339,7 +349,7 @@ class EngineConfig(ConfigOps):
         "drafter", "draft_len", "ngram_max", "ngram_min", "verify", "tree_budget", "tree_width", "level_one_keep",
         "level_one_rule", "level_one_layers", "tree_depth", "block_size", "drafter_window", "drafter_head_rows",
         "drafter_launches", "drafter_topk", "device_steps", "device_overlap", "device_tree", "observe_overlap",
-        "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth", "lookup_periodic",
+        "lookup_overlap", "ngram_prefix", "lookup_agree_topk", "lookup_doubt_prob", "lookup_depth", "lookup_periodic",
         "narrow_tree_budget", "wide_tree_after", "deep_tree_budget", "deep_tree_after")
 
     def ar_twin(self) -> "EngineConfig":

@@ -18,6 +18,7 @@ import triton.language as tl
 from specpilot.engines.drafters.block_tree import BlockTreeDrafter
 from specpilot.engines.drafters.ngram import NgramDrafter
 from specpilot.engines.drafters.ngram_prefix import LeadGate
+from specpilot.engines.side_stream import SideStream
 from specpilot.kernels._common import check_launchable, check_tensor
 from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 
@@ -33,6 +34,9 @@ class DeviceDraft:
     proposed: torch.Tensor
     lead: torch.Tensor | None = None
     lead_depths: torch.Tensor | None = None
+    # The lookup's LeadGate when it is still to be applied (the lookup ran beside the block's draft: the grow launch
+    # applies it, writing the gated lead_depths in place)
+    gate: LeadGate | None = None
 
 
 class DeviceDrafter(Protocol):
@@ -116,6 +120,9 @@ class NgramPrefixDeviceDrafter:
         if lookup.depth < block.depth:
             raise ValueError(f"the lookup drafts {lookup.depth} tokens, the block {block.depth}: at least as many")
         self.block, self.lookup = block, lookup
+        # EngineConfig.lookup_overlap: the device loop's second stream, where the lookup runs beside the block's draft
+        # (ungated: the draft's gate goes to the grow launch)
+        self.side: SideStream | None = None
         self.depth, self.ranked_depth, self.topk = lookup.depth, block.depth, block.topk
         self.capacity, self.use_graph = min(block.capacity, lookup.capacity), block.use_graph
         self.sequence = lookup.sequence
@@ -132,12 +139,20 @@ class NgramPrefixDeviceDrafter:
         return self.block.cache
 
     def draft(self, state) -> DeviceDraft:
-        block = self.block.draft(state)
-        lookup = self.lookup.draft(state, block)
+        gate = None
+        if self.side is None:
+            block = self.block.draft(state)
+            lookup = self.lookup.draft(state, block)
+        else:
+            with self.side.fork(state, self.lookup.sequence):
+                lookup = self.lookup.draft(state)
+            block = self.block.draft(state)
+            self.side.join()
+            gate = self.lookup.gate
         tokens, probs = block.tokens, block.probs
         if self._pad is not None:
             tokens, probs = torch.cat([tokens, self._pad[0]]), torch.cat([probs, self._pad[1]])
-        return DeviceDraft(tokens, probs, block.proposed, lookup.tokens[:, 0], lookup.proposed)
+        return DeviceDraft(tokens, probs, block.proposed, lookup.tokens[:, 0], lookup.proposed, gate)
 
     def commit(self, features, slots, positions=None) -> None:
         self.block.commit(features, slots, positions)
@@ -177,10 +192,12 @@ class NgramDeviceDrafter:
         self.synced = base + 1
 
     def draft(self, state, block: DeviceDraft | None = None) -> DeviceDraft:
+        """block: the block's draft, whose depth-1 candidates the gate reads; None: ungated (the caller applies the
+        gate: NgramPrefixDeviceDrafter beside the block's draft)."""
         # CPU: the torch reference (the interpreted kernel takes ~10 ms a lookup; tests run it directly)
         lookup = ngram_lookup if self.sequence.is_cuda else ngram_lookup_ref
-        gated = {} if self.gate is None else {"gate": self.gate, "candidates": block.tokens[0],
-                                              "candidate_probs": block.probs[0]}
+        gated = {} if self.gate is None or block is None else {"gate": self.gate, "candidates": block.tokens[0],
+                                                               "candidate_probs": block.probs[0]}
         draft, proposed = lookup(self.sequence, state, self.ngram_min, self.ngram_max, self.depth, **gated,
                                  periodic=self.periodic)
         return DeviceDraft(draft[:, None], self.ones, proposed[0])

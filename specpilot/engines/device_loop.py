@@ -52,7 +52,7 @@ from specpilot.engines.layout import DraftLayout, draft_layout, verify_layout
 from specpilot.engines.loop_kernels import (LoopStop, assemble, assemble_ref, chain_commit, chain_commit_ref,
                                             tree_commit, tree_commit_ref)
 from specpilot.engines.fused import feature_rows
-from specpilot.engines.observe_stream import ObserveStream
+from specpilot.engines.side_stream import SideStream
 from specpilot.engines.runner import ModelRunner
 from specpilot.engines.tree_grow import TreeBlock, grow_tree, grow_tree_ref
 from specpilot.engines.tree_move import tree_move, tree_move_ref
@@ -146,11 +146,13 @@ class DeviceLoop:
     it has one: a match runs long or not at all, which its mean probability per depth understates (a grown tree
     needs no such help: the match's probability is 1 at every depth it covers). overlap: stream() queues each next
     chunk before reading the current one. observe_overlap: a tree step's drafter observes every tree row beside the
-    target's layers after the last captured one, and the move places its accepted rows (engines.observe_stream)."""
+    target's layers after the last captured one, and the move places its accepted rows; lookup_overlap: prompt
+    lookup beside the block's draft, its gate applied by the grow launch (both on a second stream:
+    engines.side_stream)."""
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
                  spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = (),
-                 observe_overlap: bool = False):
+                 observe_overlap: bool = False, lookup_overlap: bool = False):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
@@ -161,11 +163,18 @@ class DeviceLoop:
         self.state, self.ctl = self.loop_state[:2], self.loop_state[2:]
         self.stop: LoopStop | None = None
         self.use_graphs = runner.use_graphs and drafter.use_graph
-        # tree steps' observe beside the target's last layers (EngineConfig.observe_overlap; in stream order off CUDA)
+        # tree steps' observe beside the target's last layers, the lookup beside the block's draft
+        # (EngineConfig.observe_overlap, lookup_overlap; in stream order off CUDA)
         if observe_overlap and not (tree is not None and drafter.cache is not None):
             raise ValueError("observe_overlap observes every tree row beside the target's last layers: it needs a "
                              "tree and a drafter with a cache that the move places")
-        self.observe = ObserveStream(runner.device) if observe_overlap else None
+        if lookup_overlap and not (per_step and tree is not None and hasattr(drafter, "side")):
+            raise ValueError("lookup_overlap runs the lookup beside the block's draft and gates it in the grow launch: "
+                             "it needs a lookup-led block drafter's tree grown per step")
+        self.side = SideStream(runner.device) if observe_overlap or lookup_overlap else None
+        self.observe = self.side if observe_overlap else None
+        if lookup_overlap:
+            drafter.side = self.side
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
         # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets)
         self._grown: dict[int, tuple[TreeBlock, int]] = {}
@@ -421,8 +430,8 @@ class DeviceLoop:
         try:
             outs = [self._step(glue) for _ in range(steps)]
         finally:  # a step's observe joined before the outputs (and the capture) end, even on an error
-            if self.observe is not None:
-                self.observe.join()
+            if self.side is not None:
+                self.side.join()
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
         words = [t.to(torch.int64).reshape(-1).view(torch.int32)  # no-ops: they are int64 already
                  for t in (*path_tokens, *accepted, *proposed, *top_tokens, self.ctl)]
@@ -457,8 +466,8 @@ class DeviceLoop:
         # its 15 depths, not the lookup's 127 (session 47: 9 us a narrow step on the H100)
         md = self.max_depth
         tokens, probs, lead = d.tokens[:md], d.probs[:md], None if d.lead is None else d.lead[:md]
-        if self.per_step:
-            glue.grow(tokens, probs, lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth)
+        if self.per_step:  # (with the lookup beside the draft, its gate: lead_depths gated in place)
+            glue.grow(tokens, probs, lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth, d.gate)
         top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(
             tokens, probs, lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
         early = {}

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from specpilot.engines.config import MAX_GROWN_NODES
+from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.engines.llama import ancestor_slots
 from specpilot.engines.loop_kernels import _led_source, check_candidates, lead_rows
 from specpilot.kernels._common import check_launchable, check_tensor
@@ -77,8 +78,10 @@ class TreeBlock:
                          device)
 
 
-def _check_grow(tokens, probs, lead, lead_depths, width, block, ranked):
+def _check_grow(tokens, probs, lead, lead_depths, width, block, ranked, gate=None):
     dev, (depth, k) = check_candidates(tokens, probs, lead, lead_depths), tokens.shape
+    if gate is not None and (lead is None or not isinstance(gate, LeadGate)):
+        raise ValueError("a gate is a LeadGate, for a lead")
     rows, w = block.rows, block.positions.shape[0]
     if not 2 <= rows <= min(w, MAX_GROWN_ROWS):
         raise ValueError(f"a grown tree has 1..{MAX_GROWN_NODES} nodes in a block of >= rows, got {rows - 1} "
@@ -103,14 +106,20 @@ def _code_bits(width: int) -> int:
     return max(1, (width - 1).bit_length())
 
 
-def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None) -> None:
+def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None,
+                  gate: LeadGate | None = None) -> None:
     """Rewrites `block` with the best-first tree of block.rows - 1 nodes over the step's candidates tokens / probs
     [depth, K] (best first; led by `lead` at depths below lead_depths when given, as assemble leads them), at most
     `width` ranks a depth. Depths past the first `ranked` (default: all) hold one candidate at most (prompt lookup's
-    match running past the block drafter's depth): their rank, always 0, takes no digit in the tie order. The
-    kernel's frontier in torch ops (no host sync)."""
-    ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0])
+    match running past the block drafter's depth): their rank, always 0, takes no digit in the tie order. gate: the
+    lookup's LeadGate, not yet applied (EngineConfig.lookup_overlap): lead_depths becomes 0 in place where it refuses
+    the lead, given the depth-1 candidates (what the gated lookup proposes; assemble reads it after). The kernel's
+    frontier in torch ops (no host sync)."""
+    ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0], gate)
     dev, (depth, k), rows = tokens.device, tokens.shape, block.rows
+    if gate is not None:
+        leads = (tokens[0, :gate.agree_topk] == lead[0]).any() | (probs[0, 0] < gate.doubt_prob)
+        lead_depths.copy_(torch.where(leads, lead_depths, 0))
     if lead is not None:
         _, probs = lead_rows(tokens, probs, lead, torch.arange(depth, device=dev) < lead_depths.reshape(()))
     ranks = torch.arange(k + 1, device=dev)
@@ -195,12 +204,19 @@ def _flag(cond):
 
 @triton.jit
 def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr, tanc_ptr, depth_ptr, pos_ptr,
-                      anc_ptr, bs_ptr, lat_ptr, rbits_ptr, D: tl.constexpr, K: tl.constexpr, WIDTH: tl.constexpr,
+                      anc_ptr, bs_ptr, lat_ptr, rbits_ptr, doubt, D: tl.constexpr, K: tl.constexpr,
+                      WIDTH: tl.constexpr,
                       BITS: tl.constexpr, R: tl.constexpr, W: tl.constexpr, RANKED: tl.constexpr,
                       HAS_LEAD: tl.constexpr, HAS_BS: tl.constexpr, DP: tl.constexpr, KP: tl.constexpr,
                       RP: tl.constexpr, WP: tl.constexpr, CB: tl.constexpr, DEPTH_SHIFT: tl.constexpr,
-                      ROW_BITS: tl.constexpr, HI: tl.constexpr, PDL: tl.constexpr = 0):
+                      ROW_BITS: tl.constexpr, HI: tl.constexpr, GATE_K: tl.constexpr = 0, GKP: tl.constexpr = 1,
+                      PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # the candidates are the drafter's, the lead the lookup's
+    if GATE_K > 0:  # the lookup's LeadGate on the depth-1 candidates: a refused lead covers no depth (assemble too)
+        g = tl.arange(0, GKP)
+        agree = tl.max((tl.load(tok_ptr + g, mask=g < GATE_K, other=-1) == tl.load(lead_ptr)).to(tl.int32), 0) > 0
+        tl.store(lead_n_ptr, tl.where(agree | (tl.load(prob_ptr) < doubt), tl.load(lead_n_ptr), 0))
+        tl.debug_barrier()  # the lattice reads it back
     NO_KEY: tl.constexpr = (1 << 63) - 1
     # Scratch the pops read one element of (an element of a register tensor costs a reduction over it): lat_ptr
     # holds the led lattice [DP, KP] (past RANKED rank 0 alone), then each row's score [RP]; rbits_ptr each row's
@@ -296,9 +312,10 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
     release_successor(PDL)
 
 
-def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None) -> None:
+def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ranked: int | None = None,
+              gate: LeadGate | None = None) -> None:
     """grow_tree_ref's writes in one launch (one program)."""
-    ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0])
+    ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0], gate)
     dev, (depth, k), rows, w = tokens.device, tokens.shape, block.rows, block.positions.shape[0]
     check_launchable(_grow_tree_kernel, dev)
     p2 = triton.next_power_of_2
@@ -307,11 +324,14 @@ def grow_tree(tokens, probs, lead, lead_depths, width: int, block: TreeBlock, ra
     dp, kp, rp = p2(depth), p2(k), p2(rows)
     lattice = torch.empty(dp * kp + rp, dtype=torch.float64, device=dev)
     row_bits = torch.empty(2 * rp, dtype=torch.int64, device=dev)
+    gate_k = 0 if gate is None else min(gate.agree_topk, k)
     _grow_tree_kernel[(1,)](tokens, probs, tokens if lead is None else lead,
                             block.depths if lead_depths is None else lead_depths, block.node_src, block.parents,
                             block.tree_anc, block.depths, block.positions, block.anc,
-                            block.block_slots if has_bs else block.depths, lattice, row_bits, D=depth, K=k,
+                            block.block_slots if has_bs else block.depths, lattice, row_bits,
+                            0.0 if gate is None else gate.doubt_prob, D=depth, K=k,
                             WIDTH=width, BITS=_code_bits(width), R=rows, W=w, RANKED=ranked,
                             HAS_LEAD=lead is not None, HAS_BS=has_bs, DP=dp, KP=kp, RP=rp, WP=p2(w),
-                            CB=min(16, rp), DEPTH_SHIFT=DEPTH_SHIFT, ROW_BITS=ROW_BITS, HI=rp > 64, num_warps=1,
+                            CB=min(16, rp), DEPTH_SHIFT=DEPTH_SHIFT, ROW_BITS=ROW_BITS, HI=rp > 64,
+                            GATE_K=gate_k, GKP=triton.next_power_of_2(max(gate_k, 1)), num_warps=1,
                             **pdl_launch(dev))
