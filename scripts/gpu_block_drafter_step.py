@@ -256,6 +256,12 @@ def measure() -> dict:
             f"{tb} grown per step, device loop x1 overlapped": grown.replace(device_steps=1, device_overlap=True),
             f"{tb} grown per step, device loop x1 overlapped, observe beside": grown.replace(
                 device_steps=1, device_overlap=True, observe_overlap=True),
+            # led by lookup behind the shipped line's gate; EngineConfig.lookup_overlap: the lookup beside the draft
+            **{f"{tb} grown per step + lookup, device loop x1 overlapped{name}": grown.replace(
+                device_steps=1, device_overlap=True, ngram_prefix=True, lookup_agree_topk=2, lookup_doubt_prob=0.7,
+                **over) for name, over in (("", {}), (", lookup beside", {"lookup_overlap": True}),
+                                           (", observe and lookup beside",
+                                            {"lookup_overlap": True, "observe_overlap": True}))},
             # what position-ordered attention costs: the chain with it, the trees without (not bit-exact)
             "chain device loop x4, position-ordered": cfg.replace(device_steps=4, position_ordered_attention=True),
             f"{tb} device loop x4, block-ordered": tree.replace(position_ordered_attention=False),
