@@ -731,7 +731,9 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
                                   "deeper switched prefix grown tree overlap",
                                   "observed beside, prefix grown tree overlap",
                                   "observed beside, windowed prefix grown tree overlap",
-                                  "observed beside, deeper switched prefix grown tree overlap"])
+                                  "observed beside, deeper switched prefix grown tree overlap",
+                                  "lookup beside, deeper switched prefix grown tree overlap",
+                                  "both beside, deeper switched prefix grown tree overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -757,14 +759,17 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
                                                           "deep_tree_after": 6, "ngram_prefix": True,
                                                           "lookup_depth": 127, "lookup_periodic": True,
                                                           "max_seq_len": 512}}.get(
-        kind.removeprefix("observed beside, "), {})
-    if kind.startswith("observed beside"):  # EngineConfig.observe_overlap: the observe on a second stream
-        over = {**over, "observe_overlap": True}
+        kind.split("beside, ")[-1], {})
+    # EngineConfig.observe_overlap / lookup_overlap (behind a lookup gate): the observe / the lookup on a second stream
+    beside = kind.split(" beside, ")[0] if " beside, " in kind else ""
+    over = {**over, **({"observe_overlap": True} if beside in ("observed", "both") else {}),
+            **({"lookup_overlap": True, "lookup_agree_topk": 2, "lookup_doubt_prob": 0.7}
+               if beside in ("lookup", "both") else {})}
     overlap = kind.endswith("overlap")
     c = cfg(dtype="bfloat16", kernel_backend="triton", device_steps=1 if "switched" in kind else 4,
             device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
-                       observe_overlap=False,
+                       observe_overlap=False, lookup_overlap=False, lookup_agree_topk=0,
                        device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0, deep_tree_budget=0)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
@@ -781,8 +786,9 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
         r = eng.generate(p, 60)
         assert r.tokens == want and set(eng.device_loop._graphs) == graphs
         assert sum(s.draft_s == 0 for s in r.steps) > len(r.steps) // 2
-    if c.observe_overlap:  # a race on the drafter's cache or state would change what it drafts, not the tokens
-        plain = build_engine(c.replace(observe_overlap=False), model, NO_EOS, "cuda", block_drafter=drafter)
+    if beside:  # a race on the drafter's cache or state would change what it drafts, not the tokens
+        plain = build_engine(c.replace(observe_overlap=False, lookup_overlap=False), model, NO_EOS, "cuda",
+                             block_drafter=drafter)
         plain.warm_up(p, 2)
         assert [s.accepted for s in plain.generate(p, 60).steps] == [s.accepted for s in r.steps]
     del junk

@@ -238,3 +238,17 @@ def test_the_compiled_kernel_grows_the_host_loops_tree_on_gpu():
         grow_tree(tokens.cuda(), probs.cuda(), lead.cuda(), n.cuda(), 8, block, 15)
         for f in FIELDS:
             assert torch.equal(getattr(block, f).cpu(), getattr(want, f)), ("deep", seed, f)
+    from specpilot.engines.drafters.ngram_prefix import LeadGate
+    for seed in range(8):  # the lookup's gate in the launch (lookup_overlap): lead_depths gated in place
+        tokens, probs = candidates(seed, 15, 8, scale=1.0)
+        lead = torch.randint(0, 40, (15,), generator=torch.Generator().manual_seed(seed))
+        lead[0] = tokens[0, seed % 3] if seed % 2 else lead[0]
+        gate = LeadGate(2, [0.0, 0.5][seed // 4])
+        n_ref, n = torch.tensor(9), torch.tensor(9).cuda()
+        want = TreeBlock.dead(15, 16, True, "cpu")
+        grow_tree_ref(tokens, probs, lead, n_ref, 4, want, None, gate)
+        block = TreeBlock.dead(15, 16, True, "cuda")
+        grow_tree(tokens.cuda(), probs.cuda(), lead.cuda(), n, 4, block, None, gate)
+        assert n.item() == n_ref.item(), ("gate", seed)
+        for f in FIELDS:
+            assert torch.equal(getattr(block, f).cpu(), getattr(want, f)), ("gate", seed, f)
