@@ -284,10 +284,10 @@ print(json.dumps({
         # 64 rows over the block's 15 depths, and 128 over a lookup 127 deep (a second ancestor word)
         *((name, tg._grow_tree_kernel, {n: "*i64" for n in ("tok_ptr", "lead_ptr", "lead_n_ptr", "src_ptr",
                                                            "par_ptr", "depth_ptr", "pos_ptr", "bs_ptr", "rbits_ptr")}
-           | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1", "lat_ptr": "*fp64"},
+           | {"prob_ptr": "*fp32", "tanc_ptr": "*u8", "anc_ptr": "*i1", "lat_ptr": "*fp64", "doubt": "fp32"},
            {"D": d, "K": 8, "WIDTH": 8, "BITS": 3, "R": r, "W": r, "HAS_LEAD": True, "HAS_BS": True,
             "DP": triton.next_power_of_2(d), "KP": 8, "RP": r, "WP": r, "CB": 16, "DEPTH_SHIFT": tg.DEPTH_SHIFT,
-            "ROW_BITS": tg.ROW_BITS, "RANKED": 15, "HI": r > 64}, 1)
+            "ROW_BITS": tg.ROW_BITS, "RANKED": 15, "HI": r > 64, "GATE_K": 2, "GKP": 2}, 1)
           for name, d, r in (("grow_tree", 15, 64), ("grow_tree_128", 127, 128))),
         ("tree_move", tm._tree_move_kernel, {"kv_ptr": P, "path_ptr": "*i64", "acc_ptr": "*i64", "next_ptr": "*i64",
                                              "state_ptr": "*i64", "f_ptr": P, "fout_ptr": P, "S": "i32", "F": "i32",
