@@ -429,7 +429,7 @@ class DeviceLoop:
             glue = Glue(grow_tree_ref, assemble_ref, chain_commit_ref, tree_commit_ref, tree_move_ref)
         try:
             outs = [self._step(glue) for _ in range(steps)]
-        finally:  # a step's observe joined before the outputs (and the capture) end, even on an error
+        finally:  # the side stream joined before the outputs (and the capture) end, even on an error
             if self.side is not None:
                 self.side.join()
         path_tokens, accepted, proposed, top_tokens, top_probs = zip(*outs)
