@@ -285,6 +285,22 @@ def test_w12_weights_are_a_kernel_knob_of_triton_bf16_builds_on_gpus():
     assert w12.applies(triton.config, DeviceKind.CUDA, regime=RegimeKind.BATCH)  # the batched engine reads it too
 
 
+def test_the_side_stream_is_a_block_drafters_overhead_knob_on_gpus():
+    """observe_overlap / lookup_overlap (engines.side_stream): a CUDA mechanism of block drafters; on smollm2-135m-h200's
+    switched line (1-step chunks, grown trees led by a gated lookup) every setting is a valid engine, turned by its
+    delta."""
+    from specpilot.deployments import DeviceKind
+
+    gpu = load_deployment("smollm2-135m-h200")
+    side = catalog.BY_NAME["side_stream"]
+    config = next(d for d in gpu.drafters if dict(d.engine).get("narrow_tree_budget")).engine_config(gpu.engine)
+    assert side.applies(config, DeviceKind.CUDA) and not side.applies(config, DeviceKind.CPU)
+    assert not side.applies(EngineConfig(drafter="ngram"), DeviceKind.CUDA)
+    for observe in side.knobs[0].choices:
+        for lookup in side.knobs[1].choices:
+            assert config.replace(observe_overlap=observe, lookup_overlap=lookup).lookup_overlap == lookup
+
+
 def test_trial_parameters_reproduce_configs_and_deltas_merge():
     dep = load_deployment("smollm2-135m-cpu")
     stock = catalog.stock_candidate(dep)

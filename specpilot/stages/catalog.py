@@ -209,6 +209,15 @@ CATALOG: tuple[CatalogMechanism, ...] = (
                       Knob("device_tree", _CHOICE, choices=tuple(t.value for t in DeviceTree))),
                      frozenset({DirectionName.OVERHEAD}), frozenset({DrafterKind.NGRAM, DrafterKind.BLOCK}), _CUDA,
                      _LLAMA),
+    # The device loop's second stream (engines.side_stream): launches that need nothing of the step's critical path
+    # leave it; the same drafts and tokens. Off the CPU only, as the device loop.
+    CatalogMechanism("side_stream", MechanismCategory.SCHEDULING,
+                     "a second CUDA stream in the device loop's tree steps: the block drafter's observe of every tree "
+                     "row beside the target's last layers, prompt lookup beside the block's draft (its gate read by the "
+                     "grow launch); the same drafts, fewer launches on the step's critical path",
+                     (Knob("observe_overlap", _CHOICE, choices=(False, True)),
+                      Knob("lookup_overlap", _CHOICE, choices=(False, True))),
+                     frozenset({DirectionName.OVERHEAD}), frozenset({DrafterKind.BLOCK}), _CUDA, _LLAMA),
     CatalogMechanism("token_tile", MechanismCategory.KERNEL, "batch-invariant forward width (every step runs at it)",
                      (Knob("token_tile", _CHOICE, choices=(8, 16)),),
                      frozenset({DirectionName.KERNELS, DirectionName.OVERHEAD})),
