@@ -254,6 +254,15 @@ def lookup_into(tok_ptr, length, draft_ptr, NMAX: tl.constexpr, NMIN: tl.constex
 
 
 @triton.jit
+def gate_leads(lead, tok_ptr, prob_ptr, doubt, GATE_K: tl.constexpr, GKP: tl.constexpr):
+    """LeadGate.leads in a kernel: the lead among the block's first GATE_K depth-1 candidates (tok_ptr, best first;
+    GKP: a power of two >= GATE_K), or the block's top-1 probability there (prob_ptr[0]) below doubt."""
+    j = tl.arange(0, GKP)
+    agree = tl.max((tl.load(tok_ptr + j, mask=j < GATE_K, other=-1) == lead).to(tl.int32), 0) > 0
+    return agree | (tl.load(prob_ptr) < doubt)
+
+
+@triton.jit
 def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gate_prob_ptr, doubt,
                   NMAX: tl.constexpr, NMIN: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
                   GATE_K: tl.constexpr, GKP: tl.constexpr, PERIODIC: tl.constexpr, PDL: tl.constexpr = 0):
@@ -262,9 +271,7 @@ def _ngram_kernel(tok_ptr, state_ptr, draft_ptr, proposed_ptr, gate_tok_ptr, gat
     first, proposed = lookup_into(tok_ptr, length, draft_ptr, NMAX, NMIN, K, KP, BLOCK, PERIODIC)
     if GATE_K > 0:  # LeadGate: no proposal where the block's depth-1 candidates contradict the match's first token
         lead = tl.load(tok_ptr + first)  # without a match: filler, and proposed is 0 anyway
-        j = tl.arange(0, GKP)
-        agree = tl.max((tl.load(gate_tok_ptr + j, mask=j < GATE_K, other=-1) == lead).to(tl.int32), 0) > 0
-        proposed = tl.where(agree | (tl.load(gate_prob_ptr) < doubt), proposed, 0)
+        proposed = tl.where(gate_leads(lead, gate_tok_ptr, gate_prob_ptr, doubt, GATE_K, GKP), proposed, 0)
     tl.store(proposed_ptr, proposed.to(tl.int64))
     release_successor(PDL)
 
@@ -316,8 +323,7 @@ def ngram_lookup_ref(tokens, state, ngram_min, ngram_max, k, gate=None, candidat
     _check_lookup(tokens, state, ngram_min, ngram_max, k, gate, candidates, candidate_probs)
     draft, proposed, _ = lookup_rows_ref(tokens[None], state[1:2], ngram_min, ngram_max, k, periodic)
     if gate is not None:
-        leads = (candidates[:gate.agree_topk] == draft[0, 0]).any() | (candidate_probs[0] < gate.doubt_prob)
-        proposed = torch.where(leads, proposed, 0)
+        proposed = torch.where(gate.leads_on_device(draft[0, 0], candidates, candidate_probs), proposed, 0)
     return draft[0], proposed
 
 

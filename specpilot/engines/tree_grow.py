@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from specpilot.engines.config import MAX_GROWN_NODES
+from specpilot.engines.device_drafters import gate_leads
 from specpilot.engines.drafters.ngram_prefix import LeadGate
 from specpilot.engines.llama import ancestor_slots
 from specpilot.engines.loop_kernels import _led_source, check_candidates, lead_rows
@@ -118,8 +119,7 @@ def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock
     ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0], gate)
     dev, (depth, k), rows = tokens.device, tokens.shape, block.rows
     if gate is not None:
-        leads = (tokens[0, :gate.agree_topk] == lead[0]).any() | (probs[0, 0] < gate.doubt_prob)
-        lead_depths.copy_(torch.where(leads, lead_depths, 0))
+        lead_depths.copy_(torch.where(gate.leads_on_device(lead[0], tokens[0], probs[0]), lead_depths, 0))
     if lead is not None:
         _, probs = lead_rows(tokens, probs, lead, torch.arange(depth, device=dev) < lead_depths.reshape(()))
     ranks = torch.arange(k + 1, device=dev)
@@ -213,9 +213,8 @@ def _grow_tree_kernel(tok_ptr, prob_ptr, lead_ptr, lead_n_ptr, src_ptr, par_ptr,
                       PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # the candidates are the drafter's, the lead the lookup's
     if GATE_K > 0:  # the lookup's LeadGate on the depth-1 candidates: a refused lead covers no depth (assemble too)
-        g = tl.arange(0, GKP)
-        agree = tl.max((tl.load(tok_ptr + g, mask=g < GATE_K, other=-1) == tl.load(lead_ptr)).to(tl.int32), 0) > 0
-        tl.store(lead_n_ptr, tl.where(agree | (tl.load(prob_ptr) < doubt), tl.load(lead_n_ptr), 0))
+        leads = gate_leads(tl.load(lead_ptr), tok_ptr, prob_ptr, doubt, GATE_K, GKP)
+        tl.store(lead_n_ptr, tl.where(leads, tl.load(lead_n_ptr), 0))
         tl.debug_barrier()  # the lattice reads it back
     NO_KEY: tl.constexpr = (1 << 63) - 1
     # Scratch the pops read one element of (an element of a register tensor costs a reduction over it): lat_ptr

@@ -53,6 +53,11 @@ class LeadGate:
         """tokens / probs: the block's candidates at depth 1, best first."""
         return first in tokens[:self.agree_topk] or probs[0] < self.doubt_prob
 
+    def leads_on_device(self, first: torch.Tensor, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """leads() as a 0-d bool tensor, no host read (the device loop's torch references); the kernels' twin is
+        device_drafters.gate_leads."""
+        return (tokens[:self.agree_topk] == first).any() | (probs[0] < self.doubt_prob)
+
 
 def led_by_lookup(lookup: list[int], tokens: list[list[int]], probs: list[list[float]], gate: LeadGate | None
                   ) -> tuple[list[list[int]], list[list[float]]]:
