@@ -82,6 +82,8 @@ class AttentionParams(LaunchParams):
         if self.tile_rows not in ATTENTION_ROW_TILES:
             raise ValueError(f"tile_rows={self.tile_rows!r} must be one of {ATTENTION_ROW_TILES}")
         check_int("slot_stages", self.slot_stages, 1)
+        if not isinstance(self.chain_tiles, bool):
+            raise ValueError(f"chain_tiles={self.chain_tiles!r} must be a bool")
         if self.chain_tiles and self.tiles_per_program != 1:
             raise ValueError("chain_tiles runs one tile a program: tiles_per_program must be 1")
 
