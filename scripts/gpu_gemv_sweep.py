@@ -2,13 +2,13 @@
 launch costs more than these kernels run, so timing outside a graph measures the launcher).
 
 python3 scripts/gpu_gemv_sweep.py OUT.json [--shape smollm2|llama8b|smollm2-drafter] [--tokens 1,16] [--kernels qkv,o]
-    [--split-k 1,2]
+    [--split-k 1,2] [--tile-rows 16,32]
 
 For each projection (qkv, o, gate_up, down, head; qkv_linear, gate_up_linear: those matrices through a plain
 projection; qkv_norm / qkv_norm_stat: QKV's normed projection without its epilogue, by a row pass / on producer
 statistics; qkv_stat, gate_up_stat: the engine's launches on producer statistics; qkv_post, gate_up_post,
 head_post: with post_scale) and T: the default launch's time and the best of the grid
-block_k x block_n x num_warps x num_stages x split_k; block_k and split_k are reduction-order fields, so the best
+block_k x block_n x num_warps x num_stages x split_k x tile_rows; block_k and split_k are reduction-order fields, so the best
 (block_k, split_k) is chosen on the sum over T and the rest per T. Prints a table last, with each time's weight
 read rate (weight bytes / time; the H200 reads HBM at ~4.2-4.25 TB/s). Each projection is the engine's launch:
 QKV with its rotary + cache-write epilogue, gate_up with its SwiGLU epilogue, down and o_proj with the residual.
@@ -58,7 +58,8 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
               "head": (V, H), "head_logits": (V, H)}
     shapes.update(qkv_linear=shapes["qkv"], gate_up_linear=shapes["gate_up"], qkv_norm=shapes["qkv"],
                   qkv_norm_stat=shapes["qkv"], qkv_stat=shapes["qkv"], gate_up_stat=shapes["gate_up"],
-                  qkv_post=shapes["qkv"], gate_up_post=shapes["gate_up"], head_post=shapes["head"])
+                  qkv_post=shapes["qkv"], gate_up_post=shapes["gate_up"], head_post=shapes["head"],
+                  head_stat=shapes["head"])
     sums = row_sumsq_ref(x)  # what o_proj / down store for a launch with producer_stat (kernels/rmsnorm.py)
     post = dict(producer_stat=True, row_sumsq=sums, post_scale=True, scaled_x=scaled_rows_ref(x, nw))
     calls = {
@@ -85,6 +86,9 @@ def kernels(sh, T: int, dev, name: str, copies: int = 1):
                                                    store_y=False, **post, **p),
         # the block drafter's head: its logits in fp32 for the top-k (no argmax, stored)
         "head_logits": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, **p),
+        # the engine's LM head on producer statistics (smollm2-135m-h200's table)
+        "head_stat": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True,
+                                                   store_y=False, producer_stat=True, row_sumsq=sums, **p),
         "head": lambda w, **p: rmsnorm_linear(x, nw, w, 1e-5, out_dtype=torch.float32, argmax=True, store_y=False,
                                               **p),
     }
@@ -101,6 +105,7 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="1,3")
     ap.add_argument("--split-k", default="1")
+    ap.add_argument("--tile-rows", default="16", help="rows of a tensor-core tile (T-neutral: 16 or 32)")
     ap.add_argument("--kernels", default="qkv,o,gate_up,down,head")
     ap.add_argument("--copies", type=int, default=1, help="weight matrices per projection, rotated (>1: read from "
                     "HBM as in a step, not from L2)")
@@ -108,7 +113,8 @@ def main() -> None:
     sh, dev = SHAPES[a.shape], torch.device("cuda")
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     tokens = ints(a.tokens)
-    grid = list(itertools.product(ints(a.block_k), ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.split_k)))
+    grid = list(itertools.product(ints(a.block_k), ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.split_k),
+                                  ints(a.tile_rows)))
     order = lambda key: tuple(int(v) for v in key.split(",")[::4])  # noqa: E731  (block_k, split_k)
     res, raw = {}, {}
     for name in a.kernels.split(","):
@@ -117,12 +123,13 @@ def main() -> None:
             call, ws = kernels(sh, T, dev, name, a.copies)
             nbytes = ws[0].numel() * ws[0].element_size()
             rows = {"default": graph_us([lambda w=w: call(w) for w in ws])}
-            for bk, bn, nw, st, sk in grid:
-                p = dict(block_k=bk, block_n=bn, num_warps=nw, num_stages=st, split_k=sk)
+            for bk, bn, nw, st, sk, tr in grid:
+                p = dict(block_k=bk, block_n=bn, num_warps=nw, num_stages=st, split_k=sk, tile_rows=tr)
+                key = f"{bk},{bn},{nw},{st},{sk}" + (f",{tr}" if tr != 16 else "")
                 try:
-                    rows[f"{bk},{bn},{nw},{st},{sk}"] = graph_us([lambda w=w: call(w, **p) for w in ws])
+                    rows[key] = graph_us([lambda w=w: call(w, **p) for w in ws])
                 except Exception:  # out of shared memory / registers for this tile: not a candidate
-                    rows[f"{bk},{bn},{nw},{st},{sk}"] = float("inf")
+                    rows[key] = float("inf")
             per_t[T] = rows
         # block_k and split_k fix the reduction order: one pair per shape, chosen on the sum over T of each T's best
         pairs = sorted({order(k) for k in per_t[tokens[0]] if k != "default"})
@@ -138,7 +145,7 @@ def main() -> None:
         raw[name] = per_t
         json.dump({"shape": a.shape, "results": res, "raw": raw}, open(a.out, "w"), indent=1)
         print(name, res[name], flush=True)
-    print("| kernel | T | default us | GB/s | tuned us | GB/s | block_k,block_n,warps,stages,split_k | any us |\n"
+    print("| kernel | T | default us | GB/s | tuned us | GB/s | block_k,block_n,warps,stages,split_k[,tile_rows] | any us |\n"
           "|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         gbs = lambda us: r["weight_bytes"] / us / 1e3  # noqa: E731

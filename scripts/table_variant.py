@@ -2,10 +2,14 @@
 
     python3 scripts/table_variant.py OUT.json --shape llama3-8b --base shipped.json \
         --set qkv,gate_up,lm_head:producer_stat=true [--set o_proj:block_n=32 ...]
+    python3 scripts/table_variant.py OUT.json --shape smollm2-135m --deployment smollm2-135m-h200 \
+        --set attention@128:chain_tiles=true --set qkv@128,lm_head@128:tile_rows=32
 
 Each --set gives every entry of those kernels at the shape's (N, K) the fields (JSON values), at every T the base
 table has for it, or at T=1 where it has none: an order-setting field then holds for every T of the shape, as
-check_invariance requires (the result is checked before it is written).
+check_invariance requires (the result is checked before it is written). KERNEL@T: that T's entry only (a T-neutral
+field; one the base lacks starts from no fields, so an order-setting field the shape's other entries hold fails the
+check). --deployment: its engine's kernel table as the base.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from specpilot.kernels.table import read_pairs, with_fields
+from specpilot.kernels.table import check_invariance, read_pairs, table_key, with_fields
 from specpilot.testbed.synthetic import ShapeName
 
 
@@ -36,8 +40,15 @@ def parse_set(text: str) -> tuple[list[str], dict]:
 
 def variant(pairs, shape, sets) -> list[tuple[str, str]]:
     for kernels, fields in sets:
-        for kernel in kernels:
-            pairs = with_fields(pairs, kernel, *dims(shape, kernel), fields)
+        for spec in kernels:
+            kernel, _, t = spec.partition("@")
+            if not t:
+                pairs = with_fields(pairs, kernel, *dims(shape, kernel), fields)
+                continue
+            table, key = dict(pairs), table_key(kernel, *dims(shape, kernel), int(t))
+            table[key] = json.dumps({**json.loads(table.get(key, "{}")), **fields}, sort_keys=True)
+            pairs = tuple(table.items())
+            check_invariance(pairs)
     return list(pairs)
 
 
@@ -46,9 +57,14 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="llama3-8b", choices=[s.value for s in ShapeName])
     ap.add_argument("--base", help="the table to start from (a pair list or a tuner summary.json); default: empty")
+    ap.add_argument("--deployment", help="start from this deployment's engine kernel table instead")
     ap.add_argument("--set", action="append", default=[], help="KERNELS:FIELD=JSON[;FIELD=JSON]")
     a = ap.parse_args(argv)
-    pairs = read_pairs(a.base) if a.base else ()
+    if a.deployment:
+        from specpilot.deployments import load_deployment
+        pairs = tuple(load_deployment(a.deployment).engine.kernel_table)
+    else:
+        pairs = read_pairs(a.base) if a.base else ()
     out = variant(pairs, ShapeName(a.shape).shape, [parse_set(s) for s in a.set])
     a.out.write_text(json.dumps(out, indent=1))
     print(f"{a.out}: {len(out)} entries")

@@ -175,6 +175,13 @@ print(json.dumps({
     # producer statistics (rmsnorm.py): the producer's segment sums add no dot, the consumer one 16-lane sum
     "sumsq_linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
                                                        **TILE, "ROW_SUMSQ": 1}),
+    # the projections in 32-row tiles (tile_rows): the 16-row kernels' dots on twice the rows
+    "rows32": {name: dots(fn, sig, {**consts, "BLOCK_M": 32}, nw) for name, fn, sig, consts, nw in (
+        ("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False, **TILE},
+         4),
+        *((f"norm_linear_epi{epi}", norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "HAS_RES": epi == 0,
+                                                                             "EPI": epi}, 8) for epi in (0, 1, 2)),
+        ("stat_in_norm_linear", norm_gemm._rmsnorm_linear_kernel, NORM, {**NORM_EPI0, "STAT_SEGS": 256}, 8))},
     "stat_in_norm_linear": dots(norm_gemm._rmsnorm_linear_kernel, NORM, {
         **FLAGS, "HAS_RES": False, "DOT_PREC": "tf32", "W12": False, "STORE_Y": True, "ARGMAX": False, "EPI": 0,
         "H": 9, "KVH": 3, "HALF": 32, **TILE, "STAT_SEGS": 256}, num_warps=8),
@@ -401,6 +408,20 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     rows_pass, from_sums = compiled["stat_in_spills"]
     assert from_sums <= rows_pass, compiled["stat_in_spills"]
     assert compiled["sumsq_ffma"] == [0, 0, 0, 0]
+
+
+def test_32_row_projection_tiles_compile_the_16_row_dots(compiled):
+    """tile_rows=32 (LinearParams, RMSNormLinearParams; T-neutral): the same MMA v2 dots (instruction, operand
+    layouts, kWidth) on two 16-row slabs, so a row's bits are the 16-row tile's; only the warps' spread over the
+    tile may differ, as with num_warps."""
+    rows16 = lambda dots: [re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d.replace("tensor<32x", "tensor<16x"))
+                           for d in dots]  # noqa: E731
+    r32 = compiled["rows32"]
+    assert rows16(r32["linear"]) == rows16(compiled["linear"])
+    for epi in (0, 1, 2):
+        assert rows16(r32[f"norm_linear_epi{epi}"]) == rows16(compiled[f"norm_linear{f'_epi{epi}' if epi else ''}"]), epi
+    assert rows16(r32["stat_in_norm_linear"]) == rows16(compiled["stat_in_norm_linear"])
+    assert all("tensor<32x" in d for d in r32["linear"]), r32["linear"]  # (not silently compiled at 16 rows)
 
 
 def test_pdl_variants_compile_the_same_dots_and_wait_for_the_predecessor(compiled):

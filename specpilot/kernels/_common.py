@@ -23,6 +23,9 @@ BLOCK_M = 16  # token tile of every token-tiled kernel; part of the numerics, ne
 # Token tiles of the projections: BLOCK_M rows through tensor-core dots, or one row per program through
 # CUDA-core products (no 16-row MMA tile to fill at T=1). Part of the numerics: a build picks one for every T.
 ROW_TILES = (BLOCK_M, 1)
+# Rows of a tensor-core tile: 32 runs the same m16n8k16 dots on two 16-row slabs (test_kernel_codegen), so each row's
+# bits are the 16-row tile's and the choice is T-neutral; 64 rows would compile to wgmma, another instruction.
+MMA_TILE_ROWS = (BLOCK_M, 2 * BLOCK_M)
 # CUDA-graph capture mode for graphs holding Triton launches: "global" aborts on the Triton launcher's driver
 # queries (seen on the H200 with triton 3.6); "thread_local" only forbids unsafe calls from other threads.
 CAPTURE_ERROR_MODE = "thread_local"
@@ -105,8 +108,17 @@ class LaunchParams:
                 raise ValueError(f"max_registers={v!r} must be None or an int in 32..255")
             if f.name == "row_tile" and v not in ROW_TILES:
                 raise ValueError(f"row_tile={v!r} must be one of {ROW_TILES}")
+            if f.name == "tile_rows" and v not in MMA_TILE_ROWS:
+                raise ValueError(f"tile_rows={v!r} must be one of {MMA_TILE_ROWS}")
             if f.name.startswith("block_") and v is not None and (not isinstance(v, int) or v < 16 or v & (v - 1)):
                 raise ValueError(f"{f.name}={v} must be a power of two >= 16")
+        if getattr(self, "row_tile", BLOCK_M) == 1 and getattr(self, "tile_rows", BLOCK_M) != BLOCK_M:
+            raise ValueError("tile_rows sets the rows of a tensor-core tile: row_tile=1 (one row a program) takes the "
+                             "default")
+
+    def program_rows(self) -> int:
+        """Token rows a program owns (the kernels' BLOCK_M): one with row_tile=1, else tile_rows (default 16)."""
+        return 1 if getattr(self, "row_tile", BLOCK_M) == 1 else getattr(self, "tile_rows", BLOCK_M)
 
 
 def _fix_interpreter() -> None:

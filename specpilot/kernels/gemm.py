@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParams, check_launchable, check_out,
+from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable, check_out,
                       check_tensor, dot_precision, register_cap)
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
@@ -53,6 +53,8 @@ class LinearParams(LaunchParams):
     num_stages: int | None = None
     block_k: int = BLOCK_K  # the K chunk of the accumulation chain: a reduction-order field (per shape, all T)
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES): a reduction-order field
+    # rows of a program's tensor-core tile (MMA_TILE_ROWS): 32 reads each W chunk once for two 16-row slabs (T-neutral)
+    tile_rows: int = BLOCK_M
     split_k: int = 1  # K runs per output tile, added in a fixed order: a reduction-order field (more programs)
     early_residual: bool = True  # load residual and bias before the K loop, not after it (latency: T-neutral)
     w_preload: bool = False  # preload_chunks: the whole W tile loaded before the predecessor wait (T-neutral)
@@ -62,12 +64,12 @@ class LinearParams(LaunchParams):
     grid_dependency: int | None = None
     max_registers: int | None = None  # ptxas maxnreg (_common.MAX_REGISTERS): occupancy only, T-neutral
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "early_residual", "w_preload",
-                                            "grid_dependency", "max_registers")
+                                            "grid_dependency", "max_registers", "tile_rows")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
                                                 "early_residual": (False, True), "w_preload": (False, True),
-                                                "max_registers": MAX_REGISTERS}
+                                                "max_registers": MAX_REGISTERS, "tile_rows": MMA_TILE_ROWS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -211,7 +213,7 @@ def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: i
     except with one row per program, where it shapes the reduction tree: then it depends on n alone.
     W12 tiles stop at 64 columns: 128 ran 1.04-1.65x slower on the H200 (fewer stages fit; session 29).
     """
-    m_tiles = 1 if row_tile == 1 else triton.cdiv(tokens, BLOCK_M)
+    m_tiles = 1 if row_tile == 1 else triton.cdiv(tokens, row_tile)
     for bn in ((64, 32) if w12 else (128, 64, 32)):
         if triton.cdiv(n, bn) * m_tiles >= target_programs:
             return bn
@@ -385,10 +387,11 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
             split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
             grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None,
             scale_w: torch.Tensor | None = None, scaled_out: torch.Tensor | None = None,
-            max_registers: int | None = None) -> torch.Tensor:
-    LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k, row_tile=row_tile,
-                 split_k=split_k, early_residual=early_residual, w_preload=w_preload, grid_dependency=grid_dependency,
-                 max_registers=max_registers)
+            max_registers: int | None = None, tile_rows: int = BLOCK_M) -> torch.Tensor:
+    rows_pp = LinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
+                           row_tile=row_tile, tile_rows=tile_rows, split_k=split_k, early_residual=early_residual,
+                           w_preload=w_preload, grid_dependency=grid_dependency,
+                           max_registers=max_registers).program_rows()
     xname = "gate_up" if swiglu else "x"
     check_tensor(xname, x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
@@ -407,7 +410,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
         check_tensor("residual", residual, (T, N), out_dtype, dev)
     check_launchable(_linear_kernel, dev)
     out = check_out("out", out, (T, N), out_dtype, dev)
-    bn = default_block_n(N, T, row_tile=row_tile, w12=w12) if block_n is None else block_n
+    bn = default_block_n(N, T, row_tile=rows_pp, w12=w12) if block_n is None else block_n
     if row_sumsq_out is not None:
         if N % STAT_SEGMENT:
             raise ValueError(f"row_sumsq_out needs N a multiple of {STAT_SEGMENT}, got {N}")
@@ -417,12 +420,12 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
     if scale_w is not None:
         check_tensor("scale_w", scale_w, (N,), out_dtype, dev)
         check_tensor("scaled_out", scaled_out, (T, N), out_dtype, dev)
-    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=row_tile,
+    stages = (default_num_stages(bn, x.element_size(), 2 if swiglu else 1, block_k=block_k, row_tile=rows_pp,
                                  w12=w12) if num_stages is None else num_stages)
     pdl = pdl_launch(dev, N, K, x.element_size(), grid_dependency)
     preload = preload_chunks(w_preload, w12, split_k, bn, K, block_k, x.element_size())
-    launches = split_launches(dev, T, N, K, block_k, row_tile, bn, split_k)
-    check_w12_launch(w12, row_tile, launches[0][5], K)
+    launches = split_launches(dev, T, N, K, block_k, rows_pp, bn, split_k)
+    check_w12_launch(w12, rows_pp, launches[0][5], K)
     for r0, r1, grid, ws, counters, per_split in launches:
         res = x if residual is None else residual[r0:r1]
         ss = ws if row_sumsq_out is None else row_sumsq_out[r0:r1]
@@ -430,7 +433,7 @@ def _launch(x: torch.Tensor, W: torch.Tensor | W12Weight, residual, bias, out_dt
                              out if scale_w is None else scale_w, out if scaled_out is None else scaled_out[r0:r1],
                              r1 - r0, N, K, per_split, x.shape[1], SWIGLU=swiglu,
                              HAS_BIAS=bias is not None, HAS_RES=residual is not None, DOT_PREC=dot_precision(dt),
-                             W12=w12, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
+                             W12=w12, BLOCK_M=rows_pp, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                              EARLY_RES=int(early_residual), W_PRELOAD=preload,
                              K_LOOP=int(preload < triton.cdiv(K, block_k)),
                              ROW_SUMSQ=int(row_sumsq_out is not None), SCALED=int(scale_w is not None),
@@ -444,7 +447,8 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor 
            block_k: int = BLOCK_K, row_tile: int = BLOCK_M, split_k: int = 1,
            early_residual: bool = True, w_preload: bool = False, grid_dependency: int | None = None,
            row_sumsq_out: torch.Tensor | None = None, scale_w: torch.Tensor | None = None,
-           scaled_out: torch.Tensor | None = None, max_registers: int | None = None) -> torch.Tensor:
+           scaled_out: torch.Tensor | None = None, max_registers: int | None = None,
+           tile_rows: int = BLOCK_M) -> torch.Tensor:
     """y = x @ W.T (+ bias) (+ residual) for x [T, K] and W [N, K] (nn.Linear layout), both contiguous; W may be a
     W12 weight (an OctLayout, or a W12Tensor converted on each call; bf16 x), read ~1.52 bytes a weight and decoded in
     the kernel: the bits of linear(x, decode(W)).
@@ -456,7 +460,7 @@ def linear(x: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor 
     """
     return _launch(x, W, residual, bias, out_dtype, out, False, block_n, num_warps, num_stages, block_k, row_tile,
                    split_k, early_residual, w_preload, grid_dependency, row_sumsq_out, scale_w, scaled_out,
-                   max_registers)
+                   max_registers, tile_rows)
 
 
 def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: torch.Tensor | None = None, *,
@@ -465,7 +469,7 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: 
                   num_stages: int | None = None, block_k: int = BLOCK_K, row_tile: int = BLOCK_M,
                   split_k: int = 1, early_residual: bool = True, w_preload: bool = False,
                   grid_dependency: int | None = None, row_sumsq_out: torch.Tensor | None = None,
-                  max_registers: int | None = None) -> torch.Tensor:
+                  max_registers: int | None = None, tile_rows: int = BLOCK_M) -> torch.Tensor:
     """(silu(gate) * up) @ W.T (+ bias) (+ residual) for gate_up [T, 2I] = [gate ; up] and W [N, I].
 
     Bit-identical to linear(swiglu(gate_up), W, ...), but every column-tile program recomputes the activation of
@@ -474,4 +478,4 @@ def swiglu_linear(gate_up: torch.Tensor, W: torch.Tensor | W12Weight, residual: 
     """
     return _launch(gate_up, W, residual, bias, out_dtype, out, True, block_n, num_warps, num_stages, block_k,
                    row_tile, split_k, early_residual, w_preload, grid_dependency, row_sumsq_out,
-                   max_registers=max_registers)
+                   max_registers=max_registers, tile_rows=tile_rows)

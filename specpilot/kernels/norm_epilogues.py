@@ -46,7 +46,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
                      scaled_x: torch.Tensor | None = None, max_registers: int | None = None,
                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                     consecutive: bool = False) -> torch.Tensor:
+                     consecutive: bool = False, tile_rows: int = BLOCK_M) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
@@ -56,12 +56,11 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
     drafter's qk_norm_rope (engines/drafters/block_fused.py) does; a tile is then one head (block_n = D).
     consecutive: positions is [1] and row t sits at positions[0] + t, in that slot (slots None): the drafter's block.
     """
-    T, K, N, _, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, None, None, block_n, num_warps, num_stages,
-                                                block_k, row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll,
-                                                act_prefetch=act_prefetch, prenorm=prenorm,
-                                                grid_dependency=grid_dependency, producer_stat=producer_stat,
-                                                row_sumsq=row_sumsq, post_scale=post_scale, scaled_x=scaled_x,
-                                                max_registers=max_registers)
+    T, K, N, _, w_args, w12, rows_pp = check_norm_inputs(
+        x, norm_w, W, eps, None, None, block_n, num_warps, num_stages, block_k, row_tile=row_tile, split_k=split_k,
+        stat_unroll=stat_unroll, act_prefetch=act_prefetch, prenorm=prenorm, grid_dependency=grid_dependency,
+        producer_stat=producer_stat, row_sumsq=row_sumsq, post_scale=post_scale, scaled_x=scaled_x,
+        max_registers=max_registers, tile_rows=tile_rows)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     check_int("heads", heads, 1)
@@ -86,7 +85,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
         block_n = D
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
-    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, max_block_n=D,
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, rows_pp, split_k, max_block_n=D,
                                              w12=w12)
     op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq, scaled_x)
     if consecutive and len(launches) > 1:  # a launch's rows start at its r0: positions[0] + t would be wrong
@@ -98,7 +97,7 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                                      x if q_norm is None else q_norm, x if k_norm is None else k_norm, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
-                                     KVH=kv_heads, HALF=D // 2, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k,
+                                     KVH=kv_heads, HALF=D // 2, BLOCK_M=rows_pp, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
                                      NORM=op.norm, STAT_SEGS=op.stat_segs, QK_NORM=q_norm is not None,
                                      CONSECUTIVE=consecutive, num_warps=num_warps, num_stages=stages,
@@ -113,21 +112,18 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
                 stat_unroll: int = 8, act_prefetch: int = 2, prenorm: bool = False,
                 grid_dependency: int | None = None, producer_stat: bool = False,
                 row_sumsq: torch.Tensor | None = None, post_scale: bool = False, scaled_x: torch.Tensor | None = None,
-                max_registers: int | None = None):
+                max_registers: int | None = None, tile_rows: int = BLOCK_M):
     """silu(gate) * up of rmsnorm(x (+ residual)) @ W.T for W [2I, K] = [gate ; up]: [T, I], or
     (activation, x + residual) when residual is given."""
-    T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
-                                                           num_warps, num_stages, block_k, w_rows_per_out=2,
-                                                           row_tile=row_tile, split_k=split_k,
-                                                           stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                                                           prenorm=prenorm, grid_dependency=grid_dependency,
-                                                           producer_stat=producer_stat, row_sumsq=row_sumsq,
-                                                           post_scale=post_scale, scaled_x=scaled_x,
-                                                           max_registers=max_registers)
+    T, K, N, residual_out, w_args, w12, rows_pp = check_norm_inputs(
+        x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k, w_rows_per_out=2,
+        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch, prenorm=prenorm,
+        grid_dependency=grid_dependency, producer_stat=producer_stat, row_sumsq=row_sumsq, post_scale=post_scale,
+        scaled_x=scaled_x, max_registers=max_registers, tile_rows=tile_rows)
     num_warps = norm_warps(K, num_warps, w12_pair=w12)
     dev, dt = x.device, x.dtype
     out = check_out("out", out, (T, N), dt, dev)
-    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, pair=True, w12=w12)
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, rows_pp, split_k, pair=True, w12=w12)
     op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq,
                       scaled_x)
     rk = op.residual
@@ -138,7 +134,7 @@ def rmsnorm_glu(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12Weig
                                      op.row_sumsq[r0:r1], *_NO_ROPE(x),
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=has_res, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=1, H=1,
-                                     KVH=1, HALF=1, BLOCK_M=row_tile, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
+                                     KVH=1, HALF=1, BLOCK_M=rows_pp, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k,
                                      STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch, NORM=op.norm,
                                      STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
                                      **norm_pdl(x, 2 * N, K, grid_dependency), **register_cap(max_registers))

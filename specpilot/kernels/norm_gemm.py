@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, ROW_TILES, LaunchParams, check_launchable, check_out,
+from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable, check_out,
                       check_int, check_tensor, dot_precision, register_cap)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
@@ -67,6 +67,7 @@ class RMSNormLinearParams(LaunchParams):
     num_stages: int | None = None
     block_k: int = BLOCK_K  # K chunk of the norm statistic and the accumulation chain: reduction order
     row_tile: int = BLOCK_M  # tokens per program (ROW_TILES, see gemm.py): reduction order
+    tile_rows: int = BLOCK_M  # rows of a tensor-core tile (MMA_TILE_ROWS, see gemm.LinearParams): T-neutral
     split_k: int = 1  # K runs per output tile (gemm.split_k_combine): reduction order
     stat_unroll: int = 8  # K chunks of the norm statistic loaded at once (latency, not order: T-neutral)
     act_prefetch: int = 2  # ACT_PREFETCHES: loads issued early (latency, not order: T-neutral)
@@ -85,12 +86,13 @@ class RMSNormLinearParams(LaunchParams):
     post_scale: bool = False
     max_registers: int | None = None  # ptxas maxnreg (_common.MAX_REGISTERS): occupancy only, T-neutral
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("block_n", "num_warps", "num_stages", "stat_unroll", "act_prefetch",
-                                            "prenorm", "grid_dependency", "max_registers")
+                                            "prenorm", "grid_dependency", "max_registers", "tile_rows")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (16, 32, 64, 128), "num_warps": (2, 4, 8),
                                                 "num_stages": (2, 3, 4, 5), "block_k": (64, 128, 256, 512),
                                                 "row_tile": ROW_TILES, "split_k": SPLIT_KS,
                                                 "stat_unroll": STAT_UNROLLS, "act_prefetch": ACT_PREFETCHES,
-                                                "prenorm": (False, True), "max_registers": MAX_REGISTERS}
+                                                "prenorm": (False, True), "max_registers": MAX_REGISTERS,
+                                                "tile_rows": MMA_TILE_ROWS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -395,13 +397,14 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
                       act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
                       producer_stat: bool = False, row_sumsq: torch.Tensor | None = None,
                       post_scale: bool = False, scaled_x: torch.Tensor | None = None,
-                      max_registers: int | None = None) -> tuple:
+                      max_registers: int | None = None, tile_rows: int = BLOCK_M) -> tuple:
     """Checks shared by every norm + projection wrapper -> (T, K, N outputs, residual_out, W's kernel arguments,
-    W12 flag): see w12_tile.weight_operand."""
-    RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
-                        row_tile=row_tile, split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch,
-                        prenorm=prenorm, grid_dependency=grid_dependency, producer_stat=producer_stat,
-                        post_scale=post_scale, max_registers=max_registers)
+    W12 flag, token rows a program: the kernel's BLOCK_M): see w12_tile.weight_operand."""
+    rows_pp = RMSNormLinearParams(block_n=block_n, num_warps=num_warps, num_stages=num_stages, block_k=block_k,
+                                  row_tile=row_tile, tile_rows=tile_rows, split_k=split_k, stat_unroll=stat_unroll,
+                                  act_prefetch=act_prefetch, prenorm=prenorm, grid_dependency=grid_dependency,
+                                  producer_stat=producer_stat, post_scale=post_scale,
+                                  max_registers=max_registers).program_rows()
     check_tensor("x", x, (None, None), ACT_DTYPES)
     dev, dt = x.device, x.dtype
     T, K = x.shape
@@ -412,7 +415,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     check_scaled_x(scaled_x, post_scale, x)
     w_args, w12, rows = weight_operand(W, K, dt, dev, w_rows_per_out)
     check_split(split_k)
-    check_w12_launch(w12, row_tile, split_size(K, block_k, split_k), K)
+    check_w12_launch(w12, rows_pp, split_size(K, block_k, split_k), K)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be a positive float, got {eps!r}")
     if residual is not None:
@@ -421,7 +424,7 @@ def check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n, num_wa
     elif residual_out is not None:
         raise ValueError("residual_out is only written when residual is given")
     check_launchable(_rmsnorm_linear_kernel, dev)
-    return T, K, rows // w_rows_per_out, residual_out, w_args, w12
+    return T, K, rows // w_rows_per_out, residual_out, w_args, w12, rows_pp
 
 
 class NormOperand(NamedTuple):
@@ -480,7 +483,8 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
                    argmax: bool = False, store_y: bool = True, split_k: int = 1, stat_unroll: int = 8,
                    act_prefetch: int = 2, prenorm: bool = False, grid_dependency: int | None = None,
                    producer_stat: bool = False, row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
-                   scaled_x: torch.Tensor | None = None, max_registers: int | None = None, topk: int = 0):
+                   scaled_x: torch.Tensor | None = None, max_registers: int | None = None, topk: int = 0,
+                   tile_rows: int = BLOCK_M):
     """rmsnorm(x (+ residual)) @ W.T (+ bias) for x [T, K], norm_w [K], W [N, K], all contiguous, one dtype; or W a
     W12 weight [N, K] (OctLayout, or W12Tensor converted on each call) with bf16 x (decoded in the kernel: the bits of
     W = decode(W)).
@@ -495,14 +499,11 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
     None when store_y=False, TopkPartials), each column tile's top KP of every row and its max and sum of exp, for
     kernels.topk.merge_topk (the logits need not be written and re-read).
     """
-    T, K, N, residual_out, w_args, w12 = check_norm_inputs(x, norm_w, W, eps, residual, residual_out, block_n,
-                                                           num_warps, num_stages, block_k, row_tile=row_tile,
-                                                           split_k=split_k, stat_unroll=stat_unroll,
-                                                           act_prefetch=act_prefetch, prenorm=prenorm,
-                                                           grid_dependency=grid_dependency,
-                                                           producer_stat=producer_stat, row_sumsq=row_sumsq,
-                                                           post_scale=post_scale, scaled_x=scaled_x,
-                                                           max_registers=max_registers)
+    T, K, N, residual_out, w_args, w12, rows_pp = check_norm_inputs(
+        x, norm_w, W, eps, residual, residual_out, block_n, num_warps, num_stages, block_k, row_tile=row_tile,
+        split_k=split_k, stat_unroll=stat_unroll, act_prefetch=act_prefetch, prenorm=prenorm,
+        grid_dependency=grid_dependency, producer_stat=producer_stat, row_sumsq=row_sumsq, post_scale=post_scale,
+        scaled_x=scaled_x, max_registers=max_registers, tile_rows=tile_rows)
     num_warps = norm_warps(K, num_warps)
     dev, dt = x.device, x.dtype
     out_dtype = dt if out_dtype is None else out_dtype
@@ -513,7 +514,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
     if ((argmax or topk) and residual is not None) or not (store_y or argmax or topk) or (argmax and topk):
         raise ValueError("argmax / topk need residual=None; store_y=False needs argmax=True or topk; not both")
     out = check_out("out", out, (T, N), out_dtype, dev) if store_y else torch.empty(1, dtype=out_dtype, device=dev)
-    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, row_tile, split_k, w12=w12)
+    bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, rows_pp, split_k, w12=w12)
     op = norm_operand(x, norm_w, eps, residual, residual_out, prenorm, block_k, row_tile, num_warps, row_sumsq,
                       scaled_x)
     xk, rk = op.x, op.residual
@@ -537,7 +538,7 @@ def rmsnorm_linear(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W12W
                                  r1 - r0, N, K, per_split,
                                  float(eps),
                                  HAS_RES=has_res, HAS_BIAS=bias is not None, DOT_PREC=dot_precision(dt), W12=w12,
-                                 STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=row_tile,
+                                 STORE_Y=store_y, ARGMAX=argmax, EPI=0, H=1, KVH=1, HALF=1, BLOCK_M=rows_pp,
                                  BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, STAT_UNROLL=stat_unroll,
                                  ACT_PREFETCH=act_prefetch, NORM=op.norm, STAT_SEGS=op.stat_segs, TOPK=topk,
                                  num_warps=num_warps, num_stages=stages, **norm_pdl(x, N, K, grid_dependency),
