@@ -37,9 +37,9 @@ case "${1:-}" in
       -k "chain_tiles or block_slots or linear" 2>&1 | tail -3
     timeout 80 python3 scripts/gpu_attn_tiles.py $OUT/attn.json --shapes smollm2 --contexts 1024 --tokens 16,32,128 \
       --slots --tiles 1r32,1r32c 2>&1 | tail -7
-    timeout 150 python3 scripts/gpu_gemv_sweep.py $OUT/sweep.json --shape smollm2 --tokens 32,128 \
-      --kernels head_stat,qkv_stat,gate_up_stat,o,down --block-k 128 --block-n 32,64,128 --warps 4,8 --stages 3 \
-      --tile-rows 16,32 --copies 4 2>&1 | tail -11
+    timeout 100 python3 scripts/gpu_gemv_sweep.py $OUT/sweep.json --shape smollm2 --tokens 32,128 \
+      --kernels head_stat,gate_up_stat --block-k 128 --block-n 64,128 --warps 4,8 --stages 3 \
+      --tile-rows 16,32 --copies 4 2>&1 | tail -5
     G="grown per step, device loop x1 overlapped"
     timeout 150 python3 scripts/gpu_block_drafter_step.py $OUT/step128 --drafter specpilot/drafting/shipped/smollm2-135m \
       --window 256 --sections engine --only "$G" --tree-budget 127 --tokens 256 --rounds 2 \
