@@ -82,3 +82,29 @@ def test_tile_rows_is_checked():
     x, W = rnd(g, 2, 256), rnd(g, 32, 256)
     with pytest.raises(ValueError, match="16-row tiles"):
         K.linear(x, encode(W), tile_rows=32)  # a W12Tensor, laid out by the call
+
+
+def test_table_variant_sets_one_t_and_keeps_the_table_checked(tmp_path, monkeypatch):
+    """scripts/table_variant.py, which writes the tables with 32-row entries: KERNEL@T touches that T's entry only;
+    an order-setting field at one T is refused (check_invariance)."""
+    import json
+
+    from specpilot.kernels.table import InvarianceError
+    monkeypatch.syspath_prepend("scripts")
+    import table_variant
+
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps([["lm_head@49152x576@T1", '{"producer_stat": true}'],
+                                ["lm_head@49152x576@T128", '{"producer_stat": true, "block_n": 128}']]))
+    out = tmp_path / "v.json"
+    assert table_variant.main([str(out), "--shape", "smollm2-135m", "--base", str(base),
+                               "--set", "lm_head@128:tile_rows=32"]) == 0
+    got = {k: json.loads(v) for k, v in json.loads(out.read_text())}
+    assert got == {"lm_head@49152x576@T1": {"producer_stat": True},
+                   "lm_head@49152x576@T128": {"producer_stat": True, "block_n": 128, "tile_rows": 32}}
+    with pytest.raises(InvarianceError):
+        table_variant.main([str(out), "--shape", "smollm2-135m", "--base", str(base), "--set", "lm_head@128:split_k=2"])
+    # a whole deployment's table as the base
+    assert table_variant.main([str(out), "--shape", "smollm2-135m", "--deployment", "smollm2-135m-h200",
+                               "--set", "attention@128:chain_tiles=true"]) == 0
+    assert json.loads(dict(json.loads(out.read_text()))["attention@576x192@T128"])["chain_tiles"] is True
