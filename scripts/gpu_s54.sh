@@ -8,7 +8,8 @@
 #   r32w   r128 + the T32 entries in 32-row tiles;  r32  r128n + the T32 entries in 32-row tiles, half the columns)
 # then, with .gpu carried (after gpu_snapshot.sh) and the first GGUF part:
 #   one:   park the part (`a`); GPU tests of both; us a layer of the attention tiles; the projections' sweep with
-#          tile_rows; a random-target 128-row and 32-row grown step under the tables; writes the fastest table's name
+#          tile_rows (FULL=1); a random-target 128-row and (FULL=1) 32-row grown step under the tables; writes the
+#          fastest table's name
 #          to /root/tb/pick (r128 / r128n / r32 / r32w, or chain when no 32-row table gained 0.5%)
 #   bench: (after `a` with the second part, d's carry) the shipped line against chain and against the pick, 80 requests
 set -uo pipefail
@@ -37,14 +38,14 @@ case "${1:-}" in
       -k "chain_tiles or block_slots or linear" 2>&1 | tail -3
     timeout 80 python3 scripts/gpu_attn_tiles.py $OUT/attn.json --shapes smollm2 --contexts 1024 --tokens 16,32,128 \
       --slots --tiles 1r32,1r32c 2>&1 | tail -7
-    timeout 100 python3 scripts/gpu_gemv_sweep.py $OUT/sweep.json --shape smollm2 --tokens 32,128 \
+    [ -n "${FULL:-}" ] && timeout 100 python3 scripts/gpu_gemv_sweep.py $OUT/sweep.json --shape smollm2 --tokens 32,128 \
       --kernels head_stat,gate_up_stat --block-k 128 --block-n 64,128 --warps 4,8 --stages 3 \
       --tile-rows 16,32 --copies 4 2>&1 | tail -5
     G="grown per step, device loop x1 overlapped"
     timeout 150 python3 scripts/gpu_block_drafter_step.py $OUT/step128 --drafter specpilot/drafting/shipped/smollm2-135m \
       --window 256 --sections engine --only "$G" --tree-budget 127 --tokens 256 --rounds 2 \
       --kernel-table $T/base.json,$T/r128.json,$T/r128n.json 2>&1 | tail -7
-    timeout 100 python3 scripts/gpu_block_drafter_step.py $OUT/step32 --drafter specpilot/drafting/shipped/smollm2-135m \
+    [ -n "${FULL:-}" ] && timeout 100 python3 scripts/gpu_block_drafter_step.py $OUT/step32 --drafter specpilot/drafting/shipped/smollm2-135m \
       --window 256 --sections engine --only "$G" --tree-budget 31 --tokens 256 --rounds 2 \
       --kernel-table $T/base.json,$T/r32.json,$T/r32w.json 2>&1 | tail -7
     python3 - "$OUT" <<'EOF' | tee /root/tb/pick
