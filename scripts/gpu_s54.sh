@@ -11,7 +11,9 @@
 #          tile_rows (FULL=1); a random-target 128-row and (FULL=1) 32-row grown step under the tables; writes the
 #          fastest table's name
 #          to /root/tb/pick (r128 / r128n / r32 / r32w, or chain when no 32-row table gained 0.5%)
-#   bench: (after `a` with the second part, d's carry) the shipped line against chain and against the pick, 80 requests
+#          (QUICK=1: the tests and attention tiles only)
+#   bench: (after `a` with the second part, d's carry) the shipped line against chain and against the pick (PICK=NAME: that
+#          table instead), 80 requests
 set -uo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
@@ -41,6 +43,7 @@ case "${1:-}" in
     [ -n "${FULL:-}" ] && timeout 100 python3 scripts/gpu_gemv_sweep.py $OUT/sweep.json --shape smollm2 --tokens 32,128 \
       --kernels head_stat,gate_up_stat --block-k 128 --block-n 64,128 --warps 4,8 --stages 3 \
       --tile-rows 16,32 --copies 4 2>&1 | tail -5
+    [ -n "${QUICK:-}" ] && exit 0  # (device time: the bench then takes PICK=...)
     G="grown per step, device loop x1 overlapped"
     timeout 150 python3 scripts/gpu_block_drafter_step.py $OUT/step128 --drafter specpilot/drafting/shipped/smollm2-135m \
       --window 256 --sections engine --only "$G" --tree-budget 127 --tokens 256 --rounds 2 \
@@ -71,7 +74,7 @@ EOF
     ;;
   bench)
     T=$(cd "$SRC/.." && pwd)/tables
-    PICK=$(cat /root/tb/pick 2>/dev/null || echo chain)
+    PICK=${PICK:-$(cat /root/tb/pick 2>/dev/null || echo chain)}
     table() { python3 -c "import json, sys; print('kernel_table: ' + json.dumps(json.load(open(sys.argv[1]))))" "$1"; }
     echo "bench: shipped | chain | $PICK"
     ALSO="$(table $T/chain.json); $(table $T/$PICK.json)" bash "$SRC/scripts/gpu_drafter_ab.sh" \
