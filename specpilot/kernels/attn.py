@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, MMA_TILE_ROWS, NO_FP_FUSION, LaunchParams, check_int, check_launchable, check_out,
-                      check_tensor, dot_precision)
+from ._common import (ACT_DTYPES, BLOCK_M, MMA_TILE_ROWS, NO_FP_FUSION, LaunchParams, check_int, check_launchable,
+                      check_out, check_tensor, dot_precision)
 from .pdl import pdl_launch, release_successor, wait_for_predecessor
 
 LOG2E = 1.4426950408889634

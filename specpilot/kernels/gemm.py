@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable, check_out,
-                      check_tensor, dot_precision, register_cap)
+from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable,
+                      check_out, check_tensor, dot_precision, register_cap)
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq

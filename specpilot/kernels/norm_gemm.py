@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable, check_out,
-                      check_int, check_tensor, dot_precision, register_cap)
+from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable,
+                      check_out, check_int, check_tensor, dot_precision, register_cap)
 from .act import silu_mul
 from .gemm import (BLOCK_K, SPLIT_KS, check_split, default_block_n, default_num_stages, fit_block_n, linear_ref,
                    split_k_combine, split_launches, split_size, tile_mac)
