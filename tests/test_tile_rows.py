@@ -80,7 +80,7 @@ def test_tile_rows_is_checked():
         assert cls(tile_rows=32).program_rows() == 32 and cls(row_tile=1).program_rows() == 1
     g = torch.Generator().manual_seed(0)
     x, W = rnd(g, 2, 256), rnd(g, 32, 256)
-    with pytest.raises(ValueError, match="16-row tiles"):
+    with pytest.raises(ValueError, match="tile_rows=16"):
         K.linear(x, encode(W), tile_rows=32)  # a W12Tensor, laid out by the call
 
 

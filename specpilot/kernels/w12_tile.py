@@ -173,8 +173,8 @@ def check_w12_launch(w12: bool, row_tile: int, k_split: int, k: int) -> None:
     if not w12:
         return
     if row_tile != 16:
-        raise ValueError(f"W12 weights need 16-row tiles (got {row_tile} rows a program): one-row tiles reduce "
-                         "128-wide chunks; 32-row W12 tiles are not checked to compile the bf16 dots")
+        raise ValueError(f"W12 weights need row_tile=16 and tile_rows=16 (got {row_tile} rows a program): one-row "
+                         "tiles reduce 128-wide chunks; 32-row W12 tiles are not checked to compile the bf16 dots")
     if k_split < k and k_split % BLOCK:
         raise ValueError(f"with W12 weights each split-K run must hold whole {BLOCK}-element blocks, got "
                          f"{k_split} elements a run (K={k}); pick another split_k or block_k")
