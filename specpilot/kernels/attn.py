@@ -34,7 +34,6 @@ from ._common import (ACT_DTYPES, BLOCK_M, MMA_TILE_ROWS, NO_FP_FUSION, LaunchPa
 from .pdl import pdl_launch, release_successor, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
-ATTENTION_ROW_TILES = MMA_TILE_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +70,7 @@ class AttentionParams(LaunchParams):
                                             "slot_stages", "chain_tiles")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
-                                                "tiles_per_program": (1, 2, 4), "tile_rows": ATTENTION_ROW_TILES}
+                                                "tiles_per_program": (1, 2, 4), "tile_rows": MMA_TILE_ROWS}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,8 +78,6 @@ class AttentionParams(LaunchParams):
             raise ValueError(f"split_keys={self.split_keys} must be a multiple of block_n={self.block_n}")
         if self.tiles_per_program not in (1, 2, 4, 8):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
-        if self.tile_rows not in ATTENTION_ROW_TILES:
-            raise ValueError(f"tile_rows={self.tile_rows!r} must be one of {ATTENTION_ROW_TILES}")
         check_int("slot_stages", self.slot_stages, 1)
         if not isinstance(self.chain_tiles, bool):
             raise ValueError(f"chain_tiles={self.chain_tiles!r} must be a bool")
