@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from specpilot.kernels.table import check_invariance, read_pairs, table_key, with_fields
+from specpilot.kernels.table import read_pairs, with_fields
 from specpilot.testbed.synthetic import ShapeName
 
 
@@ -42,13 +42,7 @@ def variant(pairs, shape, sets) -> list[tuple[str, str]]:
     for kernels, fields in sets:
         for spec in kernels:
             kernel, _, t = spec.partition("@")
-            if not t:
-                pairs = with_fields(pairs, kernel, *dims(shape, kernel), fields)
-                continue
-            table, key = dict(pairs), table_key(kernel, *dims(shape, kernel), int(t))
-            table[key] = json.dumps({**json.loads(table.get(key, "{}")), **fields}, sort_keys=True)
-            pairs = tuple(table.items())
-            check_invariance(pairs)
+            pairs = with_fields(pairs, kernel, *dims(shape, kernel), fields, int(t) if t else None)
     return list(pairs)
 
 

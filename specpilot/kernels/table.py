@@ -113,11 +113,13 @@ def launch_params(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int,
 
 
 def with_fields(pairs: Sequence[tuple[str, str]], kernel: str, n: int, k: int,
-                fields: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+                fields: dict[str, Any], tokens: int | None = None) -> tuple[tuple[str, str], ...]:
     """`pairs` with `fields` set on every entry of kernel@NxK (each T it has; a T=1 entry where it has none, whose
-    order-setting fields then hold for every T), checked (check_invariance)."""
+    order-setting fields then hold for every T), or with `tokens` on that T's entry only (made if missing), checked
+    (check_invariance)."""
     table = dict(pairs)
-    keys = [key for key in table if parse_key(key)[:3] == (kernel, n, k)] or [table_key(kernel, n, k, 1)]
+    keys = ([table_key(kernel, n, k, tokens)] if tokens is not None else
+            [key for key in table if parse_key(key)[:3] == (kernel, n, k)] or [table_key(kernel, n, k, 1)])
     for key in keys:
         table[key] = json.dumps({**json.loads(table.get(key, "{}")), **fields}, sort_keys=True)
     out = tuple(table.items())
