@@ -353,6 +353,12 @@ def any_k(dot: str) -> str:
                   dot)
 
 
+def spread(dot: str) -> str:
+    """A dot's types with the warps' spread over the tile left out (num_warps and tile rows move it; each element's
+    chain stays one warp's MMA in K order)."""
+    return re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", dot)
+
+
 def test_w12_decode_assembles(compiled):
     """ptxas takes the decode's inline PTX (w12_tile.OCT_ASM; tests/test_oct_asm.py checks what it computes): the
     W12 linear assembles for sm_90a with its byte permutes and MMAs. (ptxas re-optimises the PTX: an 8- and a
@@ -387,7 +393,6 @@ def test_w12_gemms_compile_the_dots_of_the_bf16_ones(compiled):
     assert {any_k(d) for d in compiled["w12_linear"]} == {any_k(compiled["linear"][0])}
     # preloaded (gemm.preload_chunks): the same MMA per chunk, unrolled; only the warps' spread over the tile may
     # differ, as with num_warps (T-neutral: each element's chain is one warp's, in K order)
-    spread = lambda d: re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d)  # noqa: E731
     assert len(compiled["linear_n16"]) == 1
     assert [spread(d) for d in compiled["preload_linear"]] == [spread(compiled["linear_n16"][0])] * 5
     assert [spread(d) for d in compiled["head_preload_linear"]] == [spread(compiled["linear"][0])] * 2
@@ -414,8 +419,7 @@ def test_32_row_projection_tiles_compile_the_16_row_dots(compiled):
     """tile_rows=32 (LinearParams, RMSNormLinearParams; T-neutral): the same MMA v2 dots (instruction, operand
     layouts, kWidth) on two 16-row slabs, so a row's bits are the 16-row tile's; only the warps' spread over the
     tile may differ, as with num_warps."""
-    rows16 = lambda dots: [re.sub(r"warpsPerCTA = \[\d+, \d+\]", "warpsPerCTA", d.replace("tensor<32x", "tensor<16x"))
-                           for d in dots]  # noqa: E731
+    rows16 = lambda dots: [spread(d.replace("tensor<32x", "tensor<16x")) for d in dots]  # noqa: E731
     r32 = compiled["rows32"]
     assert rows16(r32["linear"]) == rows16(compiled["linear"])
     for epi in (0, 1, 2):
