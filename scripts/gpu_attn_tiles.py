@@ -7,19 +7,23 @@ per layer, CUDA-graph timed with the base on the device (as the engine runs them
 setting; every setting's output compared bit for bit with tiles 1. Prints a table last; JSON to OUT.
 
     PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4,1r32] [--contexts 128,1024,2048]
-        [--tokens 1,16] [--shapes smollm2,llama8b] [--slots]
+        [--tokens 1,16] [--shapes smollm2,llama8b] [--slots [--tree chain|random]]
     (an entry t, t r tile_rows, and w num_warps: "1r32" is one 32-row tile a program, "1r32w2" that with 2 warps,
     a trailing c: chain_tiles, "1r32c"; --slots: position-ordered, as a grown tree's verify runs it: a chain's
-    block_slots, one stage)
+    block_slots, one stage; --tree random: a random tree's instead (each node's parent drawn from the nodes
+    before it), where chain tiles rarely pack)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 
 import torch
 
+from specpilot.engines.layout import tree_anc
+from specpilot.engines.llama import ancestor_slots
 from specpilot.engines.shapes import LLAMA3_8B, SMOLLM2_135M
 from specpilot.kernels import attention
 from specpilot.kernels.bench import time_graph
@@ -34,18 +38,20 @@ def setting(entry: str) -> dict:
             **({"chain_tiles": True} if chain else {})}
 
 
-def case(name: str, sh, context: int, T: int, tiles: list[str], slots: bool, layers: int = 8, S: int = 4096) -> dict:
+def case(name: str, sh, context: int, T: int, tiles: list[str], slots: bool, tree: str = "chain", layers: int = 8,
+         S: int = 4096) -> dict:
     g = torch.Generator(device="cuda").manual_seed(context + T)
     caches = [tuple(torch.randn(sh.kv_heads, S, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
                     for _ in range(2)) for _ in range(layers)]
     q = torch.randn(T, sh.heads, sh.head_dim, generator=g, device="cuda").to(torch.bfloat16)
     base = torch.tensor([context], device="cuda")
-    anc = torch.tril(torch.ones(T, T, dtype=torch.bool, device="cuda"))
-    row = {"shape": name, "context": context, "T": T, "slots": slots}
+    rng = random.Random(context + T)
+    parents = list(range(-1, T - 1)) if tree == "chain" else [-1] + [rng.randrange(i) for i in range(1, T)]
+    anc = torch.from_numpy(tree_anc(parents)).to("cuda")
+    row = {"shape": name, "context": context, "T": T, "slots": slots, "tree": tree}
     kw0 = {}
-    if slots:  # token i reads position base + e from slot base + e (its chain ancestor), e <= i
-        e = torch.arange(T, device="cuda")
-        kw0 = {"block_slots": torch.where(e[None, :] <= e[:, None], context + e[None, :], -1)}
+    if slots:  # token i reads position base + e from the slot of its ancestor at depth e
+        kw0 = {"block_slots": ancestor_slots(base[0], anc)}
     want = attention(q, *caches[0], base, anc, **kw0)
     for t in tiles:
         kw = kw0 | setting(t)
@@ -64,10 +70,11 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--slots", action="store_true")
+    ap.add_argument("--tree", choices=("chain", "random"), default="chain", help="with --slots: the block's tree")
     a = ap.parse_args()
     tiles = a.tiles.split(",")
     shapes = [(name, {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}[name]) for name in a.shapes.split(",")]
-    rows = [case(name, sh, c, T, tiles, a.slots) for name, sh in shapes for c in map(int, a.contexts.split(","))
+    rows = [case(name, sh, c, T, tiles, a.slots, a.tree) for name, sh in shapes for c in map(int, a.contexts.split(","))
             for T in map(int, a.tokens.split(","))]
     json.dump(rows, open(a.out, "w"), indent=1)
     print("| shape | context | T | " + " | ".join(f"tiles {t} us (bits equal)" for t in tiles) + " |")

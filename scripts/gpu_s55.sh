@@ -5,8 +5,8 @@
 #   chain  + attention@T128 chain_tiles)
 # then on the device, back to back (.gpu carried):
 #   one:   (with the first GGUF part) park the part (`a`); the chain-tile tests on the GPU; us a layer of attention
-#          with and without chain tiles on a chain at three contexts; the random-target 128-row grown step under both
-#          tables (a grown tree there, so mostly per-token programs: what the check costs where nothing packs);
+#          with and without chain tiles on a chain at three contexts and on a random tree (little packs); the
+#          random-target 128-row grown step under both tables (a grown tree there, so mostly per-token programs);
 #          writes "chain" to /root/tb/pick when the attention at T=128, 1024 keys gained 10%, else "base"
 #   bench: (after `a` with the second part, d's carry) the shipped line against the chain table, 80 requests; skipped
 #          when the pick is "base" (PICK=chain forces it)
@@ -27,9 +27,11 @@ case "${1:-}" in
     timeout 120 python3 -m pytest -q tests/test_tree_exact.py -k chain_tiles 2>&1 | tail -2
     timeout 90 python3 scripts/gpu_attn_tiles.py $OUT/attn.json --shapes smollm2 --contexts 256,1024,2048 \
       --tokens 16,32,64,128 --slots --tiles 1r32,1r32c 2>&1 | tail -14
-    timeout 120 python3 scripts/gpu_block_drafter_step.py $OUT/step128 --drafter specpilot/drafting/shipped/smollm2-135m \
-      --window 256 --sections engine --only "grown per step, device loop x1 overlapped" --tree-budget 127 \
-      --tokens 256 --rounds 2 --kernel-table $T/base.json,$T/chain.json 2>&1 | grep "observe and lookup beside"
+    timeout 60 python3 scripts/gpu_attn_tiles.py $OUT/attn_random.json --shapes smollm2 --contexts 1024 \
+      --tokens 32,128 --slots --tree random --tiles 1r32,1r32c 2>&1 | tail -2
+    timeout 120 python3 scripts/gpu_block_drafter_step.py $OUT/step128 \
+      --drafter specpilot/drafting/shipped/smollm2-135m --window 256 --sections engine --tree-budget 127 \
+      --only "grown per step, device loop x1 overlapped" --tokens 256 --rounds 2 --kernel-table $T/base.json,$T/chain.json 2>&1 | grep "observe and lookup beside"
     python3 - "$OUT/attn.json" <<'PY' | tee /root/tb/pick
 import json, sys
 try:
@@ -47,6 +49,7 @@ PY
     [ "$PICK" = chain ] || { echo "bench: chain tiles did not gain in 'one' (pick $PICK): nothing to bench"; exit 0; }
     table() { python3 -c "import json, sys; print('kernel_table: ' + json.dumps(json.load(open(sys.argv[1]))))" "$1"; }
     echo "bench: shipped | chain"
-    ALSO="$(table $T/chain.json)" bash "$SRC/scripts/gpu_drafter_ab.sh" "$SRC/specpilot/drafting/shipped/smollm2-135m" ;;
+    ALSO="$(table $T/chain.json)" bash "$SRC/scripts/gpu_drafter_ab.sh" \
+      "$SRC/specpilot/drafting/shipped/smollm2-135m" ;;
   *) echo "usage: gpu_s55.sh tables|one|bench"; exit 2 ;;
 esac
