@@ -31,7 +31,8 @@ case "${1:-}" in
       --tokens 32,128 --slots --tree random --tiles 1r32,1r32c 2>&1 | tail -2
     timeout 120 python3 scripts/gpu_block_drafter_step.py $OUT/step128 \
       --drafter specpilot/drafting/shipped/smollm2-135m --window 256 --sections engine --tree-budget 127 \
-      --only "grown per step, device loop x1 overlapped" --tokens 256 --rounds 2 --kernel-table $T/base.json,$T/chain.json 2>&1 | grep "observe and lookup beside"
+      --only "grown per step, device loop x1 overlapped" --tokens 256 --rounds 2 \
+      --kernel-table $T/base.json,$T/chain.json 2>&1 | grep "observe and lookup beside"
     python3 - "$OUT/attn.json" <<'PY' | tee /root/tb/pick
 import json, sys
 try:
