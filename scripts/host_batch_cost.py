@@ -42,7 +42,8 @@ from specpilot.engines.batch.paged_cache import CacheShape, PagedKVCache
 from specpilot.engines.batch.runner import StepEntry, StepHandle
 from specpilot.engines.config import DrafterKind, EngineConfig
 
-# The H200's batched SmolLM2 forward (h200-s18-batch-baseline.txt in notes/h200-raw-s18-s19.tar.xz): the mechanisms price tokens with it.
+# The H200's batched SmolLM2 forward (h200-s18-batch-baseline.txt in notes/h200-raw-s18-s19.tar.xz): the mechanisms
+# price tokens with it.
 H200_CURVE = ((1, 0.00106), (16, 0.00111), (32, 0.00130), (64, 0.00151), (128, 0.00186), (256, 0.00243),
               (512, 0.00444), (792, 0.00662))
 
