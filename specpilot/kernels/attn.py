@@ -389,9 +389,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
     (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
     the keys AR would, in position order (anc is then read by chain_tiles only). Splits that reach base then tile
-    one token per program; splits of context keys only tile as without block_slots (the same bits). chain_tiles: those splits
-    also run a program a tile of tokens, for the tile's whole rows where its tokens lie on one root path (the same
-    bits; AttentionParams.chain_tiles); anc must then be block_slots' ancestor matrix (it finds those tiles).
+    one token per program; splits of context keys only tile as without block_slots (the same bits). chain_tiles:
+    those splits also run a program a tile of tokens, for the tile's whole rows where its tokens lie on one root
+    path (the same bits; AttentionParams.chain_tiles); anc must then be block_slots' ancestor matrix (it finds
+    those tiles).
     window: > 0 shows only the context's last `window` slots (base - window .. base - 1; the block drafter's
     context window), 0 all of them. Not with block_slots.
     """
