@@ -70,7 +70,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16")
     ap.add_argument("--shapes", default="smollm2,llama8b")
     ap.add_argument("--slots", action="store_true")
-    ap.add_argument("--tree", choices=("chain", "random"), default="chain", help="with --slots: the block's tree")
+    ap.add_argument("--tree", choices=("chain", "random"), default="chain",
+                    help="the block's tree (its anc; with --slots its block_slots too)")
     a = ap.parse_args()
     tiles = a.tiles.split(",")
     shapes = [(name, {"smollm2": SMOLLM2_135M, "llama8b": LLAMA3_8B}[name]) for name in a.shapes.split(",")]

@@ -194,7 +194,7 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
             # tiles saved: 43 against 22 us a layer at T=128 on an H100, session 55).
             pi = tl.arange(0, TPT_P2)
             pt = tile0 + pi
-            p_ok = (pi < TPT) & (pt < T)
+            p_ok = (pi < TPT) & (pt < T) & ~context  # (context splits run every row without asking)
             pair = tl.load(anc_ptr + pt[:, None] * T + pt[None, :],
                            mask=p_ok[:, None] & p_ok[None, :] & (pi[None, :] < pi[:, None]), other=1)
             one_path = tl.min(tl.min(pair.to(tl.int32), axis=1), axis=0) > 0
