@@ -61,10 +61,10 @@ class AttentionParams(LaunchParams):
     slot_stages: int = 1
     # With block_slots, splits reaching base run a token a program (its G rows of a tile): at T=128 in 32-row tiles
     # that is 3 live rows of 32 in 384 programs a layer (~22 us a layer on an H100 at 1024 keys, session 48), and a
-    # loop's deep step is mostly one chain. chain_tiles adds a program a tile of tokens (tile_rows // G of them) that
-    # runs the whole tile where its tokens lie on one root path (anc: every two of them ancestor and descendant), the
-    # per-token programs of such a tile exiting: each row's keys, mask and statements are the per-token program's,
-    # so the bits are too (tests/test_tree_exact.py). Costs every per-token program a load of its tile's anc bytes.
+    # loop's deep step is mostly one chain. chain_tiles adds a program a tile of tokens (tile_rows // G of them)
+    # that runs the whole tile where the block is one chain (its last token at depth T - 1), the per-token programs
+    # exiting then: each row's keys, mask and statements are the per-token program's, so the bits are too
+    # (tests/test_tree_exact.py). Costs every per-token program one int64 load.
     chain_tiles: bool = False
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
                                             "slot_stages", "chain_tiles")
@@ -121,8 +121,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                        T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                        D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
-                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0, N_PACK: tl.constexpr = 0,
-                       A_P2: tl.constexpr = 1, TPT_P2: tl.constexpr = 1):
+                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0, N_PACK: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
@@ -155,8 +154,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                          prog_m * TILES + tile, kvh, part, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
-                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED, packed, N_PACK > 0, A_P2,
-                         TPT_P2)
+                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED, packed, N_PACK > 0)
     release_successor(PDL)
 
 
@@ -165,7 +163,7 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
                      base, end, lo, section_ok, T, S, A, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr, packed,
-                     CHAIN: tl.constexpr, A_P2: tl.constexpr, TPT_P2: tl.constexpr):
+                     CHAIN: tl.constexpr):
     """Row tile pid_m of one (kv head, split from lo): the online softmax over the split's visible keys, its
     partials stored in workspace split `part`. A tile past the rows (the last program's spare tiles), or of a split
     its section does not run, does nothing. WINDOWED: context keys below base - window are not visible; the key loop
@@ -187,25 +185,18 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
         src = tok  # whose ancestors' slots the keys are read from
         if CHAIN:  # (splits reaching base only: the section of per-token and token-tile programs)
             TPT: tl.constexpr = BLOCK_M // G
-            tile0 = tl.where(packed, pid_m, tok // TPT) * TPT  # the tile's first token
-            # One root path: every two of the tile's tokens are ancestor and descendant (anc; parents come first).
-            # A TPT x TPT byte load, the same in the per-token and the tile programs, so exactly one of them runs
-            # each row (the slots' [rows, A] load this replaced cost the 384 per-token programs more than the
-            # tiles saved: 43 against 22 us a layer at T=128 on an H100, session 55).
-            pi = tl.arange(0, TPT_P2)
-            pt = tile0 + pi
-            p_ok = (pi < TPT) & (pt < T) & ~context  # (context splits run every row without asking)
-            pair = tl.load(anc_ptr + pt[:, None] * T + pt[None, :],
-                           mask=p_ok[:, None] & p_ok[None, :] & (pi[None, :] < pi[:, None]), other=1)
-            one_path = tl.min(tl.min(pair.to(tl.int32), axis=1), axis=0) > 0
+            # One root path: the block's last token at depth T - 1. Parents come first, so its T - 1 ancestors are
+            # then every other token, token i at depth i: the whole block is one chain. One int64 load a program,
+            # the same in the per-token and the tile programs, so exactly one of them runs each row (session 55's
+            # per-tile check, anc's TPT x TPT bytes and the tile's [rows, A] slots, cost more than the tiles
+            # saved: 36.6 against 22.5 us a layer at T=128, 1024 keys, on an H100). A >= T (attention()).
+            last = tl.load(bslot_ptr + (T - 1) * A + (T - 1), mask=~context, other=-1)
+            one_path = last >= 0
             rr = tl.arange(0, BLOCK_M)
-            tile_t = tile0 + rr // G  # the tile's tokens, G rows each
+            tile_t = pid_m * TPT + rr // G  # the tile's tokens, G rows each
             tile_ok = (rr < TPT * G) & (tile_t < T) & ~context
-            ee = tl.arange(0, A_P2)
-            anc_slots = tl.load(bslot_ptr + tile_t.to(tl.int64)[:, None] * A + ee[None, :],
-                                mask=packed & tile_ok[:, None] & (ee < A)[None, :], other=-1)  # tile programs only
-            depth = tl.max(tl.where(anc_slots >= 0, ee[None, :], -1), axis=1)  # each row's token's depth
-            src = tl.where(packed, tl.max(depth * 65536 + tile_t, axis=0) % 65536, tok)  # the deepest token
+            depth = tile_t  # (token i of a chain is at depth i)
+            src = tl.where(packed, tl.minimum(pid_m * TPT + TPT - 1, T - 1), tok)  # the tile's deepest token
             t = tl.where(packed, tile_t, t)
             h = tl.where(packed, kvh * G + rr % G, h)
             row_ok = tl.where(packed, tile_ok, row_ok)
@@ -388,11 +379,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
     block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
     (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
-    the keys AR would, in position order (anc is then read by chain_tiles only). Splits that reach base then tile
-    one token per program; splits of context keys only tile as without block_slots (the same bits). chain_tiles:
-    those splits also run a program a tile of tokens, for the tile's whole rows where its tokens lie on one root
-    path (the same bits; AttentionParams.chain_tiles); anc must then be block_slots' ancestor matrix (it finds
-    those tiles).
+    the keys AR would, in position order (anc is then not read). Splits that reach base then tile one token per
+    program; splits of context keys only tile as without block_slots (the same bits). chain_tiles: those splits
+    also run a program a tile of tokens, for the tile's whole rows where the block is one chain (the same bits;
+    AttentionParams.chain_tiles); block_slots must then have A >= T columns (it finds chains there).
     window: > 0 shows only the context's last `window` slots (base - window .. base - 1; the block drafter's
     context window), 0 all of them. Not with block_slots.
     """
@@ -414,6 +404,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
             n_split -= max(base_val - window, 0) // split_keys
     if block_slots is not None:
         check_tensor("block_slots", block_slots, (T, None), torch.int64, dev)
+        if chain_tiles and block_slots.shape[1] < T:
+            raise ValueError(f"chain_tiles reads the last token's depth T - 1 = {T - 1}: block_slots needs >= {T} "
+                             f"columns, got {block_slots.shape[1]}")
     check_int("window", window, 0, None)
     if window and block_slots is not None:
         raise ValueError("a context window is for the block drafter's attention: not with block_slots")
@@ -439,8 +432,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
         T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale, window,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, WINDOWED=window > 0,
-        N_PACK=n_pack, A_P2=triton.next_power_of_2(block_slots.shape[1]) if n_pack else 1,
-        TPT_P2=triton.next_power_of_2(tile_rows // G) if n_pack else 1, **NO_FP_FUSION,
+        N_PACK=n_pack, **NO_FP_FUSION,
         num_warps=num_warps, num_stages=slot_stages if has_slots else num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, window, H=H, D=D, BASE_IS_PTR=base_is_ptr,

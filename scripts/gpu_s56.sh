@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Session 55 (issue #5): attention's chain tiles at T=128 with the cheap one-path check (anc's TPT x TPT bytes).
-# Here first: bash scripts/gpu_snapshot.sh && bash scripts/gpu_s55.sh tables (writes .gpu/tables/*.json:
+# Session 56 (issue #5): attention's chain tiles at T=128, a one-chain block found by one int64 load a program.
+# Here first: bash scripts/gpu_snapshot.sh && bash scripts/gpu_s56.sh tables (writes .gpu/tables/*.json:
 #   base   smollm2-135m-h200's table
 #   chain  + attention@T128 chain_tiles)
 # then on the device, back to back (.gpu carried):
 #   one:   (with the first GGUF part) park the part (`a`); the chain-tile tests on the GPU; us a layer of attention
-#          with and without chain tiles on a chain at three contexts and on a random tree (little packs); the
+#          with and without chain tiles on a chain at three contexts, through anc (no slots) and on a random tree; the
 #          random-target 128-row grown step under both tables (a grown tree there, so mostly per-token programs);
 #          writes "chain" to /root/tb/pick when the attention at T=128, 1024 keys gained 10%, else "base"
 #   bench: (after `a` with the second part, d's carry) the shipped line against the chain table, 80 requests; skipped
@@ -27,6 +27,8 @@ case "${1:-}" in
     timeout 120 python3 -m pytest -q tests/test_tree_exact.py -k chain_tiles 2>&1 | tail -2
     timeout 90 python3 scripts/gpu_attn_tiles.py $OUT/attn.json --shapes smollm2 --contexts 256,1024,2048 \
       --tokens 16,32,64,128 --slots --tiles 1r32,1r32c 2>&1 | tail -14
+    timeout 60 python3 scripts/gpu_attn_tiles.py $OUT/attn_anc.json --shapes smollm2 --contexts 1024 \
+      --tokens 32,128 --tiles 1r32 2>&1 | tail -2  # (a chain's keys in slot order through anc: the same bits)
     timeout 60 python3 scripts/gpu_attn_tiles.py $OUT/attn_random.json --shapes smollm2 --contexts 1024 \
       --tokens 32,128 --slots --tree random --tiles 1r32,1r32c 2>&1 | tail -2
     timeout 120 python3 scripts/gpu_block_drafter_step.py $OUT/step128 \
@@ -52,5 +54,5 @@ PY
     echo "bench: shipped | chain"
     ALSO="$(table $T/chain.json)" bash "$SRC/scripts/gpu_drafter_ab.sh" \
       "$SRC/specpilot/drafting/shipped/smollm2-135m" ;;
-  *) echo "usage: gpu_s55.sh tables|one|bench"; exit 2 ;;
+  *) echo "usage: gpu_s56.sh tables|one|bench"; exit 2 ;;
 esac
