@@ -125,6 +125,12 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
+    one_path = False
+    if N_PACK > 0:
+        # chain_tiles: the whole block is one chain where its last token sits at depth T - 1 (parents come first,
+        # so its T - 1 ancestors are then every other token, token i at depth i and slot base + i). Loaded beside
+        # base (no round trip of its own); A >= T (attention()).
+        one_path = tl.load(bslot_ptr + (T - 1) * A + (T - 1)) >= 0
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     if HAS_SLOTS:
         # One flat axis, two sections (attention(): the grid): first N_BLK programs, P_BLK per-token ones for each
@@ -154,7 +160,8 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                          prog_m * TILES + tile, kvh, part, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
-                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED, packed, N_PACK > 0)
+                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED, packed, one_path,
+                         N_PACK > 0)
     release_successor(PDL)
 
 
@@ -163,7 +170,7 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
                      base, end, lo, section_ok, T, S, A, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr, packed,
-                     CHAIN: tl.constexpr):
+                     one_path, CHAIN: tl.constexpr):
     """Row tile pid_m of one (kv head, split from lo): the online softmax over the split's visible keys, its
     partials stored in workspace split `part`. A tile past the rows (the last program's spare tiles), or of a split
     its section does not run, does nothing. WINDOWED: context keys below base - window are not visible; the key loop
@@ -184,14 +191,10 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
         live = section_ok & (lo < end) & tl.where(lo + SPLIT > base, tok < T, pid_m * BLOCK_M < T * G)
         src = tok  # whose ancestors' slots the keys are read from
         if CHAIN:  # (splits reaching base only: the section of per-token and token-tile programs)
+            # Where the block is one chain (one_path), its token tiles run every row and the per-token programs
+            # exit, else the reverse. Session 55's per-tile check (anc's TPT x TPT bytes, then the tile's [rows, A]
+            # slots) cost more than the tiles saved: 36.6 against 22.5 us a layer at T=128, 1024 keys, on an H100.
             TPT: tl.constexpr = BLOCK_M // G
-            # One root path: the block's last token at depth T - 1. Parents come first, so its T - 1 ancestors are
-            # then every other token, token i at depth i: the whole block is one chain. One int64 load a program,
-            # the same in the per-token and the tile programs, so exactly one of them runs each row (session 55's
-            # per-tile check, anc's TPT x TPT bytes and the tile's [rows, A] slots, cost more than the tiles
-            # saved: 36.6 against 22.5 us a layer at T=128, 1024 keys, on an H100). A >= T (attention()).
-            last = tl.load(bslot_ptr + (T - 1) * A + (T - 1), mask=~context, other=-1)
-            one_path = last >= 0
             rr = tl.arange(0, BLOCK_M)
             tile_t = pid_m * TPT + rr // G  # the tile's tokens, G rows each
             tile_ok = (rr < TPT * G) & (tile_t < T) & ~context
@@ -226,7 +229,11 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
             j = kk - base
             if HAS_SLOTS:  # key of position base + e: the slot of the token's ancestor at depth e (-1: none)
                 e_ok = (j >= 0) & (j < A) & k_ok
-                bs = tl.load(bslot_ptr + src.to(tl.int64) * A + j, mask=e_ok, other=-1)
+                if CHAIN:  # a token tile's block is a chain: the ancestor at depth e sits at slot base + e, no load
+                    bs = tl.load(bslot_ptr + src.to(tl.int64) * A + j, mask=e_ok & ~packed, other=-1)
+                    bs = tl.where(packed & e_ok & (j <= src), kk, bs)
+                else:
+                    bs = tl.load(bslot_ptr + src.to(tl.int64) * A + j, mask=e_ok, other=-1)
                 key_vis = ((kk < base) & k_ok) | (bs >= 0)
                 ks = tl.where(kk < base, kk, tl.maximum(bs, 0).to(tl.int32))
                 ld_ok = key_vis
