@@ -313,12 +313,14 @@ def test_step_budgets_follow_the_step_two_before():
     assert StepBudgets(7, 15, 3).following(40) == 15 and three.extra == (7, 31)
 
 
-@pytest.mark.parametrize("deep", [31, 127])
-def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(deep):
+@pytest.mark.parametrize("deep,chain", [(31, False), (127, False), (31, True)])
+def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(deep, chain):
     """deep_tree_budget: a third budget, 32 rows (two 16-row tiles) where the step two before accepted >=
     deep_tree_after draft tokens; the host loop and overlapped one-step chunks take the same steps, the tokens are
     AR's, and every budget runs. 127: a 128-row tree led by the lookup 127 deep (rows past 64: the grow kernel's
-    second ancestor word on the GPU) accepting more than a 64-row tree could."""
+    second ancestor word on the GPU) accepting more than a 64-row tree could. deep_tree_chain: that step a chain of
+    its rows (the device's in slot order, no block slots; the host's as long as the lookup or the block drafts,
+    the device's rows past it filler), drafting and accepting what the host's does."""
     model = damped("gqa", 2)  # its greedy text settles into a loop the periodic lookup predicts 31 deep
     drafter = quick_drafter(model, 1, 40)
     p = prompt(model.shape.vocab, 10, 1) * 2
@@ -327,10 +329,16 @@ def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(d
                         NO_EOS, "cpu").generate(p, n).tokens
     kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, deep_tree_budget=deep,
               deep_tree_after=8, ngram_prefix=True, ngram_min=2, lookup_depth=deep, lookup_periodic=True, device_steps=1,
-              token_tile=16, max_seq_len=512)
+              token_tile=16, max_seq_len=512, deep_tree_chain=chain)
     host, device = (engine(model, drafter, **kw, **o).generate(p, n) for o in ({}, {"device_overlap": True}))
     assert host.tokens == device.tokens == want
     end = len(p) + n - deep - 1  # the host loop drafts no deeper than the tokens left: compared before
+    if chain:  # the host's chain steps verify as many rows as were drafted, the device's all of the deep step's
+        host_chains = [(s.accepted, s.drafted) for s in host.steps if s.position <= end and s.depth == s.drafted > 15]
+        assert [(s.accepted, s.drafted) for s in device.steps if s.position <= end and s.verify_tokens == deep + 1] \
+            == host_chains and host_chains
+        for s in host.steps:
+            s.verify_tokens = deep + 1 if s.depth == s.drafted > 15 else s.verify_tokens
     shapes = [(s.accepted, s.verify_tokens) for s in host.steps if s.position <= end]
     assert [(s.accepted, s.verify_tokens) for s in device.steps if s.position <= end] == shapes
     for j, (acc, rows) in enumerate(shapes):
@@ -733,7 +741,9 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
                                   "observed beside, windowed prefix grown tree overlap",
                                   "observed beside, deeper switched prefix grown tree overlap",
                                   "lookup beside, deeper switched prefix grown tree overlap",
-                                  "both beside, deeper switched prefix grown tree overlap"])
+                                  "both beside, deeper switched prefix grown tree overlap",
+                                  "deeper switched prefix chain overlap",
+                                  "both beside, deeper switched prefix chain overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -758,8 +768,11 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
                                                           "wide_tree_after": 2, "deep_tree_budget": 127,
                                                           "deep_tree_after": 6, "ngram_prefix": True,
                                                           "lookup_depth": 127, "lookup_periodic": True,
-                                                          "max_seq_len": 512}}.get(
-        kind.split("beside, ")[-1], {})
+                                                          "max_seq_len": 512}}
+    # EngineConfig.deep_tree_chain: the 128-row deep step a chain, its attention in slot order (no block slots)
+    over["deeper switched prefix chain overlap"] = {**over["deeper switched prefix grown tree overlap"],
+                                                    "deep_tree_chain": True}
+    over = over.get(kind.split("beside, ")[-1], {})
     # EngineConfig.observe_overlap / lookup_overlap (behind a lookup gate): the observe / the lookup on a second stream
     beside = kind.split(" beside, ")[0] if " beside, " in kind else ""
     over = {**over, **({"observe_overlap": True} if beside in ("observed", "both") else {}),
@@ -770,7 +783,8 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
             device_overlap=overlap, **over)
     ar_cfg = c.replace(drafter="none", verify="chain", ngram_prefix=False, device_overlap=False,
                        observe_overlap=False, lookup_overlap=False, lookup_agree_topk=0,
-                       device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0, deep_tree_budget=0)
+                       device_tree="calibrated", lookup_depth=0, narrow_tree_budget=0, deep_tree_budget=0,
+                       deep_tree_chain=False)
     want = build_engine(ar_cfg, model, NO_EOS, "cuda").generate(p, 60).tokens
     drafter = None if kind == "ngram" else quick_drafter(damped("gqa", 2), 2, 40)
     eng = build_engine(c, model, NO_EOS, "cuda", block_drafter=drafter)

@@ -91,15 +91,19 @@ def test_replay_of_a_lookup_deeper_than_the_block_takes_the_engines_steps(setup,
 
 SWITCHED = dict(tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, ngram_min=2, lookup_depth=15)
 DEEP = dict(SWITCHED, deep_tree_budget=31, deep_tree_after=6, lookup_depth=31)
+DEEP_CHAIN = dict(DEEP, deep_tree_chain=True)
 
 
 @pytest.mark.parametrize("steps,overlap", [(1, False), (1, True)], ids=["host", "device-overlapped"])
 @pytest.mark.parametrize("kw,label,want_rows", [
     (SWITCHED, "tree15 lookup n>=2 depth15 periodic narrow7>=3", {8, 16}),
-    (DEEP, "tree15 lookup n>=2 depth31 periodic narrow7>=3 deep31>=6", {8, 16, 32})], ids=["switched", "deep"])
+    (DEEP, "tree15 lookup n>=2 depth31 periodic narrow7>=3 deep31>=6", {8, 16, 32}),
+    (DEEP_CHAIN, "tree15 lookup n>=2 depth31 periodic narrow7>=3 deep31>=6 chain", {8, 16, 32})],
+    ids=["switched", "deep", "deep-chain"])
 def test_replay_of_switched_tree_budgets_takes_the_engines_steps(setup, steps, overlap, kw, label, want_rows):
-    """narrow_tree_budget (and deep_tree_budget): each step's tree budget follows the step two before it, in the
-    replay as in the engine's host loop and its overlapped one-step device chunks; every budget is used."""
+    """narrow_tree_budget (and deep_tree_budget, deep_tree_chain): each step's tree budget follows the step two
+    before it, in the replay as in the engine's host loop and its overlapped one-step device chunks; every budget
+    is used."""
     model, drafter, refs, cands = setup
     c = cfg(block_size=8, device_steps=steps, ngram_prefix=True, lookup_periodic=True, token_tile=16,
             device_overlap=overlap, **{**TREE, "device_tree": "per_step", **kw})

@@ -241,6 +241,31 @@ def test_attention_block_slots_covers_every_split_the_block_reaches(base):
         assert torch.equal(K.attention(q, kc, vc, t_base, anc, block_slots=bs, block_n=16, split_keys=16, **kw), o)
 
 
+@pytest.mark.parametrize("T,base", [(14, 5), (40, 20), (3, 30)])
+def test_a_chain_reads_the_same_bits_in_slot_order(T, base):
+    """A chain at slots base.. (row i at position base + i): keys in slot order through anc are the keys in position
+    order through block_slots, in the same splits, so the bits are the same (the device loop's switched chain runs
+    without block slots: EngineConfig.deep_tree_chain). A tree's are not (the mutation: a random tree differs)."""
+    g = torch.Generator().manual_seed(T + base)
+    dev = "cuda" if CUDA else "cpu"
+    H, KVH, D, S = 9, 3, 16, 96
+    q = torch.randn(T, H, D, generator=g).to(dev)
+    kc, vc = (torch.randn(KVH, S, D, generator=g).to(dev) for _ in range(2))
+    anc = torch.from_numpy(tree_anc(list(range(-1, T - 1)))).to(dev)
+    bs = ancestor_slots(torch.tensor(base, device=dev), anc)
+    t_base = torch.tensor([base], dtype=torch.int32, device=dev)
+    for rows in (16, 32):
+        kw = dict(block_n=16, split_keys=16, tile_rows=rows)
+        o = K.attention(q, kc, vc, t_base, anc, **kw)
+        assert torch.equal(K.attention(q, kc, vc, t_base, anc, block_slots=bs, **kw), o), rows
+    rng = random.Random(T)
+    tree = torch.from_numpy(tree_anc([-1] + [rng.randrange(i) for i in range(1, T)])).to(dev)
+    if T > 3:
+        tree_bs = ancestor_slots(torch.tensor(base, device=dev), tree)
+        assert not torch.equal(K.attention(q, kc, vc, t_base, tree, block_slots=tree_bs, block_n=16, split_keys=16),
+                               K.attention(q, kc, vc, t_base, tree, block_n=16, split_keys=16))
+
+
 @pytest.mark.parametrize("H,KVH,shape", [(9, 3, "chain"), (9, 3, "chain then branches"), (9, 3, "branches then chain"),
                                          (9, 3, "random"), (4, 4, "chain then branches"), (20, 1, "chain"),
                                          (9, 3, "chain, last row padded")])

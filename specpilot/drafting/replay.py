@@ -74,6 +74,7 @@ class LookupPolicy:
     # EngineConfig.deep_tree_budget / deep_tree_after: a deeper tree where the step two before accepted >= deep_after
     deep_tree_budget: int = 0
     deep_tree_after: int = 16
+    deep_tree_chain: bool = False  # EngineConfig.deep_tree_chain: that deep step drafts a chain of its nodes
 
     def __post_init__(self) -> None:
         if self.gate is not None and not self.lookup:
@@ -90,6 +91,8 @@ class LookupPolicy:
         if self.deep_tree_budget and not self.tree_budget < self.deep_tree_budget or self.deep_tree_after < 0:
             raise ValueError(f"deep_tree_budget={self.deep_tree_budget}: 0 or above tree_budget={self.tree_budget}, "
                              f"deep_tree_after={self.deep_tree_after}: >= 0")
+        if self.deep_tree_chain and not self.deep_tree_budget:
+            raise ValueError("deep_tree_chain makes the deep step a chain: it needs deep_tree_budget")
 
     def budget_at(self, committed: list[int], j: int) -> int:
         """The tree budget of step j after steps that committed `committed` tokens each (accepted + the bonus), as
@@ -108,6 +111,7 @@ class LookupPolicy:
         deep += " periodic" if self.periodic else ""
         deep += f" narrow{self.narrow_tree_budget}>={self.wide_tree_after}" if self.narrow_tree_budget else ""
         deep += f" deep{self.deep_tree_budget}>={self.deep_tree_after}" if self.deep_tree_budget else ""
+        deep += " chain" if self.deep_tree_chain else ""
         return f"{'chain' if not self.tree_budget else f'tree{self.tree_budget}'} {lead}{nmin}{nmax}{deep}"
 
 
@@ -217,8 +221,10 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
         lead = lookup.propose(seq[:a + 1], deepest).tokens if lookup is not None else []
         shape = policy
         if policy.narrow_tree_budget or policy.deep_tree_budget:  # a tree is never deeper than its budget
-            shape = replace(policy, tree_budget=policy.budget_at(steps, len(steps)), narrow_tree_budget=0,
-                            deep_tree_budget=0)
+            b = policy.budget_at(steps, len(steps))
+            chain = policy.deep_tree_chain and b == policy.deep_tree_budget  # (deepest: that chain's depth)
+            shape = replace(policy, tree_budget=0 if chain else b, narrow_tree_budget=0, deep_tree_budget=0,
+                            deep_tree_chain=False, lookup_depth=0 if chain else policy.lookup_depth)
         accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, shape,
                                    seq[a + 1:a + 1 + deepest])
         step = min(accepted + 1, end - a)

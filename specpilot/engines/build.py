@@ -103,6 +103,7 @@ def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop |
         return DeviceLoop(runner, half, cfg.device_steps, tree, spine=isinstance(drafter, NgramPrefixDrafter),
                           overlap=cfg.device_overlap, per_step=cfg.device_tree is DeviceTree.PER_STEP,
                           observe_overlap=cfg.observe_overlap, lookup_overlap=cfg.lookup_overlap,
-                          budgets=switched.extra if (switched := StepBudgets.from_config(cfg)) else ())
+                          budgets=switched.extra if (switched := StepBudgets.from_config(cfg)) else (),
+                          chains=(switched.deep,) if switched and switched.deep_chain else ())
     except ValueError:  # a block wider than one forward at this tile: the host loop runs it (same tokens)
         return None

@@ -100,6 +100,7 @@ class LoopSteps:
     stopped: bool = False  # the device saw the request stop in these steps (with stop_on): steps past it are cut
     nodes: int = 0  # draft nodes a step verified (the block's rows - 1)
     max_depth: int = 0  # the deepest a step's path could reach
+    chain: bool = False  # the steps verified a chain (proposed: its drafted depths; the rest filler)
 
 
 class Glue(NamedTuple):
@@ -128,8 +129,9 @@ class LoopGraph:
 class Chunk:
     """A launched chunk of steps: its graph (None: ran eagerly, `eager` holds its packed outputs)."""
     steps: int
-    nodes: int  # the shape it ran: its draft nodes, its deepest path
+    nodes: int  # the shape it ran: its draft nodes, its deepest path, whether a chain
     max_depth: int
+    chain: bool = False
     graph: LoopGraph | None = None
     eager: torch.Tensor | None = None
 
@@ -152,7 +154,7 @@ class DeviceLoop:
 
     def __init__(self, runner: ModelRunner, drafter: DeviceDrafter, max_steps: int, tree: TreeShape | None = None,
                  spine: bool = False, overlap: bool = False, per_step: bool = False, budgets: tuple[int, ...] = (),
-                 observe_overlap: bool = False, lookup_overlap: bool = False):
+                 observe_overlap: bool = False, lookup_overlap: bool = False, chains: tuple[int, ...] = ()):
         if drafter.needs_features and not runner.capture:
             raise ValueError("this drafter reads target features: the runner must capture them")
         self.runner, self.drafter, self.max_steps, self.tree_shape = runner, drafter, max_steps, tree
@@ -176,12 +178,16 @@ class DeviceLoop:
         if lookup_overlap:
             drafter.side = self.side
         self._graphs: dict[tuple[int, int, int], LoopGraph] = {}  # (steps, origin, grown tree budget or 0)
-        # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets)
+        # grown trees: budget -> (block, max depth); more than one with switched budgets (engine.StepBudgets), some
+        # of them chains (EngineConfig.deep_tree_chain: a static chain block, no grow launch)
         self._grown: dict[int, tuple[TreeBlock, int]] = {}
+        self._chains = frozenset(chains)
         self._slots: dict[int, torch.Tensor] = {}  # block width -> its slot offsets 0..width-1 (see _use)
         self.budget = 0  # the grown tree's budget the next chunk runs (0: a static tree or chain)
         self.tree: StaticTree | None = None
         self._prob_sum, self._calibrated_steps = 0.0, 0
+        if chains and not set(chains) <= set(budgets):
+            raise ValueError(f"chain budgets {chains} must be among the switched budgets {budgets}")
         if self.per_step:
             self._grow_per_step(tree, budgets)
         elif budgets:
@@ -305,7 +311,7 @@ class DeviceLoop:
         if budget != self.budget:
             if budget not in self._grown:
                 raise ValueError(f"device loop: no grown tree of {budget} nodes (it has {sorted(self._grown)})")
-            self._use(self._grown[budget][0], False, self._grown[budget][1])
+            self._use(self._grown[budget][0], budget in self._chains, self._grown[budget][1])
             self.budget = budget
 
     # ---- internals ------------------------------------------------------------------------------------
@@ -353,7 +359,7 @@ class DeviceLoop:
             ran = int(ctl[1]) - ran_before
             out, stopped = [a[:ran] for a in out], not ctl[2]
         res = LoopSteps(*out, seconds=time.perf_counter() - t0, stopped=stopped, nodes=chunk.nodes,
-                        max_depth=chunk.max_depth)
+                        max_depth=chunk.max_depth, chain=chunk.chain)
         self.drafter.end(base + int(res.accepted.sum()) + len(res.accepted))
         return res
 
@@ -388,9 +394,21 @@ class DeviceLoop:
             raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
                              f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budgets {every} (distinct)")
         for budget in every:
+            if budget in self._chains:
+                self._grown[budget] = self._chain_block(budget), budget
+                continue
             block = TreeBlock.dead(budget, self._check(budget + 1), self._block_slots, self.runner.device)
             self._grown[budget] = block, min(self.drafter.depth, budget)
         self.use_budget(shape.budget)
+
+    def _chain_block(self, nodes: int) -> TreeBlock:
+        """A chain of `nodes` rank-0 candidates (the lookup's match where it leads): row i at depth i, slot base + i,
+        so its attention reads keys in slot order, which is position order (no block slots)."""
+        if nodes > self.drafter.depth:
+            raise ValueError(f"a chain of {nodes} nodes: the drafter drafts {self.drafter.depth} depths")
+        rows = nodes + 1
+        return TreeBlock.build(np.arange(nodes) * self.drafter.topk, list(range(-1, nodes)), list(range(rows)),
+                               np.tril(np.ones((rows, rows), dtype=bool)), self._check(rows), False, self.runner.device)
 
     @property
     def _block_slots(self) -> bool:
@@ -410,9 +428,9 @@ class DeviceLoop:
         self.slots = self._slots[self.width]
 
     @property
-    def _shape(self) -> tuple[int, int]:
-        """(draft nodes, max_depth) of the shape the next chunk runs: a Chunk's."""
-        return self.block.rows - 1, self.max_depth
+    def _shape(self) -> tuple[int, int, bool]:
+        """(draft nodes, max_depth, chain) of the shape the next chunk runs: a Chunk's."""
+        return self.block.rows - 1, self.max_depth, self.chain
 
     def _extent(self) -> tuple[int, int]:
         """(most tokens a step commits, block width) over every shape a chunk may run."""
@@ -466,8 +484,14 @@ class DeviceLoop:
         # its 15 depths, not the lookup's 127 (session 47: 9 us a narrow step on the H100)
         md = self.max_depth
         tokens, probs, lead = d.tokens[:md], d.probs[:md], None if d.lead is None else d.lead[:md]
-        if self.per_step:  # (with the lookup beside the draft, its gate: lead_depths gated in place)
+        proposed = d.proposed
+        if self.per_step and not self.chain:  # (with the lookup beside the draft, its gate: lead_depths gated in place)
             glue.grow(tokens, probs, lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth, d.gate)
+        elif self.per_step:  # a switched chain (deep_tree_chain): the gate here, its drafted depths the lookup's too
+            if d.gate is not None:
+                d.lead_depths.copy_(torch.where(d.gate.leads_on_device(lead[0], tokens[0], probs[0]), d.lead_depths, 0))
+            if lead is not None:
+                proposed = torch.clamp(torch.maximum(d.proposed, d.lead_depths.reshape(())), max=md)
         top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(
             tokens, probs, lead, d.lead_depths, self.state, b.node_src, b.positions, self.slots, b.block_slots)
         early = {}
@@ -476,10 +500,10 @@ class DeviceLoop:
                 with observe.fork(features, positions, slots):
                     drafter.commit(feature_rows(features[:, :b.rows]), slots[:b.rows], positions[:b.rows])
             early = {"on_features": observe_rows}
-        target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots, **early)
+        target = self.runner._step_fn(ids, positions, slots, base, b.anc, block_slots, in_order=self.chain, **early)
         argmax, features = target[0][:b.rows], target[4]
         if self.chain:  # the accepted path is the block's prefix: its keys/values already sit at base..
-            path_tokens, accepted = glue.chain_commit(argmax, ids, d.proposed, self.state, drafter.sequence,
+            path_tokens, accepted = glue.chain_commit(argmax, ids, proposed, self.state, drafter.sequence,
                                                  self.stop)
             drafter.commit(None if features is None else feature_rows(features[:, :b.rows]), positions[:b.rows])
         else:
@@ -493,7 +517,7 @@ class DeviceLoop:
             else:  # the drafter observed every row already: its path rows move with the target's
                 observe.join()
                 glue.tree_move(self.runner.kv, path, accepted, next_state, self.state, None, drafter.cache)
-        return path_tokens, accepted, d.proposed.reshape(()), top_tokens, top_probs
+        return path_tokens, accepted, proposed.reshape(()), top_tokens, top_probs
 
     def _capture(self, steps: int, origin: int = FROM_HOST) -> LoopGraph:
         """One graph of `steps` steps. Warm-up and capture run real steps from slot 0: the target's first slots

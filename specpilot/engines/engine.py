@@ -71,18 +71,21 @@ class SwitchedBudgetFields(Protocol):
     wide_tree_after: int
     deep_tree_budget: int
     deep_tree_after: int
+    deep_tree_chain: bool
 
 
 @dataclass(frozen=True)
 class StepBudgets:
     """EngineConfig.narrow_tree_budget / deep_tree_budget: step j verifies a tree of `deep` nodes where step j - 2
     accepted at least `deep_after` draft tokens (deep 0: never), else of `wide` nodes where it accepted at least
-    `after`, else of `narrow` (0: wide's). Two steps back: known to the host when it queues an overlapped chunk."""
+    `after`, else of `narrow` (0: wide's). Two steps back: known to the host when it queues an overlapped chunk.
+    deep_chain (EngineConfig.deep_tree_chain): the deep step's `deep` nodes are a chain, not a grown tree."""
     narrow: int
     wide: int
     after: int
     deep: int = 0
     deep_after: int = 0
+    deep_chain: bool = False
 
     @classmethod
     def from_config(cls, cfg: SwitchedBudgetFields) -> StepBudgets | None:
@@ -90,7 +93,7 @@ class StepBudgets:
         if not (cfg.narrow_tree_budget or cfg.deep_tree_budget):
             return None
         return cls(cfg.narrow_tree_budget, cfg.tree_budget, cfg.wide_tree_after, cfg.deep_tree_budget,
-                   cfg.deep_tree_after)
+                   cfg.deep_tree_after, cfg.deep_tree_chain)
 
     def budget(self, steps: list[StepTrace], j: int) -> int:
         return self.following(steps[j - 2].accepted if j >= 2 else -1)
@@ -100,6 +103,10 @@ class StepBudgets:
         if self.deep and accepted >= self.deep_after:
             return self.deep
         return self.wide if accepted >= self.after or not self.narrow else self.narrow
+
+    def is_chain(self, budget: int) -> bool:
+        """Whether a step of `budget` nodes verifies a chain (the deep step with deep_chain)."""
+        return self.deep_chain and budget == self.deep
 
     @property
     def extra(self) -> tuple[int, ...]:
@@ -206,7 +213,10 @@ class SpecEngine:
                 continue
             # Drafting deeper than remaining-1 is waste: the bonus token already fills the last place.
             depth = self.policy.draft_depth(steps, min(self.max_depth, remaining - 1))
-            budget = {} if self.budgets is None else {"budget": self.budgets.budget(steps, len(steps))}
+            budget = {}
+            if self.budgets is not None:
+                b = self.budgets.budget(steps, len(steps))
+                budget = {"budget": b, "chain": self.budgets.is_chain(b)}
             tree = (self.policy.shape_tree(self.drafter.propose(seq, depth, **budget)) if self.drafter and depth > 0
                     else DraftTree())
             if loop is not None and not loop.ready and tree.topk_probs:
@@ -239,15 +249,14 @@ class SpecEngine:
                            max_new_tokens: int, request_id: str) -> str:
         """Commits a device loop's steps in order up to a stop; their wall time is shared equally (in verify_s:
         draft and verify are not timed apart on the device). Returns the stop reason ("" to go on)."""
-        loop = self.device_loop
         per_step, nodes = res.seconds / len(res.accepted), res.nodes
         for i, acc in enumerate(res.accepted.tolist()):
             new, stopped = self.policy.commit(res.path_tokens[i, :acc + 1].tolist(), self.eos,
                                               max_new_tokens - len(out))
-            drafted = int(res.proposed[i]) if loop.chain else nodes  # a chain's filler depths are not drafts
+            drafted = int(res.proposed[i]) if res.chain else nodes  # a chain's filler depths are not drafts
             steps.append(StepTrace(
                 request_id=request_id, step=len(steps), position=base + 1, drafted=drafted,
-                depth=drafted if loop.chain else res.max_depth, accepted=acc, committed=len(new),
+                depth=drafted if res.chain else res.max_depth, accepted=acc, committed=len(new),
                 verify_tokens=nodes + 1, draft_s=0.0, verify_s=per_step,
                 topk_tokens=res.topk_tokens[i, :drafted].tolist(), topk_probs=res.topk_probs[i, :drafted].tolist()))
             seq.extend(new)

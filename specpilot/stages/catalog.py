@@ -162,13 +162,14 @@ CATALOG: tuple[CatalogMechanism, ...] = (
     CatalogMechanism("block_tree_shape", MechanismCategory.ALGORITHM,
                      "block drafter: chain, best-first tree or two-level verification and the tree's node budget; a "
                      "grown tree may verify a narrower budget except after a step that accepted much, and a deeper "
-                     "one after a step that accepted more",
+                     "one (or a chain of its nodes, read in slot order) after a step that accepted more",
                      (Knob("verify", _CHOICE, choices=tuple(v.value for v in VerifyMode)),
                       Knob("tree_budget", _INT, 4, MAX_GROWN_NODES), Knob("tree_width", _INT, 1, 8),
                       Knob("level_one_keep", _INT, 2, 32), Knob("narrow_tree_budget", _CHOICE, choices=(0, 7, 15)),
                       Knob("wide_tree_after", _CHOICE, choices=(4, 8, 12)),
                       Knob("deep_tree_budget", _CHOICE, choices=(0, 47, 63, 127)),
-                      Knob("deep_tree_after", _CHOICE, choices=(8, 16, 31))),
+                      Knob("deep_tree_after", _CHOICE, choices=(8, 16, 31)),
+                      Knob("deep_tree_chain", _CHOICE, choices=(False, True))),
                      frozenset({DirectionName.TREE_SHAPE}), frozenset({DrafterKind.BLOCK}), families=_LLAMA),
     CatalogMechanism("ngram_prefix", MechanismCategory.ALGORITHM,
                      "block drafter led by prompt lookup: where the context repeats, the lookup's match is the chain's "

@@ -199,20 +199,25 @@ class BlockTreeDrafter:
                                 keep=(ints,))
         return self._graph
 
-    def propose(self, context: list[int], max_depth: int, budget: int | None = None) -> DraftTree:
-        """budget: this step's tree budget (EngineConfig.narrow_tree_budget), else the shape's."""
+    def propose(self, context: list[int], max_depth: int, budget: int | None = None, chain: bool = False
+                ) -> DraftTree:
+        """budget: this step's tree budget (EngineConfig.narrow_tree_budget), else the shape's; chain: a chain of
+        at most `budget` nodes instead (EngineConfig.deep_tree_chain)."""
         tokens, probs = self.candidates(context, max_depth)
-        return self.tree_of(tokens, probs, budget) if tokens else DraftTree()
+        return self.tree_of(tokens, probs, budget, chain) if tokens else DraftTree()
 
     def candidates(self, context: list[int], max_depth: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k tokens and probabilities of the depths after the context's last (pending) token."""
         depth = min(self.shape.depth, max_depth)
         return self.distributions(context[-1], len(context) - 1, depth) if depth > 0 else ([], [])
 
-    def tree_of(self, topk_tokens: list[list[int]], topk_probs: list[list[float]], budget: int | None = None
-                ) -> DraftTree:
-        """The draft of per-depth candidates (best first): the top-1 chain, or the best-first tree in budget."""
-        if not self.shape.tree:
+    def tree_of(self, topk_tokens: list[list[int]], topk_probs: list[list[float]], budget: int | None = None,
+                chain: bool = False) -> DraftTree:
+        """The draft of per-depth candidates (best first): the top-1 chain, or the best-first tree in budget (chain:
+        the top-1 chain of at most `budget` nodes)."""
+        if chain:
+            topk_tokens, topk_probs = topk_tokens[:budget], topk_probs[:budget]
+        if not self.shape.tree or chain:
             scores, p = [], 1.0
             for probs in topk_probs:
                 p *= probs[0]

@@ -83,10 +83,11 @@ class NgramPrefixDrafter:
         self.block.reset()
         self.ngram.reset()
 
-    def propose(self, context: list[int], max_depth: int, budget: int | None = None) -> DraftTree:
+    def propose(self, context: list[int], max_depth: int, budget: int | None = None, chain: bool = False
+                ) -> DraftTree:
         tokens, probs = self.block.candidates(context, max_depth)
         if not tokens:
             return DraftTree()
         # a tree may go deeper than the block where the lookup does (ngram.draft_len: EngineConfig.lookup_depth)
         lookup = self.ngram.propose(context, max_depth if self.block.shape.tree else len(tokens)).tokens
-        return self.block.tree_of(*led_by_lookup(lookup, tokens, probs, self.gate), budget)
+        return self.block.tree_of(*led_by_lookup(lookup, tokens, probs, self.gate), budget, chain)
