@@ -8,10 +8,9 @@ setting; every setting's output compared bit for bit with tiles 1. Prints a tabl
 
     PYTHONPATH=. python3 scripts/gpu_attn_tiles.py OUT.json [--tiles 1,2,4,1r32] [--contexts 128,1024,2048]
         [--tokens 1,16] [--shapes smollm2,llama8b] [--slots [--tree chain|random]]
-    (an entry t, t r tile_rows, and w num_warps: "1r32" is one 32-row tile a program, "1r32w2" that with 2 warps,
-    a trailing c: chain_tiles, "1r32c"; --slots: position-ordered, as a grown tree's verify runs it: a chain's
-    block_slots, one stage; --tree random: a random tree's instead (each node's parent drawn from the nodes
-    before it), where chain tiles rarely pack)
+    (an entry t, t r tile_rows, and w num_warps: "1r32" is one 32-row tile a program, "1r32w2" that with 2 warps;
+    --slots: position-ordered, as a grown tree's verify runs it: a chain's block_slots, one stage; --tree random: a
+    random tree's instead (each node's parent drawn from the nodes before it))
 """
 from __future__ import annotations
 
@@ -30,12 +29,11 @@ from specpilot.kernels.bench import time_graph
 
 
 def setting(entry: str) -> dict:
-    m = re.fullmatch(r"(\d+)(?:r(\d+))?(?:w(\d+))?(c?)", entry)
+    m = re.fullmatch(r"(\d+)(?:r(\d+))?(?:w(\d+))?", entry)
     if m is None:
-        raise ValueError(f"tiles entry {entry!r}: expected T[rROWS][wWARPS][c], e.g. 1r32w2")
-    tiles, rows, warps, chain = m.groups()
-    return {"tiles_per_program": int(tiles), "tile_rows": int(rows or 16), **({"num_warps": int(warps)} if warps else {}),
-            **({"chain_tiles": True} if chain else {})}
+        raise ValueError(f"tiles entry {entry!r}: expected T[rROWS][wWARPS], e.g. 1r32w2")
+    tiles, rows, warps = m.groups()
+    return {"tiles_per_program": int(tiles), "tile_rows": int(rows or 16), **({"num_warps": int(warps)} if warps else {})}
 
 
 def case(name: str, sh, context: int, T: int, tiles: list[str], slots: bool, tree: str = "chain", layers: int = 8,

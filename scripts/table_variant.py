@@ -3,7 +3,7 @@
     python3 scripts/table_variant.py OUT.json --shape llama3-8b --base shipped.json \
         --set qkv,gate_up,lm_head:producer_stat=true [--set o_proj:block_n=32 ...]
     python3 scripts/table_variant.py OUT.json --shape smollm2-135m --deployment smollm2-135m-h200 \
-        --set attention@128:chain_tiles=true --set qkv@128,lm_head@128:tile_rows=32
+        --set attention@128:num_warps=8 --set qkv@128,lm_head@128:tile_rows=32
 
 Each --set gives every entry of those kernels at the shape's (N, K) the fields (JSON values), at every T the base
 table has for it, or at T=1 where it has none: an order-setting field then holds for every T of the shape, as

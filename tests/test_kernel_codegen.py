@@ -50,8 +50,7 @@ def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None, num_stages=2):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
-                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False),
-                ("N_PACK", 0))
+                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
     # not to); without them loads are not vectorised and no K loop is pipelined, which is not the code that runs
@@ -146,9 +145,6 @@ print(json.dumps({
     **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
                                                                        "HAS_SLOTS": kind == "slots", "TILES": 1})
        for kind in ("chain", "slots")},
-    # token tiles of a one-chain block beside the per-token programs (AttentionParams.chain_tiles), at slot_stages 1
-    "single_slots_row_tile32_chain_tiles": dots(sa._attn_split_kernel, SINGLE, {
-        **COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True, "HAS_SLOTS": True, "TILES": 1, "N_PACK": 1}, num_stages=1),
     "paged": dots(pa._paged_split_kernel, PAGED, {**COMMON, "SPLITS_PER_PROGRAM": 4}),
     "paged_row_tile": dots(pa._paged_split_kernel, PAGED, {**COMMON, "BLOCK_M": pa.ROW_TILE, "SPLITS_PER_PROGRAM": 4}),
     **{f"{'w12_' if w12 else ''}linear": dots(gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32",
@@ -342,8 +338,6 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     # single-request attention in 32-row tiles (AttentionParams.tile_rows): the same, so 16 and 32 give the same bits
     for kind in ("chain", "slots"):
         assert compiled[f"single_{kind}_row_tile32"] == compiled["paged_row_tile"], kind
-    # chain_tiles: a token tile's rows go through the per-token programs' dots
-    assert compiled["single_slots_row_tile32_chain_tiles"] == compiled["paged_row_tile"]
 
 
 def any_k(dot: str) -> str:

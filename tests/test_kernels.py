@@ -509,14 +509,9 @@ def test_launch_params():
         fields = set(p.as_kwargs())
         assert set(cls.T_NEUTRAL) <= fields and set(cls.SEARCH_SPACE) <= fields
     # block_n/split_keys set the order; row tiles run in turn by one program keep each tile's dots
-    # (slot_stages: the stages of block_slots launches, whose dots are the same: tests/test_kernel_codegen.py;
-    # chain_tiles: a token tile's rows through the per-token dots, tests/test_tree_exact.py)
+    # (slot_stages: the stages of block_slots launches, whose dots are the same: tests/test_kernel_codegen.py)
     assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows",
-                                                "slot_stages", "chain_tiles"}
-    with pytest.raises(ValueError, match="tiles_per_program"):
-        K.AttentionParams(chain_tiles=True, tiles_per_program=2)
-    with pytest.raises(ValueError, match="chain_tiles"):
-        K.AttentionParams(chain_tiles=1)
+                                                "slot_stages"}
     with pytest.raises(ValueError, match="tiles_per_program"):
         K.AttentionParams(tiles_per_program=3)
     with pytest.raises(ValueError, match="tile_rows"):

@@ -106,5 +106,5 @@ def test_table_variant_sets_one_t_and_keeps_the_table_checked(tmp_path, monkeypa
         table_variant.main([str(out), "--shape", "smollm2-135m", "--base", str(base), "--set", "lm_head@128:split_k=2"])
     # a whole deployment's table as the base
     assert table_variant.main([str(out), "--shape", "smollm2-135m", "--deployment", "smollm2-135m-h200",
-                               "--set", "attention@128:chain_tiles=true"]) == 0
-    assert json.loads(dict(json.loads(out.read_text()))["attention@576x192@T128"])["chain_tiles"] is True
+                               "--set", "attention@128:num_warps=8"]) == 0
+    assert json.loads(dict(json.loads(out.read_text()))["attention@576x192@T128"]) == {"tile_rows": 32, "num_warps": 8}

@@ -266,38 +266,3 @@ def test_a_chain_reads_the_same_bits_in_slot_order(T, base):
                                K.attention(q, kc, vc, t_base, tree, block_n=16, split_keys=16))
 
 
-@pytest.mark.parametrize("H,KVH,shape", [(9, 3, "chain"), (9, 3, "chain then branches"), (9, 3, "branches then chain"),
-                                         (9, 3, "random"), (4, 4, "chain then branches"), (20, 1, "chain"),
-                                         (9, 3, "chain, last row padded")])
-def test_attention_chain_tiles_give_the_per_token_bits(H, KVH, shape):
-    """chain_tiles (AttentionParams): where the whole block is one chain, a tile of tokens runs in one program, else
-    a token a program as before; every row keeps its bits, whichever program ran it, with the block at and across
-    splits, base an int or a device tensor, in 16- and 32-row tiles (G = 3 and 1 pack; G = 20 fills a tile: nothing
-    packs). A chain's last row padded (depth 0, as the device loop pads a block) is no chain."""
-    g = torch.Generator().manual_seed(H * 100 + KVH)
-    dev = "cuda" if CUDA else "cpu"
-    T, D, S = 14, 16, 48
-    rng = random.Random(H + KVH)
-    parents = {"chain": list(range(-1, T - 1)),
-               "chain then branches": list(range(-1, 7)) + [rng.randrange(8) for _ in range(8, T)],
-               "branches then chain": [-1, 0, 0, 1, 2, 2] + list(range(5, T - 1)),
-               "random": [-1] + [rng.randrange(i) for i in range(1, T)],
-               "chain, last row padded": list(range(-1, T - 2)) + [-1]}[shape]
-    anc = torch.from_numpy(tree_anc(parents)).to(dev)
-    q = torch.randn(T, H, D, generator=g).to(dev)
-    kc, vc = (torch.randn(KVH, S, D, generator=g).to(dev) for _ in range(2))
-    for base in (5, 20):  # the block across splits 0-1, 1-2 (16-key splits)
-        bs = ancestor_slots(torch.tensor(base, device=dev), anc)
-        for rows in (16, 32):
-            o = K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=16, tile_rows=rows)
-            assert torch.equal(K.attention(q, kc, vc, base, anc, block_slots=bs, block_n=16, split_keys=16,
-                                           tile_rows=rows, chain_tiles=True), o), (base, rows)
-    t_base = torch.tensor([base], dtype=torch.int32, device=dev)
-    assert torch.equal(K.attention(q, kc, vc, t_base, anc, block_slots=bs, block_n=16, split_keys=16, tile_rows=32,
-                                   chain_tiles=True), o)
-    ref = K.attention_ref(q, kc, vc, base, anc, block_slots=bs)
-    assert ((o.double() - ref.double()).norm() / ref.double().norm()).item() <= 1e-5
-    with pytest.raises(ValueError, match="tiles_per_program"):
-        K.attention(q, kc, vc, base, anc, block_slots=bs, chain_tiles=True, tiles_per_program=2)
-    with pytest.raises(ValueError, match="columns"):
-        K.attention(q, kc, vc, base, anc, block_slots=bs[:, :T - 1].contiguous(), chain_tiles=True)

@@ -59,15 +59,8 @@ class AttentionParams(LaunchParams):
     # 1.126 -> 1.055; launches without block_slots (chains, AR) lose ~2% at one stage and keep num_stages. Not in
     # the search space: the tuner's attention microbench (kernels/bench.py) launches without block_slots.
     slot_stages: int = 1
-    # With block_slots, splits reaching base run a token a program (its G rows of a tile): at T=128 in 32-row tiles
-    # that is 3 live rows of 32 in 384 programs a layer (~22 us a layer on an H100 at 1024 keys, session 48), and a
-    # loop's deep step is mostly one chain. chain_tiles adds a program a tile of tokens (tile_rows // G of them)
-    # that runs the whole tile where the block is one chain (its last token at depth T - 1), the per-token programs
-    # exiting then: each row's keys, mask and statements are the per-token program's, so the bits are too
-    # (tests/test_tree_exact.py). Costs every per-token program one int64 load.
-    chain_tiles: bool = False
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
-                                            "slot_stages", "chain_tiles")
+                                            "slot_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
                                                 "tiles_per_program": (1, 2, 4), "tile_rows": MMA_TILE_ROWS}
@@ -79,10 +72,6 @@ class AttentionParams(LaunchParams):
         if self.tiles_per_program not in (1, 2, 4, 8):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
         check_int("slot_stages", self.slot_stages, 1)
-        if not isinstance(self.chain_tiles, bool):
-            raise ValueError(f"chain_tiles={self.chain_tiles!r} must be a bool")
-        if self.chain_tiles and self.tiles_per_program != 1:
-            raise ValueError("chain_tiles runs one tile a program: tiles_per_program must be 1")
 
 
 @triton.jit
@@ -121,16 +110,10 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
                        T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                        D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
-                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0, N_PACK: tl.constexpr = 0):
+                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
-    one_path = False
-    if N_PACK > 0:
-        # chain_tiles: the whole block is one chain where its last token sits at depth T - 1 (parents come first,
-        # so its T - 1 ancestors are then every other token, token i at depth i and slot base + i). Loaded beside
-        # base (no round trip of its own); A >= T (attention()).
-        one_path = tl.load(bslot_ptr + (T - 1) * A + (T - 1)) >= 0
     end = tl.minimum(base + T, S)  # keys 0..end-1 exist; the clamp only guards memory against a bad base
     if HAS_SLOTS:
         # One flat axis, two sections (attention(): the grid): first N_BLK programs, P_BLK per-token ones for each
@@ -139,20 +122,16 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         # in index order and theirs read the most keys; no measurable change on the H200). A 3-D grid of per-token
         # programs for every split of the cache launched ~5x the programs, nearly all idle: ~2.5 us a layer on an
         # H200 (session 36: a 16-row tree's verify 1.036 -> 0.959 ms a step).
-        # (chain_tiles: each split's per-token programs are followed by N_PACK token-tile ones)
         pid = tl.program_id(0)
         in_blk = pid < N_BLK
         rest = pid - N_BLK
-        split = tl.where(in_blk, base // SPLIT + pid // (P_BLK + N_PACK), rest // P_CTX)
-        idx = pid % (P_BLK + N_PACK)
-        packed = in_blk & (idx >= P_BLK)
-        prog_m = tl.where(in_blk, tl.where(packed, idx - P_BLK, idx), rest % P_CTX)
+        split = tl.where(in_blk, base // SPLIT + pid // P_BLK, rest // P_CTX)
+        prog_m = tl.where(in_blk, pid % P_BLK, rest % P_CTX)
         section_ok = in_blk | (split * SPLIT + SPLIT <= base)
     else:
         split = tl.program_id(2)
         prog_m = tl.program_id(0)
         section_ok = True
-        packed = False
     part = split  # the split's place in the workspace
     if WINDOWED:  # the grid spans the window's splits only (attention(): its grid), counted from the first one
         split += tl.maximum(base - window, 0) // SPLIT
@@ -160,8 +139,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
     for tile in tl.static_range(TILES):
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                          prog_m * TILES + tile, kvh, part, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
-                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED, packed, one_path,
-                         N_PACK > 0)
+                         G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED)
     release_successor(PDL)
 
 
@@ -169,8 +147,7 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
 def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, pid_m, kvh, part,
                      base, end, lo, section_ok, T, S, A, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
                      D: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr, packed,
-                     one_path, CHAIN: tl.constexpr):
+                     SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, WINDOWED: tl.constexpr):
     """Row tile pid_m of one (kv head, split from lo): the online softmax over the split's visible keys, its
     partials stored in workspace split `part`. A tile past the rows (the last program's spare tiles), or of a split
     its section does not run, does nothing. WINDOWED: context keys below base - window are not visible; the key loop
@@ -189,21 +166,6 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
         t = tl.where(context, r // G, tok)
         h = kvh * G + tl.where(context, r % G, g)
         live = section_ok & (lo < end) & tl.where(lo + SPLIT > base, tok < T, pid_m * BLOCK_M < T * G)
-        src = tok  # whose ancestors' slots the keys are read from
-        if CHAIN:  # (splits reaching base only: the section of per-token and token-tile programs)
-            # Where the block is one chain (one_path), its token tiles run every row and the per-token programs
-            # exit, else the reverse. Session 55's per-tile check (anc's TPT x TPT bytes, then the tile's [rows, A]
-            # slots) cost more than the tiles saved: 36.6 against 22.5 us a layer at T=128, 1024 keys, on an H100.
-            TPT: tl.constexpr = BLOCK_M // G
-            rr = tl.arange(0, BLOCK_M)
-            tile_t = pid_m * TPT + rr // G  # the tile's tokens, G rows each
-            tile_ok = (rr < TPT * G) & (tile_t < T) & ~context
-            depth = tile_t  # (token i of a chain is at depth i)
-            src = tl.where(packed, tl.minimum(pid_m * TPT + TPT - 1, T - 1), tok)  # the tile's deepest token
-            t = tl.where(packed, tile_t, t)
-            h = tl.where(packed, kvh * G + rr % G, h)
-            row_ok = tl.where(packed, tile_ok, row_ok)
-            live = live & tl.where(packed, one_path & (pid_m * TPT < T), context | ~one_path)
     else:
         row_ok = r < T * G
         t = r // G
@@ -229,11 +191,7 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
             j = kk - base
             if HAS_SLOTS:  # key of position base + e: the slot of the token's ancestor at depth e (-1: none)
                 e_ok = (j >= 0) & (j < A) & k_ok
-                if CHAIN:  # a token tile's block is a chain: the ancestor at depth e sits at slot base + e, no load
-                    bs = tl.load(bslot_ptr + src.to(tl.int64) * A + j, mask=e_ok & ~packed, other=-1)
-                    bs = tl.where(packed & e_ok & (j <= src), kk, bs)
-                else:
-                    bs = tl.load(bslot_ptr + src.to(tl.int64) * A + j, mask=e_ok, other=-1)
+                bs = tl.load(bslot_ptr + tok.to(tl.int64) * A + j, mask=e_ok, other=-1)
                 key_vis = ((kk < base) & k_ok) | (bs >= 0)
                 ks = tl.where(kk < base, kk, tl.maximum(bs, 0).to(tl.int32))
                 ld_ok = key_vis
@@ -243,8 +201,6 @@ def _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr,
             kt = tl.load(k_ptr + kv_base + ks.to(tl.int64)[None, :] * D + dd[:, None], mask=ld_ok[None, :], other=0.0)
             if HAS_SLOTS:
                 vis = row_ok[:, None] & key_vis[None, :]
-                if CHAIN:  # a token tile's row sees the path's keys down to its own token's depth
-                    vis = vis & ((kk < base)[None, :] | (j[None, :] <= tl.where(packed, depth, A)[:, None]))
             else:
                 in_blk = (j >= 0) & (j < T) & k_ok
                 a = tl.load(anc_ptr + t.to(tl.int64)[:, None] * T + j[None, :],
@@ -379,23 +335,20 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1,
-              chain_tiles: bool = False) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1
+              ) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
     block_slots: optional [T, A] int64: token i reads its key at position base + e from slot block_slots[i, e]
     (the slot of its ancestor at depth e; -1: not visible) instead of slot base + e, so a tree node attends to
     the keys AR would, in position order (anc is then not read). Splits that reach base then tile one token per
-    program; splits of context keys only tile as without block_slots (the same bits). chain_tiles: those splits
-    also run a program a tile of tokens, for the tile's whole rows where the block is one chain (the same bits;
-    AttentionParams.chain_tiles); block_slots must then have A >= T columns (it finds chains there).
+    program; splits of context keys only tile as without block_slots (the same bits).
     window: > 0 shows only the context's last `window` slots (base - window .. base - 1; the block drafter's
     context window), 0 all of them. Not with block_slots.
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
-                             tiles_per_program=tiles_per_program, tile_rows=tile_rows, slot_stages=slot_stages,
-                             chain_tiles=chain_tiles)
+                             tiles_per_program=tiles_per_program, tile_rows=tile_rows, slot_stages=slot_stages)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -411,9 +364,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
             n_split -= max(base_val - window, 0) // split_keys
     if block_slots is not None:
         check_tensor("block_slots", block_slots, (T, None), torch.int64, dev)
-        if chain_tiles and block_slots.shape[1] < T:
-            raise ValueError(f"chain_tiles reads the last token's depth T - 1 = {T - 1}: block_slots needs >= {T} "
-                             f"columns, got {block_slots.shape[1]}")
     check_int("window", window, 0, None)
     if window and block_slots is not None:
         raise ValueError("a context window is for the block drafter's attention: not with block_slots")
@@ -430,16 +380,14 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     n_tok = T * triton.cdiv(G, tile_rows)  # per-token tiles (with block_slots, the splits reaching base)
     tiles = min(params.tiles_per_program, max(n_ctx, n_tok) if has_slots else n_ctx)
     p_ctx, p_blk = triton.cdiv(n_ctx, tiles), triton.cdiv(n_tok, tiles)
-    # chain_tiles: a program a tile of tile_rows // G tokens beside the per-token ones (nothing to pack below 2)
-    n_pack = triton.cdiv(T, tile_rows // G) if has_slots and chain_tiles and tile_rows >= 2 * G else 0
-    n_blk = (p_blk + n_pack) * ((T - 1) // split_keys + 2)  # block_slots: the splits a block can reach from any base
+    n_blk = p_blk * ((T - 1) // split_keys + 2)  # block_slots: the splits a T-token block can reach from any base
     grid = (n_blk + p_ctx * n_split, KVH, 1) if has_slots else (p_ctx, KVH, n_split)
     _attn_split_kernel[grid](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
         T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale, window,
         H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
         BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, WINDOWED=window > 0,
-        N_PACK=n_pack, **NO_FP_FUSION,
+        **NO_FP_FUSION,
         num_warps=num_warps, num_stages=slot_stages if has_slots else num_stages, **pdl_launch(dev))
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, window, H=H, D=D, BASE_IS_PTR=base_is_ptr,
