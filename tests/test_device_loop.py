@@ -313,32 +313,41 @@ def test_step_budgets_follow_the_step_two_before():
     assert StepBudgets(7, 15, 3).following(40) == 15 and three.extra == (7, 31)
 
 
-@pytest.mark.parametrize("deep,chain", [(31, False), (127, False), (31, True)])
+@pytest.mark.parametrize("deep,chain", [(31, False), (127, False), (31, True), (255, True)])
 def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(deep, chain):
     """deep_tree_budget: a third budget, 32 rows (two 16-row tiles) where the step two before accepted >=
     deep_tree_after draft tokens; the host loop and overlapped one-step chunks take the same steps, the tokens are
     AR's, and every budget runs. 127: a 128-row tree led by the lookup 127 deep (rows past 64: the grow kernel's
     second ancestor word on the GPU) accepting more than a 64-row tree could. deep_tree_chain: that step a chain of
     its rows (the device's in slot order, no block slots; the host's as long as the lookup or the block drafts,
-    the device's rows past it filler), drafting and accepting what the host's does."""
+    the device's rows past it filler), drafting and accepting what the host's does; as a chain it may go past the
+    grown tree's 127 nodes (255: a 256-row step)."""
     model = damped("gqa", 2)  # its greedy text settles into a loop the periodic lookup predicts 31 deep
     drafter = quick_drafter(model, 1, 40)
     p = prompt(model.shape.vocab, 10, 1) * 2
-    n = 90 if deep == 31 else 400
-    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=16, max_seq_len=512), model,
-                        NO_EOS, "cpu").generate(p, n).tokens
+    n, seq_len = {31: (90, 512), 127: (400, 512), 255: (800, 1024)}[deep]
+    # One forward a block, the device loop's need: torch kernels run the token tile (at most 64), so past 63 nodes
+    # the overlapped engine runs the host loop here too (its GPU twin: test_device_steps_on_gpu_..., "deeper" kinds)
+    tile = min(deep + 1, 64)
+    want = build_engine(cfg(drafter="none", position_ordered_attention=True, token_tile=tile, max_seq_len=seq_len),
+                        model, NO_EOS, "cpu").generate(p, n).tokens
     kw = dict(PER_STEP, tree_budget=15, narrow_tree_budget=7, wide_tree_after=3, deep_tree_budget=deep,
               deep_tree_after=8, ngram_prefix=True, ngram_min=2, lookup_depth=deep, lookup_periodic=True, device_steps=1,
-              token_tile=16, max_seq_len=512, deep_tree_chain=chain)
-    host, device = (engine(model, drafter, **kw, **o).generate(p, n) for o in ({}, {"device_overlap": True}))
+              token_tile=tile, max_seq_len=seq_len, deep_tree_chain=chain)
+    engines = [engine(model, drafter, **kw, **o) for o in ({}, {"device_overlap": True})]
+    assert engines[0].device_loop is None and (engines[1].device_loop is not None) == (deep < 64)
+    host, device = (e.generate(p, n) for e in engines)
     assert host.tokens == device.tokens == want
+    if deep < 64:  # the device loop ran them
+        assert sum(s.draft_s == 0 for s in device.steps) > len(device.steps) // 2
     end = len(p) + n - deep - 1  # the host loop drafts no deeper than the tokens left: compared before
     if chain:  # the host's chain steps verify as many rows as were drafted, the device's all of the deep step's
-        host_chains = [(s.accepted, s.drafted) for s in host.steps if s.position <= end and s.depth == s.drafted > 15]
-        assert [(s.accepted, s.drafted) for s in device.steps if s.position <= end and s.verify_tokens == deep + 1] \
-            == host_chains and host_chains
-        for s in host.steps:
-            s.verify_tokens = deep + 1 if s.depth == s.drafted > 15 else s.verify_tokens
+        deep_steps = [[s for j, s in enumerate(r.steps) if s.position <= end and j >= 2 and r.steps[j - 2].accepted >= 8]
+                      for r in (host, device)]
+        assert [(s.accepted, s.drafted) for s in deep_steps[0]] == [(s.accepted, s.drafted) for s in deep_steps[1]]
+        assert deep_steps[0] and all(s.depth == s.drafted for s in deep_steps[0])
+        for s in deep_steps[0] + deep_steps[1]:
+            s.verify_tokens = deep + 1
     shapes = [(s.accepted, s.verify_tokens) for s in host.steps if s.position <= end]
     assert [(s.accepted, s.verify_tokens) for s in device.steps if s.position <= end] == shapes
     for j, (acc, rows) in enumerate(shapes):
@@ -346,10 +355,14 @@ def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(d
         assert rows == (deep + 1 if before >= 8 else 16 if before >= 3 else 8), j
     assert {rows for _, rows in shapes} == {8, 16, deep + 1}
     assert max(acc for acc, rows in shapes if rows == deep + 1) > (deep + 1) // 2 - 1
-    for bad, why in ((dict(kw, deep_tree_budget=15), "above tree_budget"), (dict(kw, deep_tree_budget=128), "deep"),
+    for bad, why in ((dict(kw, deep_tree_budget=15), "above tree_budget"),
+                     (dict(kw, deep_tree_budget=256 if chain else 128), "deep"),
                      (dict(kw, device_tree="calibrated"), "per_step"),
                      (dict(kw, deep_tree_after=65), "deep_tree_after"),
-                     (dict(kw, deep_tree_budget=31.0), "deep_tree_budget")):
+                     (dict(kw, deep_tree_budget=31.0), "deep_tree_budget"),
+                     (dict(kw, deep_tree_budget=255, lookup_depth=255, deep_tree_chain=False), "deep_tree_chain only"),
+                     (dict(kw, deep_tree_chain=True, lookup_depth=deep - 1), "lookup at least as deep"),
+                     (dict(kw, deep_tree_chain=1), "deep_tree_chain")):
         with pytest.raises(ConfigError, match=why):
             cfg(**bad)
 
@@ -743,7 +756,8 @@ def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
                                   "lookup beside, deeper switched prefix grown tree overlap",
                                   "both beside, deeper switched prefix grown tree overlap",
                                   "deeper switched prefix chain overlap",
-                                  "both beside, deeper switched prefix chain overlap"])
+                                  "both beside, deeper switched prefix chain overlap",
+                                  "deepest switched prefix chain overlap"])
 def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     """On an H200: the loop's graphs (the fused drafter step inside) are captured by warm_up and replayed (with
     overlap, the continuing graphs too); an EOS mid-stream stops where AR stops, and the graphs' conditional nodes
@@ -772,6 +786,8 @@ def test_device_steps_on_gpu_replay_captured_graphs_and_equal_ar(kind):
     # EngineConfig.deep_tree_chain: the 128-row deep step a chain, its attention in slot order (no block slots)
     over["deeper switched prefix chain overlap"] = {**over["deeper switched prefix grown tree overlap"],
                                                     "deep_tree_chain": True}
+    over["deepest switched prefix chain overlap"] = {**over["deeper switched prefix chain overlap"],  # 256 rows
+                                                     "deep_tree_budget": 255, "lookup_depth": 255, "max_seq_len": 1024}
     over = over.get(kind.split("beside, ")[-1], {})
     # EngineConfig.observe_overlap / lookup_overlap (behind a lookup gate): the observe / the lookup on a second stream
     beside = kind.split(" beside, ")[0] if " beside, " in kind else ""

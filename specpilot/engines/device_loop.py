@@ -389,8 +389,8 @@ class DeviceLoop:
         """Trees grown every step from the step's own candidates (tree_grow): the deepest a path can reach is the
         drafter's depth or the budget. budgets: other budgets a chunk may verify instead (use_budget)."""
         every = (shape.budget, *budgets)
-        if (shape.width > self.drafter.topk or not all(1 <= b <= MAX_GROWN_NODES for b in every)
-                or len(set(every)) < len(every)):
+        if (shape.width > self.drafter.topk or len(set(every)) < len(every)
+                or not all(1 <= b <= MAX_GROWN_NODES or b in self._chains for b in every)):
             raise ValueError(f"a grown tree takes at most {self.drafter.topk} candidates a depth and "
                              f"{MAX_GROWN_NODES} nodes, got width {shape.width}, budgets {every} (distinct)")
         for budget in every:
