@@ -342,8 +342,8 @@ def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(d
         assert sum(s.draft_s == 0 for s in device.steps) > len(device.steps) // 2
     end = len(p) + n - deep - 1  # the host loop drafts no deeper than the tokens left: compared before
     if chain:  # the host's chain steps verify as many rows as were drafted, the device's all of the deep step's
-        deep_steps = [[s for j, s in enumerate(r.steps) if s.position <= end and j >= 2 and r.steps[j - 2].accepted >= 8]
-                      for r in (host, device)]
+        deep_steps = [[s for j, s in enumerate(r.steps)
+                       if s.position <= end and j >= 2 and r.steps[j - 2].accepted >= 8] for r in (host, device)]
         assert [(s.accepted, s.drafted) for s in deep_steps[0]] == [(s.accepted, s.drafted) for s in deep_steps[1]]
         assert deep_steps[0] and all(s.depth == s.drafted for s in deep_steps[0])
         for s in deep_steps[0] + deep_steps[1]:

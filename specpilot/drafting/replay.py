@@ -222,7 +222,7 @@ def replay(ref: Reference, cands: AnchorCandidates, policy: LookupPolicy, depth:
         shape = policy
         if policy.narrow_tree_budget or policy.deep_tree_budget:  # a tree is never deeper than its budget
             b = policy.budget_at(steps, len(steps))
-            chain = policy.deep_tree_chain and b == policy.deep_tree_budget  # (deepest: that chain's depth)
+            chain = StepBudgets.from_config(policy).is_chain(b)  # (deepest: that chain's depth)
             shape = replace(policy, tree_budget=0 if chain else b, narrow_tree_budget=0, deep_tree_budget=0,
                             deep_tree_chain=False, lookup_depth=0 if chain else policy.lookup_depth)
         accepted = accepted_length(lead, all_tokens[a - start], all_probs[a - start], policy.gate, shape,

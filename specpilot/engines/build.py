@@ -80,8 +80,9 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
         drafter = TwoLevelDrafter(drafter, LevelOne(runner, LevelOneConfig.from_config(cfg, target.shape.layers)))
     budgets = StepBudgets.from_config(cfg) if isinstance(drafter, (BlockTreeDrafter, NgramPrefixDrafter)) else None
     # (a deep step's tree or chain goes past the host loop's usual 64 depths: the device loop's steps, on the host)
-    return SpecEngine(runner, drafter, eos, policy=policy, ar_steps=cfg.ar_steps, max_depth=max(64, cfg.deep_tree_budget),
-                      device_loop=device_loop(cfg, runner, drafter), budgets=budgets)
+    return SpecEngine(runner, drafter, eos, policy=policy, ar_steps=cfg.ar_steps,
+                      max_depth=max(64, cfg.deep_tree_budget), device_loop=device_loop(cfg, runner, drafter),
+                      budgets=budgets)
 
 
 def device_loop(cfg: EngineConfig, runner: ModelRunner, drafter) -> DeviceLoop | None:

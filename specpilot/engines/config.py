@@ -328,8 +328,8 @@ class EngineConfig(ConfigOps):
                f"deep_tree_after={self.deep_tree_after!r}: must be an int in 0..64")
         _check(isinstance(self.deep_tree_chain, bool), f"deep_tree_chain={self.deep_tree_chain!r}: must be a bool")
         if self.deep_tree_chain and not (self.deep_tree_budget and self.lookup_depth >= self.deep_tree_budget):
-            raise ConfigError(f"deep_tree_chain: a chain of deep_tree_budget={self.deep_tree_budget} nodes needs a deep "
-                              f"step (deep_tree_budget > 0) and a lookup at least as deep (lookup_depth="
+            raise ConfigError(f"deep_tree_chain: a chain of deep_tree_budget={self.deep_tree_budget} nodes needs a "
+                              f"deep step (deep_tree_budget > 0) and a lookup at least as deep (lookup_depth="
                               f"{self.lookup_depth})")
         if self.lookup_depth and self.lookup_depth < (self.tree_depth or self.block_size - 1):
             raise ConfigError(f"lookup_depth={self.lookup_depth}: below the block's depth "
