@@ -373,6 +373,13 @@ class DeviceLoop:
         return lay.width
 
     def _set_tree(self, tree: StaticTree) -> None:
+        lay = tree.layout
+        self._use(self._static_block(tree, self._block_slots), lay.chain, lay.max_depth)
+        self._graphs.clear()
+        self.tree = tree
+
+    def _static_block(self, tree: StaticTree, block_slots: bool) -> TreeBlock:
+        """A static tree's block (rank r of depth d: the drafter's candidate d * K + r)."""
         lay, r = tree.layout, self.runner
         rows = len(lay.parents)
         self._check(rows)
@@ -380,10 +387,7 @@ class DeviceLoop:
         if lay.chain and list(v.positions[:rows]) != list(range(rows)):
             raise RuntimeError("a chain's rows sit at positions base, base + 1, ..: its commit relies on it")
         node_src = (np.asarray(lay.depths[1:]) - 1) * self.drafter.topk + np.asarray(tree.ranks)  # flat top-k index
-        self._use(TreeBlock.build(node_src, lay.parents, lay.depths, lay.anc, v.width, self._block_slots, r.device),
-                  lay.chain, lay.max_depth)
-        self._graphs.clear()
-        self.tree = tree
+        return TreeBlock.build(node_src, lay.parents, lay.depths, lay.anc, v.width, block_slots, r.device)
 
     def _grow_per_step(self, shape: TreeShape, budgets: tuple[int, ...] = ()) -> None:
         """Trees grown every step from the step's own candidates (tree_grow): the deepest a path can reach is the
@@ -406,9 +410,7 @@ class DeviceLoop:
         so its attention reads keys in slot order, which is position order (no block slots)."""
         if nodes > self.drafter.depth:
             raise ValueError(f"a chain of {nodes} nodes: the drafter drafts {self.drafter.depth} depths")
-        rows = nodes + 1
-        return TreeBlock.build(np.arange(nodes) * self.drafter.topk, list(range(-1, nodes)), list(range(rows)),
-                               np.tril(np.ones((rows, rows), dtype=bool)), self._check(rows), False, self.runner.device)
+        return self._static_block(StaticTree.chain(nodes), False)
 
     @property
     def _block_slots(self) -> bool:
@@ -489,7 +491,7 @@ class DeviceLoop:
             glue.grow(tokens, probs, lead, d.lead_depths, self.tree_shape.width, b, drafter.ranked_depth, d.gate)
         elif self.per_step:  # a switched chain (deep_tree_chain): the gate here, its drafted depths the lookup's too
             if d.gate is not None:
-                d.lead_depths.copy_(torch.where(d.gate.leads_on_device(lead[0], tokens[0], probs[0]), d.lead_depths, 0))
+                d.gate.gate_on_device(d.lead_depths, lead[0], tokens[0], probs[0])
             if lead is not None:
                 proposed = torch.clamp(torch.maximum(d.proposed, d.lead_depths.reshape(())), max=md)
         top_tokens, top_probs, ids, positions, slots, block_slots = glue.assemble(

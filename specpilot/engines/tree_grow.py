@@ -119,7 +119,7 @@ def grow_tree_ref(tokens, probs, lead, lead_depths, width: int, block: TreeBlock
     ranked = _check_grow(tokens, probs, lead, lead_depths, width, block, ranked or tokens.shape[0], gate)
     dev, (depth, k), rows = tokens.device, tokens.shape, block.rows
     if gate is not None:
-        lead_depths.copy_(torch.where(gate.leads_on_device(lead[0], tokens[0], probs[0]), lead_depths, 0))
+        gate.gate_on_device(lead_depths, lead[0], tokens[0], probs[0])
     if lead is not None:
         _, probs = lead_rows(tokens, probs, lead, torch.arange(depth, device=dev) < lead_depths.reshape(()))
     ranks = torch.arange(k + 1, device=dev)

@@ -58,6 +58,11 @@ class LeadGate:
         device_drafters.gate_leads."""
         return (tokens[:self.agree_topk] == first).any() | (probs[0] < self.doubt_prob)
 
+    def gate_on_device(self, lead_depths: torch.Tensor, first: torch.Tensor, tokens: torch.Tensor,
+                       probs: torch.Tensor) -> None:
+        """lead_depths (a one-element tensor) becomes 0 in place where the gate refuses the lead (leads_on_device)."""
+        lead_depths.copy_(torch.where(self.leads_on_device(first, tokens, probs), lead_depths, 0))
+
 
 def led_by_lookup(lookup: list[int], tokens: list[list[int]], probs: list[list[float]], gate: LeadGate | None
                   ) -> tuple[list[list[int]], list[list[float]]]:
