@@ -47,6 +47,20 @@ def _prefect(server: PrefectServer, *args: str, timeout: float = 120) -> subproc
     return subprocess.run([PREFECT, *args], cwd=REPO, env=server.env, capture_output=True, text=True, timeout=timeout)
 
 
+# Prefect's server answers 503 while its SQLite database is locked (its scheduler services write beside the test's
+# calls); Prefect's own client retries those, so the test's REST calls do too.
+_RETRY_CODES, _RETRIES = (429, 502, 503), 8
+
+
+def _api(method: str, url: str, **kwargs) -> httpx.Response:
+    for attempt in range(_RETRIES):
+        r = httpx.request(method, url, timeout=10, **kwargs)
+        if r.status_code not in _RETRY_CODES or attempt == _RETRIES - 1:
+            return r
+        time.sleep(float(r.headers.get("Retry-After", 0.5 * 2 ** attempt)))
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
     home = tmp_path_factory.mktemp("prefect-home")
@@ -92,23 +106,22 @@ def deployed(prefect_server) -> dict[str, str]:
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
     ids = {}
     for flow, name in (("tune", "tune"), ("nightly", "nightly")):
-        r = httpx.get(f"{prefect_server.api_url}/deployments/name/{flow}/{name}", timeout=10)
+        r = _api("GET", f"{prefect_server.api_url}/deployments/name/{flow}/{name}")
         assert r.status_code == 200, f"deployment {flow}/{name} not on the server: {r.text}"
         ids[name] = r.json()["id"]
     # The nightly schedule stays registered but paused: the worker below must only see the run this test makes.
-    httpx.patch(f"{prefect_server.api_url}/deployments/{ids['nightly']}", json={"paused": True}, timeout=10
-                ).raise_for_status()
+    _api("PATCH", f"{prefect_server.api_url}/deployments/{ids['nightly']}", json={"paused": True}).raise_for_status()
     return ids
 
 
 def test_deploy_registers_both_deployments_with_prefect_yaml_settings(prefect_server, deployed):
     api = prefect_server.api_url
-    tune = httpx.get(f"{api}/deployments/{deployed['tune']}", timeout=10).json()
+    tune = _api("GET", f"{api}/deployments/{deployed['tune']}").json()
     assert (tune["entrypoint"], tune["work_pool_name"]) == ("specpilot/flows/tune.py:tune", POOL)
     assert tune["parameters"] == {"deployment": "smollm2-135m-cpu", "rounds": 1, "gpus": 1}
     assert {"deployment", "rounds", "gpus", "store", "memory", "overrides"} <= set(
         tune["parameter_openapi_schema"]["properties"])
-    schedules = httpx.get(f"{api}/deployments/{deployed['nightly']}/schedules", timeout=10).json()
+    schedules = _api("GET", f"{api}/deployments/{deployed['nightly']}/schedules").json()
     assert [s["schedule"]["cron"] for s in schedules] == ["0 2 * * *"]
 
 
@@ -117,20 +130,19 @@ def test_process_worker_runs_the_on_demand_deployment(prefect_server, deployed, 
     store = tmp_path / "store"
     parameters = {"deployment": str(tiny_deployment), "rounds": 1, "gpus": 1, "store": str(store),
                   "memory": str(tmp_path / "memory.duckdb"), "work_dir": str(tmp_path / "work"), "overrides": OVERRIDES}
-    created = httpx.post(f"{api}/deployments/{deployed['tune']}/create_flow_run", json={"parameters": parameters},
-                         timeout=10)
+    created = _api("POST", f"{api}/deployments/{deployed['tune']}/create_flow_run", json={"parameters": parameters})
     created.raise_for_status()
     run_id = created.json()["id"]
 
     worker = _prefect(prefect_server, "worker", "start", "--pool", POOL, "--run-once", timeout=300)
-    state = httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()["state"]
+    state = _api("GET", f"{api}/flow_runs/{run_id}").json()["state"]
     assert state["type"] == "COMPLETED", (f"flow run ended {state['type']}: {state.get('message')}\n"
                                           f"{worker.stdout[-4000:]}\n{worker.stderr[-4000:]}")
     # The run did the real work: its artifacts audit clean, and the UI shows its Prefect artifacts.
     (run_dir,) = (store / "runs").iterdir()
     report = audit_run(store_from_uri(store), f"runs/{run_dir.name}")
     assert report.ok and {s.manifest.stage for s in report.stages} >= {"profile", "explore", "validate", "integrate"}
-    artifacts = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}},
-                           timeout=10).json()
+    artifacts = _api("POST", f"{api}/artifacts/filter",
+                     json={"artifacts": {"flow_run_id": {"any_": [run_id]}}}).json()
     keys = {a["key"] for a in artifacts}
     assert {"tiny-a-tune-summary", "tiny-a-explore-timeline-r1", "tiny-a-final-build"} <= keys
