@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specpilot.kernels.gemm import _counters, linear, split_k_combine
+from specpilot.kernels._common import arrival_counters
+from specpilot.kernels.gemm import linear, split_k_combine
 from specpilot.kernels.w12_tile import oct_decode  # the package's decode (inline PTX)
 from specpilot.weights.oct import pack_nibbles
 
@@ -143,7 +144,7 @@ def launcher(variant: str, x, W, lay, y, base, bn, warps, stages):
                               split_k=split)
     grid = (triton.cdiv(N, bn) * split,)
     ws = torch.empty(grid[0] * 16 * bn, dtype=torch.float32, device=x.device)
-    args = (y, ws, _counters(x.device), T, N, K, K // split, base)
+    args = (y, ws, arrival_counters(x.device), T, N, K, K // split, base)
     kw = dict(BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
     if name == "octs":
         return lambda: _oct_split_kernel[grid](x, lay["oct_l"], lay["oct_c"], *args,

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams, check_launchable,
-                      check_out, check_tensor, dot_precision, register_cap)
+from ._common import (ACT_DTYPES, ARRIVAL_COUNTERS, BLOCK_M, MAX_REGISTERS, MMA_TILE_ROWS, ROW_TILES, LaunchParams,
+                      arrival_counters, check_launchable, check_out, check_tensor, dot_precision, register_cap)
 from .act import silu_mul, swiglu_ref
 from .pdl import check_launch_mode, pdl_launch, prefetch_rows, release_successor, wait_for_predecessor
 from .rmsnorm import STAT_SEGMENT, store_row_sumsq
@@ -181,27 +181,14 @@ def split_launches(device: torch.device, tokens: int, n: int, k: int, block_k: i
         r1 = min(tokens, r0 + step)
         tiles = triton.cdiv(r1 - r0, row_tile) * triton.cdiv(n, block_n)
         if split_k == 1:  # no partials: the counters stand in for the unused workspace argument
-            ws = _counters(device)
-        elif tiles > SPLIT_COUNTERS:
-            raise ValueError(f"{tiles} output tiles exceed the {SPLIT_COUNTERS} split-K counters")
+            ws = arrival_counters(device)
+        elif tiles > ARRIVAL_COUNTERS:
+            raise ValueError(f"{tiles} output tiles exceed the {ARRIVAL_COUNTERS} split-K counters")
         else:
             ws = torch.empty(tiles * split_k * row_tile * block_n * (2 if pair else 1), dtype=torch.float32,
                              device=device)
-        launches.append((r0, r1, (tiles * split_k,), ws, _counters(device), per_split))
+        launches.append((r0, r1, (tiles * split_k,), ws, arrival_counters(device), per_split))
     return launches
-
-
-# Arrival counters per device, shared by every split-K launch: each leaves them at 0, and launches on one stream
-# never overlap on them (a PDL launch touches them only after its wait). Concurrent streams must not split-K.
-SPLIT_COUNTERS = 1 << 18
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counters, made on first use (warm-up runs before any graph capture)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 def default_block_n(n: int, tokens: int, target_programs: int = 128, row_tile: int = BLOCK_M,
