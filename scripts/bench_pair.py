@@ -55,8 +55,12 @@ def main() -> None:
     variants = list(dict.fromkeys(r["variant"] for r in reqs if r["variant"] != "ar"))
     if len(variants) < 2:
         raise SystemExit(f"{args.bench}: want two speculative variants, found {variants}")
-    a = pick(variants, args.a, None)
-    b = pick(variants, args.b, a)
+    if args.a is None and args.b is not None:  # B given: A is the first other variant
+        b = pick(variants, args.b, None)
+        a = pick(variants, None, b)
+    else:
+        a = pick(variants, args.a, None)
+        b = pick(variants, args.b, a)
     by = {v: {(r["benchmark"], r["prompt_id"]): r for r in reqs if r["variant"] == v} for v in (a, b)}
     keys = sorted(set(by[a]) & set(by[b]))
     if not keys:
