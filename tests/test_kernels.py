@@ -389,11 +389,8 @@ def test_fused_combine_gives_the_combine_launch_bits(T, tiles, tile_rows):
         want = K.attention(*args, window=window, **launch)
         got = K.attention(*args, window=window, fused_combine=True, **launch)
         assert torch.equal(got, want), f"base {base}, window {window}"
-    slots = torch.full((T, T), -1, dtype=torch.int64, device=DEV)
-    for i in range(T):  # each token's ancestors at their slots in position order (a chain's: base + e)
-        for j in range(T):
-            if anc[i, j]:
-                slots[i, j] = 70 + j
+    # each token's ancestors at their slots in position order (a chain's: base + e)
+    slots = torch.where(anc, 70 + torch.arange(T, device=DEV), -1)
     tree = K.attention(q, kc, vc, 70, anc, block_slots=slots, **launch)
     assert torch.equal(tree, K.attention(q, kc, vc, 70, anc, block_slots=slots, fused_combine=True, **launch))
     assert int(arrival_counters(DEV).abs().sum()) == 0
