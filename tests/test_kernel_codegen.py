@@ -39,9 +39,8 @@ from specpilot.kernels.sass import ptxas_sass, sass_opcodes
 P = "*bf16"
 COMMON = {"H": 9, "G": 3, "D": 64, "DOT_PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": 64}
 SINGLE = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "anc_ptr": "*u8", "base_ptr": "*i32", "ws_m_ptr": "*fp32",
-          "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "bslot_ptr": "*i64", "o_ptr": P, "cnt_ptr": "*i32", "T": "i32",
-          "base_val": "i32", "S": "i32", "A": "i32", "P_CTX": "i32", "P_BLK": "i32", "N_BLK": "i32", "qk_scale": "fp32",
-          "window": "i32"}
+          "ws_l_ptr": "*fp32", "ws_o_ptr": "*fp32", "bslot_ptr": "*i64", "T": "i32", "base_val": "i32", "S": "i32",
+          "A": "i32", "P_CTX": "i32", "P_BLK": "i32", "N_BLK": "i32", "qk_scale": "fp32", "window": "i32"}
 PAGED = {"q_ptr": P, "k_ptr": P, "v_ptr": P, "pt_ptr": "*i64", "tile_req_ptr": "*i64", "tile_row_ptr": "*i64",
          "qstart_ptr": "*i64", "qlen_ptr": "*i64", "kvlen_ptr": "*i64", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
          "ws_o_ptr": "*fp32", "NTOK": "i32", "S": "i32", "P": "i32", "qk_scale": "fp32"}
@@ -51,8 +50,7 @@ def build(fn, sig, consts, num_warps=4, pdl=False, maxnreg=None, num_stages=2):
     # a direct compile takes no parameter defaults: PDL (kernels/pdl.py) and split-K off unless given
     defaults = (("PDL", 0), ("PF_LINES", 16), ("SPLIT_K", 1), ("STAT_UNROLL", 8), ("ACT_PREFETCH", 2),
                 ("EARLY_RES", 1), ("W_PRELOAD", 0), ("K_LOOP", 1), ("NORM", True), ("ROW_SUMSQ", 0), ("STAT_SEGS", 0),
-                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False),
-                ("FUSED", False), ("GROUP", 64))
+                ("SCALED", 0), ("WINDOWED", False), ("TOPK", 0), ("QK_NORM", False), ("CONSECUTIVE", False))
     consts = {**{k: v for k, v in defaults if k in fn.arg_names}, **consts}
     # what a launch specialises on: 16-byte aligned pointers and int arguments divisible by 16 (but those it is told
     # not to); without them loads are not vectorised and no K loop is pipelined, which is not the code that runs
@@ -142,9 +140,6 @@ print(json.dumps({
         sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": True, "TILES": 1},
         num_stages=stages) for stages in (2, 1)},
     # the block drafter's context window (drafter_window): masks and a later first key block, the same dots
-    # the combine in the split launch (AttentionParams.fused_combine): compiles for sm_90, the same dots
-    "single_chain_fused": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
-                                                               "TILES": 1, "FUSED": True}),
     "single_chain_windowed": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BASE_IS_PTR": True, "HAS_SLOTS": False,
                                                                   "TILES": 1, "WINDOWED": True}),
     **{f"single_{kind}_row_tile32": dots(sa._attn_split_kernel, SINGLE, {**COMMON, "BLOCK_M": 32, "BASE_IS_PTR": True,
@@ -334,7 +329,6 @@ def test_single_and_paged_split_kernels_compile_the_same_dots(compiled):
     assert compiled["single_chain"] == compiled["paged"]
     assert compiled["single_slots"] == compiled["paged"]
     assert compiled["single_chain_windowed"] == compiled["single_chain"]
-    assert compiled["single_chain_fused"] == compiled["single_chain"]
     # num_stages is T-neutral (AttentionParams): one stage (99 registers a thread with block_slots, 168 at two;
     # scripts/attn_registers.py) runs the same dots
     assert compiled["single_slots_stages1"] == compiled["paged"]

@@ -371,33 +371,6 @@ def test_attention_batch_invariant(dtype, KVH, G, bn, split, tiles, tile_rows):
         assert torch.equal(o[p], single), f"row differs inside a T={n} call (index {p})"
 
 
-@pytest.mark.parametrize("T,tiles,tile_rows", [(1, 1, 16), (5, 1, 16), (13, 2, 16), (13, 1, 32)])
-def test_fused_combine_gives_the_combine_launch_bits(T, tiles, tile_rows):
-    """fused_combine (the last split program of a row tile combines it, by an arrival counter) gives the combine
-    launch's bits: int and device-side base (the grid then spans every split of the cache, most of them idle),
-    a context window, a tree's mask; with block_slots the combine launch runs anyway; the counters end at zero."""
-    from specpilot.kernels._common import arrival_counters
-    g = torch.Generator().manual_seed(T * 7 + tiles)
-    rng = random.Random(T)
-    KVH, G, D, S, dtype = 3, 3, 16, 200, torch.bfloat16
-    kc, vc = rnd(g, KVH, S, D, dtype=dtype), rnd(g, KVH, S, D, dtype=dtype)
-    q = rnd(g, T, KVH * G, D, dtype=dtype, scale=2.0)
-    anc = anc_from_parents([-1] + [rng.randrange(0, i) for i in range(1, T)])
-    launch = {"split_keys": 32, "block_n": 32, "tiles_per_program": tiles, "tile_rows": tile_rows}
-    for base, window in [(70, 0), (torch.tensor([70], device=DEV), 0), (150, 40), (torch.tensor([3], device=DEV), 0)]:
-        args = (q, kc, vc, base, anc)
-        want = K.attention(*args, window=window, **launch)
-        got = K.attention(*args, window=window, fused_combine=True, **launch)
-        assert torch.equal(got, want), f"base {base}, window {window}"
-    # each token's ancestors at their slots in position order (a chain's: base + e)
-    slots = torch.where(anc, 70 + torch.arange(T, device=DEV), -1)
-    tree = K.attention(q, kc, vc, 70, anc, block_slots=slots, **launch)
-    assert torch.equal(tree, K.attention(q, kc, vc, 70, anc, block_slots=slots, fused_combine=True, **launch))
-    assert int(arrival_counters(DEV).abs().sum()) == 0
-    with pytest.raises(ValueError, match="fused_combine"):
-        K.AttentionParams(fused_combine=1)
-
-
 def test_greedy_accept_batch_invariant():
     """Appending wrong nodes anywhere in the tree (more nodes in the call) changes nothing."""
     rng = random.Random(16)
@@ -536,10 +509,9 @@ def test_launch_params():
         fields = set(p.as_kwargs())
         assert set(cls.T_NEUTRAL) <= fields and set(cls.SEARCH_SPACE) <= fields
     # block_n/split_keys set the order; row tiles run in turn by one program keep each tile's dots
-    # (slot_stages: the stages of block_slots launches, whose dots are the same: tests/test_kernel_codegen.py;
-    # fused_combine: the combine's statements in the split launch, test_fused_combine_gives_the_combine_launch_bits)
+    # (slot_stages: the stages of block_slots launches, whose dots are the same: tests/test_kernel_codegen.py)
     assert set(K.AttentionParams.T_NEUTRAL) == {"num_warps", "num_stages", "tiles_per_program", "tile_rows",
-                                                "slot_stages", "fused_combine"}
+                                                "slot_stages"}
     with pytest.raises(ValueError, match="tiles_per_program"):
         K.AttentionParams(tiles_per_program=3)
     with pytest.raises(ValueError, match="tile_rows"):

@@ -8,9 +8,7 @@ Only keys 0 .. base+T-1 are read.
 Algorithm (flash-decoding): pass 1 runs an online softmax over each fixed absolute key range
 [s*split_keys, (s+1)*split_keys) in key blocks of block_n, one program per (token-row tile, kv head, split),
 and stores (max, sum, unnormalised output); pass 2 combines the splits of each row (combine_splits: groups of
-SPLIT_GROUP splits read at once, a fixed order within and across groups). fused_combine: pass 2 runs in pass 1's
-launch instead, in the last program of a row tile to finish (an arrival counter per (row tile, kv head), as split-K's
-in gemm.py), with the same combine_splits statements: the same bits, one launch fewer.
+SPLIT_GROUP splits read at once, a fixed order within and across groups).
 Rows are (token, query head of the group) pairs tiled by the fixed BLOCK_M (or 32 rows: tile_rows, the same bits).
 
 Invariance: key blocks and splits are absolute slot ranges (independent of T), the row max is exact in any
@@ -31,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (ACT_DTYPES, ARRIVAL_COUNTERS, BLOCK_M, MMA_TILE_ROWS, NO_FP_FUSION, LaunchParams,
-                      arrival_counters, check_int, check_launchable, check_out, check_tensor, dot_precision)
+from ._common import (ACT_DTYPES, BLOCK_M, MMA_TILE_ROWS, NO_FP_FUSION, LaunchParams, check_int, check_launchable,
+                      check_out, check_tensor, dot_precision)
 from .pdl import pdl_launch, release_successor, wait_for_predecessor
 
 LOG2E = 1.4426950408889634
@@ -61,12 +59,8 @@ class AttentionParams(LaunchParams):
     # 1.126 -> 1.055; launches without block_slots (chains, AR) lose ~2% at one stage and keep num_stages. Not in
     # the search space: the tuner's attention microbench (kernels/bench.py) launches without block_slots.
     slot_stages: int = 1
-    # pass 2 in pass 1's launch: the last of a row tile's split programs to arrive combines the tile's rows, one
-    # after another (few rows: AR's 1 token and chains; launches with block_slots, whose rows tile per token, keep
-    # the combine launch). The same combine_splits statements: the same bits (scheduling only, T-neutral).
-    fused_combine: bool = False
     T_NEUTRAL: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "tiles_per_program", "tile_rows",
-                                            "slot_stages", "fused_combine")
+                                            "slot_stages")
     SEARCH_SPACE: ClassVar[dict[str, tuple]] = {"block_n": (32, 64, 128), "split_keys": (64, 128, 256, 512),
                                                 "num_warps": (2, 4, 8), "num_stages": (1, 2, 3),
                                                 "tiles_per_program": (1, 2, 4), "tile_rows": MMA_TILE_ROWS}
@@ -78,8 +72,6 @@ class AttentionParams(LaunchParams):
         if self.tiles_per_program not in (1, 2, 4, 8):
             raise ValueError(f"tiles_per_program={self.tiles_per_program} must be 1, 2, 4 or 8")
         check_int("slot_stages", self.slot_stages, 1)
-        if not isinstance(self.fused_combine, bool):
-            raise ValueError(f"fused_combine={self.fused_combine!r} must be a bool")
 
 
 @triton.jit
@@ -114,12 +106,11 @@ def online_softmax_block(q, kt, v, vis, ones, m, l, acc, qk_scale, DOT_PREC: tl.
 
 
 @triton.jit(do_not_specialize=["T", "base_val", "window"])
-def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr, o_ptr,
-                       cnt_ptr, T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, window, H: tl.constexpr,
-                       G: tl.constexpr, D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                       TILES: tl.constexpr, WINDOWED: tl.constexpr = False, FUSED: tl.constexpr = False,
-                       GROUP: tl.constexpr = 64, PDL: tl.constexpr = 0):
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
+                       T, base_val, S, A, P_CTX, P_BLK, N_BLK, qk_scale, window, H: tl.constexpr, G: tl.constexpr,
+                       D: tl.constexpr, BASE_IS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HAS_SLOTS: tl.constexpr, TILES: tl.constexpr,
+                       WINDOWED: tl.constexpr = False, PDL: tl.constexpr = 0):
     wait_for_predecessor(PDL)  # before the early exit below (kernels/pdl.py): q and the new keys come from QKV
     kvh = tl.program_id(1)
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
@@ -149,18 +140,6 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, anc_ptr, base_ptr, ws_m_ptr, ws_l_pt
         _attn_split_tile(q_ptr, k_ptr, v_ptr, anc_ptr, ws_m_ptr, ws_l_ptr, ws_o_ptr, bslot_ptr,
                          prog_m * TILES + tile, kvh, part, base, end, lo, section_ok, T, S, A, qk_scale, window, H,
                          G, D, DOT_PREC, BLOCK_M, BLOCK_N, SPLIT, HAS_SLOTS, WINDOWED)
-    if FUSED:  # without block_slots only (attention()): the grid is (row programs, kv heads, splits)
-        tl.debug_barrier()  # every thread's partials are stored before the arrival is counted
-        group = prog_m * tl.num_programs(1) + kvh
-        if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == tl.num_programs(2) - 1:
-            first = prog_m * (TILES * BLOCK_M)
-            dd = tl.arange(0, D)
-            for r in range(first, tl.minimum(first + TILES * BLOCK_M, T * G)):
-                row = (r // G) * H + kvh * G + r % G
-                acc, l = combine_row(ws_m_ptr, ws_l_ptr, ws_o_ptr, base, row, T, S, window, H, D, SPLIT, GROUP,
-                                     WINDOWED, ".cg")
-                tl.store(o_ptr + row.to(tl.int64) * D + dd, (acc / l).to(o_ptr.dtype.element_ty))
-            tl.atomic_xchg(cnt_ptr + group, 0)  # back at 0 for the next launch (graph replays reuse it)
     release_successor(PDL)
 
 
@@ -246,21 +225,18 @@ SPLIT_GROUP = 64
 
 
 @triton.jit
-def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.constexpr, GROUP: tl.constexpr,
-                   CACHE: tl.constexpr):
+def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.constexpr, GROUP: tl.constexpr):
     """(acc [D], l) of one row from its split partials (split sp's at ws_*[sp * stride + row]); shared by the
     single-request and paged combines so both reduce with the same statements. A split with no visible key
-    (m = -inf) or past n_split adds an exact zero. CACHE: the loads' cache modifier (".cg": from L2, never a stale
-    L1 line, for partials other programs of the same launch stored)."""
+    (m = -inf) or past n_split adds an exact zero."""
     sp = tl.arange(0, GROUP)
     dd = tl.arange(0, D)
     if n_split <= GROUP:  # one group: every partial in one round of loads (the loops below take two, one L2 trip
         # after the other), the same arithmetic: the group's max is its loads', its sums start from zero
         w = (sp * stride + row).to(tl.int64)
-        ms = tl.load(ws_m_ptr + w, mask=sp < n_split, other=float("-inf"), cache_modifier=CACHE)
-        ls = tl.load(ws_l_ptr + w, mask=sp < n_split, other=0.0, cache_modifier=CACHE)
-        os = tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=(sp < n_split)[:, None], other=0.0,
-                     cache_modifier=CACHE)
+        ms = tl.load(ws_m_ptr + w, mask=sp < n_split, other=float("-inf"))
+        ls = tl.load(ws_l_ptr + w, mask=sp < n_split, other=0.0)
+        os = tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=(sp < n_split)[:, None], other=0.0)
         top = tl.max(tl.maximum(tl.full([GROUP], float("-inf"), tl.float32), ms), axis=0)
         top = tl.where(top > float("-inf"), top, 0.0)
         use = ms > float("-inf")
@@ -272,33 +248,20 @@ def combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, stride, n_split, D: tl.con
         mx = tl.full([GROUP], float("-inf"), tl.float32)
         for g0 in range(0, n_split, GROUP):
             w = ((g0 + sp) * stride + row).to(tl.int64)
-            mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"),
-                                        cache_modifier=CACHE))
+            mx = tl.maximum(mx, tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf")))
         top = tl.max(mx, axis=0)
         top = tl.where(top > float("-inf"), top, 0.0)
         lv = tl.zeros([GROUP], dtype=tl.float32)
         accv = tl.zeros([GROUP, D], dtype=tl.float32)
         for g0 in range(0, n_split, GROUP):
             w = ((g0 + sp) * stride + row).to(tl.int64)
-            ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"), cache_modifier=CACHE)
+            ms = tl.load(ws_m_ptr + w, mask=g0 + sp < n_split, other=float("-inf"))
             use = ms > float("-inf")
             scale = tl.where(use, tl.exp2(ms - top), 0.0)
-            lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0, cache_modifier=CACHE)
-            accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0,
-                                             cache_modifier=CACHE)
+            lv += scale * tl.load(ws_l_ptr + w, mask=use, other=0.0)
+            accv += scale[:, None] * tl.load(ws_o_ptr + w[:, None] * D + dd[None, :], mask=use[:, None], other=0.0)
         acc, l = tl.sum(accv, axis=0), tl.sum(lv, axis=0)
     return acc, l
-
-
-@triton.jit
-def combine_row(ws_m_ptr, ws_l_ptr, ws_o_ptr, base, row, T, S, window, H: tl.constexpr, D: tl.constexpr,
-                SPLIT: tl.constexpr, GROUP: tl.constexpr, WINDOWED: tl.constexpr, CACHE: tl.constexpr):
-    """(acc, l) of row t * H + h over the splits its keys 0 .. base + T - 1 span: the combine launch's and the fused
-    combine's one statement list."""
-    n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
-    if WINDOWED:  # the workspace holds the window's splits only, from its first one
-        n_split -= tl.maximum(base - window, 0) // SPLIT
-    return combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP, CACHE)
 
 
 @triton.jit(do_not_specialize=["T", "base_val", "window"])
@@ -308,7 +271,10 @@ def _attn_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, base_ptr, T, base_
     wait_for_predecessor(PDL)
     row = tl.program_id(0)  # row = t * H + h, one per program
     base = _load_base(base_ptr, base_val, BASE_IS_PTR)
-    acc, l = combine_row(ws_m_ptr, ws_l_ptr, ws_o_ptr, base, row, T, S, window, H, D, SPLIT, GROUP, WINDOWED, "")
+    n_split = tl.cdiv(tl.minimum(base + T, S), SPLIT)
+    if WINDOWED:  # the workspace holds the window's splits only, from its first one
+        n_split -= tl.maximum(base - window, 0) // SPLIT
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, T * H, n_split, D, GROUP)
     release_successor(PDL)
     out = acc / l  # a row that sees no key gives NaN
     dd = tl.arange(0, D)
@@ -369,8 +335,8 @@ def check_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, base: int | torch.Tensor,
               anc: torch.Tensor, *, block_slots: torch.Tensor | None = None, out: torch.Tensor | None = None,
               block_n: int = 64, split_keys: int = 64, num_warps: int = 4, num_stages: int = 2,
-              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1,
-              fused_combine: bool = False) -> torch.Tensor:
+              tiles_per_program: int = 1, tile_rows: int = BLOCK_M, window: int = 0, slot_stages: int = 1
+              ) -> torch.Tensor:
     """o [T, heads * D] for q [T, heads, D], caches [kv_heads, S, D], anc [T, T] bool, base + T <= S.
 
     base: int, or a one-element int32/int64 tensor on q's device (read on the device, no host sync).
@@ -380,12 +346,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     program; splits of context keys only tile as without block_slots (the same bits).
     window: > 0 shows only the context's last `window` slots (base - window .. base - 1; the block drafter's
     context window), 0 all of them. Not with block_slots.
-    fused_combine: the split launch combines (AttentionParams.fused_combine); with block_slots the combine launch
-    runs anyway (the same bits).
     """
     params = AttentionParams(block_n=block_n, split_keys=split_keys, num_warps=num_warps, num_stages=num_stages,
-                             tiles_per_program=tiles_per_program, tile_rows=tile_rows, slot_stages=slot_stages,
-                             fused_combine=fused_combine)
+                             tiles_per_program=tiles_per_program, tile_rows=tile_rows, slot_stages=slot_stages)
     T, H, D, KVH, S = check_qkv(q, k_cache, v_cache)
     dev, dt = q.device, q.dtype
     check_tensor("anc", anc, (T, T), torch.bool, dev)
@@ -419,18 +382,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bas
     p_ctx, p_blk = triton.cdiv(n_ctx, tiles), triton.cdiv(n_tok, tiles)
     n_blk = p_blk * ((T - 1) // split_keys + 2)  # block_slots: the splits a T-token block can reach from any base
     grid = (n_blk + p_ctx * n_split, KVH, 1) if has_slots else (p_ctx, KVH, n_split)
-    fused = fused_combine and not has_slots
-    if fused and p_ctx * KVH > ARRIVAL_COUNTERS:
-        raise ValueError(f"{p_ctx * KVH} row tiles exceed the {ARRIVAL_COUNTERS} arrival counters")
     _attn_split_kernel[grid](
         q, k_cache, v_cache, anc.view(torch.uint8), base_ptr, ws_m, ws_l, ws_o, block_slots if has_slots else ws_m,
-        out, arrival_counters(dev) if fused else ws_m, T, base_val, S, block_slots.shape[1] if has_slots else 0,
-        p_ctx, p_blk, n_blk, qk_scale, window, H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt),
-        BLOCK_M=tile_rows, BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles,
-        WINDOWED=window > 0, FUSED=fused, GROUP=SPLIT_GROUP, **NO_FP_FUSION,
+        T, base_val, S, block_slots.shape[1] if has_slots else 0, p_ctx, p_blk, n_blk, qk_scale, window,
+        H=H, G=G, D=D, BASE_IS_PTR=base_is_ptr, DOT_PREC=dot_precision(dt), BLOCK_M=tile_rows,
+        BLOCK_N=params.block_n, SPLIT=params.split_keys, HAS_SLOTS=has_slots, TILES=tiles, WINDOWED=window > 0,
+        **NO_FP_FUSION,
         num_warps=num_warps, num_stages=slot_stages if has_slots else num_stages, **pdl_launch(dev))
-    if fused:
-        return out
     _attn_combine_kernel[(T * H,)](
         ws_m, ws_l, ws_o, out, base_ptr, T, base_val, S, window, H=H, D=D, BASE_IS_PTR=base_is_ptr,
         SPLIT=params.split_keys, GROUP=SPLIT_GROUP, WINDOWED=window > 0, num_warps=4, **NO_FP_FUSION,

@@ -128,7 +128,7 @@ def _paged_combine_kernel(ws_m_ptr, ws_l_ptr, ws_o_ptr, o_ptr, tok_kvlen_ptr, NT
     row = tl.program_id(0)  # row = token * H + head, one per program
     kvlen = tl.load(tok_kvlen_ptr + row // H)  # 0: a padding token, no split
     n_split = ((kvlen + SPLIT - 1) // SPLIT).to(tl.int32)
-    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, NTOK * H, n_split, D, GROUP, "")
+    acc, l = combine_splits(ws_m_ptr, ws_l_ptr, ws_o_ptr, row, NTOK * H, n_split, D, GROUP)
     release_successor(PDL)
     out = acc / tl.where(l > 0, l, 1.0)  # padding tokens: 0 / 1
     dd = tl.arange(0, D)
