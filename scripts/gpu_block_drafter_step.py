@@ -5,8 +5,7 @@ python3 scripts/gpu_block_drafter_step.py OUT_DIR [--device cpu] [--tokens N] [-
     [--window W --position P]
 steps: for each drafter step (`reference`: BlockStep, the trainer's bits; `fused`: FusedBlockStep, the engine's
 Triton kernels; `fused, default launches`: that with DraftLaunches' projections at their defaults; `fused, top-k in
-256-logit chunks`: DraftLaunches.topk_block 256 against 1024; `fused, q/k norms in the QKV epilogue`:
-DraftLaunches.qk_in_qkv, no qk_norm_rope launch) the draft graph,
+256-logit chunks`: DraftLaunches.topk_block 256 against 1024) the draft graph,
 one replay + sync (BlockTreeDrafter.distributions), the observe graph of n accepted
 tokens (n = 1, 4, 16), and the kernels both launch (torch.profiler). engine: SpecEngine.generate with chain and
 tree-B verification (calibrated and grown; position- and block-ordered attention), host loop and device loop,
@@ -58,9 +57,6 @@ ap.add_argument("--kernel-table", default="",
                      "engine section builds its engines once per table and times them in turn, --rounds times "
                      "(an A/B of launch fields in one process, each round's order the same, drift shared)")
 ap.add_argument("--rounds", type=int, default=3, help="engine section with several tables: timed rounds")
-ap.add_argument("--qk-epilogue-too", action="store_true",
-                help="engine section with several tables: each drafting engine also with the drafter's q/k norms in "
-                     "its QKV launch's epilogue (DraftLaunches.qk_in_qkv), as '<config> [<table>, qk epilogue]'")
 ap.add_argument("--pdl-off-too", default="",
                 help="engine section with several tables: every engine also with these kernel modules' launches in "
                      "plain stream order (their pdl_launch patched while it builds and captures), comma-separated "
@@ -162,16 +158,10 @@ def engine_rounds(configs: dict[str, EngineConfig]) -> dict:
     engines = {}
     for name, c in configs.items():
         for stem, pairs in tables.items():
-            drafts = c.drafter is not DrafterKind.NONE
-            variants = [(qk, "") for qk in ((False, True) if args.qk_epilogue_too and drafts else (False,))]
-            variants += [(False, mods) for mods in args.pdl_off_too.split(",") if mods]
-            for qk_epilogue, mods in variants:
+            for mods in ["", *(m for m in args.pdl_off_too.split(",") if m)]:
                 with pdl_off(mods):  # the graphs keep the launches they were captured with
                     e = build_engine(c.replace(kernel_table=pairs), target, frozenset(), dev, block_drafter=drafter)
-                    if qk_epilogue:
-                        e.drafter.step.qk_in_qkv = True  # before warm_up captures the draft graph
-                    label = (", qk epilogue" if qk_epilogue else "") + (f", pdl off: {mods}" if mods else "")
-                    engines[f"{name} [{stem}{label}]"] = e
+                    engines[f"{name} [{stem}{f', pdl off: {mods}' if mods else ''}]"] = e
                     e.warm_up(prompt, 8)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
@@ -284,8 +274,7 @@ def measure() -> dict:
     untuned = DraftLaunches.of(DrafterLaunches.DEFAULT)
     steps = {"reference": step_costs(False), "fused": step_costs(True),
              "fused, default launches": step_costs(True, untuned),
-             "fused, top-k in 256-logit chunks": step_costs(True, DraftLaunches(topk_block=256)),
-             "fused, q/k norms in the QKV epilogue": step_costs(True, DraftLaunches(qk_in_qkv=True))} \
+             "fused, top-k in 256-logit chunks": step_costs(True, DraftLaunches(topk_block=256))} \
         if "steps" in sections else {}
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "steps": steps, "engine": engine,
             "ar_steps": ar, "loop_kernels": loop}

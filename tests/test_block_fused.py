@@ -112,22 +112,19 @@ def test_qk_norm_rope_refuses_bad_inputs():
         qk_norm_rope(x, 2, 2, pos.int(), pos, cos, sin, k, v)
 
 
-@pytest.mark.parametrize("over,window,qk_in_qkv", [({}, 0, False), ({"qk_norm": False}, 0, False),
-                                                   ({"input_scale": 1.7, "logit_scale": 0.8, "logit_softcap": 5.0}, 0,
-                                                    False),
-                                                   ({}, 6, False),
-                                                   ({"intermediate": 336}, 0, False),  # widened (grow_drafter)
-                                                   ({}, 6, True), ({"qk_norm": False}, 0, True)])
-def test_fused_step_gives_the_reference_steps_distributions(over, window, qk_in_qkv):
+@pytest.mark.parametrize("over,window", [({}, 0), ({"qk_norm": False}, 0),
+                                         ({"input_scale": 1.7, "logit_scale": 0.8, "logit_softcap": 5.0}, 0),
+                                         ({}, 6),
+                                         ({"intermediate": 336}, 0)])  # widened (grow_drafter)
+def test_fused_step_gives_the_reference_steps_distributions(over, window):
     """float32, under the interpreter: the same context caches up to rounding and the same top-1 tokens and
     probabilities (to 1e-4) as the reference step with the same Triton attention, over contexts of several lengths
-    (window: the drafter's context window, both steps; qk_in_qkv: the q/k norms and rotary in the QKV epilogue)."""
+    (window: the drafter's context window, both steps)."""
     target = tiny_model("gqa", 3, torch.float32)
     model = drafter_for(target, 3, 8, **over).eval()
     head = target.lm_head.weight
     ref = BlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, triton_attention=True, window=window)
-    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, window=window,
-                           launches=DraftLaunches(qk_in_qkv=qk_in_qkv))
+    fused = FusedBlockStep(model, target.embed_tokens.weight, head, 64, 8, 5, window=window)
     g = torch.Generator().manual_seed(3)
     n_ctx = 0
     for n in (12, 1, 5, 3):

@@ -89,7 +89,7 @@ LINEAR = {"x_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "r_ptr": P, "y_ptr": P, **S
 NORM = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, **W12, "b_ptr": P, "y_ptr": P, "h_ptr": P,
         "pmax_ptr": "*fp32", "pidx_ptr": "*i32", "tk_ptr": "*i64", "ts_ptr": "*fp32", **SPLIT, "ss_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
         "cos_ptr": "*fp32",
-        "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "qn_ptr": P, "kn_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
+        "sin_ptr": "*fp32", "kc_ptr": P, "vc_ptr": P, "S": "i32", "max_pos": "i32", "T": "i32", "N": "i32", "K": "i32",
         "K_SPLIT": "i32", "eps": "fp32"}
 FLAGS = {"HAS_BIAS": False, "HAS_RES": True}
 PDL_KERNELS = [("linear", gemm._linear_kernel, LINEAR, {**FLAGS, "SWIGLU": False, "DOT_PREC": "tf32", "W12": False,
@@ -252,8 +252,6 @@ print(json.dumps({
          {"NMAX": 4, "NMIN": 1, "K": 32, "KP": 32, "BLOCK": 1024}, 4),
         ("norm_linear_topk", norm_gemm._rmsnorm_linear_kernel, {**NORM, "y_ptr": "*fp32"},
          {**NORM_EPI0, "STORE_Y": False, "TOPK": 8}, 4),
-        ("qkv_qk_norm_rope", norm_gemm._rmsnorm_linear_kernel, NORM,  # the block drafter's QKV (a head a tile)
-         {**NORM_EPI0, "EPI": 2, "BLOCK_N": 64, "QK_NORM": True, "CONSECUTIVE": True}, 4),
         *((f"embedding_pdl{pdl}", embed._embedding_kernel, {"ids_ptr": "*i64", "w_ptr": P, "out_ptr": P, "V": "i32"},
            {"H": 576, "BLOCK": 1024, "PDL": pdl}, 4) for pdl in (0, 1)),
         *((name, bf._qk_norm_rope_kernel, {"x_ptr": P, "row_stride": "i32", "pos_ptr": "*i64", "slot_ptr": "*i64",
@@ -467,4 +465,4 @@ def test_device_loop_kernels_compile_for_sm90(compiled):
                                 "assemble_128": True, "chain_commit": True, "tree_commit": True, "grow_tree": True,
                                 "grow_tree_128": True, "tree_move": True, "qk_norm_rope_consecutive": True,
                                 "kv_norm_rope_layers": True, "embedding_pdl0": True, "embedding_pdl1": True,
-                                "norm_linear_topk": True, "qkv_qk_norm_rope": True}
+                                "norm_linear_topk": True}

@@ -70,49 +70,6 @@ def test_qkv_rope_tiles_hold_rotary_pairs(block_n, split_k):
         E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, block_n=64)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF])
-@pytest.mark.parametrize("norm,consecutive,act_prefetch", [(True, True, 2), (True, False, 1), (False, True, 0)])
-def test_qkv_rope_with_qk_norms_and_consecutive_rows_equals_the_drafters_launch_pair(dtype, norm, consecutive,
-                                                                                      act_prefetch):
-    """q_norm / k_norm (a head a tile) and consecutive rows: the block drafter's rmsnorm_linear then qk_norm_rope,
-    q and both caches, to a rounding of the head's sum of squares (its order: a tile row's against the reference's
-    halves); v rows exactly."""
-    from specpilot.engines.drafters.block_fused import qk_norm_rope
-    g = torch.Generator().manual_seed(3 + norm + 2 * consecutive)
-    T, heads, kv_heads, D, K_in = 6, 4, 2, 32, 64
-    x, nw = rnd(g, T, K_in, dtype=dtype), rnd(g, K_in, dtype=dtype)
-    W = rnd(g, (heads + 2 * kv_heads) * D, K_in, scale=0.1, dtype=dtype)
-    qn, kn = (rnd(g, D, dtype=dtype) + 1 if norm else None for _ in range(2))
-    cos, sin = (t.to(DEV) for t in K.rope_tables(64, D, 10000.0))
-    start = torch.tensor([9], device=DEV)
-    pos = start if consecutive else torch.randint(0, 60, (T,), generator=g).to(DEV)
-    slots = None if consecutive else torch.randperm(20, generator=g)[:T].to(DEV)
-    kc, vc = rnd(g, kv_heads, 20, D, dtype=dtype), rnd(g, kv_heads, 20, D, dtype=dtype)
-    kc0, kc2, vc2 = kc.clone(), kc.clone(), vc.clone()
-    q = E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, q_norm=qn, k_norm=kn,
-                           consecutive=consecutive, act_prefetch=act_prefetch)
-    q2 = qk_norm_rope(K.rmsnorm_linear(x, nw, W, 1e-5, block_n=D), heads, kv_heads, pos, slots, cos, sin, kc2, vc2,
-                      qn, kn, eps=1e-5, consecutive=consecutive)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype is torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    torch.testing.assert_close(q, q2, **tol)
-    torch.testing.assert_close(kc, kc2, **tol)
-    assert torch.equal(vc, vc2)
-    written = (start + torch.arange(T, device=DEV)) if consecutive else slots
-    assert (kc[:, written] != kc0[:, written]).any(dim=-1).all()  # every written row holds this step's key
-    with pytest.raises(ValueError, match="a head a tile"):
-        E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, q_norm=nw[:D],
-                           k_norm=nw[:D], consecutive=consecutive, block_n=16)
-    with pytest.raises(ValueError, match="both q_norm and k_norm"):
-        E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, slots, cos, sin, kc, vc, heads, kv_heads, q_norm=nw[:D],
-                           consecutive=consecutive)
-    if consecutive:
-        with pytest.raises(ValueError, match="slots=None"):
-            E.rmsnorm_qkv_rope(x, nw, W, 1e-5, pos, pos, cos, sin, kc, vc, heads, kv_heads, consecutive=True)
-        with pytest.raises(ValueError, match="one launch"):  # split-K launches 4-row chunks: positions from each
-            E.rmsnorm_qkv_rope(x.repeat(40, 1), nw, W, 1e-5, pos, None, cos, sin, kc, vc, heads, kv_heads,
-                               consecutive=True, split_k=2, block_k=32)
-
-
 @pytest.mark.parametrize("act_prefetch", [0, 2])
 def test_qkv_rope_out_of_range_position_writes_nothing(act_prefetch):
     g = torch.Generator().manual_seed(1)

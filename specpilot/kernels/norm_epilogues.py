@@ -22,7 +22,7 @@ from .act import swiglu_ref
 from .gemm import BLOCK_K
 from .norm_gemm import (BLOCK_M, _NO_ROPE, _rmsnorm_linear_kernel, check_norm_inputs, norm_launch_shape, norm_operand,
                         norm_pdl, norm_warps, rmsnorm_linear_ref)
-from .rope_kv import check_qk_norms, check_rope_rows, rope_kv_write_ref
+from .rope_kv import check_rope_rows, rope_kv_write_ref
 
 
 def rmsnorm_qkv_rope_ref(x, norm_w, W, eps, positions, slots, cos, sin, k_cache, v_cache, heads: int,
@@ -45,16 +45,12 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
                      prenorm: bool = False, grid_dependency: int | None = None, producer_stat: bool = False,
                      row_sumsq: torch.Tensor | None = None, post_scale: bool = False,
                      scaled_x: torch.Tensor | None = None, max_registers: int | None = None,
-                     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                     consecutive: bool = False, tile_rows: int = BLOCK_M) -> torch.Tensor:
+                     tile_rows: int = BLOCK_M) -> torch.Tensor:
     """q [T, heads, D] of rope(rmsnorm(x) @ W.T); k, v written to k_cache/v_cache [kv_heads, S, D] at slots.
 
     W [(heads + 2 kv_heads) * D, K] is the fused q|k|v projection; positions, slots int64 [T]; cos, sin fp32
     [max_pos, D/2]. A token with an out-of-range position or slot writes no cache row and gets a NaN q row
     (no host sync can report it), as in rope_kv_write.
-    q_norm, k_norm [D] (both or neither): each q and k head RMS-normed (with eps) before its rotation, as the block
-    drafter's qk_norm_rope (engines/drafters/block_fused.py) does; a tile is then one head (block_n = D).
-    consecutive: positions is [1] and row t sits at positions[0] + t, in that slot (slots None): the drafter's block.
     """
     T, K, N, _, w_args, w12, rows_pp = check_norm_inputs(
         x, norm_w, W, eps, None, None, block_n, num_warps, num_stages, block_k, row_tile=row_tile, split_k=split_k,
@@ -75,32 +71,23 @@ def rmsnorm_qkv_rope(x: torch.Tensor, norm_w: torch.Tensor, W: torch.Tensor | W1
         raise ValueError(f"W has {N} rows; heads={heads}, kv_heads={kv_heads}, head_dim={D} need "
                          f"{(heads + 2 * kv_heads) * D}")
     check_tensor("v_cache", v_cache, (kv_heads, S, D), dt, dev)
-    check_rope_rows(positions, slots, T, consecutive, dev)
+    check_rope_rows(positions, slots, T, False, dev)
     check_tensor("cos", cos, (None, D // 2), torch.float32, dev)
     check_tensor("sin", sin, cos.shape, torch.float32, dev)
-    check_qk_norms(q_norm, k_norm, D, dt, dev)
-    if q_norm is not None:
-        if block_n not in (None, D):  # the norm's statistic is a row's sum over its head: the whole head a tile
-            raise ValueError(f"q/k norms need a head a tile: block_n={block_n}, head_dim={D}")
-        block_n = D
     out = check_out("out", out, (T, heads, D), dt, dev)
     # a tile holds rotary pairs (norm_gemm._rope_tile_cols): at most one head's columns
     bn, stages, launches = norm_launch_shape(x, N, block_n, num_stages, block_k, rows_pp, split_k, max_block_n=D,
                                              w12=w12)
     op = norm_operand(x, norm_w, eps, None, None, prenorm, block_k, row_tile, num_warps, row_sumsq, scaled_x)
-    if consecutive and len(launches) > 1:  # a launch's rows start at its r0: positions[0] + t would be wrong
-        raise ValueError(f"consecutive rows need one launch: {T} rows at split_k={split_k} take {len(launches)}")
     for r0, r1, grid, ws, counters, per_split in launches:
         _rmsnorm_linear_kernel[grid](op.x[r0:r1], x, norm_w, *w_args, x, out[r0:r1], out, x, x, x, x, ws, counters,
-                                     op.row_sumsq[r0:r1], positions if consecutive else positions[r0:r1],
-                                     positions if consecutive else slots[r0:r1], cos, sin, k_cache, v_cache,
-                                     x if q_norm is None else q_norm, x if k_norm is None else k_norm, S, cos.shape[0],
+                                     op.row_sumsq[r0:r1], positions[r0:r1], slots[r0:r1], cos, sin, k_cache,
+                                     v_cache, S, cos.shape[0],
                                      r1 - r0, N, K, per_split, float(eps), HAS_RES=False, HAS_BIAS=False,
                                      DOT_PREC=dot_precision(dt), W12=w12, STORE_Y=True, ARGMAX=False, EPI=2, H=heads,
                                      KVH=kv_heads, HALF=D // 2, BLOCK_M=rows_pp, BLOCK_N=bn, BLOCK_K=block_k,
                                      SPLIT_K=split_k, STAT_UNROLL=stat_unroll, ACT_PREFETCH=act_prefetch,
-                                     NORM=op.norm, STAT_SEGS=op.stat_segs, QK_NORM=q_norm is not None,
-                                     CONSECUTIVE=consecutive, num_warps=num_warps, num_stages=stages,
+                                     NORM=op.norm, STAT_SEGS=op.stat_segs, num_warps=num_warps, num_stages=stages,
                                      **norm_pdl(x, N, K, grid_dependency), **register_cap(max_registers))
     return out
 

@@ -209,16 +209,10 @@ def _two_pass(x_ptr, r_ptr, nw_ptr, h_ptr, ss_ptr, w_cols, w_cols2, words_ptr, c
 
 
 @triton.jit
-def _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr, sin_ptr, S, max_pos, HALF: tl.constexpr,
-                 CONSECUTIVE: tl.constexpr = False):
-    """The rotary epilogue's loads for a QKV tile: (rows with a valid position and slot, slots, cos, sin).
-    CONSECUTIVE: row t sits at position pos_ptr[0] + t, in that slot (the block drafter's block)."""
-    if CONSECUTIVE:
-        pos = tl.where(row_ok, tl.load(pos_ptr) + rows, -1)
-        slot = pos
-    else:
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
-        slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+def _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr, sin_ptr, S, max_pos, HALF: tl.constexpr):
+    """The rotary epilogue's loads for a QKV tile: (rows with a valid position and slot, slots, cos, sin)."""
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=-1)
+    slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
     ok = row_ok & (pos >= 0) & (pos < max_pos) & (slot >= 0) & (slot < S)
     tab = pos.to(tl.int64)[:, None] * HALF + ((cols % (2 * HALF)) % HALF)[None, :]
     tm = ok[:, None] & col_ok[None, :]
@@ -246,12 +240,11 @@ def _swap_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr, S, ok, slot, c, s, qn_ptr, kn_ptr,
-                   eps, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr = False):
+def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr, S, ok, slot, c, s,
+                   H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr):
     """rope_kv_write's arithmetic on a QKV tile: q rotated to q [T, H*D]; k rotated and v to the caches at slots.
     acc2: each column's rotate_half partner's accumulator; ok, slot, c, s: _rope_inputs; row_ok: the rows this
-    program stores. QK_NORM (a tile is one head): q and k heads RMS-normed with qn_ptr / kn_ptr [D] before the
-    rotation, as the block drafter's qk_norm_rope does (fp32 norm, rounded to the dtype, times the weight, rounded)."""
+    program stores."""
     D: tl.constexpr = 2 * HALF
     dtype = q_ptr.dtype.element_ty
     y = acc.to(dtype)
@@ -263,13 +256,6 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr,
     is_q = col_ok & (cols < H * D)
     is_k = col_ok & (cols >= H * D) & (cols < (H + KVH) * D)
     is_v = col_ok & (cols >= (H + KVH) * D)
-    if QK_NORM:  # the tile's columns are one head's: its rows' statistic is the tile's row sum (v heads keep y)
-        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-        dp = (d + HALF) % D  # the partner column's weight
-        w = tl.where(is_q, tl.load(qn_ptr + d), tl.load(kn_ptr + d)).to(tl.float32)[None, :]
-        wp = tl.where(is_q, tl.load(qn_ptr + dp), tl.load(kn_ptr + dp)).to(tl.float32)[None, :]
-        x = ((x * r).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        xp = ((xp * r).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     rot = rotate(x, c, tl.where(first[None, :], -(xp * s), xp * s)).to(dtype)  # [x1 c - x2 s, x2 c + x1 s]
     nan = tl.full([1, 1], float("nan"), tl.float32).to(dtype)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * (H * D) + cols[None, :], tl.where(ok[:, None], rot, nan),
@@ -283,7 +269,7 @@ def _rope_epilogue(acc, acc2, rows, cols, row_ok, col_ok, q_ptr, kc_ptr, vc_ptr,
 @triton.jit(do_not_specialize=["T"])
 def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, base_ptr, fcell_ptr, fat_ptr, Kp,
                            b_ptr, y_ptr, h_ptr, pmax_ptr, pidx_ptr, tk_ptr, ts_ptr, ws_ptr, cnt_ptr, ss_ptr,
-                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, qn_ptr, kn_ptr, S, max_pos, T, N, K,
+                           pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, S, max_pos, T, N, K,
                            K_SPLIT, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, W12: tl.constexpr,
                            STORE_Y: tl.constexpr, ARGMAX: tl.constexpr, EPI: tl.constexpr,
@@ -292,8 +278,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
                            SPLIT_K: tl.constexpr = 1, STAT_UNROLL: tl.constexpr = 8,
                            ACT_PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = 0,
                            PF_LINES: tl.constexpr = 16, NORM: tl.constexpr = True, STAT_SEGS: tl.constexpr = 0,
-                           TOPK: tl.constexpr = 0, QK_NORM: tl.constexpr = False,
-                           CONSECUTIVE: tl.constexpr = False):
+                           TOPK: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     tiles = num_m * tl.cdiv(N, BLOCK_N)
@@ -323,7 +308,7 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
     wait_for_predecessor(PDL)  # x and the residual come from the previous kernel
     if EPI == EPI_ROPE and ACT_PREFETCH >= 2:  # positions may come from the previous kernel too (device loop)
         rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
-                                                          sin_ptr, S, max_pos, HALF, CONSECUTIVE)
+                                                          sin_ptr, S, max_pos, HALF)
     if not NORM and STAT_SEGS > 0:  # post_scale: x holds h * norm_w; rstd scales the accumulators below
         post_rstd = rstd_from_sumsq(ss_ptr, rows, row_ok, K, eps, BLOCK_M, STAT_SEGS)
     k_lo = pid_k * K_SPLIT
@@ -345,9 +330,9 @@ def _rmsnorm_linear_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, words_ptr, codes_ptr, ba
     elif EPI == EPI_ROPE:
         if ACT_PREFETCH < 2:
             rope_ok, rope_slot, rope_c, rope_s = _rope_inputs(rows, cols, row_ok, col_ok, pos_ptr, slot_ptr, cos_ptr,
-                                                              sin_ptr, S, max_pos, HALF, CONSECUTIVE)
+                                                              sin_ptr, S, max_pos, HALF)
         _rope_epilogue(acc, _swap_halves(acc, BLOCK_M, BLOCK_N), rows, cols, row_ok, col_ok, y_ptr, kc_ptr, vc_ptr,
-                       S, rope_ok, rope_slot, rope_c, rope_s, qn_ptr, kn_ptr, eps, H, KVH, HALF, QK_NORM)
+                       S, rope_ok, rope_slot, rope_c, rope_s, H, KVH, HALF)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -560,6 +545,5 @@ def norm_pdl(x: torch.Tensor, w_rows: int, k: int, mode: int | None = None) -> d
 
 
 def _NO_ROPE(x: torch.Tensor) -> tuple:
-    """Placeholder rope arguments (pos, slot, cos, sin, k cache, v cache, q norm, k norm, S, max_pos) for other
-    epilogues."""
-    return x, x, x, x, x, x, x, x, 1, 1
+    """Placeholder rope arguments (pos, slot, cos, sin, k cache, v cache, S, max_pos) for other epilogues."""
+    return x, x, x, x, x, x, 1, 1

@@ -3,8 +3,8 @@
 BlockStep reproduces the trainer's reference bit for bit and so runs ~108 small ops a draft: inside a CUDA graph on
 an H200 that took 0.42 ms, half a SmolLM2 target step, for a 2-layer drafter. Drafts are only proposals
 (verification decides), so this step trades those bits for launches: per layer norm+QKV (one GEMM over q|k|v) with
-the q/k norms, rotary and the block's cache write in a launch of their own (`qk_norm_rope` below; with
-DraftLaunches.qk_in_qkv in the QKV launch's epilogue, norm_epilogues.rmsnorm_qkv_rope), attention, o_proj+residual,
+the q/k norms, rotary and the block's cache write in a launch of their own (`qk_norm_rope` below: moved into the
+QKV launch's epilogue, with a head a tile, the step gained nothing on an H100, session 51), attention, o_proj+residual,
 norm+gate_up+SwiGLU, down+residual; then norm+LM head and the top-k. ~18 launches a draft; an observe is the fc
 GEMM, one norm+GEMM for every layer's context keys/values, and one `kv_norm_rope_layers` for all layers.
 Same cache layout, inputs and outputs as BlockStep, so the drafter and the device loop use either.
@@ -25,7 +25,7 @@ from specpilot.kernels._common import ACT_DTYPES, check_launchable, check_out, c
 from specpilot.kernels.embed import embedding
 from specpilot.kernels.gemm import LinearParams
 from specpilot.kernels.norm_gemm import RMSNormLinearParams
-from specpilot.kernels.norm_epilogues import rmsnorm_glu, rmsnorm_qkv_rope
+from specpilot.kernels.norm_epilogues import rmsnorm_glu
 from specpilot.kernels.pdl import pdl_launch, release_successor, wait_for_predecessor
 from specpilot.kernels.rope_kv import check_qk_norms, check_rope_rows
 from specpilot.kernels.table import check_invariance, launch_params
@@ -201,12 +201,6 @@ class DraftLaunches:
     # The head's epilogue ranks its column tiles (EngineConfig.drafter_topk: head) instead of a chunked top-k launch
     # over stored logits; drafters with a logit scale or softcap keep the launch.
     topk_in_head: bool = False
-    # The QKV launch norms (q_norm / k_norm), rotates and writes the block's keys/values in its epilogue
-    # (norm_epilogues.rmsnorm_qkv_rope), instead of a qk_norm_rope launch after it: a launch fewer a layer, but the
-    # norm's statistic is a head's, so a tile is a head (64 columns: 15 programs, against the default 16-column
-    # tiles' 60; the target's step lost ~1 us a launch at 64-column QKV tiles, session 49). Off until measured
-    # (scripts/gpu_block_drafter_step.py: --qk-epilogue-too in the engine section, a steps-section variant).
-    qk_in_qkv: bool = False
     # A kernel table (EngineConfig.kernel_table): its draft_<field>@NxK@T<rows> entries override these fields for the
     # drafter's shapes (`resolved`), so a step-level A/B or the tuner sets the drafter's launches like the target's.
     table: tuple[tuple[str, str], ...] = ()
@@ -277,7 +271,6 @@ class FusedBlockStep:
         self.p_gate_up, self.p_head = launches.gate_up.as_kwargs(), launches.head.as_kwargs()
         self.p_down, self.topk_block = launches.down_for(c.intermediate), launches.topk_block
         self.topk_in_head = launches.topk_in_head and c.logit_scale == 1.0 and c.logit_softcap <= 0
-        self.qk_in_qkv = launches.qk_in_qkv
         dev, dtype = embed.device, embed.dtype
         self.cos, self.sin = (t.contiguous() for t in rope_tables(capacity + block_size, c.head_dim, c.rope_theta, dev))
         self.cache = torch.zeros(c.layers, 2, c.kv_heads, capacity + block_size, c.head_dim, dtype=dtype, device=dev)
@@ -300,16 +293,6 @@ class FusedBlockStep:
         norms = (a.q_norm.weight, a.k_norm.weight) if c.qk_norm else (None, None)
         return qk_norm_rope(x, c.heads, c.kv_heads, start, None, self.cos, self.sin, self.cache[i, 0],
                             self.cache[i, 1], *norms, eps=c.rms_eps, consecutive=True)
-
-    def _qkv_rope(self, x, i, start, p_qkv, row_sumsq):
-        """_qk's outputs from the QKV launch's epilogue (the q/k norms need a head a tile: block_n = head_dim)."""
-        layer, c = self.model.layers[i], self.config
-        a = layer.self_attn
-        norms = {"q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight} if c.qk_norm else {}
-        return rmsnorm_qkv_rope(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, start, None, self.cos,
-                                self.sin, self.cache[i, 0], self.cache[i, 1], c.heads, c.kv_heads, consecutive=True,
-                                **{**p_qkv, "block_n": c.head_dim if c.qk_norm else p_qkv["block_n"]}, **norms,
-                                row_sumsq=row_sumsq)
 
     @torch.no_grad()
     def project(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -339,9 +322,8 @@ class FusedBlockStep:
         s_in = None
         for i, layer in enumerate(m.layers):
             p_qkv = {**self.p_qkv, "producer_stat": s_in is not None}
-            qkv = None if self.qk_in_qkv else rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i],
-                                                             c.rms_eps, **p_qkv, row_sumsq=s_in)
-            q = self._qkv_rope(x, i, ints[1:2], p_qkv, s_in) if qkv is None else self._qk(qkv, i, ints[1:2])
+            qkv = rmsnorm_linear(x, layer.input_layernorm.weight, self.w_qkv[i], c.rms_eps, **p_qkv, row_sumsq=s_in)
+            q = self._qk(qkv, i, ints[1:2])
             o = attention(q, self.cache[i, 0], self.cache[i, 1], ints[1:2], self.block_visible, window=self.window)
             x = linear(o, layer.self_attn.o_proj.weight, residual=x, row_sumsq_out=s_mlp, **self.p_o)
             act = rmsnorm_glu(x, layer.post_attention_layernorm.weight, self.w_gate_up[i], c.rms_eps, **self.p_gate_up,
