@@ -59,7 +59,7 @@ def capture_graph(body, warmups: int = 2, pool=None, keep_graph: bool = False):
 # with the same arithmetic statements can round differently (seen on an H200: 1-ulp differences in a few rows).
 NO_FP_FUSION = {"enable_fp_fusion": False}
 
-# Arrival counters per device, shared by every launch that counts arrivals (split-K, attention's fused combine): each
+# Arrival counters per device, shared by every launch that counts arrivals (split-K, gemm.split_k_combine): each
 # leaves them at 0, and launches on one stream never overlap on them (a PDL launch touches them only after its
 # wait). Concurrent streams must not run such launches.
 ARRIVAL_COUNTERS = 1 << 18
@@ -71,6 +71,8 @@ def arrival_counters(device: torch.device) -> torch.Tensor:
     if device not in _ARRIVALS:
         _ARRIVALS[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
     return _ARRIVALS[device]
+
+
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POW2_WARPS = (1, 2, 4, 8, 16)
 # Register caps a thread (ptxas maxnreg) the projections may launch with; None: ptxas's own count. A cap only moves
