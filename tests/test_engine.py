@@ -181,6 +181,13 @@ def test_bad_inputs_raise_clear_errors():
         e.generate([5] * 300, 64)
     with pytest.raises(ValueError, match="draft_len"):
         EngineConfig(draft_len=0)
+    runner = ModelRunner(model, cfg(drafter=DrafterKind.NONE), "cpu", block_width=16)
+    with pytest.raises(ValueError, match="empty prompt"):
+        runner.prefill([])
+    max_len = runner.cfg.max_seq_len
+    with pytest.raises(ValueError, match=f"prompt of {max_len} tokens does not fit max_seq_len={max_len}"):
+        runner.prefill([5] * max_len)  # no slot left for the first generated token
+    assert len(runner.prefill([5] * (max_len - 1)).argmax) == 1
 
 
 @pytest.mark.parametrize("steps", [2, 4, 8])

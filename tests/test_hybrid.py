@@ -159,6 +159,10 @@ def test_transformers_cache_crop_does_not_roll_back_gdn_state(tmp_path_factory):
     torch.testing.assert_close(layer.conv_states[0], ref.conv_states[0], atol=1e-5, rtol=1e-5)  # rolled back
     assert (layer.recurrent_states[0] - ref.recurrent_states[0]).abs().max() > 1e-2  # still holds the drafts
     runner = HybridRunner(ours, cfg(drafter=DrafterKind.NONE), HybridConfig(), "cpu", block_width=8)
+    with pytest.raises(ValueError, match="empty prompt"):
+        runner.prefill([])
+    with pytest.raises(ValueError, match="does not fit max_seq_len"):
+        runner.prefill([5] * runner.cfg.max_seq_len)
     assert runner.prefill(p).argmax == [pending]
     runner.verify(len(p), [pending, 7, 8], [0, 1, 2], chain_anc(3))
     runner.compact(len(p), [0])

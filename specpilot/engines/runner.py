@@ -20,6 +20,16 @@ from specpilot.engines.llama import LlamaModel, ancestor_slots, position_slots, 
 from specpilot.weights.model import OctWeights
 
 
+def check_prompt(ids: list[int], max_seq_len: int) -> int:
+    """The prompt's length, once it is known to leave room for the first generated token."""
+    n = len(ids)
+    if n == 0:
+        raise ValueError("empty prompt")
+    if n + 1 > max_seq_len:
+        raise ValueError(f"prompt of {n} tokens does not fit max_seq_len={max_seq_len}")
+    return n
+
+
 @dataclass
 class StepOutput:
     argmax: list[int]  # target's greedy token after each input token
@@ -132,11 +142,7 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> StepOutput:
         """Writes slots 0..n-1; returns the greedy token after the last prompt token."""
-        n = len(ids)
-        if n == 0:
-            raise ValueError("empty prompt")
-        if n + 1 > self.cfg.max_seq_len:
-            raise ValueError(f"prompt of {n} tokens does not fit max_seq_len={self.cfg.max_seq_len}")
+        n = check_prompt(ids, self.cfg.max_seq_len)
         dev = self.device
         t = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)

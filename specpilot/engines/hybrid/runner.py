@@ -29,7 +29,7 @@ from specpilot.engines.hybrid.layers import PackedKeys
 from specpilot.engines.hybrid.model import HybridModel
 from specpilot.engines.hybrid.state import (BlockSchedule, RecurrentCache, ScanPlan, dfs_order,
                                             parents_from_anc)
-from specpilot.engines.runner import StepOutput
+from specpilot.engines.runner import StepOutput, check_prompt
 
 
 def _bucket(n: int) -> int:
@@ -71,11 +71,7 @@ class HybridRunner:
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> StepOutput:
         """Runs the prompt as chained chunks (verify + commit of the whole chunk); returns the greedy token after it."""
-        n = len(ids)
-        if n == 0:
-            raise ValueError("empty prompt")
-        if n + 1 > self.cfg.max_seq_len:
-            raise ValueError(f"prompt of {n} tokens does not fit max_seq_len={self.cfg.max_seq_len}")
+        n = check_prompt(ids, self.cfg.max_seq_len)
         self.rec.reset()
         piece = self.tile or self.rows
         for start in range(0, n, piece):
