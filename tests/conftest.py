@@ -85,6 +85,17 @@ engine: {{dtype: float32, cuda_graphs: false, max_seq_len: 1024}}
     return path
 
 
+def pytest_collection_modifyitems(config, items):
+    """`interpreter` tests launch kernels on CPU tensors: a GPU host runs them only under the interpreter (as
+    scripts/test.sh does); run bare there (compiled kernels, the GPU checks), they skip instead of failing."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    skip = pytest.mark.skip(reason="launches Triton kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    for item in items:
+        if item.get_closest_marker("interpreter"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny matmuls run fastest on one torch thread, and 20-50x slower when two threads contend with other jobs for

@@ -2,8 +2,6 @@
 against its torch reference, the step against the reference step's distributions, and engines that run it."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from _tiny import prompt, tiny_model
@@ -19,10 +17,7 @@ from specpilot.kernels import rope_tables
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel tests run compiled on a GPU host
-# The drafter and engine tests build CPU models: their launches need the interpreter (tests/conftest.py turns it on
-# without CUDA, scripts/test.sh everywhere); a GPU host without it runs the fused step in the device-loop benches.
-cpu_launches = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                  reason="Triton launches on CPU tensors need TRITON_INTERPRET=1")
+# The drafter and engine tests build CPU models (`interpreter`); a GPU host runs the fused step in the device loop.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,7 +114,7 @@ def test_qk_norm_rope_refuses_bad_inputs():
         qk_norm_rope(x, 2, 2, pos.int(), pos, cos, sin, k, v)
 
 
-@cpu_launches
+@pytest.mark.interpreter
 @pytest.mark.parametrize("over,window", [({}, 0), ({"qk_norm": False}, 0),
                                          ({"input_scale": 1.7, "logit_scale": 0.8, "logit_softcap": 5.0}, 0),
                                          ({}, 6),
@@ -147,7 +142,7 @@ def test_fused_step_gives_the_reference_steps_distributions(over, window):
         torch.testing.assert_close(p_f, p_r, atol=1e-4, rtol=1e-3)
 
 
-@cpu_launches
+@pytest.mark.interpreter
 def test_rows_projected_at_tree_slots_then_moved_equal_rows_projected_in_place():
     """project(features, slots, positions): a tree's rows projected at their tree slots, rotated at their positions
     (EngineConfig.observe_overlap), then moved to the slots of those positions, are the rows a projection of the
@@ -172,7 +167,7 @@ def test_rows_projected_at_tree_slots_then_moved_equal_rows_projected_in_place()
         assert not torch.equal(wrong.cache[..., base + path, :], moved)
 
 
-@cpu_launches
+@pytest.mark.interpreter
 def test_the_drafter_keeps_the_reference_step_where_the_kernels_do_not_fit():
     target = tiny_model("gqa", 0, torch.float32)
     shape = TreeShape(False, 8, 8, 4, 7)
@@ -182,7 +177,7 @@ def test_the_drafter_keeps_the_reference_step_where_the_kernels_do_not_fit():
     assert type(BlockTreeDrafter(drafter_for(target, 0, 8), target, shape, 64, "cpu").step) is BlockStep
 
 
-@cpu_launches
+@pytest.mark.interpreter
 def test_a_triton_engine_drafts_with_the_fused_step_and_equals_ar():
     """The host loop here; tests/test_device_loop.py runs the fused step inside the device loop."""
     model = damped("mha_tied", 2)
@@ -216,7 +211,7 @@ def test_draft_launches_are_typed_and_fit_the_mlp():
     assert DraftLaunches.of(DrafterLaunches.TUNED) == d
 
 
-@cpu_launches
+@pytest.mark.interpreter
 def test_a_kernel_tables_draft_entries_set_the_drafters_launches():
     """EngineConfig.kernel_table's draft_<projection>@NxK@T<rows> entries: the layers' at the block's rows, the
     head's at the rows it drafts; an entry of another tile count or shape is not the step's. Tokens still = AR."""
@@ -256,7 +251,7 @@ def assert_drafts_agree(model, target, launches: list) -> list:
     return steps
 
 
-@cpu_launches
+@pytest.mark.interpreter
 def test_the_heads_epilogue_top_k_drafts_what_the_top_k_launch_does():
     """DraftLaunches.topk_in_head (EngineConfig.drafter_topk: head): the draft's tokens and probabilities (to
     float32 rounding of the sums) equal the chunked top-k launch's over the stored logits; an engine drafting so
@@ -278,7 +273,7 @@ def test_the_heads_epilogue_top_k_drafts_what_the_top_k_launch_does():
     assert eng.drafter.step.topk_in_head and eng.generate(p, 16).tokens == want
 
 
-@cpu_launches
+@pytest.mark.interpreter
 @pytest.mark.parametrize("topk_in_head", [False, True])
 def test_producer_statistics_draft_what_the_norms_own_pass_does(topk_in_head):
     """producer_stat on the drafter's QKV, gate_up and head (a table's draft_* entries): o_proj and down store their

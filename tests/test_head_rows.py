@@ -96,6 +96,7 @@ def ranked(model, drafter, seed: int):
     return drafter
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("step", [BlockStep, FusedBlockStep])
 def test_a_restricted_head_ranks_the_kept_rows_and_returns_their_token_ids(step):
     """The restricted step's candidates are the kept tokens in the order the whole head's logits rank them, their
@@ -121,7 +122,8 @@ def test_a_restricted_head_ranks_the_kept_rows_and_returns_their_token_ids(step)
 
 
 @pytest.mark.parametrize("kw", [dict(device_steps=1), dict(device_steps=4),
-                                dict(device_steps=4, kernel_backend="triton"),
+                                pytest.param(dict(device_steps=4, kernel_backend="triton"),
+                                             marks=pytest.mark.interpreter),
                                 dict(device_steps=4, verify="tree", tree_budget=7, level_one_keep=4, tree_width=2,
                                      ngram_prefix=True, position_ordered_attention=True)])
 def test_engines_with_a_restricted_head_draft_kept_tokens_and_equal_ar(kw):
@@ -149,7 +151,7 @@ def test_a_restricted_head_without_a_ranking_is_a_config_error():
             cfg(drafter_head_rows=bad)
 
 
-@pytest.mark.parametrize("triton_head", [False, True])
+@pytest.mark.parametrize("triton_head", [False, pytest.param(True, marks=pytest.mark.interpreter)])
 def test_the_batched_drafter_chains_the_single_request_drafters_kept_top_1(triton_head):
     """Two requests' contexts in one batched cache: each row's chain with the restricted head equals the single-request
     drafter's top-1 chain with the same head rows (triton_head: the fused norm + head + argmax kernel)."""
@@ -173,6 +175,7 @@ def test_the_batched_drafter_chains_the_single_request_drafters_kept_top_1(trito
         assert chain == [t[0] for t in tokens] and set(chain) <= kept
 
 
+@pytest.mark.interpreter
 def test_rank_tokens_writes_the_ranking_beside_a_drafter(tmp_path, capsys):
     from specpilot.cli import main
     target = tiny_model("gqa", 0, torch.float32)
@@ -185,6 +188,7 @@ def test_rank_tokens_writes_the_ranking_beside_a_drafter(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.interpreter
 def test_the_concurrency_bench_shares_one_drafter_with_its_variants_head_rows():
     """The batched bench's block variants share one drafter: it drafts with their drafter_head_rows (every request
     still equal to its single-request AR output), and variants that disagree on it are refused."""

@@ -67,6 +67,7 @@ def test_a_hand_built_tree():
     assert b.positions.tolist() == [0, 1, 2, 2, 1, 5, 6, 7]
 
 
+@pytest.mark.interpreter
 def test_ties_go_to_the_shallower_node_then_the_lower_ranks():
     tokens = torch.arange(12).reshape(3, 4)
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0]])
@@ -79,6 +80,7 @@ def test_ties_go_to_the_shallower_node_then_the_lower_ranks():
     assert_same(grown(tokens, probs, 4, 7, kernel=True), b)
 
 
+@pytest.mark.interpreter
 def test_rows_past_the_candidates_are_dead_and_never_accepted():
     """One candidate a depth (the others at probability 0): a 3-node chain, then 4 dead rows (depth 0, their own
     only ancestor). Even where a dead row's token equals the argmax at the root, the chain's path wins."""
@@ -96,6 +98,7 @@ def test_rows_past_the_candidates_are_dead_and_never_accepted():
     assert accepted.item() == 2 and tokens_out.tolist()[:3] == [5, 7, 2]
 
 
+@pytest.mark.interpreter
 def test_a_lookup_lead_is_the_main_path():
     """Lookup's tokens lead at the depths it covers (probability 1): they are the first nodes, the block's own
     candidates after them (a duplicate of the lead dropped)."""
@@ -108,6 +111,7 @@ def test_a_lookup_lead_is_the_main_path():
         assert_same(b, host_block(tokens, probs, 3, 15, lead, n), kernel)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("seed", range(12))
 def test_random_candidates_grow_the_host_loops_tree(seed):
     depth, k = [(3, 4), (5, 6), (7, 8), (15, 8)][seed % 4]
@@ -127,6 +131,7 @@ def test_random_candidates_grow_the_host_loops_tree(seed):
     assert torch.equal(want.block_slots, ancestor_slots(torch.tensor(0), want.anc))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("seed", range(10))
 def test_a_lookup_running_past_the_blocks_depth_grows_the_host_loops_tree(seed):
     """EngineConfig.lookup_depth: the candidates past the block's `ranked` depths are padding (probability 0), so
@@ -157,6 +162,7 @@ def test_a_lookup_running_past_the_blocks_depth_grows_the_host_loops_tree(seed):
                 "kernel")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", ["agrees", "in doubt", "refused", "agrees past k"])
 def test_a_gate_in_the_grow_launch_is_the_gated_lookups_tree(case):
     """grow(gate=): the lookup's LeadGate applied where the lead is read (EngineConfig.lookup_overlap): lead_depths
@@ -188,6 +194,7 @@ def test_a_gate_in_the_grow_launch_is_the_gated_lookups_tree(case):
         grow_tree_ref(tokens, probs, None, None, 3, TreeBlock.dead(15, w, True, "cpu"), None, gate)
 
 
+@pytest.mark.interpreter
 def test_bad_inputs_are_refused():
     tokens, probs = candidates(0, 3, 4)
     with pytest.raises(ValueError, match="width=5"):

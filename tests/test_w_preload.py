@@ -67,6 +67,7 @@ def test_preload_applies_only_to_unsplit_bf16_tiles_whole_when_small():
         LinearParams(w_preload=1)
 
 
+@pytest.mark.interpreter
 def test_the_persistent_probe_runs_its_variants_to_the_same_bits(monkeypatch):
     """scripts/gpu_persistent_probe.py (session 27: a grid barrier costs what a kernel boundary costs) under the
     interpreter: with one program every barrier opens, so separate launches, one launch a layer and one for all
