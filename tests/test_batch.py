@@ -120,6 +120,7 @@ def scenario(shape: str, seed: int):
     return specs, refs, eos, want
 
 
+@pytest.mark.interpreter
 def test_w12_weights_give_the_batched_engine_the_native_bits():
     """weight_format=w12 in the batch regime: the batched forward is the fused one, reading the projections in W12
     (exact), so batched AR and speculative outputs are the native bf16 engine's, token for token."""
@@ -169,6 +170,7 @@ def paged_case(dtype, page=32):
     return torch.randn(ntok, H, D).to(dtype), kc, vc, meta, reqs
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_equals_single_request_kernel_and_reference(dtype):
     """Each request's rows equal kernels.attn.attention on a contiguous copy of its keys, bit for bit (splits of
@@ -216,6 +218,7 @@ def test_tile_map():
         tile_map(np.array([40]), 2, 2)  # 80 rows: 3 tiles
 
 
+@pytest.mark.interpreter
 def test_batch_forward_is_fused_forward_per_row():
     """One request's rows through batch_forward (paged, scattered pages, next to another request's rows)
     equal fused_forward on the contiguous cache: logits and KV, bit for bit."""
@@ -422,6 +425,7 @@ def test_ngram_chain_drafter_equals_ngram_drafter():
 
 
 # ---- the batched engine: lossless ---------------------------------------------------------------------------
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape,seed", [("g2", 0), ("g3", 1), ("mha", 2)])
 def test_batched_outputs_equal_single_request_ar(shape, seed):
     """Requests join (arrival steps 0, 0, 1, 4; two rows, so the third waits for one to leave), prefill in
@@ -446,6 +450,7 @@ def test_batched_outputs_equal_single_request_ar(shape, seed):
             assert res.ahead_tried > 0
 
 
+@pytest.mark.interpreter
 def test_eos_stop_matches_single_engine_directly():
     """The EOS cut that `expected` derives, checked once against SpecEngine run with that EOS."""
     specs, refs, eos, want = scenario("g2", 0)
@@ -453,6 +458,7 @@ def test_eos_stop_matches_single_engine_directly():
     assert direct.tokens == want["r0"] and direct.stop_reason == "eos"
 
 
+@pytest.mark.interpreter
 def test_graph_buckets_emulated_on_cpu_equal_single_ar():
     """The CUDA-graph path's buckets, padding, static buffers and replays (emulated: no CUDA here), mixed with
     eager steps larger than the largest bucket, still give every request its single AR output."""
@@ -473,6 +479,7 @@ def block_model(shape: str, seed: int, block_size: int = 5):
         seed, std=0.3)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape,window", [("mha", 0), ("g3", 0), ("g3", 9)])  # key-head groups of 1 and 3 query heads
 def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape, window):
     """Three requests' contexts (different lengths) in one cache, with a rejected draft's junk written past one
@@ -516,6 +523,7 @@ def test_batch_block_drafter_chains_equal_the_single_request_drafter(shape, wind
         batched.draft([4], [1], [3])
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mode", ["block", "lookup_goodput"])
 def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
     """The batched engine drafting with the block drafter (fed and run inside the step's own forward, graph
@@ -553,6 +561,7 @@ def test_block_drafter_batched_outputs_equal_single_request_ar(mode):
         assert fresh.draft([0], [seq[-1]], [len(seq) - 1]) == [chain]
 
 
+@pytest.mark.interpreter
 def test_block_drafter_batching_rejects_what_it_cannot_serve():
     from specpilot.engines.batch import BatchBlockDrafter
     model, drafter = micro("mha", 0), block_model("mha", 1)
@@ -587,6 +596,7 @@ def test_block_drafter_batching_rejects_what_it_cannot_serve():
                     drafters=[BatchBlockDrafter(drafter, model, 3, MAX_SEQ, "cpu")])
 
 
+@pytest.mark.interpreter
 def test_engine_rejects_what_it_cannot_serve():
     model = micro("g2", 0)
     with pytest.raises(ConfigError, match="kernel_backend=triton"):
@@ -630,6 +640,7 @@ def test_five_benchmarks_prompts_lossless_with_every_mechanism():
     assert max(len(s.prompt) + s.max_new_tokens - 1 for s in specs) > page
 
 
+@pytest.mark.interpreter
 def test_concurrency_bench_reports_and_catches_mismatches():
     from specpilot.bench.batched import (Arrival, format_concurrency_report, run_concurrency_bench,
                                          standard_variants)
@@ -655,6 +666,7 @@ def test_concurrency_bench_reports_and_catches_mismatches():
     assert json.loads(json.dumps(report.to_dict()))["rows"][0]["variant"] == "ar"
 
 
+@pytest.mark.interpreter
 def test_concurrency_bench_measures_its_cost_curve_at_the_runs_context():
     from specpilot.bench.batched import Arrival, run_concurrency_bench, standard_variants, typical_context
     assert typical_context([("a", [1] * 10), ("b", [1] * 21)], 100) == 16 + 50
@@ -713,6 +725,7 @@ def test_bench_cli_concurrency(monkeypatch, tmp_path, capsys):
         assert "--batch" in capsys.readouterr().err
 
 
+@pytest.mark.interpreter
 def test_gpu_batch_bench_script_runs_tiny(tmp_path, capsys):
     """scripts/gpu_batch_bench.py's whole logic at tiny scale on CPU (--tiny), so its first GPU run cannot
     trip on it: references, shared runner, measured cost curve, variants, checks, JSON, table."""
@@ -763,6 +776,7 @@ def test_host_cost_harness_replays_known_outputs_through_the_engine(capsys):
     assert predicted["oracle-cut lookup"] >= max(predicted.values()) and predicted["stock"] > predicted["ar"]
 
 
+@pytest.mark.interpreter
 def test_batch_engine_serves_with_the_collector_off_and_restores_it():
     specs, refs, eos, want = scenario("g2", 0)
     engine = build_batch_engine(micro("g2", 0), ecfg(), BatchConfig(max_batch=2, prefill_chunk=16), eos, "cpu")

@@ -27,6 +27,7 @@ def contexts(seed: int, rows: int, width: int, vocab: int = 5):
     return seqs, buf
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("nmin,nmax,k", [(1, 4, 5), (2, 3, 8), (1, 1, 3), (2, 8, 6)])
 def test_batch_lookup_equals_the_host_drafter_row_by_row(nmin, nmax, k):
     """Kernel (interpreted) and torch reference: each row's proposal equals NgramChainDrafter's over that row's
@@ -72,6 +73,7 @@ def test_batch_ngram_drafter_observes_steps_and_drafts_from_the_pending_token():
         d.draft_on_device(torch.tensor([1]), torch.tensor([1]))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mechanisms", [("device_draft",), ("device_draft", "extrapolate"), ("all",)])
 def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
     """The batched engine drafting by device lookup alone, and with every mechanism ("all": goodput lengths,
@@ -109,6 +111,7 @@ def test_device_lookup_outputs_equal_single_request_ar(mechanisms):
     assert any(k_ for k_ in engine.runner._graphs if k_[1])  # the drafting variant of the graphs ran
 
 
+@pytest.mark.interpreter
 def test_extrapolating_host_lookup_outputs_equal_single_request_ar():
     """extrapolate with the lookup on the host (goodput lengths too): every output equals single-request AR."""
     specs, refs, eos, want = scenario("g2", 0)
@@ -127,6 +130,7 @@ def _ar(specs):
     return [single_ar("g2", 0, s.prompt, s.max_new_tokens) for s in specs]
 
 
+@pytest.mark.interpreter
 def test_device_lookup_rejects_what_it_cannot_serve():
     model = micro("g2", 0)
     with pytest.raises(ConfigError, match="drafter=ngram"):
@@ -192,6 +196,7 @@ def test_extrapolate_period_continues_a_count():
         NgramChainDrafter(8, 4, 1, extrapolate=True)
 
 
+@pytest.mark.interpreter
 def test_extrapolated_rows_equal_the_host_drafter():
     """extrapolate_rows on the device lookup's output (interpreted kernel and torch reference) equals the host
     drafter's extrapolated proposal row by row: counting text of several steps and periods, and random text."""

@@ -394,6 +394,7 @@ def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth
         assert {s.verify_tokens for s in device} == {8, 16}
 
 
+@pytest.mark.interpreter
 def test_tree_device_steps_with_the_glue_kernels_equal_ar(monkeypatch):
     """The loop's assemble, tree commit and tree move kernels (interpreted) where the CPU loop runs their torch
     references."""
@@ -420,6 +421,7 @@ def test_warm_up_calibrates_the_static_tree():
     assert eng.device_loop.ready
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("nmin,nmax,k,periodic", [(1, 4, 5, False), (2, 3, 7, False), (1, 1, 3, False),
                                                   (2, 8, 6, False), (1, 4, 12, True), (2, 8, 31, True)])
 def test_device_ngram_proposals_equal_the_host_drafters(nmin, nmax, k, periodic):
@@ -459,6 +461,7 @@ def test_a_periodic_lookup_repeats_a_loop_past_the_contexts_end():
     assert NgramDrafter(7, 2, 2, periodic=True).propose([4, 5, 6, 4], 7).tokens == []  # "6 4" never occurred
 
 
+@pytest.mark.interpreter
 def test_device_lookup_over_several_scan_blocks_takes_the_longest_suffix_then_the_latest():
     """Contexts longer than the kernel's 1024-token scan block: the longest suffix wins over a later shorter match
     in another block, and of two equally long ones the later wins, across blocks (the packed max)."""
@@ -480,6 +483,7 @@ def test_device_lookup_over_several_scan_blocks_takes_the_longest_suffix_then_th
     assert NgramDrafter(4, 8, 2).propose(cases["latest of two equal ones"], 4).tokens[:2] == [80, 81]
 
 
+@pytest.mark.interpreter
 def test_a_gated_device_lookup_proposes_only_where_the_block_does_not_contradict_it():
     """LeadGate on the device (kernel, interpreted, and torch reference) against the host rule, over hand-built
     depth-1 candidates: the match's first token among the first agree_topk of them, or the block's top-1 in doubt."""
@@ -677,12 +681,15 @@ def test_steps_beside_the_critical_path_draft_what_the_plain_loop_drafts(monkeyp
     assert [s.accepted for s in r.steps] == [s.accepted for s in want_steps]
     n = r.steps[-1].position  # every context slot the drafter observed
     assert loop.drafter.cache is not plain.device_loop.drafter.cache
+    # Equal bits on the CI host; an H100 host's CPU (another BLAS kernel for these row counts, one thread too) rounded
+    # the tree's rows and the path's apart by up to 7.2e-7 (session 59): rows at a wrong slot or position differ more.
     torch.testing.assert_close(loop.drafter.cache[..., :n, :], plain.device_loop.drafter.cache[..., :n, :],
-                               rtol=0, atol=0)
+                               rtol=1e-4, atol=1e-5)
     if "switched" in which:
         assert {s.verify_tokens for s in device} == {8, 16}
 
 
+@pytest.mark.interpreter
 def test_the_fused_forward_hands_over_the_features_before_the_layers_after_them():
     """fused_forward(on_features=): called once, when the last captured layer has written its rows (the features
     are the forward's) and before the next layer writes its keys/values (the device loop's observe starts there)."""
@@ -727,6 +734,7 @@ def test_device_tree_is_validated():
         assert EngineConfig(tree_budget=128, **ok).tree_budget == 128
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("glue", ["torch", "kernels"])
 def test_device_steps_triton_kernels_equal_ar(glue, monkeypatch):
     """The fused forward's kernels, and (glue=kernels) the loop's own assemble / commit kernels, interpreted where

@@ -312,6 +312,7 @@ def test_warm_up_captures_every_graph_a_generation_replays():
         assert set(eng.target._graphs) == before, drafter
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("shape", ["gqa", "mqa"])
 def test_one_row_tiles_keep_speculative_output_equal_to_ar(shape):
     """A build whose kernel table puts every projection on one-row CUDA-core tiles (row_tile=1): its n-gram

@@ -224,6 +224,7 @@ def test_a_t_neutral_claim_that_changes_bits_is_refused():
     assert table.entries == ()
 
 
+@pytest.mark.interpreter
 def test_engine_runs_with_its_kernel_table():
     """The fused forward launches with EngineConfig.kernel_table: an order-setting attention entry and T-neutral
     projection entries keep speculative == AR, and an invalid table is refused when the runner is built."""
