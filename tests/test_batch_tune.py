@@ -90,6 +90,7 @@ def _batch_knobs(space: dict) -> dict[str, dict]:
             if k.get("target") == "batch"}
 
 
+@pytest.mark.interpreter
 def test_explore_proposes_and_measures_batch_knobs(pipeline):
     out, meta = Path(pipeline["explore"].out_dir), pipeline["explore"].meta
     space = json.loads((out / "search_space.json").read_text())
@@ -121,6 +122,7 @@ def _recalled(pipeline):
     return next(v for v in pipeline["validate"] if v.meta["candidate"]["source"] == "memory")
 
 
+@pytest.mark.interpreter
 def test_validation_checks_every_request_against_single_request_ar(pipeline):
     first = _recalled(pipeline)
     assert first.meta["verdict"] == "pass"
@@ -131,6 +133,7 @@ def test_validation_checks_every_request_against_single_request_ar(pipeline):
     assert all(v.meta["verdict"] == "pass" for v in pipeline["validate"])
 
 
+@pytest.mark.interpreter
 def test_integrate_stores_the_batch_config_and_memory_records_the_delta(pipeline):
     meta = pipeline["integrate"].meta
     assert meta["speedup_vs_ar"][meta["final_label"]] >= meta["speedup_vs_ar"]["stock"]
@@ -155,6 +158,7 @@ def test_integrate_stores_the_batch_config_and_memory_records_the_delta(pipeline
         assert any(json.loads(d or "{}").get("batch") == RECALLED["batch"] for _, _, d in failures)
 
 
+@pytest.mark.interpreter
 def test_a_lossy_batched_build_is_rejected(monkeypatch):
     """Every request is checked against its single-request AR output: a batched engine that corrupts one committed
     token of the candidate (and not stock) fails validation at that token."""

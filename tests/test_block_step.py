@@ -122,6 +122,7 @@ def test_one_drafting_step_launches_a_pinned_number_of_ops(verify, monkeypatch):
     assert sum(DRAFT_OPS.values()) == 112 and sum(PROJECT_OPS.values()) == 34
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("window", [0, 7])
 def test_triton_attention_step_matches_the_sdpa_step(window):
     """On CUDA the draft's attention is the engine's Triton kernel (block keys at their own positions): other bits

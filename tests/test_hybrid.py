@@ -346,6 +346,7 @@ def _run_chunks(fn, sched, inputs, nodes, chunk):
     return torch.cat(outs)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("hk,hv,dk,dv,block_v", [(2, 4, 8, 12, 16), (1, 1, 16, 40, 16), (2, 2, 32, 16, 32)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_tree_scan_matches_reference(hk, hv, dk, dv, block_v, seed):
@@ -377,7 +378,7 @@ def test_triton_tree_scan_matches_reference(hk, hv, dk, dv, block_v, seed):
     torch.testing.assert_close(last[0], state, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fn", ["tree_gdn", "tree_gdn_ref"])
+@pytest.mark.parametrize("fn", [pytest.param("tree_gdn", marks=pytest.mark.interpreter), "tree_gdn_ref"])
 def test_replay_from_checkpoint_is_bit_exact(fn):
     """A node's state replayed from a stored ancestor equals the one the scan stored, bit for bit (same backend)."""
     scan = getattr(gdn_kernels, fn)
@@ -419,6 +420,7 @@ def test_triton_wrapper_and_reference_reject_bad_inputs():
         gdn_kernels.tree_gdn_ref(q, k, v, g, beta, par, hold, torch.tensor([-1, 0, 1]), s0, nodes)
 
 
+@pytest.mark.interpreter
 def test_engine_on_triton_scan_equals_reference_ar(tmp_path_factory):
     _, model = models("moe_gqa", 1, tmp_path_factory)
     p = prompt(9, 21)
