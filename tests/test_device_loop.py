@@ -367,14 +367,13 @@ def test_a_step_verifies_the_deep_tree_where_the_step_two_before_accepted_more(d
             cfg(**bad)
 
 
+@pytest.mark.interpreter  # a GPU host without the interpreter runs these kernels in its graph tests
 @pytest.mark.parametrize("lookup_depth", [0, 7, "switched"])
 def test_per_step_trees_with_the_glue_kernels_equal_ar(monkeypatch, lookup_depth):
     """The grow, assemble, tree commit and tree move kernels (interpreted), lookup-led (also past the block's depth,
     and switching between a 16- and an 8-row tree per step), where the CPU loop runs their torch references."""
     import specpilot.engines.device_loop as device_loop
 
-    if torch.cuda.is_available():
-        pytest.skip("the interpreted kernels on CPU tensors (a GPU host compiles them: its tests run the graphs)")
     monkeypatch.setattr(device_loop, "grow_tree_ref", device_loop.grow_tree)
     monkeypatch.setattr(device_loop, "assemble_ref", device_loop.assemble)
     monkeypatch.setattr(device_loop, "tree_commit_ref", device_loop.tree_commit)
