@@ -29,6 +29,16 @@ def _atomic_target(dest: Path) -> Path:
     return dest.parent / f"{_TMP_MARK}{uuid.uuid4().hex}-{dest.name}"
 
 
+def _atomic_copy(src: Path, dest: Path) -> None:
+    """Copy src to dest through a temporary file beside dest: a reader never sees a partial file."""
+    tmp = _atomic_target(dest)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class LocalStore(ArtifactStore):
     """Objects are files under `root`; key `a/b.json` is `root/a/b.json`, its URI `file:///<root>/a/b.json`."""
 
@@ -74,12 +84,7 @@ class LocalStore(ArtifactStore):
         if not src.is_file():
             raise FileNotFoundError(f"cannot store {key}: local file {src} does not exist")
         dest = self.root / validate_key(key)
-        tmp = _atomic_target(dest)
-        try:
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _atomic_copy(src, dest)
         return dest.as_uri()
 
     def put_bytes(self, data: bytes, key: str) -> str:
@@ -93,13 +98,8 @@ class LocalStore(ArtifactStore):
         return dest.as_uri()
 
     def get_file(self, ref: str, dest: Path) -> Path:
-        src, dest = self._existing(ref), Path(dest)
-        tmp = _atomic_target(dest)
-        try:
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
+        dest = Path(dest)
+        _atomic_copy(self._existing(ref), dest)
         return dest
 
     def get_bytes(self, ref: str) -> bytes:

@@ -49,13 +49,7 @@ def build_engine(cfg: EngineConfig, target: LlamaModel | HybridModel, eos: froze
     elif cfg.drafter is DrafterKind.NGRAM:
         drafter = NgramDrafter(cfg.draft_len, cfg.ngram_max, cfg.ngram_min, cfg.lookup_periodic)
     elif cfg.drafter is DrafterKind.DRAFT_MODEL:
-        if draft_model is None:
-            raise ConfigError("drafter=draft_model needs a draft model")
-        if draft_model.shape.vocab != target.shape.vocab:
-            raise ConfigError(f"draft model vocab {draft_model.shape.vocab} != target vocab {target.shape.vocab}")
-        # The drafter runs at its fastest shapes: its outputs are only proposals, verified by the target.
-        draft_cfg = cfg.replace(batch_invariant=False, compile=False)
-        drafter = DraftModelDrafter(ModelRunner(draft_model, draft_cfg, device, block_width=16, topk=4), cfg.draft_len)
+        drafter = DraftModelDrafter.for_target(draft_model, cfg, target.shape.vocab, device)
     elif cfg.drafter is DrafterKind.BLOCK:
         if block_drafter is None:
             raise ConfigError("drafter=block needs a block drafter model (specpilot.drafting.checkpoint.load_drafter)")

@@ -1,6 +1,9 @@
 """Draft-model drafter: a smaller model sharing the target's tokenizer drafts k tokens greedily."""
 from __future__ import annotations
 
+import torch
+
+from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.engines.drafters.base import DraftTree
 from specpilot.engines.runner import ModelRunner, chain_anc
 
@@ -14,6 +17,18 @@ class DraftModelDrafter:
             raise ValueError("the draft model's runner must be built with topk >= 1 to record its distributions")
         self.runner, self.draft_len = runner, draft_len
         self.reset()
+
+    @classmethod
+    def for_target(cls, draft_model, cfg: EngineConfig, target_vocab: int, device: str | torch.device
+                   ) -> "DraftModelDrafter":
+        """The drafter of `cfg.drafter=draft_model` over a LlamaModel sharing the target's vocabulary."""
+        if draft_model is None:
+            raise ConfigError("drafter=draft_model needs a draft model")
+        if draft_model.shape.vocab != target_vocab:
+            raise ConfigError(f"draft model vocab {draft_model.shape.vocab} != target vocab {target_vocab}")
+        # The drafter runs at its fastest shapes: its outputs are only proposals, verified by the target.
+        draft_cfg = cfg.replace(batch_invariant=False, compile=False)
+        return cls(ModelRunner(draft_model, draft_cfg, device, block_width=16, topk=4), cfg.draft_len)
 
     def reset(self) -> None:
         self._fed: list[int] = []  # tokens whose KV sits in the draft cache, in order

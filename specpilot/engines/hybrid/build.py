@@ -13,7 +13,6 @@ from specpilot.engines.hybrid.model import HybridModel
 from specpilot.engines.hybrid.runner import HybridRunner
 from specpilot.engines.llama import LlamaModel
 from specpilot.engines.policy import STOCK, EnginePolicy
-from specpilot.engines.runner import ModelRunner
 
 
 def best_chain(tree: DraftTree) -> DraftTree:
@@ -100,11 +99,6 @@ def build_hybrid_engine(cfg: EngineConfig, hybrid: HybridConfig, target: HybridM
     if drafter is None and cfg.drafter is DrafterKind.NGRAM:
         drafter = NgramDrafter(cfg.draft_len, cfg.ngram_max, cfg.ngram_min, cfg.lookup_periodic)
     elif drafter is None and cfg.drafter is DrafterKind.DRAFT_MODEL:
-        if draft_model is None:
-            raise ConfigError("drafter=draft_model needs a draft model")
-        if draft_model.shape.vocab != target.shape.vocab:
-            raise ConfigError(f"draft model vocab {draft_model.shape.vocab} != target vocab {target.shape.vocab}")
-        draft_cfg = cfg.replace(batch_invariant=False, compile=False)
-        drafter = DraftModelDrafter(ModelRunner(draft_model, draft_cfg, device, block_width=16, topk=4), cfg.draft_len)
+        drafter = DraftModelDrafter.for_target(draft_model, cfg, target.shape.vocab, device)
     verify = HybridDrafter(drafter, hybrid.verify_tree, min(runner.block_width - 1, nodes), cfg.tree_width)
     return SpecEngine(runner, verify, eos, policy=policy)
