@@ -11,6 +11,7 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()  # without it, the kernels run under the interpreter (tests/conftest.py)
+DEV = torch.device("cuda" if CUDA else "cpu")  # the GDN scan's kernel tests: compiled where a GPU is
 
 from specpilot.kernels import gdn as gdn_kernels  # noqa: E402
 
@@ -329,24 +330,24 @@ def test_loader_errors(tmp_path, tmp_path_factory):
 
 
 # ---- Triton tree scan -----------------------------------------------------------------------------------------
-def _scan_inputs(gen, t, hk, hv, dk, dv):
+def _scan_inputs(gen, t, hk, hv, dk, dv, device=torch.device("cpu")):
     def norm(x):
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-    return (norm(torch.randn(t, hk, dk, generator=gen)) * dk ** -0.5, norm(torch.randn(t, hk, dk, generator=gen)),
-            torch.randn(t, hv, dv, generator=gen), -torch.rand(t, hv, generator=gen) * 2,
-            torch.rand(t, hv, generator=gen), torch.randn(hv, dk, dv, generator=gen))
+    return tuple(x.to(device) for x in (
+        norm(torch.randn(t, hk, dk, generator=gen)) * dk ** -0.5, norm(torch.randn(t, hk, dk, generator=gen)),
+        torch.randn(t, hv, dv, generator=gen), -torch.rand(t, hv, generator=gen) * 2,
+        torch.rand(t, hv, generator=gen), torch.randn(hv, dk, dv, generator=gen)))
 
 
 def _run_chunks(fn, sched, inputs, nodes, chunk):
     q, k, v, g, beta, s0 = inputs
-    par, store = torch.tensor(sched.parents), torch.tensor(sched.store)
-    hold = torch.tensor(sched.hold, dtype=torch.long)
+    par, store = torch.tensor(sched.parents, device=q.device), torch.tensor(sched.store, device=q.device)
+    hold = torch.tensor(sched.hold, dtype=torch.long, device=q.device)
     outs = [fn(q[s:s + chunk], k[s:s + chunk], v[s:s + chunk], g[s:s + chunk], beta[s:s + chunk],
                par[s:s + chunk], hold[s:s + chunk], store, s0, nodes, offset=s) for s in range(0, sched.rows, chunk)]
     return torch.cat(outs)
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("hk,hv,dk,dv,block_v", [(2, 4, 8, 12, 16), (1, 1, 16, 40, 16), (2, 2, 32, 16, 32)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_triton_tree_scan_matches_reference(hk, hv, dk, dv, block_v, seed):
@@ -359,8 +360,8 @@ def test_triton_tree_scan_matches_reference(hk, hv, dk, dv, block_v, seed):
         parents = [row_of[parents[n]] if parents[n] >= 0 else -1 for n in order]
     sched = BlockSchedule.build(parents, chunk=chunk, spacing=2)
     assert any(sched.hold[i] and not sched.resume[i] for i in range(t)) or not seed
-    inputs = _scan_inputs(gen, t, hk, hv, dk, dv)
-    n_ref, n_tri = (torch.full((sched.stored, hv, dk, dv), 7.0) for _ in range(2))
+    inputs = _scan_inputs(gen, t, hk, hv, dk, dv, DEV)
+    n_ref, n_tri = (torch.full((sched.stored, hv, dk, dv), 7.0, device=DEV) for _ in range(2))
     o_ref = _run_chunks(gdn_kernels.tree_gdn_ref, sched, inputs, n_ref, chunk)
     o_tri = _run_chunks(lambda *a, offset: gdn_kernels.tree_gdn(*a, offset=offset, block_v=block_v), sched, inputs,
                         n_tri, chunk)
@@ -368,7 +369,7 @@ def test_triton_tree_scan_matches_reference(hk, hv, dk, dv, block_v, seed):
     torch.testing.assert_close(n_tri, n_ref, atol=2e-5, rtol=1e-4)
     # chain special case == one state carried through every row (transformers' recurrent loop)
     chain = BlockSchedule.build(list(range(-1, t - 1)), chunk=t, spacing=t, keep=(t - 1,))
-    last = torch.zeros(1, hv, dk, dv)
+    last = torch.zeros(1, hv, dk, dv, device=DEV)
     o_chain = _run_chunks(gdn_kernels.tree_gdn, chain, inputs, last, t)
     q, k, v, g, beta, state = inputs
     for i in range(t):
@@ -378,24 +379,25 @@ def test_triton_tree_scan_matches_reference(hk, hv, dk, dv, block_v, seed):
     torch.testing.assert_close(last[0], state, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fn", [pytest.param("tree_gdn", marks=pytest.mark.interpreter), "tree_gdn_ref"])
+@pytest.mark.parametrize("fn", ["tree_gdn", "tree_gdn_ref"])
 def test_replay_from_checkpoint_is_bit_exact(fn):
     """A node's state replayed from a stored ancestor equals the one the scan stored, bit for bit (same backend)."""
     scan = getattr(gdn_kernels, fn)
     gen = torch.Generator().manual_seed(4)
     t, hk, hv, dk, dv = 7, 2, 4, 8, 12
-    q, k, v, g, beta, s0 = _scan_inputs(gen, t, hk, hv, dk, dv)
-    everything = torch.zeros(t, hv, dk, dv)
-    no_hold = torch.zeros(t, dtype=torch.long)
-    scan(q, k, v, g, beta, torch.arange(-1, t - 1), no_hold, torch.arange(t), s0, everything)
+    q, k, v, g, beta, s0 = _scan_inputs(gen, t, hk, hv, dk, dv, DEV)
+    everything = torch.zeros(t, hv, dk, dv, device=DEV)
+    no_hold = torch.zeros(t, dtype=torch.long, device=DEV)
+    scan(q, k, v, g, beta, torch.arange(-1, t - 1, device=DEV), no_hold, torch.arange(t, device=DEV), s0, everything)
     for start, end in ((1, 6), (0, 3), (4, 5)):
         rows = slice(start + 1, end + 1)
         m = end - start
-        out = torch.zeros(1, hv, dk, dv)
-        store = torch.full((m,), -1)
+        out = torch.zeros(1, hv, dk, dv, device=DEV)
+        store = torch.full((m,), -1, device=DEV)
         store[-1] = 0
         scan(k[rows].contiguous(), k[rows].contiguous(), v[rows].contiguous(), g[rows].contiguous(),
-             beta[rows].contiguous(), torch.arange(-1, m - 1), no_hold[:m], store, everything[start].contiguous(), out)
+             beta[rows].contiguous(), torch.arange(-1, m - 1, device=DEV), no_hold[:m], store,
+             everything[start].contiguous(), out)
         assert torch.equal(out[0], everything[end]), (start, end)
 
 
