@@ -5,6 +5,7 @@ import torch
 
 from specpilot.engines.config import ConfigError, EngineConfig
 from specpilot.engines.drafters.base import DraftTree
+from specpilot.engines.llama import LlamaModel
 from specpilot.engines.runner import ModelRunner, chain_anc
 
 
@@ -19,8 +20,8 @@ class DraftModelDrafter:
         self.reset()
 
     @classmethod
-    def for_target(cls, draft_model, cfg: EngineConfig, target_vocab: int, device: str | torch.device
-                   ) -> "DraftModelDrafter":
+    def for_target(cls, draft_model: LlamaModel | None, cfg: EngineConfig, target_vocab: int,
+                   device: str | torch.device) -> DraftModelDrafter:
         """The drafter of `cfg.drafter=draft_model` over a LlamaModel sharing the target's vocabulary."""
         if draft_model is None:
             raise ConfigError("drafter=draft_model needs a draft model")
