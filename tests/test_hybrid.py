@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()  # without it, the kernels run under the interpreter (tests/conftest.py)
-DEV = torch.device("cuda" if CUDA else "cpu")  # the GDN scan's kernel tests: compiled where a GPU is
+# The GDN scan's kernel tests run compiled where a GPU is, else under the interpreter (tests/conftest.py).
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 from specpilot.kernels import gdn as gdn_kernels  # noqa: E402
 
