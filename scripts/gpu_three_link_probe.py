@@ -180,6 +180,7 @@ class ThreeLinkStep:
     device: torch.device
     rows_qkv: int = 8
     rows_mlp: int = 16
+    split_keys: int = 64
     pdl: bool = True
     links: tuple[str, ...] = ("qkv", "attn_o", "mlp")  # a subset times one link's share (the others skipped)
 
@@ -200,7 +201,7 @@ class ThreeLinkStep:
         self.kc[:, :, :self.context] = rnd(L, NKV, self.context, D)
         self.vc[:, :, :self.context] = rnd(L, NKV, self.context, D)
         self.x0 = rnd(H)
-        self.splits = triton.cdiv(self.context + 1, 64)
+        self.splits = triton.cdiv(self.context + 1, self.split_keys)
         self.smax = triton.next_power_of_2(self.splits)
         z = dict(device=dev)
         self.r, self.hres, self.q = (torch.empty(n, dtype=bf, **z) for n in (H, H, NH * D))
@@ -229,8 +230,8 @@ class ThreeLinkStep:
         if "attn_o" in self.links:
             _attn_o_kernel[(NH, self.splits)](
                 self.q, self.kc[layer], self.vc[layer], self.pm, self.pl, self.pacc, self.cnt, self.wo[layer],
-                self.acca, self.accm, pos, D ** -0.5, self.ctx_max, self.splits, H=H, GROUP=NH // NKV, D=D, BK=64,
-                SMAX=self.smax, RB=64, PDL=self.pdl, num_warps=4, **kw)
+                self.acca, self.accm, pos, D ** -0.5, self.ctx_max, self.splits, H=H, GROUP=NH // NKV, D=D,
+                BK=self.split_keys, SMAX=self.smax, RB=64, PDL=self.pdl, num_warps=4, **kw)
         if "mlp" in self.links:
             _mlp_kernel[(I // self.rows_mlp,)](
                 self.wg[layer], self.wu[layer], self.wdt[layer], self.g2[layer], self.hres, self.acca, self.r,
@@ -289,7 +290,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--rows", default="8:16,8:32,16:16", help="qkv rows : mlp rows a program, comma-separated")
+    ap.add_argument("--rows", default="8:16:64,8:32:64,16:16:64,8:16:128",
+                    help="qkv rows : mlp rows a program : keys an attention split, comma-separated")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--table", help="the engine's kernel table (a pair list / summary.json) for its baseline")
     ap.add_argument("--cpu", action="store_true", help="interpreter check: no PDL, no timing")
@@ -300,12 +302,12 @@ def main() -> None:
         sys.exit(0 if res["replays_equal"] and res["max_rel_err_vs_torch"] < 0.05 else 1)
     dev, rows = torch.device("cuda"), []
     for spec in a.rows.split(","):
-        rq, rm = (int(x) for x in spec.split(":"))
+        rq, rm, bk = (int(x) for x in spec.split(":"))
         for pdl in (True, False):
-            step = ThreeLinkStep(a.layers, a.context, dev, rq, rm, pdl)
+            step = ThreeLinkStep(a.layers, a.context, dev, rq, rm, bk, pdl)
             res = check(step)
             ms = time_graph([step.run], a.reps)
-            rows.append({"variant": f"3 links, qkv {rq} rows, mlp {rm} rows, pdl {pdl}", "ms": ms,
+            rows.append({"variant": f"3 links, qkv {rq} rows, mlp {rm} rows, {bk}-key splits, pdl {pdl}", "ms": ms,
                          "us_per_layer": ms * 1e3 / a.layers, **res})
             del step
     from gpu_profile import hbm_read_gbs  # scripts/ is the script's own folder
