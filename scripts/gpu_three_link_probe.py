@@ -47,6 +47,28 @@ def _rebuild_h(r_ptr, acc_ptr, C: tl.constexpr):
 
 
 @triton.jit
+def _stream(r_ptr, acc_ptr, C: tl.constexpr, LAST: tl.constexpr):
+    """Chunk C of the layer input: published by the producer's last program (LAST), or rebuilt here."""
+    if LAST:
+        return tl.load(r_ptr + C * 64 + tl.arange(0, 64), cache_modifier=".cg")
+    else:
+        return _rebuild_h(r_ptr, acc_ptr, C)
+
+
+@triton.jit
+def _publish(cnt_ptr, arrivals, r_ptr, acc_ptr, out_ptr, NC: tl.constexpr):
+    """The last of `arrivals` programs to arrive (each after its atomics) stores out = bf16(r + bf16(acc)) and zeroes
+    acc for the next layer: the stream the engine's kernels read today, at the cost of one serial tail."""
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+        tl.store(cnt_ptr, 0)
+        for c in tl.static_range(NC):
+            ks = c * 64 + tl.arange(0, 64)
+            tl.store(out_ptr + ks, _rebuild_h(r_ptr, acc_ptr, c))
+            tl.store(acc_ptr + ks, tl.zeros([64], tl.int64))
+
+
+@triton.jit
 def _normed(hs, g_ptr, eps, NC: tl.constexpr):
     ss = 0.0
     for c in tl.static_range(NC):
@@ -63,7 +85,7 @@ def _normed(hs, g_ptr, eps, NC: tl.constexpr):
 @triton.jit
 def _qkv_kernel(w_ptr, g_ptr, r_ptr, accm_ptr, hres_ptr, acca_ptr, q_ptr, kc_ptr, vc_ptr, pos, eps, ctx_max,
                 NQ: tl.constexpr, NK: tl.constexpr, D: tl.constexpr, NC: tl.constexpr, BN: tl.constexpr,
-                PDL: tl.constexpr):
+                PDL: tl.constexpr, LAST: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BN + tl.arange(0, BN)
     ks = tl.arange(0, 64)
@@ -75,8 +97,8 @@ def _qkv_kernel(w_ptr, g_ptr, r_ptr, accm_ptr, hres_ptr, acca_ptr, q_ptr, kc_ptr
         tl.extra.cuda.gdc_launch_dependents()
     hs = ()
     for c in tl.static_range(NC):
-        hs = hs + (_rebuild_h(r_ptr, accm_ptr, c),)
-    if pid == 0:  # the layer's residual for K3; acc_attn's zeros for K2 (its last reader, K3, has finished)
+        hs = hs + (_stream(r_ptr, accm_ptr, c, LAST),)
+    if (pid == 0) & (not LAST):  # the layer's residual for K3; acc_attn's zeros for K2 (its reader K3 has finished)
         for c in tl.static_range(NC):
             tl.store(hres_ptr + c * 64 + ks, hs[c])
             tl.store(acca_ptr + c * 64 + ks, tl.zeros([64], tl.int64))
@@ -93,9 +115,10 @@ def _qkv_kernel(w_ptr, g_ptr, r_ptr, accm_ptr, hres_ptr, acca_ptr, q_ptr, kc_ptr
 
 
 @triton.jit
-def _attn_o_kernel(q_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, wo_ptr, acca_ptr, accm_ptr, pos, scale,
-                   ctx_max, n_splits, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-                   SMAX: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr):
+def _attn_o_kernel(q_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, wo_ptr, acca_ptr, accm_ptr, hin_ptr,
+                   hmid_ptr, pos, scale, ctx_max, n_splits, H: tl.constexpr, NH: tl.constexpr, GROUP: tl.constexpr,
+                   D: tl.constexpr, BK: tl.constexpr, SMAX: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
+                   LAST: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
     d = tl.arange(0, D)
@@ -104,7 +127,7 @@ def _attn_o_kernel(q_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, wo_
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if (head == 0) & (split == 0):  # acc_mlp's zeros for K3 (its reader K1 has finished)
+    if (head == 0) & (split == 0) & (not LAST):  # acc_mlp's zeros for K3 (its reader K1 has finished)
         for c in tl.static_range(H // 64):
             tl.store(accm_ptr + c * 64 + tl.arange(0, 64), tl.zeros([64], tl.int64))
     live = keys <= pos
@@ -134,11 +157,13 @@ def _attn_o_kernel(q_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, wo_
             w = tl.load(wo_ptr + r[:, None] * H + head * D + d[None, :])
             part = tl.sum(w.to(tl.float32) * o[None, :], axis=1)
             tl.atomic_add(acca_ptr + r, (part * 4294967296.0).to(tl.int64), sem="relaxed", scope="gpu")
+        if LAST:  # the last head publishes the attention block's output stream
+            _publish(cnt_ptr + NH, NH, hin_ptr, acca_ptr, hmid_ptr, H // 64)
 
 
 @triton.jit
-def _mlp_kernel(wg_ptr, wu_ptr, wdt_ptr, g_ptr, hres_ptr, acca_ptr, r_ptr, accm_ptr, eps,
-                NC: tl.constexpr, IB: tl.constexpr, PDL: tl.constexpr):
+def _mlp_kernel(wg_ptr, wu_ptr, wdt_ptr, g_ptr, hres_ptr, acca_ptr, r_ptr, accm_ptr, cnt_ptr, eps,
+                NC: tl.constexpr, IB: tl.constexpr, PDL: tl.constexpr, LAST: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * IB + tl.arange(0, IB)
     ks = tl.arange(0, 64)
@@ -153,8 +178,8 @@ def _mlp_kernel(wg_ptr, wu_ptr, wdt_ptr, g_ptr, hres_ptr, acca_ptr, r_ptr, accm_
         tl.extra.cuda.gdc_launch_dependents()
     hs = ()
     for c in tl.static_range(NC):
-        hs = hs + (_rebuild_h(hres_ptr, acca_ptr, c),)
-    if pid == 0:  # the residual the next layer's K1 adds acc_mlp to
+        hs = hs + (_stream(hres_ptr, acca_ptr, c, LAST),)
+    if (pid == 0) & (not LAST):  # the residual the next layer's K1 adds acc_mlp to
         for c in tl.static_range(NC):
             tl.store(r_ptr + c * 64 + ks, hs[c])
     xs = _normed(hs, g_ptr, eps, NC)
@@ -170,6 +195,8 @@ def _mlp_kernel(wg_ptr, wu_ptr, wdt_ptr, g_ptr, hres_ptr, acca_ptr, r_ptr, accm_
     for c in tl.static_range(NC):
         part = tl.sum(wd[c].to(tl.float32) * a[:, None], axis=0)
         tl.atomic_add(accm_ptr + c * 64 + ks, (part * 4294967296.0).to(tl.int64), sem="relaxed", scope="gpu")
+    if LAST:
+        _publish(cnt_ptr, tl.num_programs(0), hres_ptr, accm_ptr, r_ptr, NC)
 
 
 @dataclasses.dataclass
@@ -182,6 +209,7 @@ class ThreeLinkStep:
     rows_mlp: int = 16
     split_keys: int = 64
     pdl: bool = True
+    last: bool = False  # the producers' last programs publish the bf16 stream (the engine's interface) instead
     links: tuple[str, ...] = ("qkv", "attn_o", "mlp")  # a subset times one link's share (the others skipped)
 
     def __post_init__(self):
@@ -204,11 +232,12 @@ class ThreeLinkStep:
         self.splits = triton.cdiv(self.context + 1, self.split_keys)
         self.smax = triton.next_power_of_2(self.splits)
         z = dict(device=dev)
-        self.r, self.hres, self.q = (torch.empty(n, dtype=bf, **z) for n in (H, H, NH * D))
+        self.r, self.hres, self.hmid, self.q = (torch.empty(n, dtype=bf, **z) for n in (H, H, H, NH * D))
         self.acca, self.accm = torch.zeros(H, dtype=torch.int64, **z), torch.zeros(H, dtype=torch.int64, **z)
         self.pm, self.pl = torch.empty(NH * self.smax, **z), torch.empty(NH * self.smax, **z)
         self.pacc = torch.empty(NH * self.smax * D, **z)
-        self.cnt = torch.zeros(NH, dtype=torch.int32, **z)
+        self.cnt = torch.zeros(NH + 1, dtype=torch.int32, **z)  # a head's splits; the heads (LAST)
+        self.cnt_mlp = torch.zeros(1, dtype=torch.int32, **z)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * 2 for t in (self.wqkv, self.wo, self.wg, self.wu, self.wdt))
@@ -226,19 +255,23 @@ class ThreeLinkStep:
             _qkv_kernel[(nqkv // self.rows_qkv,)](
                 self.wqkv[layer], self.g1[layer], self.r, self.accm, self.hres, self.acca, self.q, self.kc[layer],
                 self.vc[layer], pos, EPS, self.ctx_max, NQ=NH * D, NK=NKV * D, D=D, NC=H // CH, BN=self.rows_qkv,
-                PDL=self.pdl, num_warps=4, **kw)
+                PDL=self.pdl, LAST=self.last, num_warps=4, **kw)
         if "attn_o" in self.links:
             _attn_o_kernel[(NH, self.splits)](
                 self.q, self.kc[layer], self.vc[layer], self.pm, self.pl, self.pacc, self.cnt, self.wo[layer],
-                self.acca, self.accm, pos, D ** -0.5, self.ctx_max, self.splits, H=H, GROUP=NH // NKV, D=D,
-                BK=self.split_keys, SMAX=self.smax, RB=64, PDL=self.pdl, num_warps=4, **kw)
+                self.acca, self.accm, self.r, self.hmid, pos, D ** -0.5, self.ctx_max, self.splits, H=H, NH=NH,
+                GROUP=NH // NKV, D=D, BK=self.split_keys, SMAX=self.smax, RB=64, PDL=self.pdl, LAST=self.last,
+                num_warps=4, **kw)
         if "mlp" in self.links:
             _mlp_kernel[(I // self.rows_mlp,)](
-                self.wg[layer], self.wu[layer], self.wdt[layer], self.g2[layer], self.hres, self.acca, self.r,
-                self.accm, EPS, NC=H // CH, IB=self.rows_mlp, PDL=self.pdl, num_warps=8, **kw)
+                self.wg[layer], self.wu[layer], self.wdt[layer], self.g2[layer], self.hmid if self.last else self.hres,
+                self.acca, self.r, self.accm, self.cnt_mlp, EPS, NC=H // CH, IB=self.rows_mlp, PDL=self.pdl,
+                LAST=self.last, num_warps=8, **kw)
 
     def output(self) -> torch.Tensor:
-        """The last layer's output h (bf16), as the next layer's K1 would rebuild it."""
+        """The last layer's output h (bf16), as the next layer's K1 would read it."""
+        if self.last:
+            return self.r.clone()
         part = (self.accm.double() / FX).float().to(torch.bfloat16)
         return (self.r.float() + part.float()).to(torch.bfloat16)
 
