@@ -11,7 +11,9 @@ does (o_proj's output to bf16, then the residual add to bf16) and takes the norm
   K2 attn_o   one 64-key split a program; the head's last program to arrive (a counter) combines the splits and
               adds o_h @ Wo[:, head] into acc_attn;
   K3 mlp      h' = h + bf16(acc_attn); norm; 16 rows of gate/up a program, SwiGLU, their down partial into acc_mlp.
-Each kernel loads its weights before the PDL wait. Random SmolLM2 weights, one token at `--context` cached keys
+Each kernel loads its weights before the PDL wait. Variants: rows a program and split width; the stream published
+by each producer's last program (a counter; what the engine's kernels read today) instead of rebuilt by every
+consumer; attention's cached keys (and one Wo tile, into L2) loaded before the wait; each link alone. Random SmolLM2 weights, one token at `--context` cached keys
 (rotary left out: an epilogue of K1's rows, no link), 30 layers in one CUDA graph; the result is checked against
 torch (fp32 sums; close, not bitwise) and two replays against each other (bitwise). The engine's captured step at
 30 and 2 layers (the same table, same context) gives today's cost a layer and the head's, measured in the same call.
@@ -118,12 +120,20 @@ def _qkv_kernel(w_ptr, g_ptr, r_ptr, accm_ptr, hres_ptr, acca_ptr, q_ptr, kc_ptr
 def _attn_o_kernel(q_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, wo_ptr, acca_ptr, accm_ptr, hin_ptr,
                    hmid_ptr, pos, scale, ctx_max, n_splits, H: tl.constexpr, NH: tl.constexpr, GROUP: tl.constexpr,
                    D: tl.constexpr, BK: tl.constexpr, SMAX: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr,
-                   LAST: tl.constexpr):
+                   LAST: tl.constexpr, EARLY: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
     d = tl.arange(0, D)
     keys = split * BK + tl.arange(0, BK)
     base = (head // GROUP) * ctx_max * D
+    kv_off = base + keys[:, None] * D + d[None, :]
+    if EARLY:  # before the wait: the cached keys (all but the new one, K1's) and one Wo tile of the head into L2
+        k = tl.load(kc_ptr + kv_off, mask=(keys < pos)[:, None], other=0.0)
+        v = tl.load(vc_ptr + kv_off, mask=(keys < pos)[:, None], other=0.0)
+        wr = (split % (H // RB)) * RB + tl.arange(0, RB)
+        wo = tl.load(wo_ptr + wr[:, None] * H + head * D + d[None, :]).to(tl.float32)
+        warm = tl.sum(tl.sum(wo, axis=1), axis=0)
+        tl.store(pm_ptr + head * SMAX + split, warm, mask=pos < 0)  # never stored: keeps the load
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -132,11 +142,16 @@ def _attn_o_kernel(q_ptr, kc_ptr, vc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, wo_
             tl.store(accm_ptr + c * 64 + tl.arange(0, 64), tl.zeros([64], tl.int64))
     live = keys <= pos
     q = tl.load(q_ptr + head * D + d).to(tl.float32)
-    k = tl.load(kc_ptr + base + keys[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    if EARLY:  # the new key and value row, in the split that holds it
+        mine = (keys == pos)[:, None]
+        k = tl.where(mine, tl.load(kc_ptr + kv_off, mask=mine, other=0.0), k)
+        v = tl.where(mine, tl.load(vc_ptr + kv_off, mask=mine, other=0.0), v)
+    else:
+        k = tl.load(kc_ptr + kv_off, mask=live[:, None], other=0.0)
+        v = tl.load(vc_ptr + kv_off, mask=live[:, None], other=0.0)
     s = tl.where(live, tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale, float("-inf"))
     m = tl.max(s, axis=0)
     p = tl.exp(s - m)
-    v = tl.load(vc_ptr + base + keys[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     slot = head * SMAX + split
     tl.store(pm_ptr + slot, m)
     tl.store(pl_ptr + slot, tl.sum(p, axis=0))
@@ -210,6 +225,7 @@ class ThreeLinkStep:
     split_keys: int = 64
     pdl: bool = True
     last: bool = False  # the producers' last programs publish the bf16 stream (the engine's interface) instead
+    early: bool = False  # attention loads its cached keys and warms a Wo tile before the PDL wait
     links: tuple[str, ...] = ("qkv", "attn_o", "mlp")  # a subset times one link's share (the others skipped)
 
     def __post_init__(self):
@@ -261,7 +277,7 @@ class ThreeLinkStep:
                 self.q, self.kc[layer], self.vc[layer], self.pm, self.pl, self.pacc, self.cnt, self.wo[layer],
                 self.acca, self.accm, self.r, self.hmid, pos, D ** -0.5, self.ctx_max, self.splits, H=H, NH=NH,
                 GROUP=NH // NKV, D=D, BK=self.split_keys, SMAX=self.smax, RB=64, PDL=self.pdl, LAST=self.last,
-                num_warps=4, **kw)
+                EARLY=self.early, num_warps=4, **kw)
         if "mlp" in self.links:
             _mlp_kernel[(I // self.rows_mlp,)](
                 self.wg[layer], self.wu[layer], self.wdt[layer], self.g2[layer], self.hmid if self.last else self.hres,
