@@ -295,7 +295,8 @@ class ThreeLinkStep:
         """The same layers in torch with the model's roundings (fp32 sums in torch's order)."""
         def norm(h, w):
             hf = h.float()
-            return (w.float() * (hf * torch.rsqrt(hf.pow(2).mean() + EPS)).to(torch.bfloat16).float()).to(torch.bfloat16)
+            normed = (hf * torch.rsqrt(hf.pow(2).mean() + EPS)).to(torch.bfloat16).float()
+            return (w.float() * normed).to(torch.bfloat16)
         h, pos = self.x0, self.context
         kc, vc = self.kc.clone(), self.vc.clone()
         for layer in range(self.layers):
