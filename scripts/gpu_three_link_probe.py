@@ -15,10 +15,11 @@ Each kernel loads its weights before the PDL wait. Variants: rows a program and 
 by each producer's last program (a counter; what the engine's kernels read today) instead of rebuilt by every
 consumer; attention's cached keys (and one Wo tile, into L2) loaded before the wait; each link alone.
 Random SmolLM2 weights, one token at `--context` cached keys (rotary left out: an epilogue of K1's rows, no link), 30
-layers in one CUDA graph; the result is checked against torch (fp32 sums; close, not bitwise) and two replays against each other (bitwise). The engine's captured step at
-30 and 2 layers (the same table, same context) gives today's cost a layer and the head's, measured in the same call.
+layers in one CUDA graph; the result is checked against torch (fp32 sums; close, not bitwise) and two replays
+against each other (bitwise). The engine's captured step at 30 and 2 layers (the same table, same context) gives
+today's cost a layer and the head's, measured in the same call.
 
-python3 scripts/gpu_three_link_probe.py OUT.json [--context 1024] [--rows 16,32] [--table shipped.json]
+python3 scripts/gpu_three_link_probe.py OUT.json [--context 1024] [--rows 8:16:64,8:32:64] [--table shipped.json]
 TRITON_INTERPRET=1 python3 scripts/gpu_three_link_probe.py - --cpu --layers 2 --context 100   (the check, no timing)
 """
 from __future__ import annotations
