@@ -59,6 +59,18 @@ def _stream(r_ptr, acc_ptr, C: tl.constexpr, LAST: tl.constexpr):
 
 
 @triton.jit
+def _wait_then_input(r_ptr, acc_ptr, NC: tl.constexpr, PDL: tl.constexpr, LAST: tl.constexpr):
+    """The PDL wait (the weights are already loaded), the release of the next launch, then the layer input."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    hs = ()
+    for c in tl.static_range(NC):
+        hs = hs + (_stream(r_ptr, acc_ptr, c, LAST),)
+    return hs
+
+
+@triton.jit
 def _publish(cnt_ptr, arrivals, r_ptr, acc_ptr, out_ptr, NC: tl.constexpr):
     """The last of `arrivals` programs to arrive (each after its atomics) stores out = bf16(r + bf16(acc)) and zeroes
     acc for the next layer: the stream the engine's kernels read today, at the cost of one serial tail."""
@@ -95,12 +107,7 @@ def _qkv_kernel(w_ptr, g_ptr, r_ptr, accm_ptr, hres_ptr, acca_ptr, q_ptr, kc_ptr
     ws = ()
     for c in tl.static_range(NC):
         ws = ws + (tl.load(w_ptr + rows[:, None] * (NC * 64) + c * 64 + ks[None, :]),)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    hs = ()
-    for c in tl.static_range(NC):
-        hs = hs + (_stream(r_ptr, accm_ptr, c, LAST),)
+    hs = _wait_then_input(r_ptr, accm_ptr, NC, PDL, LAST)
     if (pid == 0) & (not LAST):  # the layer's residual for K3; acc_attn's zeros for K2 (its reader K3 has finished)
         for c in tl.static_range(NC):
             tl.store(hres_ptr + c * 64 + ks, hs[c])
@@ -189,12 +196,7 @@ def _mlp_kernel(wg_ptr, wu_ptr, wdt_ptr, g_ptr, hres_ptr, acca_ptr, r_ptr, accm_
         wg = wg + (tl.load(wg_ptr + off),)
         wu = wu + (tl.load(wu_ptr + off),)
         wd = wd + (tl.load(wdt_ptr + off),)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    hs = ()
-    for c in tl.static_range(NC):
-        hs = hs + (_stream(hres_ptr, acca_ptr, c, LAST),)
+    hs = _wait_then_input(hres_ptr, acca_ptr, NC, PDL, LAST)
     if (pid == 0) & (not LAST):  # the residual the next layer's K1 adds acc_mlp to
         for c in tl.static_range(NC):
             tl.store(r_ptr + c * 64 + ks, hs[c])
