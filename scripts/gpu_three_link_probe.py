@@ -298,14 +298,11 @@ class ThreeLinkStep:
 
     def reference(self) -> torch.Tensor:
         """The same layers in torch with the model's roundings (fp32 sums in torch's order)."""
-        def norm(h, w):
-            hf = h.float()
-            normed = (hf * torch.rsqrt(hf.pow(2).mean() + EPS)).to(torch.bfloat16).float()
-            return (w.float() * normed).to(torch.bfloat16)
+        from specpilot.kernels.rmsnorm import rms_norm_ref as norm
         h, pos = self.x0, self.context
         kc, vc = self.kc.clone(), self.vc.clone()
         for layer in range(self.layers):
-            qkv = (self.wqkv[layer].float() @ norm(h, self.g1[layer]).float()).to(torch.bfloat16)
+            qkv = (self.wqkv[layer].float() @ norm(h, self.g1[layer], EPS).float()).to(torch.bfloat16)
             q = qkv[:NH * D].view(NH, D).float()
             kc[layer, :, pos] = qkv[NH * D:(NH + NKV) * D].view(NKV, D)
             vc[layer, :, pos] = qkv[(NH + NKV) * D:].view(NKV, D)
@@ -314,7 +311,7 @@ class ThreeLinkStep:
             att = torch.softmax((k @ q[:, :, None])[..., 0] * D ** -0.5, -1)
             o = (att[:, None, :] @ v)[:, 0].reshape(-1).to(torch.bfloat16)
             h = (h.float() + (self.wo[layer].float() @ o.float()).to(torch.bfloat16).float()).to(torch.bfloat16)
-            x = norm(h, self.g2[layer]).float()
+            x = norm(h, self.g2[layer], EPS).float()
             gate = (self.wg[layer].float() @ x).to(torch.bfloat16)
             up = (self.wu[layer].float() @ x).to(torch.bfloat16)
             a = (torch.nn.functional.silu(gate.float()).to(torch.bfloat16).float() * up.float()).to(torch.bfloat16)
